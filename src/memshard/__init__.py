@@ -1,0 +1,37 @@
+"""memshard: the parallelism strategy with the least per-device memory.
+
+The planner core (this package minus ``runtime/`` and ``trace/``) imports no torch.
+Heavy modules load on first use, so ``memshard --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Plan": ("memshard.plans", "Plan"),
+    "Mesh": ("memshard.mesh", "Mesh"),
+    "parse_mesh": ("memshard.mesh", "parse_mesh"),
+    "make_mesh": ("memshard.mesh", "make_mesh"),
+    "build_graph": ("memshard.models", "build_graph"),
+    "get_config": ("memshard.models", "get_config"),
+    "MemshardError": ("memshard.errors", "MemshardError"),
+}
+
+__all__ = sorted([*_LAZY, "plan"])
+
+
+def plan(model, mesh="2x4", **kwargs):
+    """Plan ``model`` on ``mesh``; see :func:`memshard.api.plan` for the options."""
+    from memshard.api import plan as _plan
+
+    return _plan(model, mesh, **kwargs)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'memshard' has no attribute {name!r}")

@@ -1,0 +1,74 @@
+"""The Python API: ``memshard.plan(model, mesh, ...) -> Plan``."""
+
+from __future__ import annotations
+
+from memshard.errors import MemshardError
+from memshard.graph import Graph
+from memshard.mesh import Mesh, parse_mesh
+from memshard.models import ModelConfig, build_graph
+from memshard.plans import Plan, build_plan
+from memshard.problem import build_problem
+from memshard.solver import Infeasible, solve
+from memshard.units import format_bytes, format_seconds, parse_bytes
+
+
+def plan(
+    model: str | ModelConfig | Graph,
+    mesh: str | Mesh = "2x4",
+    *,
+    objective: str = "memory",
+    batch: int | None = None,
+    seq: int | None = None,
+    max_step_time_s: float | None = None,
+    memory_budget: int | str | None = None,
+    exact: bool = False,
+    time_limit_s: float = 60.0,
+    mip_gap: float = 1e-4,
+    **model_overrides,
+) -> Plan:
+    """Find the plan with the least per-device peak memory (``objective="memory"``, optionally
+    under ``max_step_time_s``) or the fastest plan under ``memory_budget`` (``"time"``).
+
+    ``model`` is a preset name (see ``memshard models``), a :class:`ModelConfig` or a graph;
+    ``batch`` is the global batch in sequences (default: one per device).
+    """
+    mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
+    if isinstance(memory_budget, str):
+        memory_budget = parse_bytes(memory_budget)
+    if memory_budget is not None and memory_budget <= 0:
+        raise MemshardError("the memory budget must be positive")
+    if max_step_time_s is not None and max_step_time_s <= 0:
+        raise MemshardError("the step-time budget must be positive")
+    if time_limit_s <= 0:
+        raise MemshardError("the solver time limit must be positive")
+    if isinstance(model, Graph):
+        graph = model
+        model_info = {}
+    else:
+        batch = mesh.num_devices if batch is None else batch
+        graph = build_graph(model, batch=batch, seq=seq, **model_overrides)
+        model_info = {"batch": batch, "seq": graph.tensors["input_ids"].shape[1]}
+    problem = build_problem(graph, mesh, shared_layers=not exact)
+    constraints = {"max_step_time_s": max_step_time_s, "memory_budget_bytes": memory_budget}
+    try:
+        result = solve(problem, objective, max_step_time_s=max_step_time_s,
+                       memory_budget_bytes=memory_budget, time_limit_s=time_limit_s, mip_gap=mip_gap)
+    except Infeasible:
+        raise _explain_infeasible(problem, objective, max_step_time_s, memory_budget, time_limit_s) from None
+    return build_plan(problem, result, model=model_info, constraints=constraints)
+
+
+def _explain_infeasible(problem, objective, max_step_time_s, memory_budget, time_limit_s) -> MemshardError:
+    """Say what the least achievable figure is, so the user knows what to ask for."""
+    if objective == "time":
+        budget = memory_budget if memory_budget is not None else problem.mesh.device_memory_bytes
+        best = build_plan(problem, solve(problem, "memory", time_limit_s=time_limit_s))
+        return MemshardError(
+            f"no plan fits in {format_bytes(budget)} per device: the least any plan needs is "
+            f"{format_bytes(best.peak_bytes)} (zero-redundancy bound {format_bytes(best.lower_bound_bytes)})"
+        )
+    fastest = build_plan(problem, solve(problem, "time", memory_budget_bytes=float("inf"), time_limit_s=time_limit_s))
+    return MemshardError(
+        f"no plan runs a step within {format_seconds(max_step_time_s)}: the fastest plan takes "
+        f"{format_seconds(fastest.step_time_s)}"
+    )

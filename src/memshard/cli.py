@@ -1,0 +1,164 @@
+"""The ``memshard`` command line.
+
+Every failure the user can cause (unknown model, bad mesh, impossible budget, solver limit)
+prints one line ``memshard: error: …`` and exits with code 2; nothing is written then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from memshard.errors import MemshardError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one clear line, no usage dump
+        raise MemshardError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(ms|s|us|µs)?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a duration like 1.5s or 800ms, got {text!r}")
+    scale = {"ms": 1e-3, "us": 1e-6, "µs": 1e-6}.get(m.group(2) or "s", 1.0)
+    value = float(m.group(1)) * scale
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a duration must be positive, got {text!r}")
+    return value
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="memshard", description="Find the parallelism strategy with the least per-device memory.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("plan", help="plan a model on a mesh and print the plan")
+    p.add_argument("--model", required=True, help="preset name (see `memshard models`)")
+    p.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x4 or 8x8x16 (last axis = within a node)")
+    p.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
+    p.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
+    p.add_argument("--objective", choices=("memory", "time"), default="memory",
+                   help="memory: least peak memory (default); time: fastest step within --memory-budget")
+    p.add_argument("--max-step-time", type=_seconds, help="with --objective memory: step-time budget, e.g. 2.5s")
+    p.add_argument("--memory-budget", help="with --objective time: bytes per device, e.g. 80GiB (default: --device-memory)")
+    p.add_argument("--exact", action="store_true", help="solve without sharing variables across identical layers")
+    p.add_argument("--time-limit", type=_seconds, default=60.0, help="solver time limit (default 60s)")
+    p.add_argument("--json", metavar="PATH", help="write the complete plan as JSON")
+    p.add_argument("--top", type=_positive_int, default=10, help="how many of the most redundant ops to list")
+    p.add_argument("--brief", action="store_true", help="omit the per-op strategy tables")
+    g = p.add_argument_group("model knobs (override the preset)")
+    g.add_argument("--layers", type=_positive_int, dest="num_layers")
+    g.add_argument("--hidden", type=_positive_int)
+    g.add_argument("--heads", type=_positive_int)
+    g.add_argument("--kv-heads", type=_positive_int)
+    g.add_argument("--ffn", type=_positive_int)
+    g.add_argument("--vocab", type=_positive_int)
+    g.add_argument("--precision", choices=("mixed", "fp32"))
+    g.add_argument("--dropout", choices=("on", "off"))
+    m = p.add_argument_group("hardware (defaults: A100/H100-class)")
+    m.add_argument("--axis-names", help="comma-separated mesh axis names")
+    m.add_argument("--bandwidth", type=_floats, help="GB/s per device for each mesh axis, comma-separated")
+    m.add_argument("--latency", type=_floats, help="µs per collective step for each mesh axis, comma-separated")
+    m.add_argument("--device-memory", help="memory per device (default 80GiB)")
+    m.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (default 312)")
+    m.add_argument("--efficiency", type=float, help="fraction of peak reached (default 0.5)")
+
+    sub.add_parser("models", help="list the built-in model presets")
+    return parser
+
+
+def _mesh_from_args(args):
+    from memshard.mesh import DEVICE_MEMORY, DEVICE_PEAK_FLOPS, COMPUTE_EFFICIENCY, parse_mesh
+    from memshard.units import parse_bytes
+
+    names = tuple(args.axis_names.split(",")) if args.axis_names else None
+    mesh = parse_mesh(
+        args.mesh,
+        names=names,
+        device_memory_bytes=parse_bytes(args.device_memory) if args.device_memory else DEVICE_MEMORY,
+        peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else DEVICE_PEAK_FLOPS,
+        compute_efficiency=args.efficiency if args.efficiency is not None else COMPUTE_EFFICIENCY,
+    )
+    return mesh.with_links(
+        bandwidths=tuple(b * 1e9 for b in args.bandwidth) if args.bandwidth else None,
+        latencies=tuple(v * 1e-6 for v in args.latency) if args.latency else None,
+    )
+
+
+def _cmd_plan(args, console) -> None:
+    from memshard.api import plan
+    from memshard.report import render_plan
+
+    mesh = _mesh_from_args(args)
+    knobs = {k: getattr(args, k) for k in ("num_layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "precision")}
+    if args.dropout:
+        knobs["dropout"] = args.dropout == "on"
+    with console.status("solving…"):
+        result = plan(
+            args.model, mesh, objective=args.objective, batch=args.batch, seq=args.seq,
+            max_step_time_s=args.max_step_time, memory_budget=args.memory_budget, exact=args.exact,
+            time_limit_s=args.time_limit, **knobs,
+        )
+    if args.json:
+        result.save(args.json)
+    render_plan(result, console, top=args.top, show_strategy=not args.brief)
+    if args.json:
+        console.print(f"plan written to {args.json}")
+
+
+def _cmd_models(console) -> None:
+    from rich.table import Table
+
+    from memshard.models import PRESETS, build_graph
+
+    t = Table(title="Built-in models")
+    for col in ("name", "family", "parameters", "layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq"):
+        t.add_column(col, justify="left" if col in ("name", "family") else "right")
+    for name, cfg in PRESETS.items():
+        n = build_graph(cfg, batch=1, seq=8).num_parameters
+        t.add_row(name, cfg.family, f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.1f}M", str(cfg.num_layers),
+                  str(cfg.hidden), str(cfg.heads), str(cfg.num_kv_heads), str(cfg.ffn), str(cfg.vocab), str(cfg.default_seq))
+    console.print(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    console = Console()
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "plan":
+            _cmd_plan(args, console)
+        elif args.command == "models":
+            _cmd_models(console)
+        return 0
+    except MemshardError as e:
+        print(f"memshard: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("memshard: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Collectives, their alpha-beta time, and resharding between two layouts.
+
+Per mesh axis of size ``m`` (latency α, bandwidth β per device), for a buffer of ``B`` bytes:
+
+==============  ==========================================  ===========================
+collective      B is                                          time
+==============  ==========================================  ===========================
+all-gather      the gathered (output) local buffer            α + (m−1)/m · B/β
+reduce-scatter  the input local buffer                        α + (m−1)/m · B/β
+all-reduce      the local buffer                              2α + 2(m−1)/m · B/β
+all-to-all      the local buffer (each device keeps 1/m)      α + (m−1)/m · B/β
+==============  ==========================================  ===========================
+
+Bytes on the wire per device are the bandwidth terms times β. (DESIGN.md writes all-to-all as
+``(m−1)/m² · B`` with ``B`` the buffer summed over the axis group; it is the same figure.)
+
+Resharding ``src → dst`` runs one mesh axis at a time, each step changing the placement of that
+axis on the current local tensor: forward activations go in axis order, their gradients in
+reverse axis order (so both steps on axis ``a`` see the same other-axis state, which lets the
+ILP price edges axis by axis). The steps: ``P→R`` all-reduce, ``P→S`` reduce-scatter,
+``S→R`` all-gather, ``S(i)→S(j)`` all-to-all, ``R→S`` a local slice, ``R→P`` never needed.
+The runtime redistributes in the same order, so predicted and measured bytes agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memshard.mesh import Mesh
+from memshard.placement import Layout, Partial, Placement, Replicate, local_numel
+
+ALL_GATHER = "all_gather"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_REDUCE = "all_reduce"
+ALL_TO_ALL = "all_to_all"
+KINDS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    axis: int
+    buffer_bytes: float
+
+
+def wire_bytes(c: Collective, mesh: Mesh) -> float:
+    """Bytes one device sends."""
+    m = mesh.axes[c.axis].size
+    factor = 2.0 if c.kind == ALL_REDUCE else 1.0
+    return factor * (m - 1) / m * c.buffer_bytes
+
+
+def collective_time(c: Collective, mesh: Mesh) -> float:
+    axis = mesh.axes[c.axis]
+    if axis.size == 1:
+        return 0.0
+    steps = 2 if c.kind == ALL_REDUCE else 1
+    return steps * axis.latency_s + wire_bytes(c, mesh) / axis.bandwidth_bytes_per_s
+
+
+def total_time(calls: tuple[Collective, ...] | list[Collective], mesh: Mesh) -> float:
+    return sum(collective_time(c, mesh) for c in calls)
+
+
+def total_wire_bytes(calls: tuple[Collective, ...] | list[Collective], mesh: Mesh) -> float:
+    return sum(wire_bytes(c, mesh) for c in calls)
+
+
+def reshard_step(
+    shape: tuple[int, ...], dtype_bytes: int, current: Layout, axis: int, target: Placement, mesh: Mesh
+) -> Collective | None:
+    """The collective that changes ``current``'s placement on ``axis`` to ``target``."""
+    a = current[axis]
+    if a == target:
+        return None
+    if isinstance(target, Partial):
+        raise ValueError("resharding never targets a partial layout")
+    if isinstance(a, Replicate):
+        return None  # Replicate → Shard is a local slice
+    before = local_numel(shape, current, mesh.shape) * dtype_bytes
+    if isinstance(a, Partial):
+        return Collective(ALL_REDUCE if isinstance(target, Replicate) else REDUCE_SCATTER, axis, before)
+    if isinstance(target, Replicate):
+        after = current[:axis] + (target,) + current[axis + 1 :]
+        return Collective(ALL_GATHER, axis, local_numel(shape, after, mesh.shape) * dtype_bytes)
+    return Collective(ALL_TO_ALL, axis, before)
+
+
+def reshard(
+    shape: tuple[int, ...],
+    dtype_bytes: int,
+    src: Layout,
+    dst: Layout,
+    mesh: Mesh,
+    reverse: bool = False,
+) -> tuple[Collective, ...]:
+    """The collectives that turn ``src`` into ``dst``, one axis at a time in axis order
+    (``reverse``: last axis first, the order gradients flow back in)."""
+    if src == dst:
+        return ()
+    calls = []
+    cur = tuple(src)
+    axes = range(len(src) - 1, -1, -1) if reverse else range(len(src))
+    for axis in axes:
+        call = reshard_step(shape, dtype_bytes, cur, axis, dst[axis], mesh)
+        if call is not None:
+            calls.append(call)
+        cur = cur[:axis] + (dst[axis],) + cur[axis + 1 :]
+    return tuple(calls)
+
+
+def gather_flat(numel: int, dtype_bytes: int, axes: tuple[int, ...], mesh: Mesh) -> tuple[Collective, ...]:
+    """All-gather a flat buffer sharded over ``axes`` (ZeRO / FSDP storage), innermost first."""
+    calls = []
+    shards = [mesh.axes[a].size for a in axes]
+    remaining = numel
+    for a in axes:
+        remaining = -(-remaining // mesh.axes[a].size)
+    size = remaining
+    for a, m in reversed(list(zip(axes, shards))):
+        size *= m
+        calls.append(Collective(ALL_GATHER, a, min(size, numel) * dtype_bytes))
+    return tuple(calls)
+
+
+def reduce_scatter_flat(numel: int, dtype_bytes: int, axes: tuple[int, ...], mesh: Mesh) -> tuple[Collective, ...]:
+    """Reduce-scatter a flat buffer over ``axes`` in axis order (the inverse of gather_flat)."""
+    calls = []
+    size = numel
+    for a in axes:
+        calls.append(Collective(REDUCE_SCATTER, a, size * dtype_bytes))
+        size = -(-size // mesh.axes[a].size)
+    return tuple(calls)
+
+
+def all_reduce_over(nbytes: float, axes: tuple[int, ...]) -> tuple[Collective, ...]:
+    return tuple(Collective(ALL_REDUCE, a, nbytes) for a in axes)

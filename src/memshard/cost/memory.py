@@ -1,0 +1,139 @@
+"""The redundant-memory cost model: bytes per device of every item a training step holds.
+
+For a tensor of shape ``S`` laid out as ``L`` on the mesh, one device holds
+``local_numel(S, L) · dtype`` bytes, of which ``(1 − 1/replication(L))`` is redundant: the
+same bytes sit on ``replication(L)`` devices. The model prices, per choice the planner makes:
+
+- an op's strategy: private saved buffers (dropout masks), the gradients it produces for its
+  activation inputs, the gradient of its output (``op_memory``);
+- a parameter's layout and storage sharding (``storage_memory``): weight, gradient and
+  optimizer states, each divided further by the mesh axes the storage shards over
+  (ZeRO-1: optimizer states, ZeRO-2: + gradients, ZeRO-3/FSDP: + weights), plus the
+  transients sharded storage needs (the gathered weight around each use, the unsharded
+  gradient before its reduce-scatter);
+- an activation held in a given layout: saved for backward or still needed in forward
+  (``tensor_bytes``), counted once per distinct layout however many ops keep it.
+
+A parameter's storage sharding is flat (ZeRO / FSDP flatten and split evenly), so its shard
+is ``ceil(numel_local / ways)`` elements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from memshard.graph import Graph, Op, Precision, TensorSpec
+from memshard.mesh import Mesh
+from memshard.placement import REPLICATE, Layout, Shard, local_numel, replication
+from memshard.strategies import Strategy
+
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "transients")
+
+
+def tensor_bytes(spec: TensorSpec, layout: Layout, mesh: Mesh) -> int:
+    return local_numel(spec.shape, layout, mesh.shape) * spec.dtype_bytes
+
+
+def redundant_bytes(nbytes: float, layout: Layout, mesh: Mesh) -> float:
+    return nbytes * (1.0 - 1.0 / replication(layout, mesh.shape))
+
+
+def buffer_bytes(op: Op, strategy: Strategy) -> int:
+    """Private buffers an op keeps for backward (dropout masks, attention logsumexp)."""
+    local = strategy.local_sizes
+    return sum(math.prod(local[d] for d in b.dims) * b.dtype_bytes for b in op.buffers)
+
+
+def buffer_redundant_bytes(op: Op, strategy: Strategy, mesh: Mesh) -> float:
+    """A buffer is copied on every axis that splits none of its dims."""
+    local = strategy.local_sizes
+    total = 0.0
+    for b in op.buffers:
+        copies = math.prod(
+            m for d, m in zip(strategy.assignment, mesh.shape) if d is None or d not in b.dims
+        )
+        total += math.prod(local[d] for d in b.dims) * b.dtype_bytes * (1 - 1 / copies)
+    return total
+
+
+def buffer_global_bytes(graph: Graph, op: Op) -> int:
+    sizes = graph.dim_sizes(op)
+    return sum(math.prod(sizes[d] for d in b.dims) * b.dtype_bytes for b in op.buffers)
+
+
+# -- parameters ----------------------------------------------------------------------------------
+@dataclass(frozen=True, order=True)
+class StorageOption:
+    """ZeRO stage (0: none, 1: optimizer states, 2: + gradients, 3: + weights) and the mesh
+    axes, among those where the parameter is not split, that the storage is sharded over."""
+
+    stage: int
+    axes: tuple[int, ...] = ()
+
+    def name(self, mesh: Mesh) -> str:
+        if self.stage == 0:
+            return "none"
+        return f"zero{self.stage}({','.join(mesh.axes[a].name for a in self.axes)})"
+
+
+def param_layout(grad_layout: tuple[str, ...]) -> Layout:
+    """The weight's compute layout from its gradient layout (``S<i>`` → Shard, else Replicate)."""
+    return tuple(Shard(int(g[1:])) if g.startswith("S") else REPLICATE for g in grad_layout)
+
+
+def storage_options(grad_layout: tuple[str, ...], mesh: Mesh) -> tuple[StorageOption, ...]:
+    free = [a for a, g in enumerate(grad_layout) if not g.startswith("S") and mesh.shape[a] > 1]
+    out = [StorageOption(0)]
+    for r in range(1, len(free) + 1):
+        for subset in _subsets(free, r):
+            out.extend(StorageOption(stage, subset) for stage in (1, 2, 3))
+    return tuple(out)
+
+
+def _subsets(items: list[int], r: int):
+    import itertools
+
+    return itertools.combinations(items, r)
+
+
+@dataclass(frozen=True)
+class StorageMemory:
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    gathered_weight: int  # transient around each use under ZeRO-3
+    unsharded_gradient: int  # transient at each use's backward under ZeRO-2/3
+    redundant_parameters: float
+    redundant_gradients: float
+    redundant_optimizer_states: float
+
+
+def storage_memory(
+    spec: TensorSpec, grad_layout: tuple[str, ...], option: StorageOption, precision: Precision, mesh: Mesh
+) -> StorageMemory:
+    layout = param_layout(grad_layout)
+    numel = local_numel(spec.shape, layout, mesh.shape)
+    ways = math.prod(mesh.shape[a] for a in option.axes)
+    sharded = -(-numel // ways)
+    copies = replication(layout, mesh.shape)  # devices holding the same compute shard
+    copies_sharded = copies // ways
+
+    def pick(is_sharded: bool, nbytes: int) -> tuple[int, float]:
+        n = (sharded if is_sharded else numel) * nbytes
+        c = copies_sharded if is_sharded else copies
+        return n, n * (1 - 1 / c)
+
+    p, rp = pick(option.stage >= 3, precision.param_bytes)
+    g, rg = pick(option.stage >= 2, precision.grad_bytes)
+    o, ro = pick(option.stage >= 1, precision.optimizer_bytes)
+    return StorageMemory(
+        parameters=p,
+        gradients=g,
+        optimizer_states=o,
+        gathered_weight=numel * precision.param_bytes if option.stage >= 3 else 0,
+        unsharded_gradient=numel * precision.grad_bytes if option.stage >= 2 else 0,
+        redundant_parameters=rp,
+        redundant_gradients=rg,
+        redundant_optimizer_states=ro,
+    )

@@ -1,0 +1,124 @@
+"""Price one complete plan: live bytes at every schedule point, the peak and its breakdown,
+redundant bytes, the zero-redundancy bound, communication and step time.
+
+The evaluator reads the same :class:`~memshard.problem.Problem` the ILP is built from, but
+sums it directly (no linearisation), so it is the reference the solver is tested against.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from memshard.cost import comm
+from memshard.cost.memory import CATEGORIES
+from memshard.problem import Problem, Selection
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    peak_bytes: float
+    peak_point: int
+    breakdown: dict[str, float]
+    redundant_bytes: float
+    lower_bound_bytes: float
+    lower_bound_point: int
+    step_time_s: float
+    compute_time_s: float
+    communication_time_s: float
+    communication_bytes: float
+    communication_by_kind: dict[str, dict[str, float]]
+    live_bytes: np.ndarray  # per schedule point
+
+
+class InconsistentPlan(ValueError):
+    pass
+
+
+def check_links(problem: Problem, selection: Selection) -> None:
+    for link in problem.links:
+        a = link.a_labels[selection.choices[link.a]]
+        b = link.b_labels[selection.choices[link.b]]
+        if a != b:
+            raise InconsistentPlan(
+                f"{problem.groups[link.a].key} and {problem.groups[link.b].key} disagree: {a} vs {b}"
+            )
+
+
+def evaluate(problem: Problem, selection: Selection) -> Evaluation:
+    check_links(problem, selection)
+    for e, edge in enumerate(problem.edges):
+        lp, lc, _, _, keep = problem.edge_layouts(selection, e)
+        if keep and not edge.can_keep(lp, lc):
+            raise InconsistentPlan(f"edge {edge.key} cannot keep its copy in layout {lp}")
+    n_points = problem.schedule.num_points
+    cat_index = {c: k for k, c in enumerate(CATEGORIES)}
+    live = np.zeros((len(CATEGORIES), n_points + 1))
+    redundant = np.zeros(n_points + 1)
+    unique = np.zeros(n_points + 1)
+
+    def add(start, end, category, nbytes, red, glob):
+        live[cat_index[category], start] += nbytes
+        live[cat_index[category], end + 1] -= nbytes
+        redundant[start] += red
+        redundant[end + 1] -= red
+        unique[start] += glob
+        unique[end + 1] -= glob
+
+    for c in problem.constants:
+        add(c.start, c.end, c.category, c.nbytes, c.redundant, c.global_bytes)
+    for s in problem.slots:
+        k = selection.choices[s.group]
+        add(s.start, s.end, s.category, s.nbytes[k], s.redundant[k], s.global_bytes)
+
+    by_tensor = defaultdict(list)
+    for h in problem.holders:
+        layout = problem.holder_layout(selection, h)
+        lid = -1 if layout is None else problem.held[h.tensor].layout_id(layout)
+        by_tensor[h.tensor].append((h.start, h.end, lid))
+    for t, entries in by_tensor.items():
+        held = problem.held[t]
+        cuts = sorted({s for s, _, _ in entries} | {e + 1 for _, e, _ in entries})
+        for lo, hi in zip(cuts, cuts[1:]):
+            ids = {lid for s, e, lid in entries if s <= lo and hi - 1 <= e and lid >= 0}
+            if ids:
+                add(lo, hi - 1, "activations", sum(held.nbytes[i] for i in ids),
+                    sum(held.redundant[i] for i in ids), held.global_bytes)
+
+    live = np.cumsum(live, axis=1)[:, :n_points]
+    total = live.sum(axis=0)
+    peak_point = int(np.argmax(total))
+    bound = np.cumsum(unique)[:n_points] / problem.mesh.num_devices
+    bound_point = int(np.argmax(bound))
+
+    compute = communication = wire = 0.0
+    by_kind: dict[str, dict[str, float]] = {k: {"calls": 0, "buffer_bytes": 0.0, "wire_bytes": 0.0} for k in comm.KINDS}
+    priced = [(g.instances, g.choices[k].compute_s, g.choices[k].calls)
+              for g, k in zip(problem.groups, selection.choices)]
+    priced += [(edge.instances, 0.0, problem.edge_calls(selection, e)) for e, edge in enumerate(problem.edges)]
+    for instances, compute_s, calls in priced:
+        compute += instances * compute_s
+        for call in calls:
+            w = comm.wire_bytes(call, problem.mesh)
+            communication += instances * comm.collective_time(call, problem.mesh)
+            wire += instances * w
+            entry = by_kind[call.kind]
+            entry["calls"] += instances
+            entry["buffer_bytes"] += instances * call.buffer_bytes
+            entry["wire_bytes"] += instances * w
+    return Evaluation(
+        peak_bytes=float(total[peak_point]),
+        peak_point=peak_point,
+        breakdown={c: float(live[k, peak_point]) for k, c in enumerate(CATEGORIES)},
+        redundant_bytes=float(np.cumsum(redundant)[peak_point]),
+        lower_bound_bytes=float(bound[bound_point]),
+        lower_bound_point=bound_point,
+        step_time_s=compute + communication,
+        compute_time_s=compute,
+        communication_time_s=communication,
+        communication_bytes=wire,
+        communication_by_kind=by_kind,
+        live_bytes=total,
+    )

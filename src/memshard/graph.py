@@ -1,0 +1,210 @@
+"""The graph IR: tensors and operators described by named dimensions.
+
+An operator names the dimensions of its iteration space on every operand, einsum-style:
+a linear layer is ``x[b,s,h] · w[h,f] → y[b,s,f]``. A dim that appears on inputs but not on
+the output is *contracted* (splitting it leaves a partial sum), unless the op lists it in
+``reduced_dims``: then the op computes statistics over it (norm, softmax, cross-entropy) and
+splitting it costs a small all-reduce of those statistics instead.
+
+Ops are kept in forward order. Ops of identical repeated blocks (transformer layers) carry the
+same ``role`` and their ``layer`` index; the solver gives all copies of a role one set of
+variables unless asked to solve exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cached_property
+
+from memshard.errors import MemshardError
+
+
+class TensorKind(str, Enum):
+    PARAMETER = "parameter"
+    ACTIVATION = "activation"
+    INPUT = "input"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype_bytes: int
+    kind: TensorKind
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A tensor as one op sees it: the op-dim name of each tensor axis."""
+
+    tensor: str
+    dims: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SavedBuffer:
+    """A private buffer an op keeps for backward (a dropout mask), laid out like ``dims``."""
+
+    name: str
+    dims: tuple[str, ...]
+    dtype_bytes: int
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    kind: str
+    inputs: tuple[Operand, ...]
+    output: Operand
+    reduced_dims: tuple[str, ...] = ()
+    unsplittable_dims: tuple[str, ...] = ()  # dims the kernel cannot split (fused attention's key dim)
+    stats_per_row: int = 0  # fp32 statistics per reduced row that a split reduced dim all-reduces
+    saves_inputs: tuple[int, ...] = ()  # activation inputs kept for backward (by index)
+    saves_output: bool = False
+    buffers: tuple[SavedBuffer, ...] = ()
+    flops_per_point: float = 1.0  # forward FLOPs per point of the iteration space
+    backward_flops_ratio: float = 1.0
+    layer: int | None = None
+    role: str | None = None
+
+    @property
+    def operands(self) -> tuple[Operand, ...]:
+        return (*self.inputs, self.output)
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The op's named dims in first-appearance order (deterministic)."""
+        seen: dict[str, None] = {}
+        for operand in self.operands:
+            for d in operand.dims:
+                seen.setdefault(d, None)
+        for buf in self.buffers:
+            for d in buf.dims:
+                seen.setdefault(d, None)
+        return tuple(seen)
+
+    @property
+    def contracted_dims(self) -> tuple[str, ...]:
+        out = set(self.output.dims)
+        return tuple(d for d in self.dims if d not in out and d not in self.reduced_dims)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter element of each model-state category.
+
+    Mixed precision (ZeRO paper): 2 B bf16 weight, 2 B bf16 grad, 12 B of fp32 master weight
+    and Adam m, v. Plain fp32 Adam: 4 + 4 + 8.
+    """
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+
+
+MIXED = Precision("mixed", 2, 2, 12, 2)
+FP32 = Precision("fp32", 4, 4, 8, 4)
+PRECISIONS = {p.name: p for p in (MIXED, FP32)}
+
+
+@dataclass(frozen=True)
+class Graph:
+    name: str
+    tensors: dict[str, TensorSpec]
+    ops: tuple[Op, ...]
+    loss: str
+    precision: Precision = MIXED
+    num_layers: int = 0
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- structure --------------------------------------------------------------------------
+    @cached_property
+    def producer(self) -> dict[str, int]:
+        return {op.output.tensor: i for i, op in enumerate(self.ops)}
+
+    @cached_property
+    def consumers(self) -> dict[str, tuple[tuple[int, int], ...]]:
+        """tensor → ((op index, input index), ...) in forward order."""
+        out: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for i, op in enumerate(self.ops):
+            for j, operand in enumerate(op.inputs):
+                out[operand.tensor].append((i, j))
+        return {k: tuple(v) for k, v in out.items()}
+
+    @cached_property
+    def parameters(self) -> tuple[str, ...]:
+        return tuple(n for n, t in self.tensors.items() if t.kind is TensorKind.PARAMETER)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(self.tensors[p].numel for p in self.parameters)
+
+    def dim_sizes(self, op: Op) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for operand in op.operands:
+            for d, n in zip(operand.dims, self.tensors[operand.tensor].shape):
+                sizes[d] = n
+        return sizes
+
+    def flops(self, op: Op) -> float:
+        """Forward FLOPs of the whole (unsharded) op."""
+        return op.flops_per_point * math.prod(self.dim_sizes(op).values())
+
+    @cached_property
+    def roles(self) -> dict[str, tuple[int, ...]]:
+        """role → indices of its ops (one per layer); ops without a role map to themselves."""
+        out: dict[str, list[int]] = defaultdict(list)
+        for i, op in enumerate(self.ops):
+            out[op.role if op.role is not None else f"#{op.name}"].append(i)
+        return {k: tuple(v) for k, v in out.items()}
+
+    # -- checks -----------------------------------------------------------------------------
+    def validate(self) -> None:
+        names = set()
+        for op in self.ops:
+            if op.name in names:
+                raise MemshardError(f"graph {self.name}: duplicate op name {op.name}")
+            names.add(op.name)
+            sizes: dict[str, int] = {}
+            for operand in op.operands:
+                spec = self.tensors.get(operand.tensor)
+                if spec is None:
+                    raise MemshardError(f"op {op.name}: unknown tensor {operand.tensor}")
+                if len(spec.shape) != len(operand.dims):
+                    raise MemshardError(
+                        f"op {op.name}: tensor {operand.tensor} has {len(spec.shape)} dims, "
+                        f"named {operand.dims}"
+                    )
+                for d, n in zip(operand.dims, spec.shape):
+                    if sizes.setdefault(d, n) != n:
+                        raise MemshardError(f"op {op.name}: dim {d} is {sizes[d]} and {n}")
+            for buf in op.buffers:
+                if any(d not in sizes for d in buf.dims):
+                    raise MemshardError(f"op {op.name}: buffer {buf.name} names an unknown dim")
+        produced = set()
+        for op in self.ops:
+            for operand in op.inputs:
+                kind = self.tensors[operand.tensor].kind
+                if kind is TensorKind.ACTIVATION and operand.tensor not in produced:
+                    raise MemshardError(f"op {op.name} reads {operand.tensor} before it is made")
+            if op.output.tensor in produced:
+                raise MemshardError(f"tensor {op.output.tensor} is produced twice")
+            produced.add(op.output.tensor)
+        if self.loss not in produced:
+            raise MemshardError(f"graph {self.name}: loss tensor {self.loss} is not produced")

@@ -1,0 +1,109 @@
+"""Placements and layouts with DTensor semantics, and the arithmetic on them.
+
+A layout holds one placement per mesh axis: ``Shard(d)`` splits tensor dim ``d`` over that
+axis, ``Replicate()`` copies, ``Partial()`` holds a partial sum. Uneven splits follow
+``torch.chunk`` as DTensor does: shards of ``ceil(n/m)`` with a short (or empty) tail; the
+memory figures use the largest shard, the one rank 0 holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from memshard.mesh import Mesh
+
+
+@dataclass(frozen=True, order=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, order=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, order=True)
+class Partial:
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Shard | Replicate | Partial
+Layout = tuple[Placement, ...]
+
+REPLICATE = Replicate()
+PARTIAL = Partial()
+
+
+def format_layout(layout: Layout) -> str:
+    """``(Shard(0), Replicate())`` → ``S(0)R``; the empty layout (one device) → ``-``."""
+    return "".join(str(p) for p in layout) or "-"
+
+
+def parse_layout(text: str) -> Layout:
+    """Inverse of :func:`format_layout`."""
+    out: list[Placement] = []
+    i = 0
+    while i < len(text):
+        if text[i] == "R":
+            out.append(REPLICATE)
+            i += 1
+        elif text[i] == "P":
+            out.append(PARTIAL)
+            i += 1
+        elif text.startswith("S(", i):
+            j = text.index(")", i)
+            out.append(Shard(int(text[i + 2 : j])))
+            i = j + 1
+        elif text == "-":
+            break
+        else:
+            raise ValueError(f"bad layout {text!r}")
+    return tuple(out)
+
+
+def chunk_size(n: int, parts: int) -> int:
+    """Largest piece ``torch.chunk(n, parts)`` makes (what rank 0 holds)."""
+    return -(-n // parts) if n else 0
+
+
+def local_shape(shape: tuple[int, ...], layout: Layout, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Local shape on rank 0; shards of one dim over several axes are split in axis order."""
+    out = list(shape)
+    for placement, m in zip(layout, mesh_shape):
+        if isinstance(placement, Shard):
+            out[placement.dim] = chunk_size(out[placement.dim], m)
+    return tuple(out)
+
+
+def local_numel(shape: tuple[int, ...], layout: Layout, mesh_shape: tuple[int, ...]) -> int:
+    return math.prod(local_shape(shape, layout, mesh_shape))
+
+
+def replication(layout: Layout, mesh_shape: tuple[int, ...]) -> int:
+    """How many devices hold the same bytes: product of the axes on which it is not split.
+
+    A partial sum is not a copy (each device holds a different summand), so it does not count.
+    """
+    return math.prod(m for p, m in zip(layout, mesh_shape) if isinstance(p, Replicate))
+
+
+def redundant_fraction(layout: Layout, mesh_shape: tuple[int, ...]) -> float:
+    return 1.0 - 1.0 / replication(layout, mesh_shape)
+
+
+def is_valid(layout: Layout, shape: tuple[int, ...], mesh: Mesh) -> bool:
+    """Every shard dim exists and every device would hold a non-empty piece of a split dim."""
+    sizes = list(shape)
+    for placement, m in zip(layout, mesh.shape):
+        if isinstance(placement, Shard):
+            if placement.dim >= len(shape) or sizes[placement.dim] < m:
+                return False
+            sizes[placement.dim] = chunk_size(sizes[placement.dim], m)
+    return True

@@ -1,0 +1,481 @@
+"""The planning problem: decision groups, their choices, how they couple, what they cost.
+
+``build_problem`` turns a graph and a mesh into the data both the ILP (``solver.py``) and the
+plan evaluator (``evaluate.py``) read, so the two price every plan identically:
+
+- **op groups** choose a strategy per op; **storage groups** choose a parameter's gradient
+  layout and ZeRO storage sharding. Identical layers share one group per role;
+  ``instances`` counts the copies.
+- **links**: two groups' choices must agree on a label (a storage option's gradient layout
+  equals the one its op's strategy implies; tied weights agree across their uses).
+- **edges**: an activation flowing producer → consumer. The producer's output layout and the
+  consumer's input layout follow from the two ops' strategies; the edge itself only adds one
+  free choice, ``keep``: the consumer saves its copy in the producer's (smaller) layout and
+  gathers it again in backward, as Megatron's sequence parallelism does. An edge costs the
+  forward reshard, the backward reshard of the gradient, and the re-gather when kept.
+- **slots**: memory priced per choice of one group, live on a closed interval of schedule points.
+- **holders**: an activation can be held at once by its producer (until its last forward use),
+  by a consumer's input copy, and by every op that saves it. It counts once per distinct
+  layout among the holders live at a point.
+- **constants**: memory no choice changes (the input batch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memshard.cost import comm
+from memshard.cost.memory import (
+    StorageOption,
+    buffer_bytes,
+    buffer_global_bytes,
+    buffer_redundant_bytes,
+    param_layout,
+    redundant_bytes,
+    storage_memory,
+    storage_options,
+    tensor_bytes,
+)
+from memshard.graph import Graph, Op, TensorKind, TensorSpec
+from memshard.mesh import Mesh
+from memshard.placement import PARTIAL, REPLICATE, Layout, Partial, Shard, local_numel
+from memshard.schedule import Schedule, candidate_points
+from memshard.strategies import (
+    Strategy,
+    activation_inputs,
+    enumerate_strategies,
+    grad_layout,
+    parameter_inputs,
+)
+
+STATS_BYTES = 4  # fp32 statistics
+STATS_IN_BACKWARD = {"layernorm": 1, "rmsnorm": 1, "softmax": 1}  # extra all-reduces in backward
+
+# Holder kinds
+PRODUCER = "producer"  # the producer's output until its last forward use (or its backward if saved)
+SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout when kept
+INPUT_COPY = "input_copy"  # the consumer's input during its forward
+REGATHER = "regather"  # a kept copy gathered again during the consumer's backward
+
+
+@dataclass(frozen=True)
+class Choice:
+    label: Hashable
+    compute_s: float
+    calls: tuple[comm.Collective, ...]  # per instance: forward + backward + optimizer
+    time_s: float
+
+
+@dataclass
+class Group:
+    kind: str  # "op" or "storage"
+    key: str
+    choices: list[Choice]
+    instances: int = 0
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Link:
+    a: int
+    a_labels: tuple[Hashable, ...]
+    b: int
+    b_labels: tuple[Hashable, ...]
+
+
+@dataclass
+class Edge:
+    key: str
+    tensor: TensorSpec  # the first instance's tensor (all instances have its shape)
+    producer: int  # op group
+    consumer: int  # op group
+    input_index: int
+    saves: bool
+    instances: int = 0
+
+    def can_keep(self, producer_layout: Layout, consumer_layout: Layout) -> bool:
+        return self.saves and not any(isinstance(p, Partial) for p in producer_layout)
+
+
+@dataclass(frozen=True)
+class Slot:
+    group: int
+    start: int
+    end: int
+    category: str
+    nbytes: np.ndarray  # per choice
+    redundant: np.ndarray  # per choice
+    global_bytes: float  # plan-independent unique bytes (0 for plan-dependent copies)
+
+
+@dataclass(frozen=True)
+class HeldTensor:
+    name: str
+    key: int  # the producer's op group: equal for the same tensor in every shared layer
+    layouts: tuple[Layout, ...]
+    nbytes: np.ndarray  # per layout id
+    redundant: np.ndarray
+    global_bytes: float
+
+    def layout_id(self, layout: Layout) -> int:
+        return self.layouts.index(without_partial(layout))
+
+
+@dataclass(frozen=True)
+class Holder:
+    tensor: int  # index into Problem.held
+    kind: str  # PRODUCER, SAVED, INPUT_COPY or REGATHER
+    source: int  # op group (PRODUCER) or edge index
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Constant:
+    start: int
+    end: int
+    category: str
+    nbytes: float
+    redundant: float
+    global_bytes: float
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A complete plan: one choice per group and the keep flag of every edge."""
+
+    choices: tuple[int, ...]
+    keeps: tuple[int, ...]
+
+
+@dataclass
+class Problem:
+    graph: Graph
+    mesh: Mesh
+    schedule: Schedule
+    shared_layers: bool
+    groups: list[Group]
+    links: list[Link]
+    edges: list[Edge]
+    slots: list[Slot]
+    held: list[HeldTensor]
+    holders: list[Holder]
+    constants: list[Constant]
+    candidate_points: list[int]
+    op_group: list[int]  # op index → its group
+    edge_of_input: dict[tuple[int, int], int]  # (consumer op, input index) → edge
+    storage_group: dict[str, int]  # parameter name → storage group
+
+    def strategy(self, selection: Selection, group: int) -> Strategy:
+        return self.groups[group].meta["strategies"][selection.choices[group]]
+
+    def edge_layouts(self, selection: Selection, e: int) -> tuple[Layout, Layout, Layout, Layout, bool]:
+        """(producer layout, consumer layout, consumer's input-gradient layout,
+        producer's output-gradient layout, kept) of edge ``e`` under ``selection``."""
+        edge = self.edges[e]
+        sp = self.strategy(selection, edge.producer)
+        sc = self.strategy(selection, edge.consumer)
+        lp = sp.output_layout
+        lc = sc.input_layouts[edge.input_index]
+        gc = self.groups[edge.consumer].meta["input_grads"][edge.input_index][selection.choices[edge.consumer]]
+        return lp, lc, gc, without_partial(lp), bool(selection.keeps[e])
+
+    def edge_calls(self, selection: Selection, e: int) -> tuple[comm.Collective, ...]:
+        lp, lc, gc, gp, keep = self.edge_layouts(selection, e)
+        return edge_calls(self.edges[e].tensor, lp, lc, gc, gp, keep, self.mesh)
+
+    def holder_layout(self, selection: Selection, h: Holder) -> Layout | None:
+        if h.kind == PRODUCER:
+            return self.strategy(selection, h.source).output_layout
+        lp, lc, _, _, keep = self.edge_layouts(selection, h.source)
+        if h.kind == SAVED:
+            return lp if keep else lc
+        if h.kind == INPUT_COPY:
+            return lc
+        return lc if keep else None
+
+
+def edge_calls(spec: TensorSpec, lp: Layout, lc: Layout, gc: Layout, gp: Layout, keep: bool, mesh: Mesh):
+    calls = comm.reshard(spec.shape, spec.dtype_bytes, lp, lc, mesh)
+    calls += comm.reshard(spec.shape, spec.dtype_bytes, gc, gp, mesh, reverse=True)
+    if keep:
+        calls += comm.reshard(spec.shape, spec.dtype_bytes, lp, lc, mesh)
+    return calls
+
+
+def without_partial(layout: Layout) -> Layout:
+    return tuple(REPLICATE if isinstance(p, Partial) else p for p in layout)
+
+
+def input_grad_layout(strategy: Strategy, op: Op, j: int) -> Layout:
+    """The gradient an op produces for input j: Partial on axes that split the op along a dim
+    the input lacks (the consumer's half of Megatron's ``f``/``g`` pair)."""
+    dims = op.inputs[j].dims
+    return tuple(
+        Shard(dims.index(d)) if d is not None and d in dims else (PARTIAL if d is not None else REPLICATE)
+        for d in strategy.assignment
+    )
+
+
+def _role_key(op: Op, shared: bool) -> str:
+    return op.role if shared and op.role is not None else op.name
+
+
+class _Builder:
+    def __init__(self, graph: Graph, mesh: Mesh, shared: bool):
+        self.g = graph
+        self.mesh = mesh
+        self.shared = shared
+        self.sched = Schedule(len(graph.ops))
+        self.groups: list[Group] = []
+        self.index: dict[tuple, int] = {}
+        self.links: list[Link] = []
+        self.edges: list[Edge] = []
+        self.edge_index: dict[tuple, int] = {}
+        self.slots: list[Slot] = []
+        self.held: list[HeldTensor] = []
+        self.holders: list[Holder] = []
+        self.constants: list[Constant] = []
+        self.last_consumer = {t: c[-1][0] for t, c in graph.consumers.items()}
+
+    def time(self, calls) -> float:
+        return comm.total_time(calls, self.mesh)
+
+    def slot(self, group, start, end, category, nbytes, redundant=None, global_bytes=0.0) -> None:
+        nbytes = np.asarray(nbytes, float)
+        if nbytes.any():
+            red = np.zeros_like(nbytes) if redundant is None else np.asarray(redundant, float)
+            self.slots.append(Slot(group, start, end, category, nbytes, red, float(global_bytes)))
+
+    def redundant(self, nbytes, layouts) -> list[float]:
+        return [redundant_bytes(b, L, self.mesh) for b, L in zip(nbytes, layouts)]
+
+    # -- ops ---------------------------------------------------------------------------------
+    def op_choices(self, op: Op, strategies: list[Strategy]) -> list[Choice]:
+        rate = self.mesh.peak_flops * self.mesh.compute_efficiency
+        out = []
+        for s in strategies:
+            local = s.local_sizes
+            flops = op.flops_per_point * math.prod(local.values()) * (1 + op.backward_flops_ratio)
+            calls: tuple[comm.Collective, ...] = ()
+            if op.stats_per_row:
+                rows = math.prod(n for d, n in local.items() if d not in op.reduced_dims)
+                axes = tuple(a for a, d in enumerate(s.assignment) if d in op.reduced_dims)
+                calls = comm.all_reduce_over(rows * op.stats_per_row * STATS_BYTES, axes)
+                calls *= 1 + STATS_IN_BACKWARD.get(op.kind, 0)
+            out.append(Choice(s.name(), flops / rate, calls, flops / rate + self.time(calls)))
+        return out
+
+    def add_ops(self) -> list[int]:
+        op_group = []
+        for i, op in enumerate(self.g.ops):
+            key = ("op", _role_key(op, self.shared))
+            if key not in self.index:
+                strategies = list(enumerate_strategies(self.g, op, self.mesh))
+                self.index[key] = len(self.groups)
+                self.groups.append(Group("op", key[1], self.op_choices(op, strategies), meta={
+                    "strategies": strategies,
+                    "ops": [],
+                    "input_grads": [[input_grad_layout(s, op, j) for s in strategies] for j in range(len(op.inputs))],
+                }))
+            gid = self.index[key]
+            self.groups[gid].instances += 1
+            self.groups[gid].meta["ops"].append(i)
+            op_group.append(gid)
+        return op_group
+
+    def op_slots(self, op_group: list[int]) -> None:
+        S, mesh = self.sched, self.mesh
+        for i, op in enumerate(self.g.ops):
+            gid = op_group[i]
+            grp = self.groups[gid]
+            strategies = grp.meta["strategies"]
+            self.slot(gid, S.forward(i), S.backward(i), "activations",
+                      [buffer_bytes(op, s) for s in strategies],
+                      [buffer_redundant_bytes(op, s, mesh) for s in strategies],
+                      buffer_global_bytes(self.g, op))
+            out = self.g.tensors[op.output.tensor]
+            if op.output.tensor in self.last_consumer:
+                # The gradient of the output, from its last consumer's backward to ours.
+                lay = [without_partial(s.output_layout) for s in strategies]
+                nb = [tensor_bytes(out, L, mesh) for L in lay]
+                self.slot(gid, S.backward(self.last_consumer[op.output.tensor]), S.backward(i),
+                          "transients", nb, self.redundant(nb, lay), out.nbytes)
+            for j in activation_inputs(self.g, op):
+                t = op.inputs[j].tensor
+                if self.last_consumer[t] == i:
+                    continue  # the producer's output-gradient slot covers it
+                lay = [without_partial(L) for L in grp.meta["input_grads"][j]]
+                nb = [tensor_bytes(self.g.tensors[t], L, mesh) for L in lay]
+                self.slot(gid, S.backward(i), S.backward(i), "transients", nb, self.redundant(nb, lay))
+
+    # -- activations flowing between ops ----------------------------------------------------
+    def add_edges(self, op_group: list[int]) -> dict[tuple[int, int], int]:
+        S = self.sched
+        edge_of_input = {}
+        holders: dict[str, list[tuple[str, int, int, int]]] = {}
+        for i, op in enumerate(self.g.ops):
+            for j in activation_inputs(self.g, op):
+                t = op.inputs[j].tensor
+                pg, cg = op_group[self.g.producer[t]], op_group[i]
+                key = (self.groups[pg].key, self.groups[cg].key, j)
+                if key not in self.edge_index:
+                    self.edge_index[key] = len(self.edges)
+                    self.edges.append(Edge(f"{key[0]} -> {key[1]}[{j}]", self.g.tensors[t], pg, cg, j,
+                                           j in op.saves_inputs))
+                e = self.edge_index[key]
+                self.edges[e].instances += 1
+                edge_of_input[(i, j)] = e
+                entry = holders.setdefault(t, [])
+                entry.append((INPUT_COPY, e, S.forward(i), S.forward(i)))
+                if j in op.saves_inputs:
+                    entry.append((SAVED, e, S.forward(i), S.backward(i)))
+                    entry.append((REGATHER, e, S.backward(i), S.backward(i)))
+        self.add_holders(op_group, holders)
+        return edge_of_input
+
+    def add_holders(self, op_group: list[int], edge_holders: dict[str, list[tuple]]) -> None:
+        S = self.sched
+        for p, op in enumerate(self.g.ops):
+            t = op.output.tensor
+            spec = self.g.tensors[t]
+            pg = op_group[p]
+            end = S.backward(p) if op.saves_output else S.forward(self.last_consumer.get(t, p))
+            layouts = [s.output_layout for s in self.groups[pg].meta["strategies"]]
+            for _, e, _, _ in edge_holders.get(t, []):
+                edge = self.edges[e]
+                layouts += [s.input_layouts[edge.input_index] for s in self.groups[edge.consumer].meta["strategies"]]
+            layouts = list(dict.fromkeys(without_partial(L) for L in layouts))
+            nbytes = np.array([tensor_bytes(spec, L, self.mesh) for L in layouts], float)
+            red = np.array([redundant_bytes(b, L, self.mesh) for b, L in zip(nbytes, layouts)])
+            hid = len(self.held)
+            self.held.append(HeldTensor(t, pg, tuple(layouts), nbytes, red, float(spec.nbytes)))
+            self.holders.append(Holder(hid, PRODUCER, pg, S.forward(p), end))
+            for kind, e, start, stop in edge_holders.get(t, []):
+                self.holders.append(Holder(hid, kind, e, start, stop))
+
+    # -- parameters ----------------------------------------------------------------------------
+    def add_storage(self, op_group: list[int]) -> dict[str, int]:
+        S, mesh, prec = self.sched, self.mesh, self.g.precision
+        uses_of: dict[str, list[tuple[int, int]]] = {}
+        for i, op in enumerate(self.g.ops):
+            for j in parameter_inputs(self.g, op):
+                uses_of.setdefault(op.inputs[j].tensor, []).append((i, j))
+        storage_group = {}
+        for name in self.g.parameters:
+            uses = uses_of.get(name)
+            if not uses:
+                continue
+            spec = self.g.tensors[name]
+            i0, j0 = uses[0]
+            og = op_group[i0]
+            g_labels = [grad_layout(self.g.ops[i0], j0, s) for s in self.groups[og].meta["strategies"]]
+            key = ("storage", self.groups[og].key, j0)
+            if key not in self.index:
+                options = [(G, opt) for G in dict.fromkeys(g_labels) for opt in storage_options(G, mesh)]
+                choices = []
+                for G, opt in options:
+                    calls = self.sync_calls(spec, G, opt, len(uses))
+                    choices.append(Choice((G, opt.stage, opt.axes), 0.0, calls, self.time(calls)))
+                self.index[key] = len(self.groups)
+                mems = [storage_memory(spec, G, opt, prec, mesh) for G, opt in options]
+                self.groups.append(Group("storage", name, choices, meta={"options": options, "params": [], "memory": mems}))
+                gid = self.index[key]
+                self.links.append(Link(gid, tuple(G for G, _ in options), og, tuple(g_labels)))
+                for i, j in uses[1:]:  # tied weights: every use agrees on the layout
+                    other = op_group[i]
+                    self.links.append(Link(og, tuple(g_labels), other, tuple(
+                        grad_layout(self.g.ops[i], j, s) for s in self.groups[other].meta["strategies"])))
+            gid = self.index[key]
+            grp = self.groups[gid]
+            grp.instances += 1
+            grp.meta["params"].append(name)
+            storage_group[name] = gid
+            mems = grp.meta["memory"]
+            whole = (0, S.optimizer)
+            self.slot(gid, *whole, "parameters", [m.parameters for m in mems],
+                      [m.redundant_parameters for m in mems], spec.numel * prec.param_bytes)
+            self.slot(gid, *whole, "optimizer_states", [m.optimizer_states for m in mems],
+                      [m.redundant_optimizer_states for m in mems], spec.numel * prec.optimizer_bytes)
+            self.slot(gid, S.backward(max(i for i, _ in uses)), S.optimizer, "gradients",
+                      [m.gradients for m in mems], [m.redundant_gradients for m in mems],
+                      spec.numel * prec.grad_bytes)
+            layouts = [param_layout(G) for G, _ in grp.meta["options"]]
+            gathered = [m.gathered_weight for m in mems]
+            unsharded = [m.unsharded_gradient for m in mems]
+            for i, _ in uses:
+                for point in (S.forward(i), S.backward(i)):
+                    self.slot(gid, point, point, "transients", gathered, self.redundant(gathered, layouts))
+                self.slot(gid, S.backward(i), S.backward(i), "transients", unsharded,
+                          self.redundant(unsharded, layouts))
+        return storage_group
+
+    def sync_calls(self, spec: TensorSpec, G: tuple[str, ...], opt: StorageOption, n_uses: int):
+        """Gradient reduction and weight gathers one step needs for this storage option."""
+        mesh, prec = self.mesh, self.g.precision
+        numel = local_numel(spec.shape, param_layout(G), mesh.shape)
+        partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
+        sharded = set(opt.axes) if opt.stage >= 1 else set()
+        calls = comm.all_reduce_over(numel * prec.grad_bytes, tuple(a for a in partial_axes if a not in sharded))
+        if sharded:
+            calls += comm.reduce_scatter_flat(numel, prec.grad_bytes, tuple(a for a in opt.axes if a in partial_axes), mesh)
+        if opt.stage in (1, 2):
+            calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh)
+        elif opt.stage == 3:
+            calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh) * (2 * n_uses)
+        return calls
+
+    def add_inputs(self) -> None:
+        n = self.mesh.num_devices
+        for spec in self.g.tensors.values():
+            if spec.kind is TensorKind.INPUT:
+                self.constants.append(Constant(0, self.sched.optimizer, "activations", spec.nbytes,
+                                               spec.nbytes * (1 - 1 / n), spec.nbytes))
+
+
+def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True) -> Problem:
+    b = _Builder(graph, mesh, shared_layers)
+    op_group = b.add_ops()
+    b.op_slots(op_group)
+    edge_of_input = b.add_edges(op_group)
+    storage_group = b.add_storage(op_group)
+    b.add_inputs()
+    return Problem(
+        graph=graph, mesh=mesh, schedule=b.sched, shared_layers=shared_layers, groups=b.groups,
+        links=b.links, edges=b.edges, slots=b.slots, held=b.held, holders=b.holders,
+        constants=b.constants, candidate_points=candidate_points(graph, b.sched, shared_layers),
+        op_group=op_group, edge_of_input=edge_of_input, storage_group=storage_group,
+    )
+
+
+def complete_selection(
+    problem: Problem,
+    strategies: dict[int, int],
+    storage: dict[int, StorageOption] | None = None,
+    keeps: dict[int, int] | None = None,
+) -> Selection:
+    """A full selection from each op group's strategy index; storage groups take the option
+    given (default: none) with the gradient layout the strategy implies; edges keep nothing
+    unless told."""
+    choices = [0] * len(problem.groups)
+    for gid, k in strategies.items():
+        choices[gid] = k
+    for link in problem.links:
+        if problem.groups[link.a].kind != "storage":
+            continue
+        gid = link.a
+        want_g = link.b_labels[choices[link.b]]
+        opt = (storage or {}).get(gid, StorageOption(0))
+        options = problem.groups[gid].meta["options"]
+        try:
+            choices[gid] = options.index((want_g, opt))
+        except ValueError:
+            raise ValueError(f"storage {opt} is not available for {problem.groups[gid].key}") from None
+    keep = [0] * len(problem.edges)
+    for e, k in (keeps or {}).items():
+        keep[e] = k
+    return Selection(tuple(choices), tuple(keep))
