@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from memshard.evaluate import evaluate
 from memshard.graph import FP32, MIXED, Graph, Op, Operand, SavedBuffer, TensorKind, TensorSpec
 from memshard.mesh import make_mesh
-from memshard.evaluate import evaluate
 from memshard.problem import build_problem
 from memshard.solver import solve
 from tests.bruteforce import count_selections, evaluate_all

@@ -7,6 +7,7 @@ prints one line ``memshard: error: …`` and exits with code 2; nothing is writt
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _mesh_from_args(args):
-    from memshard.mesh import DEVICE_MEMORY, DEVICE_PEAK_FLOPS, COMPUTE_EFFICIENCY, parse_mesh
+    from memshard.mesh import COMPUTE_EFFICIENCY, DEVICE_MEMORY, DEVICE_PEAK_FLOPS, parse_mesh
     from memshard.units import parse_bytes
 
     names = tuple(args.axis_names.split(",")) if args.axis_names else None
@@ -110,6 +111,10 @@ def _cmd_plan(args, console) -> None:
     from memshard.report import render_plan
 
     mesh = _mesh_from_args(args)
+    if args.json:
+        directory = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(directory):
+            raise MemshardError(f"cannot write {args.json}: directory {directory} does not exist")
     knobs = {k: getattr(args, k) for k in ("num_layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "precision")}
     if args.dropout:
         knobs["dropout"] = args.dropout == "on"
@@ -120,7 +125,10 @@ def _cmd_plan(args, console) -> None:
             time_limit_s=args.time_limit, **knobs,
         )
     if args.json:
-        result.save(args.json)
+        try:
+            result.save(args.json)
+        except OSError as e:
+            raise MemshardError(f"cannot write {args.json}: {e.strerror}") from None
     render_plan(result, console, top=args.top, show_strategy=not args.brief)
     if args.json:
         console.print(f"plan written to {args.json}")
@@ -133,7 +141,7 @@ def _cmd_models(console) -> None:
 
     t = Table(title="Built-in models")
     for col in ("name", "family", "parameters", "layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq"):
-        t.add_column(col, justify="left" if col in ("name", "family") else "right")
+        t.add_column(col, justify="left" if col in ("name", "family") else "right", no_wrap=True)
     for name, cfg in PRESETS.items():
         n = build_graph(cfg, batch=1, seq=8).num_parameters
         t.add_row(name, cfg.family, f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.1f}M", str(cfg.num_layers),
@@ -144,7 +152,8 @@ def _cmd_models(console) -> None:
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
-    console = Console()
+    # Piped output gets a wide console: tables stay whole instead of being cut to 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
         args = build_parser().parse_args(argv)
         if args.command == "plan":

@@ -70,8 +70,10 @@ class Mesh:
                 raise MemshardError(
                     f"{field}: give one value per mesh axis ({len(axes)}), got {len(values)}"
                 )
-            if any(v <= 0 for v in values) and field == "bandwidth_bytes_per_s":
-                raise MemshardError("bandwidths must be positive")
+            if field == "bandwidth_bytes_per_s" and not all(math.isfinite(v) and v > 0 for v in values):
+                raise MemshardError(f"bandwidths must be positive numbers, got {values}")
+            if field == "latency_s" and not all(math.isfinite(v) and v >= 0 for v in values):
+                raise MemshardError(f"latencies must be non-negative numbers, got {values}")
             axes = [replace(a, **{field: float(v)}) for a, v in zip(axes, values)]
         return replace(self, axes=tuple(axes))
 
@@ -106,8 +108,9 @@ def make_mesh(
                 bandwidth_bytes_per_s=INTRA_NODE_BANDWIDTH if inner else INTER_NODE_BANDWIDTH,
             )
         )
-    if device_memory_bytes <= 0 or peak_flops <= 0 or not 0 < compute_efficiency <= 1:
-        raise MemshardError("device memory and peak FLOP/s must be positive, efficiency in (0, 1]")
+    if not (math.isfinite(device_memory_bytes) and device_memory_bytes > 0
+            and math.isfinite(peak_flops) and peak_flops > 0 and 0 < compute_efficiency <= 1):
+        raise MemshardError("device memory and peak FLOP/s must be positive numbers, efficiency in (0, 1]")
     return Mesh(tuple(axes), int(device_memory_bytes), float(peak_flops), float(compute_efficiency))
 
 

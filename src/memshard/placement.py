@@ -87,11 +87,10 @@ def local_numel(shape: tuple[int, ...], layout: Layout, mesh_shape: tuple[int, .
 
 
 def replication(layout: Layout, mesh_shape: tuple[int, ...]) -> int:
-    """How many devices hold the same bytes: product of the axes on which it is not split.
-
-    A partial sum is not a copy (each device holds a different summand), so it does not count.
-    """
-    return math.prod(m for p, m in zip(layout, mesh_shape) if isinstance(p, Replicate))
+    """Product of the mesh axes on which the tensor is not split (DESIGN.md): on those axes
+    every device holds a full-size piece, a copy (Replicate) or a summand (Partial); either way
+    all but one of them are bytes beyond the tensor's unique size."""
+    return math.prod(m for p, m in zip(layout, mesh_shape) if not isinstance(p, Shard))
 
 
 def redundant_fraction(layout: Layout, mesh_shape: tuple[int, ...]) -> float:
@@ -99,7 +98,8 @@ def redundant_fraction(layout: Layout, mesh_shape: tuple[int, ...]) -> float:
 
 
 def is_valid(layout: Layout, shape: tuple[int, ...], mesh: Mesh) -> bool:
-    """Every shard dim exists and every device would hold a non-empty piece of a split dim."""
+    """Every shard dim exists and is at least as large as the number of pieces (torch.chunk
+    may still leave the last devices an empty piece, e.g. 5 over 4 gives 2, 2, 1)."""
     sizes = list(shape)
     for placement, m in zip(layout, mesh.shape):
         if isinstance(placement, Shard):

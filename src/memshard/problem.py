@@ -241,6 +241,7 @@ class _Builder:
         self.holders: list[Holder] = []
         self.constants: list[Constant] = []
         self.last_consumer = {t: c[-1][0] for t, c in graph.consumers.items()}
+        self.cache: dict[tuple, object] = {}
 
     def time(self, calls) -> float:
         return comm.total_time(calls, self.mesh)
@@ -253,6 +254,16 @@ class _Builder:
 
     def redundant(self, nbytes, layouts) -> list[float]:
         return [redundant_bytes(b, L, self.mesh) for b, L in zip(nbytes, layouts)]
+
+    def cached(self, key: tuple, make):
+        """Per-group price vectors: every instance of a shared group has the same shapes."""
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
+
+    def layout_prices(self, spec: TensorSpec, layouts: list[Layout]) -> tuple[np.ndarray, np.ndarray]:
+        nbytes = np.array([tensor_bytes(spec, L, self.mesh) for L in layouts], float)
+        return nbytes, np.array(self.redundant(nbytes, layouts))
 
     # -- ops ---------------------------------------------------------------------------------
     def op_choices(self, op: Op, strategies: list[Strategy]) -> list[Choice]:
@@ -292,26 +303,25 @@ class _Builder:
         S, mesh = self.sched, self.mesh
         for i, op in enumerate(self.g.ops):
             gid = op_group[i]
-            grp = self.groups[gid]
-            strategies = grp.meta["strategies"]
-            self.slot(gid, S.forward(i), S.backward(i), "activations",
-                      [buffer_bytes(op, s) for s in strategies],
-                      [buffer_redundant_bytes(op, s, mesh) for s in strategies],
-                      buffer_global_bytes(self.g, op))
+            strategies = self.groups[gid].meta["strategies"]
+            buffers = self.cached((gid, "buffers"), lambda op=op, strategies=strategies: (
+                [buffer_bytes(op, s) for s in strategies],
+                [buffer_redundant_bytes(op, s, mesh) for s in strategies]))
+            self.slot(gid, S.forward(i), S.backward(i), "activations", *buffers, buffer_global_bytes(self.g, op))
             out = self.g.tensors[op.output.tensor]
             if op.output.tensor in self.last_consumer:
                 # The gradient of the output, from its last consumer's backward to ours.
-                lay = [without_partial(s.output_layout) for s in strategies]
-                nb = [tensor_bytes(out, L, mesh) for L in lay]
+                prices = self.cached((gid, "output_grad"), lambda out=out, strategies=strategies: self.layout_prices(
+                    out, [without_partial(s.output_layout) for s in strategies]))
                 self.slot(gid, S.backward(self.last_consumer[op.output.tensor]), S.backward(i),
-                          "transients", nb, self.redundant(nb, lay), out.nbytes)
+                          "transients", *prices, out.nbytes)
             for j in activation_inputs(self.g, op):
                 t = op.inputs[j].tensor
                 if self.last_consumer[t] == i:
                     continue  # the producer's output-gradient slot covers it
-                lay = [without_partial(L) for L in grp.meta["input_grads"][j]]
-                nb = [tensor_bytes(self.g.tensors[t], L, mesh) for L in lay]
-                self.slot(gid, S.backward(i), S.backward(i), "transients", nb, self.redundant(nb, lay))
+                prices = self.cached((gid, "input_grad", j), lambda t=t, gid=gid, j=j: self.layout_prices(
+                    self.g.tensors[t], [without_partial(L) for L in self.groups[gid].meta["input_grads"][j]]))
+                self.slot(gid, S.backward(i), S.backward(i), "transients", *prices)
 
     # -- activations flowing between ops ----------------------------------------------------
     def add_edges(self, op_group: list[int]) -> dict[tuple[int, int], int]:
@@ -345,13 +355,17 @@ class _Builder:
             spec = self.g.tensors[t]
             pg = op_group[p]
             end = S.backward(p) if op.saves_output else S.forward(self.last_consumer.get(t, p))
-            layouts = [s.output_layout for s in self.groups[pg].meta["strategies"]]
-            for _, e, _, _ in edge_holders.get(t, []):
-                edge = self.edges[e]
-                layouts += [s.input_layouts[edge.input_index] for s in self.groups[edge.consumer].meta["strategies"]]
-            layouts = list(dict.fromkeys(without_partial(L) for L in layouts))
-            nbytes = np.array([tensor_bytes(spec, L, self.mesh) for L in layouts], float)
-            red = np.array([redundant_bytes(b, L, self.mesh) for b, L in zip(nbytes, layouts)])
+            edges = tuple(sorted({e for _, e, _, _ in edge_holders.get(t, [])}))
+
+            def prices(pg=pg, edges=edges, spec=spec):
+                layouts = [s.output_layout for s in self.groups[pg].meta["strategies"]]
+                for e in edges:
+                    edge = self.edges[e]
+                    layouts += [s.input_layouts[edge.input_index] for s in self.groups[edge.consumer].meta["strategies"]]
+                layouts = list(dict.fromkeys(without_partial(L) for L in layouts))
+                return (layouts, *self.layout_prices(spec, layouts))
+
+            layouts, nbytes, red = self.cached(("held", pg, edges), prices)
             hid = len(self.held)
             self.held.append(HeldTensor(t, pg, tuple(layouts), nbytes, red, float(spec.nbytes)))
             self.holders.append(Holder(hid, PRODUCER, pg, S.forward(p), end))
@@ -373,9 +387,9 @@ class _Builder:
             spec = self.g.tensors[name]
             i0, j0 = uses[0]
             og = op_group[i0]
-            g_labels = [grad_layout(self.g.ops[i0], j0, s) for s in self.groups[og].meta["strategies"]]
             key = ("storage", self.groups[og].key, j0)
             if key not in self.index:
+                g_labels = [grad_layout(self.g.ops[i0], j0, s) for s in self.groups[og].meta["strategies"]]
                 options = [(G, opt) for G in dict.fromkeys(g_labels) for opt in storage_options(G, mesh)]
                 choices = []
                 for G, opt in options:
@@ -395,24 +409,35 @@ class _Builder:
             grp.instances += 1
             grp.meta["params"].append(name)
             storage_group[name] = gid
-            mems = grp.meta["memory"]
+            v = self.cached((gid, "storage"), lambda grp=grp: self.storage_prices(grp))
             whole = (0, S.optimizer)
-            self.slot(gid, *whole, "parameters", [m.parameters for m in mems],
-                      [m.redundant_parameters for m in mems], spec.numel * prec.param_bytes)
-            self.slot(gid, *whole, "optimizer_states", [m.optimizer_states for m in mems],
-                      [m.redundant_optimizer_states for m in mems], spec.numel * prec.optimizer_bytes)
-            self.slot(gid, S.backward(max(i for i, _ in uses)), S.optimizer, "gradients",
-                      [m.gradients for m in mems], [m.redundant_gradients for m in mems],
+            self.slot(gid, *whole, "parameters", *v["parameters"], spec.numel * prec.param_bytes)
+            self.slot(gid, *whole, "optimizer_states", *v["optimizer_states"], spec.numel * prec.optimizer_bytes)
+            self.slot(gid, S.backward(max(i for i, _ in uses)), S.optimizer, "gradients", *v["gradients"],
                       spec.numel * prec.grad_bytes)
-            layouts = [param_layout(G) for G, _ in grp.meta["options"]]
-            gathered = [m.gathered_weight for m in mems]
-            unsharded = [m.unsharded_gradient for m in mems]
             for i, _ in uses:
                 for point in (S.forward(i), S.backward(i)):
-                    self.slot(gid, point, point, "transients", gathered, self.redundant(gathered, layouts))
-                self.slot(gid, S.backward(i), S.backward(i), "transients", unsharded,
-                          self.redundant(unsharded, layouts))
+                    self.slot(gid, point, point, "transients", *v["gathered"])
+                self.slot(gid, S.backward(i), S.backward(i), "transients", *v["unsharded"])
         return storage_group
+
+    def storage_prices(self, grp: Group) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        mems = grp.meta["memory"]
+        layouts = [param_layout(G) for G, _ in grp.meta["options"]]
+
+        def vec(field: str, red_field: str | None = None):
+            nbytes = np.array([getattr(m, field) for m in mems], float)
+            red = (np.array([getattr(m, red_field) for m in mems]) if red_field
+                   else np.array(self.redundant(nbytes, layouts)))
+            return nbytes, red
+
+        return {
+            "parameters": vec("parameters", "redundant_parameters"),
+            "optimizer_states": vec("optimizer_states", "redundant_optimizer_states"),
+            "gradients": vec("gradients", "redundant_gradients"),
+            "gathered": vec("gathered_weight"),
+            "unsharded": vec("unsharded_gradient"),
+        }
 
     def sync_calls(self, spec: TensorSpec, G: tuple[str, ...], opt: StorageOption, n_uses: int):
         """Gradient reduction and weight gathers one step needs for this storage option."""

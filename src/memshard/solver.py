@@ -37,6 +37,7 @@ fixed (one thread, seed 0) so the same input gives the same plan.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -46,11 +47,21 @@ import numpy as np
 
 from memshard.cost import comm
 from memshard.errors import MemshardError
-from memshard.placement import Layout, Partial, Shard
-from memshard.problem import INPUT_COPY, PRODUCER, REGATHER, SAVED, Holder, Problem, Selection, without_partial
+from memshard.placement import Layout, Partial
+from memshard.problem import (
+    INPUT_COPY,
+    PRODUCER,
+    REGATHER,
+    SAVED,
+    Holder,
+    Problem,
+    Selection,
+    without_partial,
+)
 
-# Weight of the secondary objective in the warm-start pass, in the model's units (see _units).
-TIE_BREAK = {"memory": 1e-4, "time": 1e-3}
+# In the warm-start pass, the secondary objective is weighted so that a relative change of
+# 1 in it counts like TIE_BREAK in the primary one.
+TIE_BREAK = 0.01
 
 
 @dataclass(frozen=True)
@@ -148,7 +159,6 @@ class IlpBuilder:
         cons_keys = sorted({tuple(zip(s.input_layouts[edge.input_index], g)) for s, g in zip(cons_strats, grads)}, key=repr)
         prod_suffixes = [{L[a:] for L in prod_layouts} for a in range(A + 1)]
         cons_prefixes = [{K[:a] for K in cons_keys} for a in range(A + 1)]
-        p_vals = [sorted({L[a] for L in prod_layouts}, key=repr) for a in range(A)]
         c_vals = [sorted({K[a] for K in cons_keys}, key=repr) for a in range(A)]
         keeps = (0, 1) if edge.saves else (0,)
         out = {"steps": {}, "keeps": keeps}
@@ -210,6 +220,19 @@ class IlpBuilder:
                     flow[(cpre, psuf)][int(col)] = -1.0
                 for key in sorted(flow, key=repr):
                     self.m.row(flow[key], 0.0, 0.0)
+        # Which flow columns say "consumer layout L" (last step) or "kept producer layout L".
+        out["consumer_layout_cols"] = {}
+        for k in keeps:
+            by_layout: dict[Layout, list[int]] = defaultdict(list)
+            states, cols = out["steps"][(k, A - 1)]
+            for (cpre, _, cv), col in zip(states, cols):
+                by_layout[tuple(pl for pl, _ in cpre + (cv,))].append(int(col))
+            out["consumer_layout_cols"][k] = by_layout
+        out["producer_layout_cols"] = defaultdict(list)
+        if 1 in keeps:
+            states, cols = out["steps"][(1, 0)]
+            for (_, psuf, _), col in zip(states, cols):
+                out["producer_layout_cols"][psuf].append(int(col))
         if edge.saves:
             kappa = int(self.m.cols(1, integer=True)[0])
             self.kappa[e] = kappa
@@ -247,95 +270,103 @@ class IlpBuilder:
             strats = p.groups[edge.consumer].meta["strategies"]
             return {int(self.x[edge.consumer][c]): 1.0 for c, s in enumerate(strats) if s.input_layouts[edge.input_index] == layout}
         ev = self.edge_vars[h.source]
-        last = self.p.mesh.ndim - 1
         out: dict[int, float] = {}
-
-        def consumer_side(k):
-            states, cols = ev["steps"][(k, last)]
-            for (cpre, _, cv), col in zip(states, cols):
-                if tuple(pl for pl, _ in cpre + (cv,)) == layout:
-                    out[int(col)] = 1.0
-
-        if h.kind == SAVED:
-            consumer_side(0)
-            if 1 in ev["keeps"]:
-                states, cols = ev["steps"][(1, 0)]
-                for (_, psuf, _), col in zip(states, cols):
-                    if psuf == layout:
-                        out[int(col)] = 1.0
+        if h.kind == SAVED:  # kept in the consumer's layout, or (kept) in the producer's
+            out.update(dict.fromkeys(ev["consumer_layout_cols"][0].get(layout, ()), 1.0))
+            out.update(dict.fromkeys(ev["producer_layout_cols"].get(layout, ()), 1.0))
         elif h.kind == REGATHER and 1 in ev["keeps"]:
-            consumer_side(1)
+            out.update(dict.fromkeys(ev["consumer_layout_cols"][1].get(layout, ()), 1.0))
         return out
 
     def add_memory_rows(self, points: list[int]) -> list[int]:
-        """One row per candidate point: live bytes − M ≤ −constants."""
+        """One row per candidate point: live bytes − M ≤ −constants, with live bytes written as
+        a chain L_t = L_prev + (what changed since the previous point) so rows stay sparse."""
         p = self.p
-        slot_groups: dict[tuple, np.ndarray] = {}
-        for s in p.slots:  # merge slots with one group and interval (e.g. layers' weights)
+        slot_vecs: dict[tuple, np.ndarray] = {}
+        for s in p.slots:  # merge slots with one group and interval (e.g. the layers' weights)
             key = (s.group, s.start, s.end)
-            slot_groups[key] = slot_groups.get(key, 0) + s.nbytes
-        slot_keys = list(slot_groups)
-        starts = np.array([k[1] for k in slot_keys])
-        ends = np.array([k[2] for k in slot_keys])
-        holders_by_tensor: dict[int, list[Holder]] = defaultdict(list)
+            slot_vecs[key] = slot_vecs.get(key, 0) + s.nbytes / self.bytes_unit
+        slot_keys = list(slot_vecs)
+        s_start = np.array([k[1] for k in slot_keys])
+        s_end = np.array([k[2] for k in slot_keys])
+        # Holders: a tensor's live holders at a point form a bit mask over its holder list;
+        # tensors of shared layers have the same producer group (key) and holder order, so
+        # (key, mask) identifies one expression, counted once per tensor that has it.
+        by_tensor: dict[int, list[Holder]] = defaultdict(list)
+        position = []
         for h in p.holders:
-            holders_by_tensor[h.tensor].append(h)
-        h_start = {t: np.array([h.start for h in hs]) for t, hs in holders_by_tensor.items()}
-        h_end = {t: np.array([h.end for h in hs]) for t, hs in holders_by_tensor.items()}
+            position.append(len(by_tensor[h.tensor]))
+            by_tensor[h.tensor].append(h)
+        if position and max(position) >= 31:
+            raise ValueError("a tensor with more than 31 holders")
+        h_start = np.array([h.start for h in p.holders])
+        h_end = np.array([h.end for h in p.holders])
+        h_tensor = np.array([h.tensor for h in p.holders])
+        h_bit = np.left_shift(1, np.array(position, dtype=np.int64))
+        tensor_key = np.array([held.key for held in p.held], dtype=np.int64)
+        signature_expr: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         indicator_cache: dict[tuple, dict[int, float]] = {}
-        rows = []
-        previous: dict[int, float] = {}
-        previous_col = None
-        for t in points:
+
+        def expression(key: int, mask: int, tensor: int):
+            held = p.held[tensor]
+            active = [h for k, h in enumerate(by_tensor[tensor]) if mask >> k & 1]
             expr: dict[int, float] = defaultdict(float)
-            for idx in np.nonzero((starts <= t) & (t <= ends))[0]:
-                g = slot_keys[idx][0]
-                for col, v in zip(self.x[g], slot_groups[slot_keys[idx]] / self.bytes_unit):
-                    if v:
-                        expr[int(col)] += v
-            # holders: aggregate equal (tensor role, live holder set) across shared layers
-            counts: dict[tuple, list] = {}
-            for tensor, hs in holders_by_tensor.items():
-                live = np.nonzero((h_start[tensor] <= t) & (t <= h_end[tensor]))[0]
-                if not len(live):
+            for lid, layout in enumerate(held.layouts):
+                nbytes = held.nbytes[lid] / self.bytes_unit
+                if nbytes == 0:
                     continue
-                active = tuple(hs[i] for i in live)
-                sig = (p.held[tensor].key, _tensor_role(p, tensor), tuple(sorted((h.kind, h.source) for h in active)))
-                if sig in counts:
-                    counts[sig][1] += 1
-                else:
-                    counts[sig] = [(tensor, active), 1]
-            for sig, ((tensor, active), count) in counts.items():
-                held = p.held[tensor]
-                for lid, layout in enumerate(held.layouts):
-                    nbytes = held.nbytes[lid] / self.bytes_unit * count
-                    if nbytes == 0:
-                        continue
-                    exprs = []
-                    for h in active:
-                        key = (h.kind, h.source, layout)
-                        if key not in indicator_cache:
-                            indicator_cache[key] = self.indicator(h, layout)
-                        if indicator_cache[key]:
-                            exprs.append(indicator_cache[key])
-                    if len(exprs) == 1:
-                        for col, v in exprs[0].items():
-                            expr[col] += v * nbytes
-                    elif exprs:
-                        expr[self._or_var((sig, lid), exprs)] += nbytes
+                exprs = []
+                for h in active:
+                    ikey = (h.kind, h.source, layout)
+                    if ikey not in indicator_cache:
+                        indicator_cache[ikey] = self.indicator(h, layout)
+                    if indicator_cache[ikey]:
+                        exprs.append(indicator_cache[ikey])
+                if len(exprs) == 1:
+                    for col, v in exprs[0].items():
+                        expr[col] += v * nbytes
+                elif exprs:
+                    expr[self._or_var((key, mask, lid), exprs)] += nbytes
+            return (np.fromiter(expr.keys(), dtype=np.int64, count=len(expr)),
+                    np.fromiter(expr.values(), dtype=float, count=len(expr)))
+
+        terms = []
+        for t in points:
+            live_slots = np.nonzero((s_start <= t) & (t <= s_end))[0]
+            act = np.nonzero((h_start <= t) & (t <= h_end))[0]
+            masks = np.zeros(len(p.held), dtype=np.int64)
+            np.bitwise_or.at(masks, h_tensor[act], h_bit[act])
+            tensors = np.nonzero(masks)[0]
+            combined = (tensor_key[tensors] << 32) | masks[tensors]
+            uniq, first, counts = np.unique(combined, return_index=True, return_counts=True)
+            sigs = []
+            for u, f, c in zip(uniq.tolist(), first.tolist(), counts.tolist()):
+                sig = (u >> 32, u & 0xFFFFFFFF)
+                if sig not in signature_expr:
+                    signature_expr[sig] = expression(*sig, int(tensors[f]))
+                sigs.append((sig, c))
             const = sum(c.nbytes for c in p.constants if c.start <= t <= c.end) / self.bytes_unit
-            # Live bytes as a chain L_t = L_prev + (what changed), so each row stays sparse.
-            live_col = int(self.m.cols(1, integer=False, lo=-highspy.kHighsInf, hi=highspy.kHighsInf)[0])
-            diff = {col: v - previous.get(col, 0.0) for col, v in expr.items()}
-            for col, v in previous.items():
-                if col not in expr:
-                    diff[col] = -v
-            diff[live_col] = -1.0
-            if previous_col is not None:
-                diff[previous_col] = 1.0
-            self.m.row(diff, 0.0, 0.0)
-            rows.append(self.m.row({live_col: 1.0, self.peak: -1.0}, -highspy.kHighsInf, -const))
-            previous, previous_col = expr, live_col
+            terms.append((live_slots, sigs, const))
+
+        live_cols = self.m.cols(len(points), integer=False, lo=-highspy.kHighsInf, hi=highspy.kHighsInf)
+        n = len(self.m.lower)
+        previous = np.zeros(n)
+        rows = []
+        for k, (live_slots, sigs, const) in enumerate(terms):
+            dense = np.zeros(n)
+            for idx in live_slots:
+                key = slot_keys[idx]
+                dense[self.x[key[0]]] += slot_vecs[key]
+            for sig, count in sigs:
+                cols, vals = signature_expr[sig]
+                dense[cols] += vals * count
+            diff = dense - previous
+            changed = np.nonzero(np.abs(diff) > 1e-12 * max(1.0, float(np.abs(dense).max())))[0]
+            cols = np.concatenate([changed, [live_cols[k]], [live_cols[k - 1]] if k else []]).astype(np.int64)
+            vals = np.concatenate([diff[changed], [-1.0], [1.0] if k else []])
+            self.m.row((cols, vals), 0.0, 0.0)
+            rows.append(self.m.row({int(live_cols[k]): 1.0, self.peak: -1.0}, -highspy.kHighsInf, -const))
+            previous = dense
         return rows
 
     def _or_var(self, key: tuple, exprs: list[dict[int, float]]) -> int:
@@ -361,19 +392,25 @@ class IlpBuilder:
 
 
 def _units(problem: Problem) -> tuple[float, float]:
-    """Bytes and seconds per model unit: powers of two and ten near the problem's scale, so
-    peak and step time are O(1) in the model and HiGHS's tolerances mean the same at any size."""
-    total_bytes = sum(float(s.nbytes.max()) for s in problem.slots) + sum(float(h.nbytes.max()) for h in problem.held)
-    total_bytes += sum(c.nbytes for c in problem.constants)
-    total_time = sum(g.instances * max(c.time_s for c in g.choices) for g in problem.groups)
-    bytes_unit = 2.0 ** math.floor(math.log2(max(total_bytes, 1.0)))
-    time_unit = 10.0 ** math.floor(math.log10(max(total_time, 1e-12)))
+    """Bytes and seconds per model unit: a power of two near the zero-redundancy bound and a
+    power of ten near the least step time, so the peak and the step time are O(1) in the
+    model and HiGHS's absolute tolerances mean the same at any model size."""
+    n_points = problem.schedule.num_points
+    unique = np.zeros(n_points + 1)
+    for s in problem.slots:
+        unique[s.start] += s.global_bytes
+        unique[s.end + 1] -= s.global_bytes
+    for c in problem.constants:
+        unique[c.start] += c.global_bytes
+        unique[c.end + 1] -= c.global_bytes
+    for h in problem.holders:
+        unique[h.start] += problem.held[h.tensor].global_bytes
+        unique[h.end + 1] -= problem.held[h.tensor].global_bytes
+    bound = float(np.cumsum(unique).max()) / problem.mesh.num_devices
+    least_time = sum(g.instances * min(c.time_s for c in g.choices) for g in problem.groups)
+    bytes_unit = 2.0 ** round(math.log2(max(bound, 1.0)))
+    time_unit = 10.0 ** round(math.log10(max(least_time, 1e-9)))
     return bytes_unit, time_unit
-
-
-def _tensor_role(p: Problem, tensor: int) -> str:
-    name = p.held[tensor].name
-    return name.split(".", 2)[2] if name.startswith("layers.") else name
 
 
 def solve(
@@ -400,77 +437,24 @@ def solve(
         budget = memory_budget_bytes if memory_budget_bytes is not None else problem.mesh.device_memory_bytes
         m.row(({b.peak: 1.0}), -highspy.kHighsInf, budget / b.bytes_unit)
 
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", bool(__import__("os").environ.get("MEMSHARD_HIGHS_LOG")))
-    h.setOptionValue("random_seed", 0)
-    h.setOptionValue("threads", 1)
-    h.setOptionValue("mip_rel_gap", mip_gap)
-    h.setOptionValue("mip_abs_gap", 1e-9)
-    h.setOptionValue("presolve", "off")
-    n = len(m.lower)
-    lp = highspy.HighsLp()
-    lp.num_col_ = n
-    lp.num_row_ = len(m.rows_lo)
-    lp.col_cost_ = np.zeros(n)
-    lp.col_lower_ = np.array(m.lower)
-    lp.col_upper_ = np.array(m.upper)
-    lp.row_lower_ = np.array(m.rows_lo)
-    lp.row_upper_ = np.array(m.rows_hi)
-    starts = np.zeros(len(m.row_cols) + 1, dtype=np.int64)
-    starts[1:] = np.cumsum([len(c) for c in m.row_cols])
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = starts
-    lp.a_matrix_.index_ = np.concatenate(m.row_cols) if m.row_cols else np.zeros(0, dtype=np.int64)
-    lp.a_matrix_.value_ = np.concatenate(m.row_vals) if m.row_vals else np.zeros(0)
-    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in m.integer]
-    h.passModel(lp)
-
-    def run(cost_cols, cost_vals, remaining, start):
-        cost = np.zeros(n)
-        np.add.at(cost, cost_cols, cost_vals)
-        h.changeColsCost(n, np.arange(n, dtype=np.int32), cost)
-        h.setOptionValue("time_limit", max(remaining, 1e-3))
-        if start is not None:
-            h.setSolution(start)
-        h.run()
-        return h.getModelStatus()
-
+    hs = _Highs(m, mip_gap, started + time_limit_s)
     peak_obj = (np.array([b.peak]), np.array([1.0]))
     if objective == "memory":
         primary, secondary = peak_obj, (t_cols, t_vals)
     else:
         primary, secondary = (t_cols, t_vals), peak_obj
-    # Warm start: the primary objective plus a small weight on the secondary one breaks the
-    # many exact ties (which axis splits the batch, …) that stall HiGHS's primal heuristics.
-    blend = (np.concatenate([primary[0], secondary[0]]),
-             np.concatenate([primary[1], secondary[1] * TIE_BREAK[objective]]))
-    status = run(*blend, time_limit_s - (time.perf_counter() - started), None)
-    solution = h.getSolution() if h.getInfo().primal_solution_status == 2 else None
-    status = run(*primary, time_limit_s - (time.perf_counter() - started), solution)
-    info = h.getInfo()
-    if status == highspy.HighsModelStatus.kInfeasible:
-        raise Infeasible(objective)
-    if info.primal_solution_status != 2:  # no feasible solution
-        if status == highspy.HighsModelStatus.kTimeLimit:
-            raise MemshardError(
-                f"solver time limit ({time_limit_s:g} s) hit before any plan was found; raise --time-limit"
-            )
-        raise MemshardError(f"solver stopped without a plan: {h.modelStatusToString(status)}")
-    gap = float(info.mip_gap) if np.isfinite(info.mip_gap) else 0.0
-    timed_out = status == highspy.HighsModelStatus.kTimeLimit
-    best = float(info.objective_function_value)
-    solution = h.getSolution()
-    # Second pass: hold the primary objective at its optimum, minimise the other one.
-    remaining = time_limit_s - (time.perf_counter() - started)
-    if not timed_out and remaining > 0.1:
-        slack = max(abs(best) * mip_gap, 1e-9)
-        row_cols, row_vals = primary
-        h.addRow(-highspy.kHighsInf, best + slack, len(row_cols), row_cols.astype(np.int32), row_vals)
-        status2 = run(*secondary, remaining, solution)
-        if h.getInfo().primal_solution_status == 2:
-            solution = h.getSolution()
-            timed_out = status2 == highspy.HighsModelStatus.kTimeLimit
-    values = np.array(solution.col_value)
+    try:
+        values, best, gap, timed_out = hs.optimise(primary, tie_break=secondary)
+    except Infeasible:
+        raise Infeasible(objective) from None
+    except SolverTimeLimit:
+        raise SolverTimeLimit(time_limit_s) from None
+    if not timed_out and not hs.expired():
+        # Second pass: hold the primary objective at its optimum, minimise the other one.
+        hs.add_row(primary, best + max(abs(best) * mip_gap, 1e-9))
+        second = hs.optimise(secondary, start=values, required=False)
+        if second is not None:
+            values, _, _, timed_out = second
     choices = tuple(int(np.argmax(values[cols])) for cols in b.x)
     keeps = tuple(int(round(values[b.kappa[e]])) if e in b.kappa else 0 for e in range(len(problem.edges)))
     step_time = float(values[t_cols] @ t_vals) * b.time_unit
@@ -480,11 +464,120 @@ def solve(
         objective=objective,
         gap=gap,
         time_s=time.perf_counter() - started,
-        variables=n,
+        variables=len(m.lower),
         constraints=len(m.rows_lo) + 1,
         ilp_peak_bytes=float(values[b.peak]) * b.bytes_unit,
         ilp_step_time_s=step_time,
     )
+
+
+class _Highs:
+    """One HiGHS model solved several times with different objectives and extra rows.
+
+    Each optimisation solves the LP relaxation first: the model's LP optimum is very often
+    integral (an integral LP optimum is the ILP optimum, so branch and bound is skipped);
+    otherwise HiGHS branches, warm-started from a given or freshly found solution.
+    """
+
+    def __init__(self, m: _Model, mip_gap: float, deadline: float):
+        self.deadline = deadline
+        self.mip_gap = mip_gap
+        self.n = len(m.lower)
+        self.integer = np.array(m.integer, dtype=bool)
+        h = self.h = highspy.Highs()
+        h.setOptionValue("output_flag", bool(os.environ.get("MEMSHARD_HIGHS_LOG")))
+        h.setOptionValue("random_seed", 0)
+        h.setOptionValue("threads", 1)
+        h.setOptionValue("mip_rel_gap", mip_gap)
+        h.setOptionValue("mip_abs_gap", 1e-9)
+        h.setOptionValue("presolve", "off")  # its probing costs more than it saves here
+        lp = highspy.HighsLp()
+        lp.num_col_ = self.n
+        lp.num_row_ = len(m.rows_lo)
+        lp.col_cost_ = np.zeros(self.n)
+        lp.col_lower_ = np.array(m.lower)
+        lp.col_upper_ = np.array(m.upper)
+        lp.row_lower_ = np.array(m.rows_lo)
+        lp.row_upper_ = np.array(m.rows_hi)
+        starts = np.zeros(len(m.row_cols) + 1, dtype=np.int64)
+        starts[1:] = np.cumsum([len(c) for c in m.row_cols])
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = starts
+        lp.a_matrix_.index_ = np.concatenate(m.row_cols) if m.row_cols else np.zeros(0, dtype=np.int64)
+        lp.a_matrix_.value_ = np.concatenate(m.row_vals) if m.row_vals else np.zeros(0)
+        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                           for i in m.integer]
+        h.passModel(lp)
+
+    def expired(self) -> bool:
+        return time.perf_counter() >= self.deadline
+
+    def add_row(self, expr, upper: float) -> None:
+        cols, vals = expr
+        self.h.addRow(-highspy.kHighsInf, upper, len(cols), cols.astype(np.int32), vals)
+
+    def _run(self, expr, relax: bool, start=None):
+        cost = np.zeros(self.n)
+        np.add.at(cost, expr[0], expr[1])
+        h = self.h
+        h.clearSolver()  # each pass starts cold: a stale basis steered HiGHS into slow searches
+        h.changeColsCost(self.n, np.arange(self.n, dtype=np.int32), cost)
+        h.setOptionValue("solve_relaxation", relax)
+        h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
+        if start is not None and not relax:
+            sol = highspy.HighsSolution()
+            sol.col_value = list(start)
+            sol.value_valid = True
+            h.setSolution(sol)
+        h.run()
+        status = h.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            raise Infeasible("")
+        info = h.getInfo()
+        if info.primal_solution_status != 2:
+            if status == highspy.HighsModelStatus.kTimeLimit:
+                raise SolverTimeLimit()
+            raise MemshardError(f"solver stopped without a plan: {h.modelStatusToString(status)}")
+        values = np.array(h.getSolution().col_value)
+        gap = 0.0 if relax or not np.isfinite(info.mip_gap) else float(info.mip_gap)
+        return values, float(info.objective_function_value), gap, status == highspy.HighsModelStatus.kTimeLimit
+
+    def integral(self, values: np.ndarray) -> bool:
+        v = values[self.integer]
+        return bool(np.all(np.minimum(np.abs(v), np.abs(1 - v)) < 1e-7))
+
+    def optimise(self, expr, start=None, tie_break=None, required: bool = True):
+        """Minimise ``expr``: (values, objective, gap, timed_out); None when not ``required``
+        and no solution came in time.
+
+        The LP relaxation comes first: an integral LP optimum is optimal. Otherwise branch
+        and bound runs, warm-started from ``start`` or, given a ``tie_break`` expression, from
+        the optimum of ``expr`` plus ``tie_break`` weighted at TIE_BREAK of ``expr``'s size:
+        that settles the many exact ties (which axis splits the batch, …) that otherwise
+        stall HiGHS's primal heuristics.
+        """
+        try:
+            values, obj, _, timed_out = self._run(expr, relax=True)
+            if timed_out:
+                raise SolverTimeLimit()
+            if self.integral(values):
+                return values, obj, 0.0, False
+            if start is None and tie_break is not None:
+                second = float(values[tie_break[0]] @ tie_break[1])
+                weight = TIE_BREAK * abs(obj) / second if second > 0 else 0.0
+                blend = (np.concatenate([expr[0], tie_break[0]]), np.concatenate([expr[1], tie_break[1] * weight]))
+                start = self._run(blend, relax=False)[0]
+            return self._run(expr, relax=False, start=start)
+        except SolverTimeLimit:
+            if required:
+                raise
+            return None
+
+
+class SolverTimeLimit(MemshardError):
+    def __init__(self, limit_s: float | None = None):
+        within = f" ({limit_s:g} s)" if limit_s is not None else ""
+        super().__init__(f"solver time limit{within} hit before any plan was found; raise --time-limit")
 
 
 class Infeasible(MemshardError):

@@ -1,0 +1,93 @@
+"""HiGHS vs PuLP + CBC (the solver Alpa and autoparallel use) on the same ILP.
+
+Builds memshard's ILP once (the peak-memory objective), hands the identical model to HiGHS
+and to CBC through PuLP, and times both in one run with the same relative gap.
+
+    .venv/bin/python benchmarks/solver_vs_cbc.py [--model gpt3-1.3b --mesh 2x4 --layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import highspy
+import numpy as np
+import pulp
+
+from memshard.mesh import parse_mesh
+from memshard.models import build_graph
+from memshard.problem import build_problem
+from memshard.solver import IlpBuilder, _Highs
+
+
+def build(args):
+    graph = build_graph(args.model, batch=args.batch, seq=args.seq, num_layers=args.layers)
+    problem = build_problem(graph, parse_mesh(args.mesh))
+    b = IlpBuilder(problem)
+    b.add_choice_rows()
+    b.add_link_rows()
+    b.add_edge_rows()
+    b.add_memory_rows(problem.candidate_points)
+    return problem, b
+
+
+def solve_highs(b: IlpBuilder, gap: float, limit: float) -> tuple[float, float]:
+    started = time.perf_counter()
+    hs = _Highs(b.m, gap, started + limit)
+    values, obj, _, _ = hs.optimise((np.array([b.peak]), np.array([1.0])), tie_break=b.time_expression())
+    return time.perf_counter() - started, obj
+
+
+def solve_cbc(b: IlpBuilder, gap: float, limit: float) -> tuple[float, float | None, str]:
+    m = b.m
+    started = time.perf_counter()
+    prob = pulp.LpProblem("memshard", pulp.LpMinimize)
+    xs = [
+        pulp.LpVariable(f"v{i}", lowBound=None if lo == -highspy.kHighsInf else lo,
+                        upBound=None if hi == highspy.kHighsInf else hi,
+                        cat="Integer" if integer else "Continuous")
+        for i, (lo, hi, integer) in enumerate(zip(m.lower, m.upper, m.integer))
+    ]
+    prob += xs[b.peak]
+    for k, (cols, vals, lo, hi) in enumerate(zip(m.row_cols, m.row_vals, m.rows_lo, m.rows_hi)):
+        expr = pulp.LpAffineExpression([(xs[int(c)], float(v)) for c, v in zip(cols, vals)])
+        if lo == hi:
+            prob += (expr == lo), f"r{k}"
+        else:
+            if lo != -highspy.kHighsInf:
+                prob += (expr >= lo), f"l{k}"
+            if hi != highspy.kHighsInf:
+                prob += (expr <= hi), f"u{k}"
+    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=gap, timeLimit=limit, threads=1))
+    elapsed = time.perf_counter() - started
+    return elapsed, pulp.value(prob.objective), pulp.LpStatus[status]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gpt3-1.3b")
+    ap.add_argument("--mesh", default="2x4")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--gap", type=float, default=1e-4)
+    ap.add_argument("--limit", type=float, default=600.0)
+    args = ap.parse_args()
+    problem, b = build(args)
+    nnz = sum(len(c) for c in b.m.row_cols)
+    print(f"{args.model} ({args.layers} layers) on {args.mesh}: {len(b.m.lower):,} variables "
+          f"({sum(b.m.integer):,} integer), {len(b.m.rows_lo):,} constraints, {nnz:,} nonzeros")
+    t_h, obj_h = solve_highs(b, args.gap, args.limit)
+    print(f"HiGHS {highspy.Highs().version() if hasattr(highspy.Highs(), 'version') else ''}: {t_h:.2f} s, "
+          f"peak {obj_h * b.bytes_unit / 2**30:.4f} GiB")
+    t_c, obj_c, status = solve_cbc(b, args.gap, args.limit)
+    peak_c = f"{obj_c * b.bytes_unit / 2**30:.4f} GiB" if obj_c is not None else "none"
+    print(f"PuLP {pulp.__version__} + CBC: {t_c:.2f} s ({status}), peak {peak_c}")
+    print(f"ratio CBC/HiGHS: {t_c / t_h:.1f}x   (machine: {platform.processor() or platform.machine()}, "
+          f"{platform.python_version()})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""The planner end to end through ``memshard.plan``: optimality against the zero-redundancy
+bound, exact vs shared-layer solving, the time objective and budgets, and the JSON schema."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import memshard
+from memshard.errors import MemshardError
+from memshard.placement import Shard, local_numel, parse_layout
+
+# A 4-layer GPT small enough that every solve takes a few seconds at most. (On a 2x2 mesh the
+# same model makes HiGHS take from 10 s to past a minute, so these tests use one axis of 4.)
+TINY = dict(batch=4, seq=32, num_layers=4, hidden=64, heads=2, vocab=128, ffn=128)
+TINY_MESH = "4"
+MIP_SLACK = 3e-4  # the solver's relative gap (1e-4) in each of its two passes, with room
+
+
+def gpt_parameters(L, h, f, V, P):
+    """GPT-2/3 parameter count by hand: tied wte, wpe, L pre-LN layers, final LayerNorm."""
+    layer = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h
+    return V * h + P * h + L * layer + 2 * h
+
+
+@pytest.fixture(scope="module")
+def tiny_memory_plan():
+    return memshard.plan("gpt2", TINY_MESH, **TINY)
+
+
+@pytest.fixture(scope="module")
+def tiny_time_plan(tiny_memory_plan):
+    budget = int(tiny_memory_plan.peak_bytes * 1.3)
+    return budget, memshard.plan("gpt2", TINY_MESH, objective="time", memory_budget=budget, **TINY)
+
+
+# -- near the bound on real models ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "model, mesh, batch, seq, psi",
+    [
+        ("gpt3-6.7b", "2x4", 16, 2048, gpt_parameters(32, 4096, 16384, 50257, 2048)),
+        ("llama3-8b", "8x8", 64, 4096, 8_030_261_248),  # HF LlamaForCausalLM
+    ],
+)
+def test_memory_objective_is_within_3_percent_of_the_bound(model, mesh, batch, seq, psi):
+    plan = memshard.plan(model, mesh, batch=batch, seq=seq)
+    n = math.prod(int(x) for x in mesh.split("x"))
+    assert plan.data["model"]["num_parameters"] == psi
+    # no plan holds less than the model states spread evenly: 16Ψ/N in mixed precision
+    assert plan.lower_bound_bytes >= 16 * psi / n
+    assert plan.peak_bytes >= plan.lower_bound_bytes
+    assert plan.peak_bytes <= 1.03 * plan.lower_bound_bytes
+    assert plan.data["solver"]["status"] == "optimal"
+
+
+# -- shared layers vs exact -----------------------------------------------------------------------
+def test_exact_and_shared_layers_agree(tiny_memory_plan):
+    exact = memshard.plan("gpt2", TINY_MESH, exact=True, **TINY)
+    shared = tiny_memory_plan
+    assert shared.data["solver"]["shared_layers"] is True
+    assert exact.data["solver"]["shared_layers"] is False
+    # exact mode has one set of variables per layer: more variables for 4 layers
+    assert exact.data["solver"]["variables"] > shared.data["solver"]["variables"]
+    assert exact.peak_bytes == pytest.approx(shared.peak_bytes, rel=1e-3)
+    for p in (exact, shared):
+        assert p.peak_bytes >= p.lower_bound_bytes
+
+
+# -- time objective and budgets ----------------------------------------------------------------------
+def test_time_objective_respects_the_memory_budget(tiny_memory_plan, tiny_time_plan):
+    budget, fast = tiny_time_plan
+    least = tiny_memory_plan
+    assert fast.data["objective"] == "time"
+    assert fast.peak_bytes <= budget
+    # the least-memory plan uses no more memory than the fastest plan within the budget …
+    assert least.peak_bytes <= fast.peak_bytes * (1 + MIP_SLACK)
+    # … and, since it fits the budget itself, it cannot be faster than that plan
+    assert fast.step_time_s <= least.step_time_s * (1 + MIP_SLACK)
+    # with 30 % more memory allowed there is a strictly faster plan on this model
+    assert fast.step_time_s < least.step_time_s
+
+
+def test_time_objective_budget_string(tiny_memory_plan):
+    budget_mib = math.ceil(tiny_memory_plan.peak_bytes * 1.3 / 2**20)
+    fast = memshard.plan("gpt2", TINY_MESH, objective="time", memory_budget=f"{budget_mib}MiB", **TINY)
+    assert fast.peak_bytes <= budget_mib * 2**20
+    assert fast.data["constraints"]["memory_budget_bytes"] == budget_mib * 2**20
+
+
+def test_max_step_time_is_respected(tiny_memory_plan, tiny_time_plan):
+    least = tiny_memory_plan
+    _, fast = tiny_time_plan
+    limit = (fast.step_time_s + least.step_time_s) / 2
+    assert limit < least.step_time_s  # the unconstrained memory plan is too slow for it
+    bounded = memshard.plan("gpt2", TINY_MESH, max_step_time_s=limit, **TINY)
+    assert bounded.step_time_s <= limit * (1 + 1e-9)
+    # a constrained minimum cannot beat the unconstrained one
+    assert bounded.peak_bytes >= least.peak_bytes * (1 - MIP_SLACK)
+    assert bounded.data["constraints"]["max_step_time_s"] == limit
+
+
+def test_budgets_must_be_positive():
+    for kwargs in ({"memory_budget": 0, "objective": "time"}, {"max_step_time_s": -1.0},
+                   {"time_limit_s": 0.0}, {"objective": "speed"}):
+        with pytest.raises(MemshardError):
+            memshard.plan("gpt2", TINY_MESH, **TINY, **kwargs)
+
+
+# -- JSON ------------------------------------------------------------------------------------------
+def test_plan_json_schema(tiny_memory_plan):
+    d = tiny_memory_plan.to_dict()
+    json.dumps(d, allow_nan=False)  # plain JSON, no NaN/inf
+    assert d["schema"] == "memshard.plan/1"
+    assert d["model"]["num_parameters"] == gpt_parameters(4, 64, 128, 128, 1024)
+    assert d["mesh"]["shape"] == [4]
+    assert d["objective"] == "memory"
+
+    mem = d["memory"]
+    peak = mem["peak_bytes_per_device"]
+    breakdown = mem["breakdown"]
+    assert set(breakdown) == {"parameters", "gradients", "optimizer_states", "activations", "transients"}
+    assert all(v >= 0 for v in breakdown.values())
+    assert sum(breakdown.values()) == pytest.approx(peak, rel=1e-12)
+    assert 0 <= mem["redundant_bytes_per_device"] <= peak
+    assert 0 < mem["lower_bound_bytes_per_device"] <= peak
+    assert d["communication"]["bytes_per_step_per_device"] >= 0
+    assert d["estimated_step_time_s"] > 0
+
+    solver = d["solver"]
+    assert solver["status"] in ("optimal", "time_limit")
+    assert solver["time_s"] > 0
+    assert isinstance(solver["variables"], int) and solver["variables"] > 0
+    assert isinstance(solver["constraints"], int) and solver["constraints"] > 0
+
+
+def test_plan_json_op_layouts_follow_the_split(tiny_memory_plan):
+    """For every linear op, the layouts follow from its einsum and split by the DTensor rule:
+    an axis splitting a dim the operand has → S(index); a contracted dim on the output → P;
+    otherwise R."""
+    d = tiny_memory_plan.to_dict()
+    axis_names = d["mesh"]["axis_names"]
+    ops = d["ops"]
+    assert ops and all({"name", "split", "input_layouts", "output_layout"} <= set(op) for op in ops)
+    linears = [op for op in ops if op["kind"] == "linear"]
+    assert len(linears) >= 6
+    for op in ops:
+        for text in [*op["input_layouts"].values(), op["output_layout"]]:
+            assert len(parse_layout(text)) == len(axis_names)
+    for op in linears:
+        inputs, out = op["einsum"].split("->")
+        inputs = inputs.split(",")
+        contracted = {c for x in inputs for c in x} - set(out)
+        split = [op["split"].get(a) for a in axis_names]
+
+        def layout(dims, is_output, split=split, contracted=contracted):
+            text = ""
+            for d in split:
+                if d is not None and d in dims:
+                    text += f"S({dims.index(d)})"
+                elif d is not None and is_output and d in contracted:
+                    text += "P"
+                else:
+                    text += "R"
+            return text
+
+        assert op["output_layout"] == layout(out, True), op["name"]
+        assert list(op["input_layouts"].values()) == [layout(x, False) for x in inputs], op["name"]
+
+
+def test_plan_json_parameter_storage_bytes(tiny_memory_plan):
+    """Per-parameter bytes from shape, layout, ZeRO stage and storage axes, by the ZeRO rule
+    (mixed precision: 2 + 2 + 12 bytes per element, the sharded ones divided, rounded up)."""
+    d = tiny_memory_plan.to_dict()
+    sizes = dict(zip(d["mesh"]["axis_names"], d["mesh"]["shape"], strict=True))
+    params = d["parameters"]
+    assert params
+    total_p = total_o = 0
+    for p in params:
+        assert {"names", "shape", "layout", "gradient_layout", "storage", "zero_stage", "storage_axes"} <= set(p)
+        layout = parse_layout(p["layout"])
+        assert all(isinstance(x, Shard) or str(x) == "R" for x in layout)  # weights are never partial
+        local = local_numel(tuple(p["shape"]), layout, tuple(d["mesh"]["shape"]))
+        ways = math.prod(sizes[a] for a in p["storage_axes"])
+        shard = -(-local // ways)
+        stage = p["zero_stage"]
+        expected = {
+            "parameters": (shard if stage >= 3 else local) * 2,
+            "gradients": (shard if stage >= 2 else local) * 2,
+            "optimizer_states": (shard if stage >= 1 else local) * 12,
+        }
+        assert p["bytes_per_device"] == expected, p["names"]
+        if stage == 0:
+            assert p["storage_axes"] == [] and p["storage"] == "none"
+        total_p += p["instances"] * expected["parameters"]
+        total_o += p["instances"] * expected["optimizer_states"]
+    # weights and optimizer states are live at every point, so at the peak too
+    assert d["memory"]["breakdown"]["parameters"] == total_p
+    assert d["memory"]["breakdown"]["optimizer_states"] == total_o
+    # every parameter of the model is accounted for exactly once
+    counted = sum(p["instances"] * math.prod(p["shape"]) for p in params)
+    assert counted == d["model"]["num_parameters"]
