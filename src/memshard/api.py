@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from memshard.coarsen import lift_selection, merge_groups, merged_mesh
 from memshard.errors import MemshardError
 from memshard.graph import Graph
 from memshard.mesh import Mesh, parse_mesh
@@ -22,6 +25,7 @@ def plan(
     max_step_time_s: float | None = None,
     memory_budget: int | str | None = None,
     exact: bool = False,
+    full_mesh: bool = False,
     time_limit_s: float = 60.0,
     mip_gap: float = 1e-4,
     **model_overrides,
@@ -30,7 +34,9 @@ def plan(
     under ``max_step_time_s``) or the fastest plan under ``memory_budget`` (``"time"``).
 
     ``model`` is a preset name (see ``memshard models``), a :class:`ModelConfig` or a graph;
-    ``batch`` is the global batch in sequences (default: one per device).
+    ``batch`` is the global batch in sequences (default: one per device). On meshes of three
+    or more axes, adjacent axes with identical links are planned as one (see ``coarsen.py``)
+    unless ``full_mesh``.
     """
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     if isinstance(memory_budget, str):
@@ -50,11 +56,19 @@ def plan(
         model_info = {"batch": batch, "seq": graph.tensors["input_ids"].shape[1]}
     problem = build_problem(graph, mesh, shared_layers=not exact)
     constraints = {"max_step_time_s": max_step_time_s, "memory_budget_bytes": memory_budget}
+    groups = merge_groups(mesh)
+    searched = problem
+    if mesh.ndim >= 3 and len(groups) < mesh.ndim and not full_mesh:
+        searched = build_problem(graph, merged_mesh(mesh, groups), shared_layers=not exact)
     try:
-        result = solve(problem, objective, max_step_time_s=max_step_time_s,
+        result = solve(searched, objective, max_step_time_s=max_step_time_s,
                        memory_budget_bytes=memory_budget, time_limit_s=time_limit_s, mip_gap=mip_gap)
     except Infeasible:
-        raise _explain_infeasible(problem, objective, max_step_time_s, memory_budget, time_limit_s) from None
+        raise _explain_infeasible(searched, objective, max_step_time_s, memory_budget, time_limit_s) from None
+    if searched is not problem:
+        lifted = lift_selection(searched, problem, result.selection, groups)
+        merged = " and ".join("×".join(mesh.axis_names[a] for a in g) for g in groups if len(g) > 1)
+        result = replace(result, selection=lifted, search_space=f"axes {merged} planned as one")
     return build_plan(problem, result, model=model_info, constraints=constraints)
 
 

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-step-time", type=_seconds, help="with --objective memory: step-time budget, e.g. 2.5s")
     p.add_argument("--memory-budget", help="with --objective time: bytes per device, e.g. 80GiB (default: --device-memory)")
     p.add_argument("--exact", action="store_true", help="solve without sharing variables across identical layers")
+    p.add_argument("--full-mesh", action="store_true",
+                   help="on 3+ axis meshes, search every axis separately (slow) instead of merging alike axes")
     p.add_argument("--time-limit", type=_seconds, default=60.0, help="solver time limit (default 60s)")
     p.add_argument("--json", metavar="PATH", help="write the complete plan as JSON")
     p.add_argument("--top", type=_positive_int, default=10, help="how many of the most redundant ops to list")
@@ -122,6 +124,7 @@ def _cmd_plan(args, console) -> None:
         result = plan(
             args.model, mesh, objective=args.objective, batch=args.batch, seq=args.seq,
             max_step_time_s=args.max_step_time, memory_budget=args.memory_budget, exact=args.exact,
+            full_mesh=args.full_mesh,
             time_limit_s=args.time_limit, **knobs,
         )
     if args.json:

@@ -227,6 +227,7 @@ def build_plan(
             "variables": result.variables if result else 0,
             "constraints": result.constraints if result else 0,
             "shared_layers": problem.shared_layers,
+            "search_space": result.search_space if result else "fixed plan",
         },
         "most_redundant_ops": [{"op": k, "redundant_bytes_per_device": v} for k, v in top_ops],
         "ops": ops,

@@ -75,6 +75,7 @@ class SolveResult:
     constraints: int
     ilp_peak_bytes: float
     ilp_step_time_s: float
+    search_space: str = "full"
 
 
 class _Model:
