@@ -36,8 +36,10 @@ fixed (one thread, seed 0) so the same input gives the same plan.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -485,8 +487,10 @@ class _Highs:
         self.mip_gap = mip_gap
         self.n = len(m.lower)
         self.integer = np.array(m.integer, dtype=bool)
-        h = self.h = highspy.Highs()
-        h.setOptionValue("output_flag", bool(os.environ.get("MEMSHARD_HIGHS_LOG")))
+        log = bool(os.environ.get("MEMSHARD_HIGHS_LOG"))
+        with contextlib.nullcontext() if log else _silenced_stdout():
+            h = self.h = highspy.Highs()  # prints a banner from C++ on construction
+        h.setOptionValue("output_flag", log)
         h.setOptionValue("random_seed", 0)
         h.setOptionValue("threads", 1)
         h.setOptionValue("mip_rel_gap", mip_gap)
@@ -573,6 +577,21 @@ class _Highs:
             if required:
                 raise
             return None
+
+
+@contextlib.contextmanager
+def _silenced_stdout():
+    """Send the process's C-level stdout to /dev/null for a moment (HiGHS's banner)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 class SolverTimeLimit(MemshardError):
