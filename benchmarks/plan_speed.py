@@ -50,7 +50,7 @@ def main() -> None:
         s = plan["solver"]
         m = plan["memory"]
         print(f"| {model} b{batch} s{seq} | {mesh} | {statistics.median(times):.2f} s | "
-              f"{'≤ %g s' % goal if goal else '-'} | {s['variables']:,} / {s['constraints']:,} | "
+              f"{f'≤ {goal:g} s' if goal else '-'} | {s['variables']:,} / {s['constraints']:,} | "
               f"{s['search_space']} | {m['peak_bytes_per_device'] / 2**30:.2f} GiB | {m['above_lower_bound']:+.2%} |")
 
 

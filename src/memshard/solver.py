@@ -1,7 +1,7 @@
 r"""The ILP that picks one strategy per op, one storage option per parameter and the edges'
 keep flags, solved with HiGHS (``highspy``).
 
-Formulation (memory in GiB and time in ms inside the model, for conditioning)::
+Formulation (bytes and seconds in units scaled to the problem, see ``_units``)::
 
   variables
     x[g,c] ∈ {0,1}     group g (op strategy, parameter storage) takes choice c
@@ -18,20 +18,22 @@ Formulation (memory in GiB and time in ms inside the model, for conditioning)::
                   Σ_k Σ_{σ at a=A−1 with consumer part K} z = Σ_{s: in(s)=K} x[c,s]
                   flow into each state of step a+1 = flow out of step a     add_edge_rows
                   Σ_{σ} z[e,1,0,σ] = κ[e]
-  holders         y[τ,H,L] ≥ [holder h holds τ in L]  ∀h ∈ H                add_holder_rows
-  peak            Σ live bytes at point t ≤ M   for every candidate point t   add_memory_rows
+  holders         y[τ,H,L] ≥ [holder h holds τ in L]  ∀h ∈ H                _or_var
+  peak            L_t = L_prev + Δ_t (live bytes, chained),  L_t + const_t ≤ M
+                  for every candidate point t                               add_memory_rows
   step time       T = Σ instances·time(x) + Σ instances·time(z)             time_expression
-                  T ≤ budget (objective "memory" with --max-step-time)      add_budget_row
-                  M ≤ capacity (objective "time")                            add_budget_row
+                  T ≤ budget (objective "memory" with --max-step-time)      add_budget_rows
+                  M ≤ capacity (objective "time")                            add_budget_rows
 
 The edge flow is Alpa's edge linearisation factored by mesh axis: resharding runs axis by axis
 (forward in axis order, gradients in reverse), so the cost of step a depends only on σ, and
 an edge needs Σ_a |σ_a| variables instead of |producer layouts| × |consumer layouts|. With the
 x integral the flow is integral (each state has one way in and out), so z is continuous.
 
-Objectives: ``memory`` minimises M, then, with M held at its optimum, the step time (ties
-broken by time); ``time`` minimises T subject to M ≤ budget, then M. Solver options are
-fixed (one thread, seed 0) so the same input gives the same plan.
+Objectives: ``memory`` minimises M, then, with M held within the gap of its optimum, the step
+time (ties broken by time); ``time`` minimises T subject to M ≤ budget, then M. Each pass
+solves the LP relaxation first and branches only if it is fractional (``_Highs.optimise``).
+Solver options are fixed (one thread, seed 0) so the same input gives the same plan.
 """
 
 from __future__ import annotations
@@ -383,6 +385,13 @@ class IlpBuilder:
                 self.m.row(row, -highspy.kHighsInf, 0.0)
         return self.y[key]
 
+    def add_budget_rows(self, objective: str, time_expr, max_step_time_s, memory_budget_bytes) -> None:
+        if objective == "memory" and max_step_time_s is not None:
+            self.m.row(time_expr, -highspy.kHighsInf, max_step_time_s / self.time_unit)
+        if objective == "time":
+            budget = memory_budget_bytes if memory_budget_bytes is not None else self.p.mesh.device_memory_bytes
+            self.m.row({self.peak: 1.0}, -highspy.kHighsInf, budget / self.bytes_unit)
+
     def time_expression(self) -> tuple[np.ndarray, np.ndarray]:
         cols, vals = list(self.time_cols), list(self.time_vals)
         for g, grp in enumerate(self.p.groups):
@@ -433,12 +442,8 @@ def solve(
     b.add_edge_rows()
     b.add_memory_rows(problem.candidate_points)
     t_cols, t_vals = b.time_expression()
+    b.add_budget_rows(objective, (t_cols, t_vals), max_step_time_s, memory_budget_bytes)
     m = b.m
-    if objective == "memory" and max_step_time_s is not None:
-        m.row((t_cols, t_vals), -highspy.kHighsInf, max_step_time_s / b.time_unit)
-    if objective == "time":
-        budget = memory_budget_bytes if memory_budget_bytes is not None else problem.mesh.device_memory_bytes
-        m.row(({b.peak: 1.0}), -highspy.kHighsInf, budget / b.bytes_unit)
 
     hs = _Highs(m, mip_gap, started + time_limit_s)
     peak_obj = (np.array([b.peak]), np.array([1.0]))

@@ -48,8 +48,6 @@ def build_bert(cfg: ModelConfig, batch: int, seq: int) -> Graph:
         },
     )
     bsh = ("b", "s", "h")
-    bsnd = ("b", "s", "n", "d")
-    bnst = ("b", "n", "s", "t")
     ids = g.input("input_ids", ("b", "s"))
     token_types = g.input("token_type_ids", ("b", "s"))
     labels = g.input("labels", ("b", "s"))
@@ -80,25 +78,9 @@ def build_bert(cfg: ModelConfig, batch: int, seq: int) -> Graph:
 
     for i in range(cfg.num_layers):
         g.begin_layer(i, f"layers.{i}.")
-        q = g.linear("attn.q", x, bsh, ("h", "n", "d"), bsnd, bias=True)
-        k = g.linear("attn.k", x, bsh, ("h", "n", "d"), bsnd, bias=True)
-        v = g.linear("attn.v", x, bsh, ("h", "n", "d"), bsnd, bias=True)
-        scores = g.matmul("attn.scores", (q, bsnd), (k, ("b", "t", "n", "d")), bnst)
-        probs = g.softmax("attn.softmax", scores, bnst, "t")
-        if cfg.dropout:
-            probs = g.dropout("attn.attn_dropout", probs, bnst)
-        ctx = g.matmul("attn.context", (probs, bnst), (v, ("b", "t", "n", "d")), bsnd)
-        a = g.linear("attn.proj", ctx, bsnd, ("n", "d", "h"), bsh, bias=True)
-        if cfg.dropout:
-            a = g.dropout("attn.resid_dropout", a, bsh)
-        x = g.add("attn.residual", x, a, bsh)
-        x = g.norm("ln_1", x, bsh, "h", bias=True)
-        u = g.linear("mlp.fc", x, bsh, ("h", "f"), ("b", "s", "f"), bias=True)
-        u = g.activation_fn("mlp.gelu", "gelu", u, ("b", "s", "f"))
-        o = g.linear("mlp.proj", u, ("b", "s", "f"), ("f", "h"), bsh, bias=True)
-        if cfg.dropout:
-            o = g.dropout("mlp.resid_dropout", o, bsh)
-        x = g.add("mlp.residual", x, o, bsh)
+        x = g.add("attn.residual", x, g.attention_block(x, cfg.dropout), bsh)
+        x = g.norm("ln_1", x, bsh, "h", bias=True)  # post-LN: the norm follows the add
+        x = g.add("mlp.residual", x, g.gelu_mlp_block(x, cfg.dropout), bsh)
         x = g.norm("ln_2", x, bsh, "h", bias=True)
 
     g.begin_layer(None)

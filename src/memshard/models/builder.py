@@ -192,3 +192,26 @@ class GraphBuilder:
             reduced_dims=(over,), stats_per_row=3, saves_inputs=(0, 1), flops_per_point=5.0,
         )
 
+    # -- blocks shared by GPT and BERT ------------------------------------------------------------
+    def attention_block(self, x: str, dropout: bool) -> str:
+        """Megatron-style multi-head attention on ``x[b,s,h]`` (unfused: scores, softmax,
+        dropout, context), up to the output projection and its dropout, before the residual."""
+        bsh, bsnd, btnd, bnst = ("b", "s", "h"), ("b", "s", "n", "d"), ("b", "t", "n", "d"), ("b", "n", "s", "t")
+        q = self.linear("attn.q", x, bsh, ("h", "n", "d"), bsnd, bias=True)
+        k = self.linear("attn.k", x, bsh, ("h", "n", "d"), bsnd, bias=True)
+        v = self.linear("attn.v", x, bsh, ("h", "n", "d"), bsnd, bias=True)
+        scores = self.matmul("attn.scores", (q, bsnd), (k, btnd), bnst)
+        probs = self.softmax("attn.softmax", scores, bnst, "t")
+        if dropout:
+            probs = self.dropout("attn.attn_dropout", probs, bnst)
+        ctx = self.matmul("attn.context", (probs, bnst), (v, btnd), bsnd)
+        a = self.linear("attn.proj", ctx, bsnd, ("n", "d", "h"), bsh, bias=True)
+        return self.dropout("attn.resid_dropout", a, bsh) if dropout else a
+
+    def gelu_mlp_block(self, x: str, dropout: bool) -> str:
+        """h → f → h with GeLU, and the output dropout, before the residual."""
+        bsh, bsf = ("b", "s", "h"), ("b", "s", "f")
+        u = self.linear("mlp.fc", x, bsh, ("h", "f"), bsf, bias=True)
+        u = self.activation_fn("mlp.gelu", "gelu", u, bsf)
+        o = self.linear("mlp.proj", u, bsf, ("f", "h"), bsh, bias=True)
+        return self.dropout("mlp.resid_dropout", o, bsh) if dropout else o

@@ -37,25 +37,9 @@ def build_gpt(cfg: ModelConfig, batch: int, seq: int):
     for i in range(cfg.num_layers):
         g.begin_layer(i, f"layers.{i}.")
         y = g.norm("ln_1", x, bsh, "h", bias=True)
-        q = g.linear("attn.q", y, bsh, ("h", "n", "d"), ("b", "s", "n", "d"), bias=True)
-        k = g.linear("attn.k", y, bsh, ("h", "n", "d"), ("b", "s", "n", "d"), bias=True)
-        v = g.linear("attn.v", y, bsh, ("h", "n", "d"), ("b", "s", "n", "d"), bias=True)
-        scores = g.matmul("attn.scores", (q, ("b", "s", "n", "d")), (k, ("b", "t", "n", "d")), ("b", "n", "s", "t"))
-        probs = g.softmax("attn.softmax", scores, ("b", "n", "s", "t"), "t")
-        if cfg.dropout:
-            probs = g.dropout("attn.attn_dropout", probs, ("b", "n", "s", "t"))
-        ctx = g.matmul("attn.context", (probs, ("b", "n", "s", "t")), (v, ("b", "t", "n", "d")), ("b", "s", "n", "d"))
-        a = g.linear("attn.proj", ctx, ("b", "s", "n", "d"), ("n", "d", "h"), bsh, bias=True)
-        if cfg.dropout:
-            a = g.dropout("attn.resid_dropout", a, bsh)
-        x = g.add("attn.residual", x, a, bsh)
+        x = g.add("attn.residual", x, g.attention_block(y, cfg.dropout), bsh)
         y = g.norm("ln_2", x, bsh, "h", bias=True)
-        u = g.linear("mlp.fc", y, bsh, ("h", "f"), ("b", "s", "f"), bias=True)
-        u = g.activation_fn("mlp.gelu", "gelu", u, ("b", "s", "f"))
-        o = g.linear("mlp.proj", u, ("b", "s", "f"), ("f", "h"), bsh, bias=True)
-        if cfg.dropout:
-            o = g.dropout("mlp.resid_dropout", o, bsh)
-        x = g.add("mlp.residual", x, o, bsh)
+        x = g.add("mlp.residual", x, g.gelu_mlp_block(y, cfg.dropout), bsh)
 
     g.begin_layer(None)
     y = g.norm("ln_f", x, bsh, "h", bias=True)
