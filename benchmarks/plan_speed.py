@@ -18,20 +18,21 @@ import sys
 import tempfile
 import time
 
-CASES = [
-    ("llama3-8b", "8x8", 64, 4096, 1.0),
-    ("gpt3-6.7b", "2x4", 16, 2048, None),
-    ("gpt3-175b", "8x8x16", 1536, 2048, 10.0),
+CASES = [  # model, mesh, batch, seq, micro-batches, goal (s)
+    ("llama3-8b", "8x8", 64, 4096, 1, 1.0),
+    ("gpt3-6.7b", "2x4", 16, 2048, 1, None),
+    ("gpt3-175b", "8x8x16", 1536, 2048, 1, 10.0),
+    ("gpt3-175b", "8x8x16", 1536, 2048, 48, 10.0),
 ]
 MEMSHARD = [sys.executable, "-m", "memshard.cli"]
 
 
-def run(model: str, mesh: str, batch: int, seq: int) -> tuple[float, dict]:
+def run(model: str, mesh: str, batch: int, seq: int, micro: int) -> tuple[float, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         started = time.perf_counter()
         subprocess.run(MEMSHARD + ["plan", "--model", model, "--mesh", mesh, "--batch", str(batch),
-                                   "--seq", str(seq), "--brief", "--json", out],
+                                   "--seq", str(seq), "--micro-batches", str(micro), "--brief", "--json", out],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         elapsed = time.perf_counter() - started
         with open(out) as f:
@@ -42,14 +43,14 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
     print("| job | mesh | wall time (median of 3) | goal | ILP variables / constraints | search | peak / device | above bound |")
     print("|---|---|---|---|---|---|---|---|")
-    for model, mesh, batch, seq, goal in CASES:
+    for model, mesh, batch, seq, micro, goal in CASES:
         times, plan = [], None
         for _ in range(3):
-            t, plan = run(model, mesh, batch, seq)
+            t, plan = run(model, mesh, batch, seq, micro)
             times.append(t)
         s = plan["solver"]
         m = plan["memory"]
-        print(f"| {model} b{batch} s{seq} | {mesh} | {statistics.median(times):.2f} s | "
+        print(f"| {model} b{batch} s{seq}{f' ×{micro} micro-batches' if micro > 1 else ''} | {mesh} | {statistics.median(times):.2f} s | "
               f"{f'≤ {goal:g} s' if goal else '-'} | {s['variables']:,} / {s['constraints']:,} | "
               f"{s['search_space']} | {m['peak_bytes_per_device'] / 2**30:.2f} GiB | {m['above_lower_bound']:+.2%} |")
 

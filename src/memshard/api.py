@@ -22,6 +22,7 @@ def plan(
     objective: str = "memory",
     batch: int | None = None,
     seq: int | None = None,
+    micro_batches: int = 1,
     max_step_time_s: float | None = None,
     memory_budget: int | str | None = None,
     exact: bool = False,
@@ -34,7 +35,8 @@ def plan(
     under ``max_step_time_s``) or the fastest plan under ``memory_budget`` (``"time"``).
 
     ``model`` is a preset name (see ``memshard models``), a :class:`ModelConfig` or a graph;
-    ``batch`` is the global batch in sequences (default: one per device). On meshes of three
+    ``batch`` is the global batch in sequences (default: one per device), run as
+    ``micro_batches`` accumulated micro-batches of ``batch / micro_batches``. On meshes of three
     or more axes, adjacent axes with identical links are planned as one (see ``coarsen.py``)
     unless ``full_mesh``.
     """
@@ -47,19 +49,24 @@ def plan(
         raise MemshardError("the step-time budget must be positive")
     if time_limit_s <= 0:
         raise MemshardError("the solver time limit must be positive")
+    if micro_batches < 1:
+        raise MemshardError("the number of micro-batches must be positive")
     if isinstance(model, Graph):
         graph = model
         model_info = {}
     else:
         batch = mesh.num_devices if batch is None else batch
-        graph = build_graph(model, batch=batch, seq=seq, **model_overrides)
-        model_info = {"batch": batch, "seq": graph.tensors["input_ids"].shape[1]}
-    problem = build_problem(graph, mesh, shared_layers=not exact)
+        if batch % micro_batches:
+            raise MemshardError(f"a batch of {batch} does not split into {micro_batches} equal micro-batches")
+        graph = build_graph(model, batch=batch // micro_batches, seq=seq, **model_overrides)
+        model_info = {"batch": batch, "micro_batches": micro_batches, "seq": graph.tensors["input_ids"].shape[1]}
+    problem = build_problem(graph, mesh, shared_layers=not exact, micro_batches=micro_batches)
     constraints = {"max_step_time_s": max_step_time_s, "memory_budget_bytes": memory_budget}
     groups = merge_groups(mesh)
     searched = problem
     if mesh.ndim >= 3 and len(groups) < mesh.ndim and not full_mesh:
-        searched = build_problem(graph, merged_mesh(mesh, groups), shared_layers=not exact)
+        searched = build_problem(graph, merged_mesh(mesh, groups), shared_layers=not exact,
+                                 micro_batches=micro_batches)
     try:
         result = solve(searched, objective, max_step_time_s=max_step_time_s,
                        memory_budget_bytes=memory_budget, time_limit_s=time_limit_s, mip_gap=mip_gap)

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x4 or 8x8x16 (last axis = within a node)")
     p.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
     p.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
+    p.add_argument("--micro-batches", type=_positive_int, default=1,
+                   help="gradient accumulation: run the batch as this many equal micro-batches per step")
     p.add_argument("--objective", choices=("memory", "time"), default="memory",
                    help="memory: least peak memory (default); time: fastest step within --memory-budget")
     p.add_argument("--max-step-time", type=_seconds, help="with --objective memory: step-time budget, e.g. 2.5s")
@@ -123,6 +125,7 @@ def _cmd_plan(args, console) -> None:
     with console.status("solving…"):
         result = plan(
             args.model, mesh, objective=args.objective, batch=args.batch, seq=args.seq,
+            micro_batches=args.micro_batches,
             max_step_time_s=args.max_step_time, memory_budget=args.memory_budget, exact=args.exact,
             full_mesh=args.full_mesh,
             time_limit_s=args.time_limit, **knobs,

@@ -97,7 +97,7 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
     by_kind: dict[str, dict[str, float]] = {k: {"calls": 0, "buffer_bytes": 0.0, "wire_bytes": 0.0} for k in comm.KINDS}
     priced = [(g.instances, g.choices[k].compute_s, g.choices[k].calls)
               for g, k in zip(problem.groups, selection.choices)]
-    priced += [(edge.instances, 0.0, problem.edge_calls(selection, e)) for e, edge in enumerate(problem.edges)]
+    priced += [(edge.executions, 0.0, problem.edge_calls(selection, e)) for e, edge in enumerate(problem.edges)]
     for instances, compute_s, calls in priced:
         compute += instances * compute_s
         for call in calls:

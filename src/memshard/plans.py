@@ -189,7 +189,7 @@ def build_plan(
             "consumer_layout": format_layout(lc),
             "saved_in_producer_layout": keep,
             "collectives": [c.kind for c in calls],
-            "bytes_per_step": comm.total_wire_bytes(calls, mesh) * edge.instances,
+            "bytes_per_step": comm.total_wire_bytes(calls, mesh) * edge.executions,
         })
 
     red_by_op = redundancy_by_op(problem, selection, ev.peak_point)

@@ -96,6 +96,7 @@ class Edge:
     input_index: int
     saves: bool
     instances: int = 0
+    executions: int = 0  # per step: instances × micro-batches
 
     def can_keep(self, producer_layout: Layout, consumer_layout: Layout) -> bool:
         return self.saves and not any(isinstance(p, Partial) for p in producer_layout)
@@ -167,6 +168,7 @@ class Problem:
     constants: list[Constant]
     candidate_points: list[int]
     op_group: list[int]  # op index → its group
+    micro_batches: int
     edge_of_input: dict[tuple[int, int], int]  # (consumer op, input index) → edge
     storage_group: dict[str, int]  # parameter name → storage group
 
@@ -226,10 +228,11 @@ def _role_key(op: Op, shared: bool) -> str:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, mesh: Mesh, shared: bool):
+    def __init__(self, graph: Graph, mesh: Mesh, shared: bool, micro_batches: int):
         self.g = graph
         self.mesh = mesh
         self.shared = shared
+        self.k = micro_batches
         self.sched = Schedule(len(graph.ops))
         self.groups: list[Group] = []
         self.index: dict[tuple, int] = {}
@@ -278,7 +281,9 @@ class _Builder:
                 axes = tuple(a for a, d in enumerate(s.assignment) if d in op.reduced_dims)
                 calls = comm.all_reduce_over(rows * op.stats_per_row * STATS_BYTES, axes)
                 calls *= 1 + STATS_IN_BACKWARD.get(op.kind, 0)
-            out.append(Choice(s.name(), flops / rate, calls, flops / rate + self.time(calls)))
+            compute = flops / rate * self.k
+            calls *= self.k
+            out.append(Choice(s.name(), compute, calls, compute + self.time(calls)))
         return out
 
     def add_ops(self) -> list[int]:
@@ -413,8 +418,9 @@ class _Builder:
             whole = (0, S.optimizer)
             self.slot(gid, *whole, "parameters", *v["parameters"], spec.numel * prec.param_bytes)
             self.slot(gid, *whole, "optimizer_states", *v["optimizer_states"], spec.numel * prec.optimizer_bytes)
-            self.slot(gid, S.backward(max(i for i, _ in uses)), S.optimizer, "gradients", *v["gradients"],
-                      spec.numel * prec.grad_bytes)
+            # With several micro-batches the gradients accumulate across them: live all step.
+            grads_from = S.backward(max(i for i, _ in uses)) if self.k == 1 else 0
+            self.slot(gid, grads_from, S.optimizer, "gradients", *v["gradients"], spec.numel * prec.grad_bytes)
             for i, _ in uses:
                 for point in (S.forward(i), S.backward(i)):
                     self.slot(gid, point, point, "transients", *v["gathered"])
@@ -440,18 +446,23 @@ class _Builder:
         }
 
     def sync_calls(self, spec: TensorSpec, G: tuple[str, ...], opt: StorageOption, n_uses: int):
-        """Gradient reduction and weight gathers one step needs for this storage option."""
+        """Gradient reduction and weight gathers one step needs for this storage option.
+
+        Gradients are reduced once per step (accumulated locally over micro-batches) unless
+        they are stored sharded (ZeRO-2/3), which reduces them after every micro-batch;
+        ZeRO-3 gathers the weight around every use in every micro-batch."""
         mesh, prec = self.mesh, self.g.precision
         numel = local_numel(spec.shape, param_layout(G), mesh.shape)
         partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
         sharded = set(opt.axes) if opt.stage >= 1 else set()
-        calls = comm.all_reduce_over(numel * prec.grad_bytes, tuple(a for a in partial_axes if a not in sharded))
+        reduce = comm.all_reduce_over(numel * prec.grad_bytes, tuple(a for a in partial_axes if a not in sharded))
         if sharded:
-            calls += comm.reduce_scatter_flat(numel, prec.grad_bytes, tuple(a for a in opt.axes if a in partial_axes), mesh)
+            reduce += comm.reduce_scatter_flat(numel, prec.grad_bytes, tuple(a for a in opt.axes if a in partial_axes), mesh)
+        calls = reduce * (self.k if opt.stage >= 2 else 1)
         if opt.stage in (1, 2):
             calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh)
         elif opt.stage == 3:
-            calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh) * (2 * n_uses)
+            calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh) * (2 * n_uses * self.k)
         return calls
 
     def add_inputs(self) -> None:
@@ -462,18 +473,23 @@ class _Builder:
                                                spec.nbytes * (1 - 1 / n), spec.nbytes))
 
 
-def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True) -> Problem:
-    b = _Builder(graph, mesh, shared_layers)
+def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_batches: int = 1) -> Problem:
+    """``graph`` describes one micro-batch; a step runs ``micro_batches`` of them (gradient
+    accumulation) and one optimizer update."""
+    b = _Builder(graph, mesh, shared_layers, micro_batches)
     op_group = b.add_ops()
     b.op_slots(op_group)
     edge_of_input = b.add_edges(op_group)
+    for edge in b.edges:
+        edge.executions = edge.instances * micro_batches
     storage_group = b.add_storage(op_group)
     b.add_inputs()
     return Problem(
         graph=graph, mesh=mesh, schedule=b.sched, shared_layers=shared_layers, groups=b.groups,
         links=b.links, edges=b.edges, slots=b.slots, held=b.held, holders=b.holders,
         constants=b.constants, candidate_points=candidate_points(graph, b.sched, shared_layers),
-        op_group=op_group, edge_of_input=edge_of_input, storage_group=storage_group,
+        op_group=op_group, micro_batches=micro_batches, edge_of_input=edge_of_input,
+        storage_group=storage_group,
     )
 
 

@@ -25,6 +25,8 @@ def render_plan(plan: Plan, console: Console, top: int = 10, show_strategy: bool
     mesh = d["mesh"]
     shape = "x".join(str(s) for s in mesh["shape"])
     extra = "".join(f", {k} {model[k]}" for k in ("batch", "seq") if k in model)
+    if model.get("micro_batches", 1) > 1:
+        extra += f" in {model['micro_batches']} micro-batches"
     console.print(
         f"[bold]{model['name']}[/] ({model['num_parameters'] / 1e9:.3g}B parameters, "
         f"{model['precision']}{extra}) on mesh [bold]{shape}[/] ({mesh['num_devices']} devices), "

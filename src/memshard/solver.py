@@ -185,7 +185,7 @@ class IlpBuilder:
                     t = self._step_time(spec, a, cpre, psuf, cv, k, mesh)
                     if t:
                         cost_cols.append(col)
-                        cost_vals.append(t * edge.instances / self.time_unit)
+                        cost_vals.append(t * edge.executions / self.time_unit)
         if cost_cols:
             self.time_cols.append(np.array(cost_cols))
             self.time_vals.append(np.array(cost_vals))
