@@ -144,6 +144,8 @@ BAD = {
     "peak-tflops-nan": ["plan", "--model", "gpt2", *SMALL, "--peak-tflops", "nan"],
     "peak-tflops-negative": ["plan", "--model", "gpt2", *SMALL, "--peak-tflops=-1"],
     "device-memory-unreadable": ["plan", "--model", "gpt2", *SMALL, "--device-memory", "lots"],
+    "gap-out-of-range": ["plan", "--model", "gpt2", *SMALL, "--gap", "2"],
+    "micro-batches-not-dividing": ["plan", "--model", "gpt2", *SMALL, "--micro-batches", "3"],
     "axis-names-miscounted": ["plan", "--model", "gpt2", *SMALL, "--axis-names", "a,b"],
     "no-command": [],
     "unknown-option": ["plan", "--model", "gpt2", "--mesh", "2x2", "--frobnicate"],

@@ -14,7 +14,7 @@ from memshard.placement import Shard, local_numel, parse_layout
 
 # A 4-layer GPT small enough that every solve takes a few seconds at most. (On a 2x2 mesh the
 # same model makes HiGHS take from 10 s to past a minute, so these tests use one axis of 4.)
-TINY = dict(batch=4, seq=32, num_layers=4, hidden=64, heads=2, vocab=128, ffn=128)
+TINY = dict(batch=4, seq=32, num_layers=4, hidden=64, heads=2, vocab=128, ffn=128, mip_gap=1e-4)
 TINY_MESH = "4"
 MIP_SLACK = 3e-4  # the solver's relative gap (1e-4) in each of its two passes, with room
 

@@ -28,7 +28,7 @@ def plan(
     exact: bool = False,
     full_mesh: bool = False,
     time_limit_s: float = 60.0,
-    mip_gap: float = 1e-4,
+    mip_gap: float = 1e-3,
     **model_overrides,
 ) -> Plan:
     """Find the plan with the least per-device peak memory (``objective="memory"``, optionally
@@ -49,6 +49,8 @@ def plan(
         raise MemshardError("the step-time budget must be positive")
     if time_limit_s <= 0:
         raise MemshardError("the solver time limit must be positive")
+    if not 0 <= mip_gap < 1:
+        raise MemshardError(f"the optimality gap must be in [0, 1), got {mip_gap}")
     if micro_batches < 1:
         raise MemshardError("the number of micro-batches must be positive")
     if isinstance(model, Graph):

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full-mesh", action="store_true",
                    help="on 3+ axis meshes, search every axis separately (slow) instead of merging alike axes")
     p.add_argument("--time-limit", type=_seconds, default=60.0, help="solver time limit (default 60s)")
+    p.add_argument("--gap", type=float, default=1e-3,
+                   help="relative optimality gap the solver may stop at (default 0.001 = 0.1%%)")
     p.add_argument("--json", metavar="PATH", help="write the complete plan as JSON")
     p.add_argument("--top", type=_positive_int, default=10, help="how many of the most redundant ops to list")
     p.add_argument("--brief", action="store_true", help="omit the per-op strategy tables")
@@ -127,7 +129,7 @@ def _cmd_plan(args, console) -> None:
             args.model, mesh, objective=args.objective, batch=args.batch, seq=args.seq,
             micro_batches=args.micro_batches,
             max_step_time_s=args.max_step_time, memory_budget=args.memory_budget, exact=args.exact,
-            full_mesh=args.full_mesh,
+            full_mesh=args.full_mesh, mip_gap=args.gap,
             time_limit_s=args.time_limit, **knobs,
         )
     if args.json:

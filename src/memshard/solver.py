@@ -429,7 +429,7 @@ def solve(
     max_step_time_s: float | None = None,
     memory_budget_bytes: float | None = None,
     time_limit_s: float = 60.0,
-    mip_gap: float = 1e-4,
+    mip_gap: float = 1e-3,
 ) -> SolveResult:
     if objective not in ("memory", "time"):
         raise MemshardError(f"unknown objective {objective!r}; use memory or time")
@@ -527,7 +527,6 @@ class _Highs:
         cost = np.zeros(self.n)
         np.add.at(cost, expr[0], expr[1])
         h = self.h
-        h.clearSolver()  # each pass starts cold: a stale basis steered HiGHS into slow searches
         h.changeColsCost(self.n, np.arange(self.n, dtype=np.int32), cost)
         h.setOptionValue("solve_relaxation", relax)
         h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
