@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 from rich.console import Console
 from rich.table import Table
 
@@ -114,7 +116,6 @@ def render_plan(plan: Plan, console: Console, top: int = 10, show_strategy: bool
 
 
 def render_plan_text(plan: Plan, top: int = 10, width: int = 120) -> str:
-    console = Console(record=True, width=width, force_terminal=False, color_system=None)
-    with console.capture():
-        render_plan(plan, console, top=top)
-    return console.export_text()
+    buffer = io.StringIO()
+    render_plan(plan, Console(file=buffer, width=width, color_system=None), top=top)
+    return buffer.getvalue()
