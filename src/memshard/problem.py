@@ -42,13 +42,14 @@ from memshard.cost.memory import (
 )
 from memshard.graph import Graph, Op, TensorKind, TensorSpec
 from memshard.mesh import Mesh
-from memshard.placement import PARTIAL, REPLICATE, Layout, Partial, Shard, local_numel
+from memshard.placement import REPLICATE, Layout, Partial, local_numel
 from memshard.schedule import Schedule, candidate_points
 from memshard.strategies import (
     Strategy,
     activation_inputs,
     enumerate_strategies,
     grad_layout,
+    input_grad_layout,
     parameter_inputs,
 )
 
@@ -211,16 +212,6 @@ def edge_calls(spec: TensorSpec, lp: Layout, lc: Layout, gc: Layout, gp: Layout,
 
 def without_partial(layout: Layout) -> Layout:
     return tuple(REPLICATE if isinstance(p, Partial) else p for p in layout)
-
-
-def input_grad_layout(strategy: Strategy, op: Op, j: int) -> Layout:
-    """The gradient an op produces for input j: Partial on axes that split the op along a dim
-    the input lacks (the consumer's half of Megatron's ``f``/``g`` pair)."""
-    dims = op.inputs[j].dims
-    return tuple(
-        Shard(dims.index(d)) if d is not None and d in dims else (PARTIAL if d is not None else REPLICATE)
-        for d in strategy.assignment
-    )
 
 
 def _role_key(op: Op, shared: bool) -> str:

@@ -86,18 +86,23 @@ def enumerate_strategies(graph: Graph, op: Op, mesh: Mesh) -> tuple[Strategy, ..
     return tuple(out)
 
 
+def input_grad_layout(strategy: Strategy, op: Op, j: int) -> Layout:
+    """Layout of the gradient an op produces for its input ``j``: Shard where the input is
+    split, Partial where the op is split along a dim the input lacks (the gradient is a
+    partial sum over that axis: Megatron's ``f``/``g`` pair), Replicate where the axis is unused."""
+    dims = op.inputs[j].dims
+    return tuple(
+        REPLICATE if d is None else (Shard(dims.index(d)) if d in dims else PARTIAL)
+        for d in strategy.assignment
+    )
+
+
 def grad_layout(op: Op, input_index: int, strategy: Strategy) -> tuple[GradPlacement, ...]:
-    """Layout of the gradient an op produces for one of its inputs (see module docstring)."""
-    dims = op.inputs[input_index].dims
-    out = []
-    for d in strategy.assignment:
-        if d is None:
-            out.append("R")
-        elif d in dims:
-            out.append(f"S{dims.index(d)}")
-        else:
-            out.append("P")
-    return tuple(out)
+    """:func:`input_grad_layout` as labels (``S<i>``, ``P``, ``R``), for parameter storage."""
+    return tuple(
+        f"S{p.dim}" if isinstance(p, Shard) else ("P" if p == PARTIAL else "R")
+        for p in input_grad_layout(strategy, op, input_index)
+    )
 
 
 def parameter_inputs(graph: Graph, op: Op) -> tuple[int, ...]:
