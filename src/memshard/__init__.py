@@ -13,6 +13,7 @@ _LAZY = {
     "Mesh": ("memshard.mesh", "Mesh"),
     "parse_mesh": ("memshard.mesh", "parse_mesh"),
     "make_mesh": ("memshard.mesh", "make_mesh"),
+    "compare": ("memshard.api", "compare"),
     "build_graph": ("memshard.models", "build_graph"),
     "get_config": ("memshard.models", "get_config"),
     "MemshardError": ("memshard.errors", "MemshardError"),

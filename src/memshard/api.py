@@ -95,3 +95,56 @@ def _explain_infeasible(problem, objective, max_step_time_s, memory_budget, time
         f"no plan runs a step within {format_seconds(max_step_time_s)}: the fastest plan takes "
         f"{format_seconds(fastest.step_time_s)}"
     )
+
+
+def compare(
+    model: str | ModelConfig | Graph,
+    mesh: str | Mesh = "2x4",
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+    micro_batches: int = 1,
+    time_slack: float = 1.1,
+    time_limit_s: float = 60.0,
+    mip_gap: float = 1e-3,
+    **model_overrides,
+) -> dict:
+    """memshard's plans against the hand-made strategies (``baselines.py``), all priced by the
+    same model: memshard's least-memory plan, memshard's least-memory plan within
+    ``time_slack`` × the fastest baseline's step time, then every baseline by peak memory."""
+    from memshard.baselines import baselines
+
+    best = plan(model, mesh, batch=batch, seq=seq, micro_batches=micro_batches,
+                time_limit_s=time_limit_s, mip_gap=mip_gap, **model_overrides)
+    problem = best.problem
+    fixed, skipped = baselines(problem)
+    base_plans = [build_plan(problem, None, b.selection, model=best.data["model"], strategy_name=b.name)
+                  for b in fixed]
+    rows = [best]
+    if base_plans:
+        budget = min(p.step_time_s for p in base_plans) * time_slack
+        timed = plan(model, problem.mesh, batch=batch, seq=seq, micro_batches=micro_batches,
+                     max_step_time_s=budget, time_limit_s=time_limit_s, mip_gap=mip_gap, **model_overrides)
+        timed.data["strategy"] = f"memshard ≤{time_slack:g}× fastest"
+        rows.append(timed)
+    rows += sorted(base_plans, key=lambda p: (p.peak_bytes, p.step_time_s))
+    return {
+        "schema": "memshard.compare/1",
+        "model": best.data["model"],
+        "mesh": best.data["mesh"],
+        "rows": [_compare_row(p, best) for p in rows],
+        "skipped": [{"strategy": n, "reason": r} for n, r in skipped],
+    }
+
+
+def _compare_row(p: Plan, best: Plan) -> dict:
+    return {
+        "strategy": p.data["strategy"],
+        "peak_bytes_per_device": p.peak_bytes,
+        "breakdown": p.data["memory"]["breakdown"],
+        "redundant_bytes_per_device": p.redundant_bytes,
+        "communication_bytes_per_step_per_device": p.data["communication"]["bytes_per_step_per_device"],
+        "estimated_step_time_s": p.step_time_s,
+        "memshard_saving": 1 - best.peak_bytes / p.peak_bytes if p.peak_bytes else 0.0,
+        "fits": p.data["memory"]["fits"],
+    }

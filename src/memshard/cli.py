@@ -90,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (default 312)")
     m.add_argument("--efficiency", type=float, help="fraction of peak reached (default 0.5)")
 
+    c = sub.add_parser("compare", help="memshard's plans against DDP, ZeRO, Megatron TP/SP and TP×FSDP")
+    c.add_argument("--model", required=True, help="preset name (see `memshard models`)")
+    c.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x4")
+    c.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
+    c.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
+    c.add_argument("--micro-batches", type=_positive_int, default=1, help="gradient accumulation steps")
+    c.add_argument("--time-slack", type=float, default=1.1,
+                   help="memshard's second row: least memory within this × the fastest baseline's time")
+    c.add_argument("--time-limit", type=_seconds, default=60.0, help="solver time limit per plan")
+    c.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+
     sub.add_parser("models", help="list the built-in model presets")
     return parser
 
@@ -117,10 +128,7 @@ def _cmd_plan(args, console) -> None:
     from memshard.report import render_plan
 
     mesh = _mesh_from_args(args)
-    if args.json:
-        directory = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(directory):
-            raise MemshardError(f"cannot write {args.json}: directory {directory} does not exist")
+    _check_json_path(args.json)
     knobs = {k: getattr(args, k) for k in ("num_layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "precision")}
     if args.dropout:
         knobs["dropout"] = args.dropout == "on"
@@ -140,6 +148,36 @@ def _cmd_plan(args, console) -> None:
     render_plan(result, console, top=args.top, show_strategy=not args.brief)
     if args.json:
         console.print(f"plan written to {args.json}")
+
+
+def _check_json_path(path: str | None) -> None:
+    if path:
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            raise MemshardError(f"cannot write {path}: directory {directory} does not exist")
+
+
+def _cmd_compare(args, console) -> None:
+    import json
+
+    from memshard.api import compare
+    from memshard.mesh import parse_mesh
+    from memshard.report import render_comparison
+
+    _check_json_path(args.json)
+    if args.time_slack < 1:
+        raise MemshardError("--time-slack must be at least 1")
+    with console.status("solving…"):
+        result = compare(args.model, parse_mesh(args.mesh), batch=args.batch, seq=args.seq,
+                         micro_batches=args.micro_batches, time_slack=args.time_slack,
+                         time_limit_s=args.time_limit)
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, args.json)
+    render_comparison(result, console)
 
 
 def _cmd_models(console) -> None:
@@ -166,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "plan":
             _cmd_plan(args, console)
+        elif args.command == "compare":
+            _cmd_compare(args, console)
         elif args.command == "models":
             _cmd_models(console)
         return 0

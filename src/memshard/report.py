@@ -119,3 +119,25 @@ def render_plan_text(plan: Plan, top: int = 10, width: int = 120) -> str:
     buffer = io.StringIO()
     render_plan(plan, Console(file=buffer, width=width, color_system=None), top=top)
     return buffer.getvalue()
+
+
+def render_comparison(result: dict, console: Console) -> None:
+    model, mesh = result["model"], result["mesh"]
+    console.print(f"[bold]{model['name']}[/] on mesh [bold]{'x'.join(map(str, mesh['shape']))}[/]: "
+                  "every strategy priced by the same memory and communication model")
+    t = Table(title_justify="left")
+    for col in ("strategy", "peak", "params+grads+opt", "activations", "transients", "redundant",
+                "comm / step", "step time", "memshard saves"):
+        t.add_column(col, justify="left" if col == "strategy" else "right")
+    for r in result["rows"]:
+        b = r["breakdown"]
+        states = b["parameters"] + b["gradients"] + b["optimizer_states"]
+        style = "" if r["fits"] else "[red]"
+        t.add_row(r["strategy"], f"{style}{format_bytes(r['peak_bytes_per_device'])}", format_bytes(states),
+                  format_bytes(b["activations"]), format_bytes(b["transients"]),
+                  format_bytes(r["redundant_bytes_per_device"]),
+                  format_bytes(r["communication_bytes_per_step_per_device"]),
+                  format_seconds(r["estimated_step_time_s"]), f"{r['memshard_saving']:.1%}")
+    console.print(t)
+    for s in result["skipped"]:
+        console.print(f"skipped {s['strategy']}: {s['reason']}")

@@ -77,6 +77,7 @@ class SolveResult:
     time_s: float
     variables: int
     constraints: int
+    ilp_peak_bytes: float = 0.0  # the ILP's own M (≥ the evaluated peak; equal at optimum)
     search_space: str = "full"
 
 
@@ -430,7 +431,11 @@ def solve(
     memory_budget_bytes: float | None = None,
     time_limit_s: float = 60.0,
     mip_gap: float = 1e-3,
+    fixed: Selection | None = None,
 ) -> SolveResult:
+    """Solve ``problem`` for ``objective``; with ``fixed``, price that complete plan through
+    the ILP instead (every choice pinned), which checks the linearisation against the
+    evaluator."""
     if objective not in ("memory", "time"):
         raise MemshardError(f"unknown objective {objective!r}; use memory or time")
     started = time.perf_counter()
@@ -443,6 +448,12 @@ def solve(
     b.add_budget_rows(objective, (t_cols, t_vals), max_step_time_s, memory_budget_bytes)
     m = b.m
 
+    if fixed is not None:
+        for g, cols in enumerate(b.x):
+            for c, col in enumerate(cols):
+                m.lower[col] = m.upper[col] = float(c == fixed.choices[g])
+        for e, col in b.kappa.items():
+            m.lower[col] = m.upper[col] = float(fixed.keeps[e])
     hs = _Highs(m, mip_gap, started + time_limit_s)
     peak_obj = (np.array([b.peak]), np.array([1.0]))
     if objective == "memory":
@@ -473,6 +484,7 @@ def solve(
         time_s=time.perf_counter() - started,
         variables=len(m.lower),
         constraints=rows,
+        ilp_peak_bytes=float(values[b.peak]) * b.bytes_unit,
     )
 
 

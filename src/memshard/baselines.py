@@ -1,0 +1,137 @@
+"""The strategies people use by hand, as fixed plans in memshard's own search space.
+
+Each baseline is a short function that picks, for every op, which mesh axis splits which
+dim, and for every parameter its ZeRO storage; the plan is then priced by the same model as
+memshard's plans, so the comparison is like for like (and, being points of the search
+space, no baseline can beat memshard's minimal-memory plan).
+
+- ``data_parallel``: every op splits the batch over every axis; ``zero1/2/3``: the same with
+  optimizer states, + gradients, + weights sharded over all axes (ZeRO-3 = FSDP full shard).
+- ``megatron_tp``: tensor parallelism over the innermost ``tp`` axes (column/row-parallel
+  linears, attention split by heads, vocab-parallel embedding and loss), data parallelism over
+  the others; ``sequence_parallel`` also splits the sequence of the ops between (norms,
+  dropouts, residuals) and keeps their outputs split for backward; ``distributed_optimizer``
+  adds ZeRO-1 over the data-parallel axes (Megatron's ``--use-distributed-optimizer``).
+- ``tp_fsdp``: torchtitan's 2D recipe: tensor + sequence parallelism inside, FSDP outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memshard.cost.memory import StorageOption
+from memshard.problem import Problem, Selection, complete_selection
+
+TP_DIMS = ("v", "f", "e", "n")  # the dim tensor parallelism splits, first found in the op
+
+
+class BaselineUnavailable(ValueError):
+    """The baseline cannot be laid out on this model and mesh (e.g. heads not divisible)."""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    name: str
+    selection: Selection
+
+
+def _assign(problem: Problem, per_op) -> dict[int, int]:
+    """Strategy index per op group from ``per_op(op) -> assignment tuple``."""
+    out = {}
+    graph = problem.graph
+    for gid, grp in enumerate(problem.groups):
+        if grp.kind != "op":
+            continue
+        op = graph.ops[grp.meta["ops"][0]]
+        want = per_op(op)
+        index = {s.assignment: i for i, s in enumerate(grp.meta["strategies"])}
+        if want not in index:
+            raise BaselineUnavailable(f"{grp.key} cannot be split as {want} on mesh {problem.mesh}")
+        out[gid] = index[want]
+    return out
+
+
+def _storage(problem: Problem, stage: int, axes: tuple[int, ...]) -> dict[int, StorageOption]:
+    axes = tuple(a for a in axes if problem.mesh.shape[a] > 1)
+    option = StorageOption(stage if axes else 0, axes if stage else ())
+    return {gid: option for gid, grp in enumerate(problem.groups) if grp.kind == "storage"}
+
+
+def data_parallel(problem: Problem, zero_stage: int = 0) -> Selection:
+    axes = tuple(range(problem.mesh.ndim))
+    split = tuple("b" if m > 1 else None for m in problem.mesh.shape)
+    strategies = _assign(problem, lambda op: split if "b" in op.dims else (None,) * len(split))
+    return complete_selection(problem, strategies, _storage(problem, zero_stage, axes))
+
+
+def megatron_tp(
+    problem: Problem,
+    tp_axes: int,
+    sequence_parallel: bool = False,
+    distributed_optimizer: bool = False,
+    fsdp: bool = False,
+) -> Selection:
+    mesh = problem.mesh
+    n = mesh.ndim
+    tp = set(range(n - tp_axes, n))
+    dp = tuple(a for a in range(n) if a not in tp)
+
+    def per_op(op):
+        tp_dim = next((d for d in TP_DIMS if d in op.dims and d not in op.unsplittable_dims), None)
+        if tp_dim is None and sequence_parallel and "s" in op.dims:
+            tp_dim = "s"
+        return tuple(
+            None if mesh.shape[a] == 1 else (tp_dim if a in tp else ("b" if "b" in op.dims else None))
+            for a in range(n)
+        )
+
+    strategies = _assign(problem, per_op)
+    stage = 3 if fsdp else (1 if distributed_optimizer else 0)
+    selection = complete_selection(problem, strategies, _storage(problem, stage, dp))
+    if not sequence_parallel:
+        return selection
+    # Sequence parallelism keeps the split activations for backward and gathers them again
+    # (Korthikanti et al. 2022): keep wherever the producer's layout is the smaller one.
+    keeps = {}
+    for e, edge in enumerate(problem.edges):
+        lp, lc, _, _, _ = problem.edge_layouts(selection, e)
+        if edge.can_keep(lp, lc) and _numel(edge, lp, mesh) < _numel(edge, lc, mesh):
+            keeps[e] = 1
+    return complete_selection(problem, strategies, _storage(problem, stage, dp), keeps)
+
+
+def _numel(edge, layout, mesh) -> int:
+    from memshard.placement import local_numel
+
+    return local_numel(edge.tensor.shape, layout, mesh.shape)
+
+
+def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
+    """Every baseline that fits the model and mesh, and (name, reason) for those that don't."""
+    out, skipped = [], []
+    mesh = problem.mesh
+
+    def add(name, make):
+        try:
+            out.append(Baseline(name, make()))
+        except BaselineUnavailable as e:
+            skipped.append((name, str(e)))
+
+    add("ddp", lambda: data_parallel(problem))
+    for stage in (1, 2, 3):
+        add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda s=stage: data_parallel(problem, s))
+    for k in range(1, mesh.ndim + 1):
+        tp = 1
+        for a in range(mesh.ndim - k, mesh.ndim):
+            tp *= mesh.shape[a]
+        if tp == 1:
+            continue
+        dp = mesh.num_devices // tp
+        tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")
+        add(f"megatron-{tag}", lambda k=k: megatron_tp(problem, k))
+        add(f"megatron-{tag}-sp", lambda k=k: megatron_tp(problem, k, sequence_parallel=True))
+        if dp > 1:
+            add(f"megatron-{tag}-sp-distopt",
+                lambda k=k: megatron_tp(problem, k, sequence_parallel=True, distributed_optimizer=True))
+            add(f"tp{tp}-fsdp{dp}", lambda k=k: megatron_tp(problem, k, sequence_parallel=True, fsdp=True))
+    return out, skipped

@@ -1,0 +1,107 @@
+"""Baselines: their bytes match the published formulas, they lie in memshard's search space
+(the ILP prices each, forced, exactly as the evaluator does), and memshard beats them."""
+
+from __future__ import annotations
+
+import pytest
+
+import memshard
+from memshard.baselines import baselines, data_parallel, megatron_tp
+from memshard.evaluate import evaluate
+from memshard.mesh import make_mesh, parse_mesh
+from memshard.models import build_graph
+from memshard.plans import build_plan
+from memshard.problem import build_problem
+from memshard.schedule import Schedule
+from memshard.solver import solve
+
+SMALL = dict(num_layers=2, hidden=128, heads=8, vocab=512, ffn=512)
+
+
+def _model_state_bytes(plan) -> float:
+    return sum(p["instances"] * sum(p["bytes_per_device"].values()) for p in plan.data["parameters"])
+
+
+@pytest.mark.parametrize("stage, formula", [
+    (0, lambda psi, n: 16 * psi),
+    (1, lambda psi, n: 4 * psi + 12 * psi / n),
+    (2, lambda psi, n: 2 * psi + 14 * psi / n),
+    (3, lambda psi, n: 16 * psi / n),
+])
+def test_zero_stages_match_the_zero_paper(stage, formula):
+    graph = build_graph("gpt2", batch=8, seq=64, **SMALL)
+    problem = build_problem(graph, parse_mesh("8"))
+    plan = build_plan(problem, None, data_parallel(problem, stage))
+    psi, n = graph.num_parameters, 8
+    # every tensor here divides by 8 except the 50257-free vocab (512) and positions (1024): exact
+    assert _model_state_bytes(plan) == pytest.approx(formula(psi, n), rel=1e-9)
+
+
+def _layer_activation_bytes(problem, selection) -> float:
+    """Saved bytes one layer adds: live bytes at layer 1's first forward minus layer 0's."""
+    ev = evaluate(problem, selection)
+    firsts = [next(i for i, op in enumerate(problem.graph.ops) if op.layer == k) for k in (0, 1)]
+    sched = Schedule(len(problem.graph.ops))
+    return ev.live_bytes[sched.forward(firsts[1])] - ev.live_bytes[sched.forward(firsts[0])]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_megatron_tensor_parallel_activations_match_korthikanti(tp):
+    s, b, h, a = 64, 2, 128, 4
+    graph = build_graph("gpt2", batch=b, seq=s, num_layers=2, hidden=h, heads=a, vocab=512, ffn=4 * h)
+    problem = build_problem(graph, make_mesh((tp,)), shared_layers=False)
+    # Korthikanti et al. 2022, eq. 2 (TP) and eq. 4 (TP + SP), fp16 activations
+    plain = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    seq_par = s * b * h / tp * (34 + 5 * a * s / h)
+    assert _layer_activation_bytes(problem, megatron_tp(problem, 1)) == pytest.approx(plain, rel=1e-12)
+    assert _layer_activation_bytes(problem, megatron_tp(problem, 1, sequence_parallel=True)) == pytest.approx(
+        seq_par, rel=1e-12)
+
+
+def test_every_baseline_is_in_the_search_space_and_memshard_is_no_worse():
+    # A real layer shape (tiny ones make HiGHS slow: their LP bound is loose)
+    shape = dict(batch=16, seq=2048, num_layers=2)
+    graph = build_graph("gpt3-1.3b", **shape)
+    problem = build_problem(graph, parse_mesh("2x4"))
+    found, skipped = baselines(problem)
+    names = {b.name for b in found}
+    assert {"ddp", "zero1", "zero2", "zero3-fsdp", "megatron-tp4-dp2", "megatron-tp4-dp2-sp",
+            "megatron-tp4-dp2-sp-distopt", "tp4-fsdp2", "megatron-tp8", "megatron-tp8-sp"} <= names
+    assert not skipped
+    best = memshard.plan("gpt3-1.3b", "2x4", **shape)  # within the default 0.1% gap
+    for b in found:
+        direct = evaluate(problem, b.selection)
+        forced = solve(problem, "memory", fixed=b.selection, mip_gap=0.0)
+        assert forced.ilp_peak_bytes == pytest.approx(direct.peak_bytes, rel=1e-6), b.name
+        assert best.peak_bytes <= direct.peak_bytes * (1 + 1e-3), b.name
+
+
+def test_compare_rows_and_json_shape():
+    result = memshard.compare("gpt2", "4", batch=4, seq=32, num_layers=1, hidden=64, heads=2,
+                                  vocab=128, ffn=128)
+    rows = result["rows"]
+    assert rows[0]["strategy"] == "memshard"
+    assert rows[1]["strategy"].startswith("memshard ≤1.1×")
+    baseline_rows = rows[2:]
+    fastest = min(r["estimated_step_time_s"] for r in baseline_rows)
+    assert rows[1]["estimated_step_time_s"] <= fastest * 1.1 * (1 + 1e-6)
+    for r in rows:
+        assert set(r) >= {"strategy", "peak_bytes_per_device", "redundant_bytes_per_device",
+                          "communication_bytes_per_step_per_device", "estimated_step_time_s"}
+        assert r["peak_bytes_per_device"] >= rows[0]["peak_bytes_per_device"] * (1 - 1e-3)
+    peaks = [r["peak_bytes_per_device"] for r in baseline_rows]
+    assert peaks == sorted(peaks)
+
+
+def test_compare_command_writes_json(tmp_path, capsys):
+    import json
+
+    from memshard.cli import main
+
+    out = tmp_path / "compare.json"
+    code = main(["compare", "--model", "gpt2", "--mesh", "4", "--batch", "4", "--seq", "32", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["schema"] == "memshard.compare/1"
+    assert [r["strategy"] for r in data["rows"][:1]] == ["memshard"]
+    assert "megatron-tp4-sp" in capsys.readouterr().out
