@@ -101,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--time-limit", type=_seconds, default=60.0, help="solver time limit per plan")
     c.add_argument("--json", metavar="PATH", help="write the rows as JSON")
 
+    f = sub.add_parser("pareto", help="memshard's memory–time frontier with the baselines, as a PNG and a table")
+    f.add_argument("--model", required=True, help="preset name (see `memshard models`)")
+    f.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x4")
+    f.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
+    f.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
+    f.add_argument("--micro-batches", type=_positive_int, default=1, help="gradient accumulation steps")
+    f.add_argument("--points", type=_positive_int, default=8, help="frontier points (at least 2)")
+    f.add_argument("--time-limit", type=_seconds, default=60.0, help="solver time limit per plan")
+    f.add_argument("--out", default="pareto.png", help="PNG path (default pareto.png)")
+
     sub.add_parser("models", help="list the built-in model presets")
     return parser
 
@@ -180,6 +190,31 @@ def _cmd_compare(args, console) -> None:
     render_comparison(result, console)
 
 
+def _cmd_pareto(args, console) -> None:
+    from rich.table import Table
+
+    from memshard.mesh import parse_mesh
+    from memshard.pareto import draw, frontier
+    from memshard.units import format_bytes, format_seconds
+
+    _check_json_path(args.out)
+    if args.points < 2:
+        raise MemshardError("--points must be at least 2")
+    mesh = parse_mesh(args.mesh)
+    with console.status("sweeping the step-time budget…"):
+        points, base = frontier(args.model, mesh, points=args.points, batch=args.batch, seq=args.seq,
+                                micro_batches=args.micro_batches, time_limit_s=args.time_limit)
+    draw(points, base, f"{args.model} on {args.mesh}", mesh.device_memory_bytes, args.out)
+    t = Table(title="memshard frontier: least peak memory per step-time budget", title_justify="left")
+    for col in ("budget", "step time", "peak / device", "redundant"):
+        t.add_column(col, justify="right")
+    for p in points:
+        t.add_row("none" if p.budget_s is None else format_seconds(p.budget_s), format_seconds(p.step_time_s),
+                  format_bytes(p.peak_bytes), format_bytes(p.redundant_bytes))
+    console.print(t)
+    console.print(f"plot written to {args.out}")
+
+
 def _cmd_models(console) -> None:
     from rich.table import Table
 
@@ -206,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             _cmd_plan(args, console)
         elif args.command == "compare":
             _cmd_compare(args, console)
+        elif args.command == "pareto":
+            _cmd_pareto(args, console)
         elif args.command == "models":
             _cmd_models(console)
         return 0

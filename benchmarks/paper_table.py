@@ -1,0 +1,87 @@
+"""The paper's comparison: memshard against the best Megatron-LM configuration.
+
+    .venv/bin/python benchmarks/paper_table.py [--write]
+
+For GPT-3 1.3B/2.7B/6.7B/13B and LLaMA-3 8B on meshes 1x8, 2x4, 2x8, 4x8 and 8x8 (two
+sequences of 2048 tokens per device, mixed precision, Adam): the best Megatron configuration
+(TP × DP, with sequence parallelism and the distributed optimizer as options) by memory and
+by step time, memshard's least-memory plan, and memshard's least-memory plan within 1.1× the
+fastest Megatron time. ``--write`` puts the table into BENCHMARKS.md between its markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import time
+from pathlib import Path
+
+import memshard
+from memshard.baselines import baselines
+from memshard.plans import build_plan
+
+MODELS = ("gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "llama3-8b")
+MESHES = ("1x8", "2x4", "2x8", "4x8", "8x8")
+SEQ = 2048
+BEGIN, END = "<!-- paper-table:begin -->", "<!-- paper-table:end -->"
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:.1f}"
+
+
+def row(model: str, mesh: str) -> str:
+    n = memshard.parse_mesh(mesh).num_devices
+    batch = 2 * n
+    best = memshard.plan(model, mesh, batch=batch, seq=SEQ)
+    megatron = [build_plan(best.problem, None, b.selection, strategy_name=b.name)
+                for b in baselines(best.problem)[0] if b.name.startswith("megatron")]
+    if not megatron:
+        return f"| {model} | {mesh} | no Megatron layout fits the head count | | | | | |"
+    by_mem = min(megatron, key=lambda p: (p.peak_bytes, p.step_time_s))
+    by_time = min(megatron, key=lambda p: (p.step_time_s, p.peak_bytes))
+    timed = memshard.plan(model, mesh, batch=batch, seq=SEQ, max_step_time_s=by_time.step_time_s * 1.1)
+    return (
+        f"| {model} | {mesh} | {by_mem.data['strategy']}: {gib(by_mem.peak_bytes)} GiB, {by_mem.step_time_s:.2f} s "
+        f"| {by_time.data['strategy']}: {gib(by_time.peak_bytes)} GiB, {by_time.step_time_s:.2f} s "
+        f"| {gib(best.peak_bytes)} GiB, {best.step_time_s:.2f} s "
+        f"| {gib(timed.peak_bytes)} GiB, {timed.step_time_s:.2f} s "
+        f"| {1 - best.peak_bytes / by_mem.peak_bytes:.0%} / {1 - best.peak_bytes / by_time.peak_bytes:.0%} "
+        f"| {1 - timed.peak_bytes / by_time.peak_bytes:.0%} at {timed.step_time_s / by_time.step_time_s:.2f}× |"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    started = time.perf_counter()
+    lines = [
+        f"Command: `python benchmarks/paper_table.py --write` ({datetime.date.today()}, batch 2 × devices, "
+        f"seq {SEQ}, mixed precision).",
+        "",
+        "| model | mesh | best Megatron by memory | best Megatron by time | memshard least memory "
+        "| memshard ≤1.1× fastest Megatron | saving vs Megatron (memory / time config) "
+        "| saving at ≤1.1× time (time ratio) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model in MODELS:
+        for mesh in MESHES:
+            line = row(model, mesh)
+            print(line, flush=True)
+            lines.append(line)
+    lines.append("")
+    lines.append(f"({time.perf_counter() - started:.0f} s for the whole table.)")
+    table = "\n".join(lines)
+    if args.write:
+        path = Path(__file__).parent.parent / "BENCHMARKS.md"
+        text = path.read_text()
+        block = f"{BEGIN}\n{table}\n{END}"
+        text = re.sub(re.escape(BEGIN) + ".*" + re.escape(END), lambda _: block, text, flags=re.S) \
+            if BEGIN in text else text.rstrip() + "\n\n## The paper's table\n\n" + block + "\n"
+        path.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
