@@ -10,7 +10,7 @@ from memshard.evaluate import evaluate
 from memshard.graph import FP32, MIXED, Graph, Op, Operand, SavedBuffer, TensorKind, TensorSpec
 from memshard.mesh import make_mesh
 from memshard.problem import build_problem
-from memshard.solver import solve
+from memshard.solver import TIE_RESOLUTION, solve
 from tests.bruteforce import count_selections, evaluate_all
 
 SIZES = st.sampled_from([2, 3, 4, 6, 8])
@@ -70,7 +70,7 @@ def small_graphs(draw):
     return Graph("random", tensors, tuple(ops), "loss", precision=precision)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(graph=small_graphs(), shape=MESHES, budget_quantile=st.floats(0.2, 0.9))
 def test_ilp_matches_brute_force(graph, shape, budget_quantile):
     mesh = make_mesh(shape)
@@ -85,8 +85,9 @@ def test_ilp_matches_brute_force(graph, shape, budget_quantile):
     min_time_at_min_peak = min(ev.step_time_s for ev in ties)
     result = solve(problem, "memory", mip_gap=0.0)
     got = evaluate(problem, result.selection)
-    assert abs(got.peak_bytes - min_peak) <= 1e-6 * min_peak
-    assert got.step_time_s <= min_time_at_min_peak * (1 + 1e-6) + 1e-12
+    # exact up to the slack the second (tie-breaking) pass allows on the first objective
+    assert abs(got.peak_bytes - min_peak) <= 2 * TIE_RESOLUTION * min_peak
+    assert got.step_time_s <= min_time_at_min_peak * (1 + 2 * TIE_RESOLUTION) + 1e-12
 
     # time objective under a budget between the least and the largest peak
     peaks = sorted(ev.peak_bytes for _, ev in evals)
@@ -96,6 +97,6 @@ def test_ilp_matches_brute_force(graph, shape, budget_quantile):
     result = solve(problem, "time", memory_budget_bytes=budget, mip_gap=0.0)
     got = evaluate(problem, result.selection)
     assert got.peak_bytes <= budget * (1 + 1e-9)
-    assert abs(got.step_time_s - min_time) <= 1e-6 * min_time + 1e-12
+    assert abs(got.step_time_s - min_time) <= 2 * TIE_RESOLUTION * min_time + 1e-12
     fastest_ties = [ev for ev in feasible if ev.step_time_s <= min_time * (1 + 1e-9) + 1e-15]
-    assert got.peak_bytes <= min(ev.peak_bytes for ev in fastest_ties) * (1 + 1e-6)
+    assert got.peak_bytes <= min(ev.peak_bytes for ev in fastest_ties) * (1 + 2 * TIE_RESOLUTION)

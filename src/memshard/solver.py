@@ -66,6 +66,7 @@ from memshard.problem import (
 # In the warm-start pass, the secondary objective is weighted so that a relative change of
 # 1 in it counts like TIE_BREAK in the primary one.
 TIE_BREAK = 0.01
+TIE_RESOLUTION = 1e-5  # relative slack on the primary objective in the second pass
 
 
 @dataclass(frozen=True)
@@ -404,8 +405,8 @@ class IlpBuilder:
 
 def _units(problem: Problem) -> tuple[float, float]:
     """Bytes and seconds per model unit: a power of two near the zero-redundancy bound and a
-    power of ten near the least step time, so the peak and the step time are O(1) in the
-    model and HiGHS's absolute tolerances mean the same at any model size."""
+    power of ten near the step time, so the peak and the step time are O(1) in the model and
+    HiGHS's absolute tolerances mean the same at any model size."""
     n_points = problem.schedule.num_points
     unique = np.zeros(n_points + 1)
     for s in problem.slots:
@@ -418,9 +419,11 @@ def _units(problem: Problem) -> tuple[float, float]:
         unique[h.start] += problem.held[h.tensor].global_bytes
         unique[h.end + 1] -= problem.held[h.tensor].global_bytes
     bound = float(np.cumsum(unique).max()) / problem.mesh.num_devices
-    least_time = sum(g.instances * min(c.time_s for c in g.choices) for g in problem.groups)
+    # the slowest choice of every group: an over-estimate of the step time, but of its order
+    # even where latencies, not FLOPs, dominate (tiny models)
+    time_scale = sum(g.instances * max(c.time_s for c in g.choices) for g in problem.groups)
     bytes_unit = 2.0 ** round(math.log2(max(bound, 1.0)))
-    time_unit = 10.0 ** round(math.log10(max(least_time, 1e-9)))
+    time_unit = 10.0 ** round(math.log10(max(time_scale, 1e-12)))
     return bytes_unit, time_unit
 
 
@@ -469,7 +472,10 @@ def solve(
     rows = len(m.rows_lo)
     if not timed_out and not hs.expired():
         # Second pass: hold the primary objective at its optimum, minimise the other one.
-        hs.add_row(primary, best + max(abs(best) * mip_gap, 1e-9))
+        # The slack covers the gap, and at least the rows' feasibility tolerance accumulated
+        # along the chain of live-byte variables (≈1e-6 of the peak); ties finer than 1e-5
+        # of the primary objective are broken by the secondary one.
+        hs.add_row(primary, best + abs(best) * max(mip_gap, TIE_RESOLUTION) + 1e-9)
         rows += 1
         second = hs.optimise(secondary, start=values, required=False)
         if second is not None:
