@@ -60,6 +60,9 @@ class Plan:
         directory = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".json")
         try:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a plan is an ordinary file
             with os.fdopen(fd, "w") as f:
                 f.write(self.to_json())
             os.replace(tmp, path)
