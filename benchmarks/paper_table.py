@@ -35,7 +35,7 @@ def row(model: str, mesh: str) -> str:
     n = memshard.parse_mesh(mesh).num_devices
     batch = 2 * n
     best = memshard.plan(model, mesh, batch=batch, seq=SEQ)
-    megatron = [build_plan(best.problem, None, b.selection, strategy_name=b.name)
+    megatron = [build_plan(b.problem, None, b.selection, strategy_name=b.name)
                 for b in baselines(best.problem)[0] if b.name.startswith("megatron")]
     if not megatron:
         return f"| {model} | {mesh} | no Megatron layout fits the head count | | | | | |"

@@ -66,12 +66,13 @@ def test_every_baseline_is_in_the_search_space_and_memshard_is_no_worse():
     found, skipped = baselines(problem)
     names = {b.name for b in found}
     assert {"ddp", "zero1", "zero2", "zero3-fsdp", "megatron-tp4-dp2", "megatron-tp4-dp2-sp",
-            "megatron-tp4-dp2-sp-distopt", "tp4-fsdp2", "megatron-tp8", "megatron-tp8-sp"} <= names
+            "megatron-tp4-dp2-sp-distopt", "tp4-fsdp2", "megatron-tp8", "megatron-tp8-sp",
+            "megatron-tp2-dp4", "megatron-tp2-dp4-sp", "tp2-fsdp4"} <= names
     assert not skipped
     best = memshard.plan("gpt3-1.3b", "2x4", **shape)  # within the default 0.1% gap
     for b in found:
-        direct = evaluate(problem, b.selection)
-        forced = solve(problem, "memory", fixed=b.selection, mip_gap=0.0)
+        direct = evaluate(b.problem, b.selection)
+        forced = solve(b.problem, "memory", fixed=b.selection, mip_gap=0.0)
         assert forced.ilp_peak_bytes == pytest.approx(direct.peak_bytes, rel=1e-6), b.name
         assert best.peak_bytes <= direct.peak_bytes * (1 + 1e-3), b.name
 

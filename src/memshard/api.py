@@ -118,7 +118,7 @@ def compare(
                 time_limit_s=time_limit_s, mip_gap=mip_gap, **model_overrides)
     problem = best.problem
     fixed, skipped = baselines(problem)
-    base_plans = [build_plan(problem, None, b.selection, model=best.data["model"], strategy_name=b.name)
+    base_plans = [build_plan(b.problem, None, b.selection, model=best.data["model"], strategy_name=b.name)
                   for b in fixed]
     rows = [best]
     if base_plans:

@@ -13,14 +13,19 @@ space, no baseline can beat memshard's minimal-memory plan).
   dropouts, residuals) and keeps their outputs split for backward; ``distributed_optimizer``
   adds ZeRO-1 over the data-parallel axes (Megatron's ``--use-distributed-optimizer``).
 - ``tp_fsdp``: torchtitan's 2D recipe: tensor + sequence parallelism inside, FSDP outside.
+
+Tensor-parallel degrees below the node size are laid out on the same devices viewed as a
+finer logical mesh (``split_innermost``), priced by the same model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from memshard.cost.memory import StorageOption
-from memshard.problem import Problem, Selection, complete_selection
+from memshard.mesh import Mesh
+from memshard.problem import Problem, Selection, build_problem, complete_selection
 
 TP_DIMS = ("v", "f", "e", "n")  # the dim tensor parallelism splits, first found in the op
 
@@ -33,6 +38,7 @@ class BaselineUnavailable(ValueError):
 class Baseline:
     name: str
     selection: Selection
+    problem: Problem  # the problem it is a plan of (a finer logical mesh for TP < a node)
 
 
 def _assign(problem: Problem, per_op) -> dict[int, int]:
@@ -106,32 +112,49 @@ def _numel(edge, layout, mesh) -> int:
     return local_numel(edge.tensor.shape, layout, mesh.shape)
 
 
+def split_innermost(mesh: Mesh, tp: int) -> Mesh:
+    """The same devices with the innermost axis (a node) viewed as (m/tp) × tp, both parts
+    with the node's links: how Megatron runs TP < GPUs per node."""
+    inner = mesh.axes[-1]
+    parts = (replace(inner, name=f"{inner.name}-dp", size=inner.size // tp), replace(inner, name=f"{inner.name}-tp", size=tp))
+    return replace(mesh, axes=mesh.axes[:-1] + parts)
+
+
 def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
-    """Every baseline that fits the model and mesh, and (name, reason) for those that don't."""
+    """Every baseline that fits the model and mesh, and (name, reason) for those that don't.
+
+    Tensor parallelism takes every degree that divides the node (the innermost axis), then
+    whole nodes and more (the innermost axes); data parallelism takes the rest."""
     out, skipped = [], []
     mesh = problem.mesh
 
-    def add(name, make):
+    def add(name, make, on=problem):
         try:
-            out.append(Baseline(name, make()))
+            out.append(Baseline(name, make(on), on))
         except BaselineUnavailable as e:
             skipped.append((name, str(e)))
 
-    add("ddp", lambda: data_parallel(problem))
+    add("ddp", lambda p: data_parallel(p))
     for stage in (1, 2, 3):
-        add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda s=stage: data_parallel(problem, s))
+        add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, s=stage: data_parallel(p, s))
+    layouts = []  # (problem, tp axes, tp degree)
+    node = mesh.shape[-1]
+    for tp in range(2, node):
+        if node % tp == 0:
+            finer = build_problem(problem.graph, split_innermost(mesh, tp), problem.shared_layers,
+                                  problem.micro_batches)
+            layouts.append((finer, 1, tp))
     for k in range(1, mesh.ndim + 1):
-        tp = 1
-        for a in range(mesh.ndim - k, mesh.ndim):
-            tp *= mesh.shape[a]
-        if tp == 1:
-            continue
+        tp = math.prod(mesh.shape[mesh.ndim - k:])
+        if tp > 1 and (k == 1 or mesh.shape[mesh.ndim - k] > 1):
+            layouts.append((problem, k, tp))
+    for on, k, tp in layouts:
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")
-        add(f"megatron-{tag}", lambda k=k: megatron_tp(problem, k))
-        add(f"megatron-{tag}-sp", lambda k=k: megatron_tp(problem, k, sequence_parallel=True))
+        add(f"megatron-{tag}", lambda p, k=k: megatron_tp(p, k), on)
+        add(f"megatron-{tag}-sp", lambda p, k=k: megatron_tp(p, k, sequence_parallel=True), on)
         if dp > 1:
             add(f"megatron-{tag}-sp-distopt",
-                lambda k=k: megatron_tp(problem, k, sequence_parallel=True, distributed_optimizer=True))
-            add(f"tp{tp}-fsdp{dp}", lambda k=k: megatron_tp(problem, k, sequence_parallel=True, fsdp=True))
+                lambda p, k=k: megatron_tp(p, k, sequence_parallel=True, distributed_optimizer=True), on)
+            add(f"tp{tp}-fsdp{dp}", lambda p, k=k: megatron_tp(p, k, sequence_parallel=True, fsdp=True), on)
     return out, skipped

@@ -37,7 +37,7 @@ def frontier(model, mesh, points: int = 8, **kwargs) -> tuple[list[FrontierPoint
     found, _ = baselines(least.problem)
     base = []
     for b in found:
-        p = build_plan(least.problem, None, b.selection, strategy_name=b.name)
+        p = build_plan(b.problem, None, b.selection, strategy_name=b.name)
         base.append({"strategy": b.name, "step_time_s": p.step_time_s, "peak_bytes": p.peak_bytes})
     return out, base
 
