@@ -5,13 +5,14 @@ dim, and for every parameter its ZeRO storage; the plan is then priced by the sa
 memshard's plans, so the comparison is like for like (and, being points of the search
 space, no baseline can beat memshard's minimal-memory plan).
 
-- ``data_parallel``: every op splits the batch over every axis; ``zero1/2/3``: the same with
+- ``ddp``: every op splits the batch over every axis; ``zero`` (stages 1/2/3): the same with
   optimizer states, + gradients, + weights sharded over all axes (ZeRO-3 = FSDP full shard).
 - ``megatron_tp``: tensor parallelism over the innermost ``tp`` axes (column/row-parallel
   linears, attention split by heads, vocab-parallel embedding and loss), data parallelism over
-  the others; ``sequence_parallel`` also splits the sequence of the ops between (norms,
-  dropouts, residuals) and keeps their outputs split for backward; ``distributed_optimizer``
-  adds ZeRO-1 over the data-parallel axes (Megatron's ``--use-distributed-optimizer``).
+  the others; ``megatron_tp_sp`` also splits the sequence of the ops between (norms,
+  dropouts, residuals) and keeps their outputs split for backward;
+  ``megatron_tp_sp_distributed_optimizer`` adds ZeRO-1 over the data-parallel axes
+  (Megatron's ``--use-distributed-optimizer``).
 - ``tp_fsdp``: torchtitan's 2D recipe: tensor + sequence parallelism inside, FSDP outside.
 
 Tensor-parallel degrees below the node size are laid out on the same devices viewed as a
@@ -106,6 +107,28 @@ def megatron_tp(
     return complete_selection(problem, strategies, _storage(problem, stage, dp), keeps)
 
 
+def ddp(problem: Problem) -> Selection:
+    return data_parallel(problem)
+
+
+def zero(problem: Problem, stage: int) -> Selection:
+    """ZeRO-1/2/3 (3 = FSDP full shard) over all axes."""
+    return data_parallel(problem, stage)
+
+
+def megatron_tp_sp(problem: Problem, tp_axes: int) -> Selection:
+    return megatron_tp(problem, tp_axes, sequence_parallel=True)
+
+
+def megatron_tp_sp_distributed_optimizer(problem: Problem, tp_axes: int) -> Selection:
+    return megatron_tp(problem, tp_axes, sequence_parallel=True, distributed_optimizer=True)
+
+
+def tp_fsdp(problem: Problem, tp_axes: int) -> Selection:
+    """torchtitan's 2D recipe: TP + SP on the inner axes, FSDP (ZeRO-3) on the outer ones."""
+    return megatron_tp(problem, tp_axes, sequence_parallel=True, fsdp=True)
+
+
 def _numel(edge, layout, mesh) -> int:
     from memshard.placement import local_numel
 
@@ -134,9 +157,9 @@ def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
         except BaselineUnavailable as e:
             skipped.append((name, str(e)))
 
-    add("ddp", lambda p: data_parallel(p))
+    add("ddp", ddp)
     for stage in (1, 2, 3):
-        add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, s=stage: data_parallel(p, s))
+        add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, s=stage: zero(p, s))
     layouts = []  # (problem, tp axes, tp degree)
     node = mesh.shape[-1]
     for tp in range(2, node):
@@ -152,9 +175,8 @@ def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")
         add(f"megatron-{tag}", lambda p, k=k: megatron_tp(p, k), on)
-        add(f"megatron-{tag}-sp", lambda p, k=k: megatron_tp(p, k, sequence_parallel=True), on)
+        add(f"megatron-{tag}-sp", lambda p, k=k: megatron_tp_sp(p, k), on)
         if dp > 1:
-            add(f"megatron-{tag}-sp-distopt",
-                lambda p, k=k: megatron_tp(p, k, sequence_parallel=True, distributed_optimizer=True), on)
-            add(f"tp{tp}-fsdp{dp}", lambda p, k=k: megatron_tp(p, k, sequence_parallel=True, fsdp=True), on)
+            add(f"megatron-{tag}-sp-distopt", lambda p, k=k: megatron_tp_sp_distributed_optimizer(p, k), on)
+            add(f"tp{tp}-fsdp{dp}", lambda p, k=k: tp_fsdp(p, k), on)
     return out, skipped
