@@ -49,17 +49,22 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The training job: model, mesh, batch, sequence length, micro-batches."""
+    parser.add_argument("--model", required=True, help="preset name (see `memshard models`)")
+    parser.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x4 or 8x8x16 (last axis = within a node)")
+    parser.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
+    parser.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
+    parser.add_argument("--micro-batches", type=_positive_int, default=1,
+                        help="gradient accumulation: run the batch as this many equal micro-batches per step")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="memshard", description="Find the parallelism strategy with the least per-device memory.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("plan", help="plan a model on a mesh and print the plan")
-    p.add_argument("--model", required=True, help="preset name (see `memshard models`)")
-    p.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x4 or 8x8x16 (last axis = within a node)")
-    p.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
-    p.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
-    p.add_argument("--micro-batches", type=_positive_int, default=1,
-                   help="gradient accumulation: run the batch as this many equal micro-batches per step")
+    _add_job_arguments(p)
     p.add_argument("--objective", choices=("memory", "time"), default="memory",
                    help="memory: least peak memory (default); time: fastest step within --memory-budget")
     p.add_argument("--max-step-time", type=_seconds, help="with --objective memory: step-time budget, e.g. 2.5s")
@@ -91,22 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--efficiency", type=float, help="fraction of peak reached (default 0.5)")
 
     c = sub.add_parser("compare", help="memshard's plans against DDP, ZeRO, Megatron TP/SP and TP×FSDP")
-    c.add_argument("--model", required=True, help="preset name (see `memshard models`)")
-    c.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x4")
-    c.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
-    c.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
-    c.add_argument("--micro-batches", type=_positive_int, default=1, help="gradient accumulation steps")
+    _add_job_arguments(c)
     c.add_argument("--time-slack", type=float, default=1.1,
                    help="memshard's second row: least memory within this × the fastest baseline's time")
     c.add_argument("--time-limit", type=_seconds, default=60.0, help="solver time limit per plan")
     c.add_argument("--json", metavar="PATH", help="write the rows as JSON")
 
     f = sub.add_parser("pareto", help="memshard's memory–time frontier with the baselines, as a PNG and a table")
-    f.add_argument("--model", required=True, help="preset name (see `memshard models`)")
-    f.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x4")
-    f.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
-    f.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
-    f.add_argument("--micro-batches", type=_positive_int, default=1, help="gradient accumulation steps")
+    _add_job_arguments(f)
     f.add_argument("--points", type=_positive_int, default=8, help="frontier points (at least 2)")
     f.add_argument("--time-limit", type=_seconds, default=60.0, help="solver time limit per plan")
     f.add_argument("--out", default="pareto.png", help="PNG path (default pareto.png)")
