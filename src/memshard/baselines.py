@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 from memshard.cost.memory import StorageOption
 from memshard.mesh import Mesh
+from memshard.placement import local_numel
 from memshard.problem import Problem, Selection, build_problem, complete_selection
 
 TP_DIMS = ("v", "f", "e", "n")  # the dim tensor parallelism splits, first found in the op
@@ -102,7 +103,8 @@ def megatron_tp(
     keeps = {}
     for e, edge in enumerate(problem.edges):
         lp, lc, _, _, _ = problem.edge_layouts(selection, e)
-        if edge.can_keep(lp, lc) and _numel(edge, lp, mesh) < _numel(edge, lc, mesh):
+        shape = edge.tensor.shape
+        if edge.can_keep(lp, lc) and local_numel(shape, lp, mesh.shape) < local_numel(shape, lc, mesh.shape):
             keeps[e] = 1
     return complete_selection(problem, strategies, _storage(problem, stage, dp), keeps)
 
@@ -127,12 +129,6 @@ def megatron_tp_sp_distributed_optimizer(problem: Problem, tp_axes: int) -> Sele
 def tp_fsdp(problem: Problem, tp_axes: int) -> Selection:
     """torchtitan's 2D recipe: TP + SP on the inner axes, FSDP (ZeRO-3) on the outer ones."""
     return megatron_tp(problem, tp_axes, sequence_parallel=True, fsdp=True)
-
-
-def _numel(edge, layout, mesh) -> int:
-    from memshard.placement import local_numel
-
-    return local_numel(edge.tensor.shape, layout, mesh.shape)
 
 
 def split_innermost(mesh: Mesh, tp: int) -> Mesh:

@@ -168,6 +168,7 @@ def _cmd_compare(args, console) -> None:
     import json
 
     from memshard.api import compare
+    from memshard.files import write_text_atomically
     from memshard.mesh import parse_mesh
     from memshard.report import render_comparison
 
@@ -179,11 +180,7 @@ def _cmd_compare(args, console) -> None:
                          micro_batches=args.micro_batches, time_slack=args.time_slack,
                          time_limit_s=args.time_limit)
     if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, args.json)
+        write_text_atomically(args.json, json.dumps(result, indent=2) + "\n")
     render_comparison(result, console)
 
 

@@ -7,8 +7,6 @@ writes the ``memshard.plan/1`` schema (all sizes in bytes per device, times in s
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +15,7 @@ import numpy as np
 from memshard.cost import comm
 from memshard.cost.memory import CATEGORIES, StorageOption, param_layout
 from memshard.evaluate import Evaluation, evaluate
+from memshard.files import write_text_atomically
 from memshard.mesh import Mesh
 from memshard.placement import format_layout
 from memshard.problem import Problem, Selection
@@ -56,20 +55,7 @@ class Plan:
         return json.dumps(self.data, indent=2, sort_keys=False) + "\n"
 
     def save(self, path: str) -> None:
-        """Write atomically: a crash never leaves a half-written plan behind."""
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".json")
-        try:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a plan is an ordinary file
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_text_atomically(path, self.to_json())
 
     def report(self, top: int = 10) -> str:
         from memshard.report import render_plan_text

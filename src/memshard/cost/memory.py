@@ -20,6 +20,7 @@ is ``ceil(numel_local / ways)`` elements.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -86,15 +87,10 @@ def storage_options(grad_layout: tuple[str, ...], mesh: Mesh) -> tuple[StorageOp
     free = [a for a, g in enumerate(grad_layout) if not g.startswith("S") and mesh.shape[a] > 1]
     out = [StorageOption(0)]
     for r in range(1, len(free) + 1):
-        for subset in _subsets(free, r):
+        for subset in itertools.combinations(free, r):
             out.extend(StorageOption(stage, subset) for stage in (1, 2, 3))
     return tuple(out)
 
-
-def _subsets(items: list[int], r: int):
-    import itertools
-
-    return itertools.combinations(items, r)
 
 
 @dataclass(frozen=True)
