@@ -61,7 +61,8 @@ def plan(
         if batch % micro_batches:
             raise MemshardError(f"a batch of {batch} does not split into {micro_batches} equal micro-batches")
         graph = build_graph(model, batch=batch // micro_batches, seq=seq, **model_overrides)
-        model_info = {"batch": batch, "micro_batches": micro_batches, "seq": graph.tensors["input_ids"].shape[1]}
+        model_info = {"batch": batch, "micro_batches": micro_batches, "seq": graph.tensors["input_ids"].shape[1],
+                      "overrides": {k: v for k, v in model_overrides.items() if v is not None}}
     problem = build_problem(graph, mesh, shared_layers=not exact, micro_batches=micro_batches)
     constraints = {"max_step_time_s": max_step_time_s, "memory_budget_bytes": memory_budget}
     groups = merge_groups(mesh)
@@ -148,3 +149,35 @@ def _compare_row(p: Plan, best: Plan) -> dict:
         "memshard_saving": 1 - best.peak_bytes / p.peak_bytes if p.peak_bytes else 0.0,
         "fits": p.data["memory"]["fits"],
     }
+
+
+def strategy_plan(
+    model: str | ModelConfig,
+    mesh: str | Mesh,
+    strategy: str,
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+    micro_batches: int = 1,
+    **model_overrides,
+) -> Plan:
+    """The fixed plan of a named baseline (``ddp``, ``zero3-fsdp``, ``megatron-tp4-sp``…;
+    ``memshard compare`` lists them), priced like memshard's own."""
+    from memshard.baselines import baselines
+
+    mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
+    batch = mesh.num_devices if batch is None else batch
+    if batch % micro_batches:
+        raise MemshardError(f"a batch of {batch} does not split into {micro_batches} equal micro-batches")
+    graph = build_graph(model, batch=batch // micro_batches, seq=seq, **model_overrides)
+    model_info = {"batch": batch, "micro_batches": micro_batches, "seq": graph.tensors["input_ids"].shape[1],
+                  "overrides": {k: v for k, v in model_overrides.items() if v is not None}}
+    fixed, skipped = baselines(build_problem(graph, mesh, micro_batches=micro_batches))
+    for b in fixed:
+        if b.name == strategy:
+            return build_plan(b.problem, None, b.selection, model=model_info, strategy_name=b.name)
+    reason = dict(skipped).get(strategy)
+    if reason:
+        raise MemshardError(f"strategy {strategy} does not fit {graph.name} on {mesh}: {reason}")
+    known = ", ".join(["memshard", *(b.name for b in fixed)])
+    raise MemshardError(f"unknown strategy {strategy!r} for this mesh; known: {known}")

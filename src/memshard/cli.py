@@ -59,6 +59,92 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gradient accumulation: run the batch as this many equal micro-batches per step")
 
 
+def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    """A job (or a saved plan) and the strategy to run it with."""
+    parser.add_argument("--plan", help="a plan JSON written by `memshard plan --json` (replaces the job options)")
+    parser.add_argument("--model", help="preset name (see `memshard models`)")
+    parser.add_argument("--mesh", help="mesh shape, e.g. 2x2")
+    parser.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
+    parser.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
+    parser.add_argument("--micro-batches", type=_positive_int, default=1)
+    parser.add_argument("--strategy", default="memshard",
+                        help="memshard (default) or a baseline: ddp, zero1, zero3-fsdp, megatron-tp4-sp… "
+                             "(`memshard compare` lists them)")
+    parser.add_argument("--objective", choices=("memory", "time"), default="memory")
+    parser.add_argument("--precision", choices=("mixed", "fp32"),
+                        help="the runtime executes fp32; defaults to fp32 for run and simulate")
+    parser.add_argument("--json", metavar="PATH", help="write the per-rank reports as JSON")
+
+
+def _runtime_plan(args):
+    """The plan a `run` / `simulate` executes (the runtime computes in fp32)."""
+    from memshard.api import plan, strategy_plan
+    from memshard.plans import load_plan
+
+    if args.plan:
+        result = load_plan(args.plan)
+    else:
+        if not (args.model and args.mesh):
+            raise MemshardError("give --plan, or --model and --mesh")
+        knobs = {"precision": args.precision or "fp32"}
+        if args.strategy == "memshard":
+            result = plan(args.model, args.mesh, objective=args.objective, batch=args.batch, seq=args.seq,
+                          micro_batches=args.micro_batches, mip_gap=0.02, **knobs)
+        else:
+            result = strategy_plan(args.model, args.mesh, args.strategy, batch=args.batch, seq=args.seq,
+                                   micro_batches=args.micro_batches, **knobs)
+    if result.problem.graph.precision.name != "fp32":
+        raise MemshardError("the runtime executes fp32 plans; plan with --precision fp32")
+    return result
+
+
+def _cmd_run(args, console) -> None:
+    import json
+    import tempfile
+
+    from memshard.runtime.launch import launch
+    from memshard.runtime.report import render_run
+
+    _check_json_path(args.json)
+    if args.steps < 2:
+        raise MemshardError("--steps must be at least 2: the last step is measured with optimizer states in place")
+    with console.status("planning…"):
+        result = _runtime_plan(args)
+    n = result.problem.mesh.num_devices
+    with tempfile.TemporaryDirectory(prefix="memshard-run-") as tmp:
+        path = os.path.join(tmp, "plan.json")
+        result.save(path)
+        with console.status(f"running {n} rank(s)…"):
+            reports = launch("memshard.runtime.train", ["--plan", path, "--steps", str(args.steps)], n,
+                             timeout_s=args.timeout)
+    if args.json:
+        from memshard.files import write_text_atomically
+
+        write_text_atomically(args.json, json.dumps({"schema": "memshard.run/1", "ranks": reports}, indent=2) + "\n")
+    render_run(reports, console)
+
+
+def _cmd_simulate(args, console) -> None:
+    import json
+
+    from memshard.runtime.report import render_run
+    from memshard.runtime.simulate import simulate
+
+    _check_json_path(args.json)
+    with console.status("planning…"):
+        result = _runtime_plan(args)
+    n = result.problem.mesh.num_devices
+    if not 0 <= args.rank < n:
+        raise MemshardError(f"--rank must be in [0, {n})")
+    with console.status(f"simulating rank {args.rank} of {n}…"):
+        report = simulate(result, rank=args.rank)
+    if args.json:
+        from memshard.files import write_text_atomically
+
+        write_text_atomically(args.json, json.dumps({"schema": "memshard.simulate/1", "ranks": [report]}, indent=2) + "\n")
+    render_run([report], console, title=f"memshard simulate ({n} ranks, fake process group)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="memshard", description="Find the parallelism strategy with the least per-device memory.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -107,6 +193,17 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--points", type=_positive_int, default=8, help="frontier points (at least 2)")
     f.add_argument("--time-limit", type=_seconds, default=60.0, help="solver time limit per plan")
     f.add_argument("--out", default="pareto.png", help="PNG path (default pareto.png)")
+
+    r = sub.add_parser("run", help="plan (or load a plan), launch the ranks on this machine, train, "
+                                   "and compare measured memory and communication with the prediction")
+    _add_runtime_arguments(r)
+    r.add_argument("--steps", type=_positive_int, default=3, help="optimizer steps (≥ 2; the last is measured)")
+    r.add_argument("--timeout", type=_seconds, default=600.0, help="stop every rank after this long")
+
+    s = sub.add_parser("simulate", help="measure one rank of a large job in one process "
+                                        "(fake process group, no memory allocated)")
+    _add_runtime_arguments(s)
+    s.add_argument("--rank", type=int, default=0, help="the rank to play (default 0)")
 
     sub.add_parser("models", help="list the built-in model presets")
     return parser
@@ -237,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
             _cmd_compare(args, console)
         elif args.command == "pareto":
             _cmd_pareto(args, console)
+        elif args.command == "run":
+            _cmd_run(args, console)
+        elif args.command == "simulate":
+            _cmd_simulate(args, console)
         elif args.command == "models":
             _cmd_models(console)
         return 0

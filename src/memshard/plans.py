@@ -158,7 +158,7 @@ def build_plan(
             "instances": grp.instances,
             "shape": list(graph.tensors[grp.meta["params"][0]].shape),
             "layout": format_layout(param_layout(G)),
-            "gradient_layout": "".join("P" if g == "P" else ("R" if g == "R" else f"S({g[1:]})") for g in G),
+            "gradient_layout": _grad_text(G),
             "storage": StorageOption(opt.stage, opt.axes).name(mesh),
             "zero_stage": opt.stage,
             "storage_axes": [mesh.axis_names[a] for a in opt.axes],
@@ -235,3 +235,67 @@ def _plain(obj):
     if isinstance(obj, np.generic):
         return obj.item()
     return obj
+
+
+def load_plan(source: str | dict) -> Plan:
+    """A plan from its JSON (a path or the parsed dict): the job is rebuilt from the recorded
+    model, mesh and batch, and every op, parameter and edge takes the recorded choice."""
+    from memshard.errors import MemshardError
+
+    if isinstance(source, str):
+        try:
+            with open(source) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise MemshardError(f"cannot read plan {source}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise MemshardError(f"plan {source} is not valid JSON: {e}") from None
+    else:
+        data = source
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise MemshardError(f"not a memshard plan (expected schema {SCHEMA!r})")
+    try:
+        return _rebuild(data)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise MemshardError(f"the plan does not match memshard's model of this job: {e!r}") from None
+
+
+def _rebuild(data: dict) -> Plan:
+    from memshard.mesh import make_mesh
+    from memshard.models import build_graph
+    from memshard.problem import build_problem
+
+    m, md = data["model"], data["mesh"]
+    k = int(m.get("micro_batches", 1))
+    graph = build_graph(m["name"], batch=int(m["batch"]) // k, seq=int(m["seq"]), **m.get("overrides", {}))
+    mesh = make_mesh(tuple(md["shape"]), tuple(md["axis_names"]), device_memory_bytes=md["device_memory_bytes"],
+                     peak_flops=md["peak_flops"], compute_efficiency=md["compute_efficiency"])
+    mesh = mesh.with_links(tuple(md["bandwidth_bytes_per_s"]), tuple(md["latency_s"]))
+    problem = build_problem(graph, mesh, shared_layers=data["solver"]["shared_layers"], micro_batches=k)
+    choices = [0] * len(problem.groups)
+    by_key = {grp.key: gid for gid, grp in enumerate(problem.groups) if grp.kind == "op"}
+    for entry in data["ops"]:
+        gid = by_key[entry["name"]]
+        names = [s.assignment for s in problem.groups[gid].meta["strategies"]]
+        choices[gid] = [_assignment_dict(a, mesh) for a in names].index(entry["split"])
+    for entry in data["parameters"]:
+        gid = problem.storage_group[entry["names"][0]]
+        axes = tuple(mesh.axis_names.index(a) for a in entry["storage_axes"])
+        labels = [(format_layout(param_layout(G)), opt.stage, opt.axes) for G, opt in problem.groups[gid].meta["options"]]
+        grads = [_grad_text(G) for G, _ in problem.groups[gid].meta["options"]]
+        choices[gid] = next(i for i, (lab, g) in enumerate(zip(labels, grads))
+                            if lab == (entry["layout"], entry["zero_stage"], axes) and g == entry["gradient_layout"])
+    keeps = [0] * len(problem.edges)
+    by_edge = {e.key: i for i, e in enumerate(problem.edges)}
+    for entry in data["reshards"]:
+        keeps[by_edge[entry["name"]]] = int(entry["saved_in_producer_layout"])
+    selection = Selection(tuple(choices), tuple(keeps))
+    rebuilt = build_plan(problem, None, selection, model=m, constraints=data.get("constraints"),
+                         strategy_name=data.get("strategy", "memshard"))
+    rebuilt.data["objective"] = data.get("objective")
+    rebuilt.data["solver"] = data["solver"]
+    return rebuilt
+
+
+def _grad_text(G: tuple[str, ...]) -> str:
+    return "".join("P" if g == "P" else ("R" if g == "R" else f"S({g[1:]})") for g in G)

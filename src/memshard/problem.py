@@ -54,7 +54,9 @@ from memshard.strategies import (
 )
 
 STATS_BYTES = 4  # fp32 statistics
-STATS_IN_BACKWARD = {"layernorm": 1, "rmsnorm": 1, "softmax": 1}  # extra all-reduces in backward
+# fp32 statistics per row that backward all-reduces when the reduced dim is split: LayerNorm
+# Σg·w and Σg·w·x̂, RMSNorm Σg·w·x̂, softmax Σg·y; cross-entropy's backward needs none.
+STATS_IN_BACKWARD = {"layernorm": 2, "rmsnorm": 1, "softmax": 1}
 
 # Holder kinds
 PRODUCER = "producer"  # the producer's output until its last forward use (or its backward if saved)
@@ -210,6 +212,18 @@ def edge_calls(spec: TensorSpec, lp: Layout, lc: Layout, gc: Layout, gp: Layout,
     return calls
 
 
+# Ops whose backward does not read their weight (a lookup's gradient is a scatter of the
+# output gradient): under ZeRO-3 their weight is gathered for forward only.
+NO_WEIGHT_IN_BACKWARD = frozenset({"embedding", "embedding_add"})
+
+
+def _gather_points(S: Schedule, op: Op, i: int) -> tuple[int, ...]:
+    """The schedule points where ZeRO-3 holds op ``i``'s gathered weight."""
+    if op.kind in NO_WEIGHT_IN_BACKWARD:
+        return (S.forward(i),)
+    return (S.forward(i), S.backward(i))
+
+
 def without_partial(layout: Layout) -> Layout:
     return tuple(REPLICATE if isinstance(p, Partial) else p for p in layout)
 
@@ -271,7 +285,8 @@ class _Builder:
                 rows = math.prod(n for d, n in local.items() if d not in op.reduced_dims)
                 axes = tuple(a for a, d in enumerate(s.assignment) if d in op.reduced_dims)
                 calls = comm.all_reduce_over(rows * op.stats_per_row * STATS_BYTES, axes)
-                calls *= 1 + STATS_IN_BACKWARD.get(op.kind, 0)
+                if op.kind in STATS_IN_BACKWARD:
+                    calls += comm.all_reduce_over(rows * STATS_IN_BACKWARD[op.kind] * STATS_BYTES, axes)
             compute = flops / rate * self.k
             calls *= self.k
             out.append(Choice(s.name(), compute, calls, compute + self.time(calls)))
@@ -389,7 +404,7 @@ class _Builder:
                 options = [(G, opt) for G in dict.fromkeys(g_labels) for opt in storage_options(G, mesh)]
                 choices = []
                 for G, opt in options:
-                    calls = self.sync_calls(spec, G, opt, len(uses))
+                    calls = self.sync_calls(spec, G, opt, sum(len(_gather_points(S, self.g.ops[i], i)) for i, _ in uses))
                     choices.append(Choice((G, opt.stage, opt.axes), 0.0, calls, self.time(calls)))
                 self.index[key] = len(self.groups)
                 mems = [storage_memory(spec, G, opt, prec, mesh) for G, opt in options]
@@ -412,8 +427,12 @@ class _Builder:
             # With several micro-batches the gradients accumulate across them: live all step.
             grads_from = S.backward(max(i for i, _ in uses)) if self.k == 1 else 0
             self.slot(gid, grads_from, S.optimizer, "gradients", *v["gradients"], spec.numel * prec.grad_bytes)
+            for i, _ in uses[:-1]:
+                # A tied weight's earlier uses (later in backward): autograd sums their two
+                # gradient contributions into a new buffer while both are still alive.
+                self.slot(gid, S.backward(i), S.backward(i), "transients", *v["contributions"])
             for i, _ in uses:
-                for point in (S.forward(i), S.backward(i)):
+                for point in _gather_points(S, self.g.ops[i], i):
                     self.slot(gid, point, point, "transients", *v["gathered"])
                 self.slot(gid, S.backward(i), S.backward(i), "transients", *v["unsharded"])
         return storage_group
@@ -434,14 +453,16 @@ class _Builder:
             "gradients": vec("gradients", "redundant_gradients"),
             "gathered": vec("gathered_weight"),
             "unsharded": vec("unsharded_gradient"),
+            "contributions": vec("gradient_contributions"),
         }
 
-    def sync_calls(self, spec: TensorSpec, G: tuple[str, ...], opt: StorageOption, n_uses: int):
+    def sync_calls(self, spec: TensorSpec, G: tuple[str, ...], opt: StorageOption, n_gathers: int):
         """Gradient reduction and weight gathers one step needs for this storage option.
 
         Gradients are reduced once per step (accumulated locally over micro-batches) unless
         they are stored sharded (ZeRO-2/3), which reduces them after every micro-batch;
-        ZeRO-3 gathers the weight around every use in every micro-batch."""
+        ZeRO-3 gathers the weight for every use, and again for its backward, in every
+        micro-batch (``n_gathers`` per micro-batch, see :func:`_gather_points`)."""
         mesh, prec = self.mesh, self.g.precision
         numel = local_numel(spec.shape, param_layout(G), mesh.shape)
         partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
@@ -453,7 +474,7 @@ class _Builder:
         if opt.stage in (1, 2):
             calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh)
         elif opt.stage == 3:
-            calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh) * (2 * n_uses * self.k)
+            calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh) * (n_gathers * self.k)
         return calls
 
     def add_inputs(self) -> None:

@@ -254,14 +254,9 @@ class IlpBuilder:
         calls = []
         cur = lc_pre + psuf
         step = comm.reshard_step(spec.shape, spec.dtype_bytes, cur, a, cv[0], mesh)
-        if step:
-            calls.append(step)
-            if keep:
-                calls.append(step)
+        calls += step * (2 if keep else 1)
         cur_b = gc_pre + (cv[1],) + gp_suf[1:]
-        step = comm.reshard_step(spec.shape, spec.dtype_bytes, cur_b, a, gp_suf[0], mesh)
-        if step:
-            calls.append(step)
+        calls += comm.reshard_step(spec.shape, spec.dtype_bytes, cur_b, a, gp_suf[0], mesh)
         return comm.total_time(calls, mesh)
 
     def indicator(self, h: Holder, layout: Layout) -> dict[int, float]:

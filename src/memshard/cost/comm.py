@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memshard.mesh import Mesh
-from memshard.placement import Layout, Partial, Placement, Replicate, local_numel
+from memshard.placement import REPLICATE, Layout, Partial, Placement, Replicate, Shard, local_numel
 
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
@@ -68,22 +68,36 @@ def total_wire_bytes(calls: tuple[Collective, ...] | list[Collective], mesh: Mes
 
 def reshard_step(
     shape: tuple[int, ...], dtype_bytes: int, current: Layout, axis: int, target: Placement, mesh: Mesh
-) -> Collective | None:
-    """The collective that changes ``current``'s placement on ``axis`` to ``target``."""
+) -> tuple[Collective, ...]:
+    """The collectives that change ``current``'s placement on ``axis`` to ``target``.
+
+    Shards of one tensor dim over several axes nest in axis order, so an axis can change a
+    split of dim ``i`` only after every later axis splitting ``i`` is gathered (innermost
+    first); those are sliced again afterwards, for free. DTensor does the same."""
     a = current[axis]
     if a == target:
-        return None
+        return ()
     if isinstance(target, Partial):
         raise ValueError("resharding never targets a partial layout")
+    dims = {p.dim for p in (a, target) if isinstance(p, Shard)}
+    calls = []
+    cur = tuple(current)
+    for b in range(len(cur) - 1, axis, -1):
+        if isinstance(cur[b], Shard) and cur[b].dim in dims:
+            after = cur[:b] + (REPLICATE,) + cur[b + 1 :]
+            calls.append(Collective(ALL_GATHER, b, local_numel(shape, after, mesh.shape) * dtype_bytes))
+            cur = after
     if isinstance(a, Replicate):
-        return None  # Replicate → Shard is a local slice
-    before = local_numel(shape, current, mesh.shape) * dtype_bytes
+        return tuple(calls)  # Replicate → Shard is a local slice
+    before = local_numel(shape, cur, mesh.shape) * dtype_bytes
     if isinstance(a, Partial):
-        return Collective(ALL_REDUCE if isinstance(target, Replicate) else REDUCE_SCATTER, axis, before)
-    if isinstance(target, Replicate):
-        after = current[:axis] + (target,) + current[axis + 1 :]
-        return Collective(ALL_GATHER, axis, local_numel(shape, after, mesh.shape) * dtype_bytes)
-    return Collective(ALL_TO_ALL, axis, before)
+        calls.append(Collective(ALL_REDUCE if isinstance(target, Replicate) else REDUCE_SCATTER, axis, before))
+    elif isinstance(target, Replicate):
+        after = cur[:axis] + (target,) + cur[axis + 1 :]
+        calls.append(Collective(ALL_GATHER, axis, local_numel(shape, after, mesh.shape) * dtype_bytes))
+    else:
+        calls.append(Collective(ALL_TO_ALL, axis, before))
+    return tuple(calls)
 
 
 def reshard(
@@ -98,13 +112,11 @@ def reshard(
     (``reverse``: last axis first, the order gradients flow back in)."""
     if src == dst:
         return ()
-    calls = []
+    calls: list[Collective] = []
     cur = tuple(src)
     axes = range(len(src) - 1, -1, -1) if reverse else range(len(src))
     for axis in axes:
-        call = reshard_step(shape, dtype_bytes, cur, axis, dst[axis], mesh)
-        if call is not None:
-            calls.append(call)
+        calls += reshard_step(shape, dtype_bytes, cur, axis, dst[axis], mesh)
         cur = cur[:axis] + (dst[axis],) + cur[axis + 1 :]
     return tuple(calls)
 

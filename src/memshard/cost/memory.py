@@ -100,6 +100,7 @@ class StorageMemory:
     optimizer_states: int
     gathered_weight: int  # transient around each use under ZeRO-3
     unsharded_gradient: int  # transient at each use's backward under ZeRO-2/3
+    gradient_contributions: int  # transient when a tied weight's two gradients are summed
     redundant_parameters: float
     redundant_gradients: float
     redundant_optimizer_states: float
@@ -129,6 +130,7 @@ def storage_memory(
         optimizer_states=o,
         gathered_weight=numel * precision.param_bytes if option.stage >= 3 else 0,
         unsharded_gradient=numel * precision.grad_bytes if option.stage >= 2 else 0,
+        gradient_contributions=2 * numel * precision.grad_bytes,
         redundant_parameters=rp,
         redundant_gradients=rg,
         redundant_optimizer_states=ro,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from memshard.errors import MemshardError
-from memshard.graph import MIXED, PRECISIONS, Precision
+from memshard.graph import FP32, MIXED, PRECISIONS, Precision
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,10 @@ PRESETS: dict[str, ModelConfig] = {
         _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 68.98e9),
         _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8.03e9, seq=8192),
         _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 70.55e9, seq=8192),
+        # Tiny fp32 models for running plans on CPU in seconds (memshard run, tests).
+        ModelConfig("tiny-gpt", "gpt", 2, 128, 4, 512, 512, 128, precision=FP32, default_seq=32),
+        ModelConfig("tiny-llama", "llama", 2, 128, 4, 256, 512, 128, kv_heads=2, dropout=False,
+                    precision=FP32, default_seq=32),
         ModelConfig(
             "bert-large", "bert", 24, 1024, 16, 4096, 30522, 512,
             default_seq=512, published_parameters=335.1e6,

@@ -1,0 +1,1 @@
+"""Running a memshard plan for real: launching ranks, executing, resharding and measuring."""

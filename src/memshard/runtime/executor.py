@@ -1,0 +1,434 @@
+"""Run memshard's graph in PyTorch: the reference model, and the same model under a plan.
+
+:class:`GraphModel` is the single-device reference: an ``nn.Module`` holding the full
+parameters of a :class:`~memshard.graph.Graph` whose forward runs the graph's ops in order
+with the kernels of ``ops.py``, so every op of the plan is one piece of code.
+
+:func:`parallelize` turns it into a :class:`ShardedGraphModel` for a plan on a
+``DeviceMesh``:
+
+- every parameter becomes a DTensor in the layout its op's strategy needs; with ZeRO storage
+  (``ParamStore``) the optimizer sees only this rank's flat shard of it: stage 1 shards the
+  optimizer states, 2 also the gradients (reduce-scattered as soon as each is complete),
+  3 also the weight, gathered around each use and gathered again in backward;
+- every activation is redistributed at each op boundary from its producer's layout to its
+  consumer's (``reshard.Reshard``: forward in axis order, gradient in reverse axis order);
+- an edge the plan keeps (Megatron's sequence parallelism) saves the producer's smaller
+  piece and gathers it again when backward needs it (saved-tensor hooks);
+- activations are dropped after their last forward use.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from memshard.cost.memory import param_layout
+from memshard.graph import Graph, TensorKind
+from memshard.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
+from memshard.problem import Problem, Selection
+from memshard.runtime import ops
+from memshard.runtime.reshard import Reshard, reshard_local, to_torch, without_partial
+from memshard.strategies import Strategy, input_grad_layout
+
+INIT_STD = 0.02
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "/")
+
+
+def init_parameter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Deterministic initial value of a parameter from its name: the same on every rank
+    and in every sharding. Norm weights start at 1, biases at 0, the rest N(0, 0.02)."""
+    leaf = name.rsplit(".", 2)
+    if leaf[-1] == "bias":
+        return torch.zeros(shape)
+    if "norm" in name or "ln_" in name:
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed((seed * 7919 + zlib.crc32(name.encode())) % 2**63)
+    return torch.randn(shape, generator=gen) * INIT_STD
+
+
+def make_batch(graph: Graph, micro_batches: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Random token ids and labels for each micro-batch, identical on every rank."""
+    out = []
+    for k in range(micro_batches):
+        gen = torch.Generator().manual_seed(seed * 1009 + k)
+        vocab = graph.meta.get("vocab") or _vocab(graph)
+        out.append({
+            name: torch.randint(0, vocab, spec.shape, generator=gen)
+            for name, spec in graph.tensors.items() if spec.kind is TensorKind.INPUT
+        })
+    return out
+
+
+def _vocab(graph: Graph) -> int:
+    for op in graph.ops:
+        if op.kind == "embedding":
+            return graph.tensors[op.inputs[1].tensor].shape[0]
+    raise ValueError("graph has no embedding")
+
+
+# -- the interpreter -------------------------------------------------------------------------
+@dataclass
+class _Boundary:
+    """How one consumer input is fed: reshard producer → consumer, and whether it is kept."""
+
+    lp: Layout
+    lc: Layout
+    gc: Layout
+    keep: bool
+
+
+def _run_graph(
+    graph: Graph,
+    inputs: dict[str, torch.Tensor],
+    context: Callable[[int], ops.OpContext],
+    weight: Callable[[int, int], tuple[torch.Tensor, Callable | None]],
+    feed: Callable[[int, int, torch.Tensor], tuple[torch.Tensor, Callable | None]],
+    input_for: Callable[[int, int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Forward of the whole graph; returns the (local) loss.
+
+    ``weight(i, j)`` gives op i's parameter input j and ``feed(i, j, x)`` its activation
+    input j, each with a function that makes it again when the op should not save it (a
+    ZeRO-3 weight, a kept edge); ``input_for`` slices a model input to op i's layout.
+    """
+    last_use = {t: uses[-1][0] for t, uses in graph.consumers.items()}
+    env: dict[str, torch.Tensor] = {}
+    for i, op in enumerate(graph.ops):
+        args = []
+        again: dict[int, Callable] = {}
+        for j, operand in enumerate(op.inputs):
+            kind = graph.tensors[operand.tensor].kind
+            if kind is TensorKind.INPUT:
+                args.append(input_for(i, j, inputs[operand.tensor]))
+                continue
+            if kind is TensorKind.PARAMETER:
+                x, make = weight(i, j)
+            else:
+                x, make = feed(i, j, env[operand.tensor])
+            if make is not None:
+                again[_storage_id(x)] = make
+            args.append(x)
+        kernel = ops.KERNELS[op.kind]
+        if again:
+            with torch.autograd.graph.saved_tensors_hooks(*_make_again_hooks(again)):
+                out = kernel(context(i), *args)
+        else:
+            out = kernel(context(i), *args)
+        env[op.output.tensor] = out
+        del args, again
+        for operand in op.inputs:
+            if last_use.get(operand.tensor) == i:
+                env.pop(operand.tensor, None)
+    return env[graph.loss]
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage, shared by its views (works for fake tensors too)."""
+    return t.untyped_storage()._cdata
+
+
+def _make_again_hooks(recipes: dict[int, Callable[[], torch.Tensor]]):
+    """Saved-tensor hooks that keep, instead of a tensor, a way to make it again."""
+
+    def pack(t: torch.Tensor):
+        make = recipes.get(_storage_id(t))
+        if make is None:
+            return t
+        return (make, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        make, size, stride, offset = packed
+        return make().as_strided(size, stride, offset)
+
+    return pack, unpack
+
+
+class GraphModel(nn.Module):
+    """The single-device reference model of ``graph`` (full parameters, plain tensors)."""
+
+    def __init__(self, graph: Graph, seed: int = 0, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.graph = graph
+        self.seed = seed
+        self.weights = nn.ParameterDict({
+            _key(name): nn.Parameter(
+                init_parameter(name, graph.tensors[name].shape, seed).to(device)
+                if torch.device(device).type != "meta" else torch.empty(graph.tensors[name].shape, device="meta")
+            )
+            for name in graph.parameters
+        })
+        self.step = 0
+
+    def parameter(self, name: str) -> nn.Parameter:
+        return self.weights[_key(name)]
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        g = self.graph
+
+        def context(i):
+            op = g.ops[i]
+            return ops.OpContext(g, op, i, Strategy((), (), (), ()), (), (), g.dim_sizes(op), self.step)
+
+        return _run_graph(
+            g, inputs, context,
+            weight=lambda i, j: (self.parameter(g.ops[i].inputs[j].tensor), None),
+            feed=lambda i, j, x: (x, None),
+            input_for=lambda i, j, x: x,
+        )
+
+
+# -- parameters under a plan -------------------------------------------------------------------
+def _flat_range(n: int, axes: tuple[int, ...], mesh: DeviceMesh, coords) -> tuple[int, int]:
+    """This rank's piece of a flat buffer of ``n`` split over ``axes`` in order (torch.chunk)."""
+    start = 0
+    for a in axes:
+        m = mesh.size(a)
+        c = -(-n // m)
+        i = coords[a]
+        start += i * c
+        n = max(0, min(c, n - i * c))
+    return start, n
+
+
+class ParamStore:
+    """One parameter under a plan: compute layout, gradient layout, ZeRO stage and axes."""
+
+    def __init__(self, name: str, full: torch.Tensor, compute: Layout, grad: Layout, stage: int,
+                 axes: tuple[int, ...], mesh: DeviceMesh, uses: int):
+        self.name, self.mesh, self.stage, self.axes, self.uses = name, mesh, stage, axes, uses
+        self.compute, self.grad = compute, grad
+        self.shape = tuple(full.shape)
+        coords = mesh.get_coordinate() or [0] * mesh.ndim
+        dt = distribute_tensor(full, mesh, to_torch(compute), src_data_rank=None)
+        self.local_shape = tuple(dt.to_local().shape)
+        self.numel = math.prod(self.local_shape)
+        self.flat_start, self.flat_len = _flat_range(self.numel, axes, mesh, coords)
+        # The flat buffer's layout: partial where the gradient is a partial sum, sharded over
+        # the storage axes; the axes splitting the compute shard play no part.
+        self.flat_partial = tuple(PARTIAL if isinstance(p, Partial) else REPLICATE for p in grad)
+        self.flat_sharded = tuple(Shard(0) if a in axes else REPLICATE for a in range(mesh.ndim))
+        self.pending: torch.Tensor | None = None
+        self.outstanding = 0
+        self.on_gradient: Callable[[torch.Tensor], None] | None = None  # a memory meter's
+        if stage < 3:
+            self.param = nn.Parameter(dt)
+            flat = dt.to_local().view(-1)
+            piece = flat[self.flat_start:self.flat_start + self.flat_len] if stage >= 1 else flat
+            self.opt = nn.Parameter(piece)  # shares storage with the DTensor's local tensor
+            if stage == 2:
+                self.param.register_post_accumulate_grad_hook(lambda p: self._reduce_now())
+        else:
+            flat = dt.to_local().reshape(-1)
+            self.param = nn.Parameter(flat[self.flat_start:self.flat_start + self.flat_len].clone())
+            self.opt = self.param
+        del dt
+
+    # gradient reduction: all-reduce the axes the storage does not shard, then reduce-scatter
+    # over the storage axes (memshard.problem._Builder.sync_calls prices exactly this).
+    def _reduce(self, local_grad: torch.Tensor) -> torch.Tensor:
+        flat = local_grad.reshape(-1)
+        for a, p in enumerate(self.flat_partial):
+            if isinstance(p, Partial) and (self.stage == 0 or a not in self.axes):
+                dist.all_reduce(flat, group=self.mesh.get_group(a))  # in place: no second copy
+        if self.stage == 0:
+            return flat
+        src = tuple(p if a in self.axes else REPLICATE for a, p in enumerate(self.flat_partial))
+        return reshard_local(flat, (self.numel,), self.mesh, src, self.flat_sharded)
+
+    def _accumulate(self, g: torch.Tensor) -> None:
+        self.opt.grad = g if self.opt.grad is None else self.opt.grad.add_(g)
+        if self.on_gradient is not None:
+            self.on_gradient(self.opt.grad)
+
+    def _reduce_now(self) -> None:
+        g = self.param.grad
+        self.param.grad = None
+        local = torch.zeros(self.local_shape) if g is None else (g.to_local() if isinstance(g, DTensor) else g)
+        self._accumulate(self._reduce(local))
+
+    def finish_gradients(self) -> None:
+        """After the last micro-batch's backward (stages 0 and 1)."""
+        if self.stage <= 1:
+            self._reduce_now()
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Stages 1 and 2: gather the updated shards back into the compute weight."""
+        if self.stage in (1, 2):
+            full = reshard_local(self.opt.detach(), (self.numel,), self.mesh, self.flat_sharded,
+                                 tuple(REPLICATE for _ in self.flat_sharded), reverse=True)
+            self.param.to_local().view(-1).copy_(full)
+
+    def gather(self) -> torch.Tensor:
+        full = reshard_local(self.param.detach(), (self.numel,), self.mesh, self.flat_sharded,
+                             tuple(REPLICATE for _ in self.flat_sharded), reverse=True)
+        return full.view(self.local_shape)
+
+    def weight(self) -> tuple[torch.Tensor, Callable | None]:
+        """The local compute weight for one use, and (stage 3) how to gather it again."""
+        if self.stage < 3:
+            return self.param.to_local(grad_placements=to_torch(self.grad)), None
+        return _GatherForUse.apply(self.param, self), self.gather
+
+
+class _GatherForUse(torch.autograd.Function):
+    """ZeRO-3: gather the weight for one use; backward reduces the gradient of all uses of
+    this micro-batch once, straight into the shard."""
+
+    @staticmethod
+    def forward(ctx, shard, store: ParamStore):
+        ctx.store = store
+        store.outstanding += 1
+        return store.gather()
+
+    @staticmethod
+    def backward(ctx, grad):
+        store = ctx.store
+        store.pending = grad if store.pending is None else store.pending.add_(grad)
+        store.outstanding -= 1
+        if store.outstanding:
+            return None, None
+        g, store.pending = store.pending, None
+        return store._reduce(g), None
+
+
+class ShardedGraphModel(nn.Module):
+    """The graph of a :class:`GraphModel` run on one rank of ``device_mesh`` under a plan."""
+
+    def __init__(self, model: GraphModel, problem: Problem, selection: Selection, device_mesh: DeviceMesh):
+        super().__init__()
+        graph = problem.graph
+        if tuple(device_mesh.shape) != problem.mesh.shape:
+            raise ValueError(f"device mesh {tuple(device_mesh.shape)} ≠ plan mesh {problem.mesh.shape}")
+        self.graph, self.problem, self.selection, self.mesh = graph, problem, selection, device_mesh
+        self.seed = model.seed
+        self.step = 0
+        self.coords = tuple(device_mesh.get_coordinate() or [0] * device_mesh.ndim)
+        self.groups = tuple(device_mesh.get_group(a) for a in range(device_mesh.ndim))
+        self.strategies = [problem.strategy(selection, problem.op_group[i]) for i in range(len(graph.ops))]
+        uses: dict[str, int] = {}
+        for op in graph.ops:
+            for x in op.inputs:
+                if graph.tensors[x.tensor].kind is TensorKind.PARAMETER:
+                    uses[x.tensor] = uses.get(x.tensor, 0) + 1
+        self.stores: dict[str, ParamStore] = {}
+        for name in graph.parameters:
+            gid = problem.storage_group[name]
+            G, opt = problem.groups[gid].meta["options"][selection.choices[gid]]
+            grad = tuple(PARTIAL if g == "P" else (REPLICATE if g == "R" else Shard(int(g[1:]))) for g in G)
+            full = model.parameter(name).detach()
+            self.stores[name] = ParamStore(name, full, param_layout(G), grad, opt.stage, opt.axes,
+                                           device_mesh, uses[name])
+        self.weights = nn.ParameterDict({_key(n): s.param for n, s in self.stores.items()})
+
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        return [self.stores[n].opt for n in self.graph.parameters]
+
+    def boundary(self, i: int, j: int) -> _Boundary:
+        e = self.problem.edge_of_input[(i, j)]
+        producer = self.graph.producer[self.graph.ops[i].inputs[j].tensor]
+        lp = self.strategies[producer].output_layout
+        lc = self.strategies[i].input_layouts[j]
+        gc = input_grad_layout(self.strategies[i], self.graph.ops[i], j)
+        keep = bool(self.selection.keeps[e]) and lp != lc
+        return _Boundary(lp, lc, gc, keep)
+
+    def _feed(self, i: int, j: int, x: torch.Tensor):
+        b = self.boundary(i, j)
+        shape = self.graph.tensors[self.graph.ops[i].inputs[j].tensor].shape
+        if b.lp == b.lc and b.gc == without_partial(b.lp):
+            return x, None
+        y = Reshard.apply(x, shape, self.mesh, b.lp, b.lc, b.gc)
+        if not b.keep:
+            return y, None
+        small = x.detach()
+        return y, lambda: reshard_local(small, shape, self.mesh, b.lp, b.lc)
+
+    def _input(self, i: int, j: int, x: torch.Tensor) -> torch.Tensor:
+        layout = self.strategies[i].input_layouts[j]
+        dt = distribute_tensor(x, self.mesh, to_torch(layout), src_data_rank=None)
+        return dt.to_local()
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        g = self.graph
+
+        def context(i):
+            return ops.OpContext(g, g.ops[i], i, self.strategies[i], self.coords, self.groups,
+                                 g.dim_sizes(g.ops[i]), self.step)
+
+        cache: dict[str, tuple] = {}
+
+        def weight(i, j):
+            # One local view per parameter and pass: a tied weight's uses then sum their
+            # gradients in one autograd buffer (ZeRO-3 gathers for every use instead).
+            name = g.ops[i].inputs[j].tensor
+            store = self.stores[name]
+            if store.stage == 3:
+                return store.weight()
+            if name not in cache:
+                cache[name] = store.weight()
+            return cache[name]
+
+        return _run_graph(
+            g, inputs, context,
+            weight=weight,
+            feed=self._feed,
+            input_for=self._input,
+        )
+
+    def watch_gradients(self, callback: Callable[[torch.Tensor], None] | None) -> None:
+        """Call ``callback`` on every reduced gradient the optimizer will read."""
+        for store in self.stores.values():
+            store.on_gradient = callback
+
+    def finish_gradients(self) -> None:
+        for store in self.stores.values():
+            store.finish_gradients()
+
+    def after_step(self) -> None:
+        for store in self.stores.values():
+            store.after_step()
+        self.step += 1
+
+    @torch.no_grad()
+    def full_gradient(self, name: str) -> torch.Tensor:
+        """The whole reduced gradient of parameter ``name`` (gathered; for checks)."""
+        store = self.stores[name]
+        g = store.opt.grad.detach()
+        if store.stage >= 1:
+            g = reshard_local(g, (store.numel,), self.mesh, store.flat_sharded,
+                              tuple(REPLICATE for _ in store.flat_sharded), reverse=True)
+        local = g.reshape(store.local_shape)
+        return reshard_local(local, store.shape, self.mesh, store.compute,
+                             tuple(REPLICATE for _ in store.compute), reverse=True)
+
+    def loss_value(self, loss: torch.Tensor) -> float:
+        """The global loss from this rank's partial piece (sums over the axes that split it)."""
+        axes = [a for a, p in enumerate(self.strategies[self.graph.producer[self.graph.loss]].output_layout)
+                if isinstance(p, Partial)]
+        t = loss.detach().clone()
+        for a in axes:
+            dist.all_reduce(t, group=self.groups[a])
+        if is_fake(t):  # memshard simulate (FakeTensorMode): there is no value to read
+            return math.nan
+        return float(t)
+
+
+def parallelize(model: GraphModel, plan, device_mesh: DeviceMesh) -> ShardedGraphModel:
+    """``model`` laid out on ``device_mesh`` as ``plan`` (a :class:`~memshard.plans.Plan`) says."""
+    return ShardedGraphModel(model, plan.problem, plan.selection, device_mesh)

@@ -1,0 +1,518 @@
+"""What one rank really does in a training step: collectives sent and memory held.
+
+This module owns the measuring side of memshard's verification (DESIGN.md, "Runtime and
+verification"); nothing here knows about plans.
+
+- :class:`CommCounter` is a ``TorchDispatchMode`` that records every collective issued while
+  it is active: the c10d ops (``torch.ops.c10d.*``, what ``torch.distributed.all_reduce`` and
+  FSDP2 call), the functional collectives (``torch.ops._c10d_functional*``, what DTensor
+  calls) and DTensor's ``shard_dim_alltoall``. Each call gets a memshard kind, its group size
+  ``m`` and its buffer ``B`` as :mod:`memshard.cost.comm` defines them (all-gather: the
+  gathered output; reduce-scatter: the input; all-reduce: the buffer; all-to-all: the local
+  buffer), and the bytes one device sends, ``(m−1)/m · B`` (twice that for all-reduce), the
+  formula of :func:`memshard.cost.comm.wire_bytes`; broadcast, reduce, gather and scatter get
+  the same one-way formula (an average per device, not what the root sends). Sizes come from
+  tensor metadata, so it works on real gloo/NCCL groups, on the ``fake`` process group and
+  under ``FakeTensorMode`` (inside or around it). ``paused()`` leaves bookkeeping collectives
+  out. DTensor on a CPU mesh turns ``Shard(i) → Shard(j)`` into an all-gather of the whole
+  tensor plus a local chunk instead of an all-to-all; the counter records what ran.
+- :class:`MemoryMeter` wraps ``torch.distributed._tools.mem_tracker.MemTracker`` to give one
+  rank's peak bytes over a region and the breakdown by category *at the moment of that peak*.
+  MemTracker keeps a snapshot at its peak, but with its categories as they stood then: a
+  parameter's gradient is still "Temp" until the gradient hook fires after the allocation,
+  and everything allocated inside ``optimizer.step`` is "Optstate", temporaries included.
+  The meter therefore logs every storage's size changes and, on exit, replays the log,
+  attributing each storage to its *final* category (an optimizer-step allocation counts as
+  optimizer state only if it ends up in ``optimizer.state``). The log is written on every
+  size change, not only after each op as MemTracker's own peak is, so a storage grown by
+  ``resize_`` (FSDP2) counts at once. MemTracker counts storages at ``numel · element_size``
+  on CPU (fake or real), rounded up to 512 bytes on CUDA; it counts DTensor local shards.
+  Under ``FakeTensorMode`` the meter ignores the global-shape fake tensors DTensor's sharding
+  propagation creates (MemTracker would count them). On CUDA the meter also records
+  ``torch.cuda.max_memory_allocated`` over the region.
+- :func:`init_fake_world` / :func:`destroy` set up the ``fake`` process group so one process
+  plays one rank of a large job (``memshard simulate``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn, optim
+from torch._guards import active_fake_mode
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memshard.cost.comm import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
+
+BROADCAST = "broadcast"
+REDUCE = "reduce"
+GATHER = "gather"
+SCATTER = "scatter"
+
+PARAMETERS = "parameters"
+GRADIENTS = "gradients"
+OPTIMIZER_STATES = "optimizer_states"
+ACTIVATIONS = "activations"
+TRANSIENTS = "transients"
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATES, ACTIVATIONS, TRANSIENTS)
+
+__all__ = [
+    "CATEGORIES",
+    "CommCall",
+    "CommCounter",
+    "MemoryMeter",
+    "destroy",
+    "init_fake_world",
+]
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+@dataclass(frozen=True)
+class _Spec:
+    kind: str
+    buffer_arg: str  # schema name of the tensor (list) whose bytes are B
+    times_group: bool = False  # B is that argument's bytes times the group size
+
+
+_FUNCTIONAL: dict[str, _Spec] = {
+    "all_reduce": _Spec(ALL_REDUCE, "input"),
+    "all_reduce_": _Spec(ALL_REDUCE, "input"),
+    "all_reduce_coalesced": _Spec(ALL_REDUCE, "inputs"),
+    "all_reduce_coalesced_": _Spec(ALL_REDUCE, "inputs"),
+    "all_gather_into_tensor": _Spec(ALL_GATHER, "input", times_group=True),
+    "all_gather_into_tensor_out": _Spec(ALL_GATHER, "input", times_group=True),
+    "all_gather_into_tensor_coalesced": _Spec(ALL_GATHER, "inputs", times_group=True),
+    "reduce_scatter_tensor": _Spec(REDUCE_SCATTER, "input"),
+    "reduce_scatter_tensor_out": _Spec(REDUCE_SCATTER, "input"),
+    "reduce_scatter_tensor_coalesced": _Spec(REDUCE_SCATTER, "inputs"),
+    "all_to_all_single": _Spec(ALL_TO_ALL, "input"),
+    "broadcast": _Spec(BROADCAST, "input"),
+    "broadcast_": _Spec(BROADCAST, "input"),
+}
+
+_C10D: dict[str, _Spec] = {
+    "allreduce_": _Spec(ALL_REDUCE, "tensors"),
+    "allreduce_coalesced_": _Spec(ALL_REDUCE, "tensors"),
+    "_allgather_base_": _Spec(ALL_GATHER, "output_tensor"),
+    "allgather_": _Spec(ALL_GATHER, "output_tensors"),
+    "allgather_coalesced_": _Spec(ALL_GATHER, "output_lists"),
+    "allgather_into_tensor_coalesced_": _Spec(ALL_GATHER, "outputs"),
+    "_reduce_scatter_base_": _Spec(REDUCE_SCATTER, "input_tensor"),
+    "reduce_scatter_": _Spec(REDUCE_SCATTER, "input_tensors"),
+    "reduce_scatter_tensor_coalesced_": _Spec(REDUCE_SCATTER, "inputs"),
+    "alltoall_base_": _Spec(ALL_TO_ALL, "input"),
+    "alltoall_": _Spec(ALL_TO_ALL, "input_tensors"),
+    "broadcast_": _Spec(BROADCAST, "tensors"),
+    "reduce_": _Spec(REDUCE, "tensors"),
+    "gather_": _Spec(GATHER, "input_tensors", times_group=True),
+    "scatter_": _Spec(SCATTER, "output_tensors", times_group=True),
+}
+
+
+def _collective_specs() -> dict[Any, _Spec]:
+    """Overload packet → spec, for every collective op this torch build has."""
+    table: dict[Any, _Spec] = {}
+    sources: list[tuple[str, Mapping[str, _Spec]]] = [
+        ("_c10d_functional", _FUNCTIONAL),
+        ("_c10d_functional_autograd", _FUNCTIONAL),
+        ("c10d", _C10D),
+        ("_dtensor", {"shard_dim_alltoall": _Spec(ALL_TO_ALL, "input")}),
+    ]
+    for namespace, specs in sources:
+        ns = getattr(torch.ops, namespace)
+        for name, spec in specs.items():
+            try:
+                table[getattr(ns, name)] = spec
+            except (AttributeError, RuntimeError):
+                continue  # not in this build (or not registered yet)
+    return table
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of a tensor or a (nested) list of tensors, from metadata only."""
+    if isinstance(obj, torch.Tensor):
+        return int(obj.numel()) * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    return 0
+
+
+def _group_size(group: Any) -> int:
+    """Size of a group given as a name (functional ops) or a ProcessGroup (c10d ops)."""
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return int(_resolve_process_group(group).size())
+    if isinstance(group, torch.ScriptObject):
+        return int(dist.ProcessGroup.unbox(group).size())
+    return int(group.size())
+
+
+def _bind(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """An op call's arguments by schema name."""
+    bound: dict[str, Any] = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+    return bound
+
+
+@dataclass(frozen=True)
+class CommCall:
+    """One collective as one rank saw it."""
+
+    op: str  # the op overload, e.g. "_c10d_functional.all_gather_into_tensor.default"
+    kind: str  # memshard.cost.comm's kind names, or "broadcast", "reduce", "gather", "scatter"
+    group_size: int
+    buffer_bytes: int
+    wire_bytes: float  # bytes this device sends: (m−1)/m · B, ×2 for all-reduce
+
+
+def _wire_bytes(kind: str, m: int, buffer_bytes: int) -> float:
+    factor = 2.0 if kind == ALL_REDUCE else 1.0
+    return factor * (m - 1) / m * buffer_bytes
+
+
+class CommCounter(TorchDispatchMode):
+    """Records every collective issued while active (see the module docstring).
+
+    Usage::
+
+        with CommCounter() as comm:
+            step()
+            with comm.paused():
+                dist.all_reduce(loss)  # bookkeeping, not counted
+        comm.wire_bytes_by_kind, comm.calls_by_kind, comm.total_wire_bytes, comm.calls
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[CommCall] = []
+        self._specs = _collective_specs()
+        self._paused = 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Collectives issued inside this block are not recorded."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor desugar into local ops and collectives first
+        spec = self._specs.get(func._overloadpacket)
+        if spec is not None and not self._paused:
+            self.calls.append(self._record(func, spec, args, kwargs))
+        return func(*args, **kwargs)
+
+    def _record(
+        self, func: Any, spec: _Spec, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> CommCall:
+        bound = _bind(func, args, kwargs)
+        if "group_size" in bound:
+            m = int(bound["group_size"])
+        elif "process_group" in bound:
+            m = _group_size(bound["process_group"])
+        else:
+            m = _group_size(bound["group_name"])
+        nbytes = _nbytes(bound[spec.buffer_arg]) * (m if spec.times_group else 1)
+        return CommCall(str(func), spec.kind, m, nbytes, _wire_bytes(spec.kind, m, nbytes))
+
+    @property
+    def wire_bytes_by_kind(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for c in self.calls:
+            out[c.kind] = out.get(c.kind, 0.0) + c.wire_bytes
+        return out
+
+    @property
+    def calls_by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.calls:
+            out[c.kind] = out.get(c.kind, 0) + 1
+        return out
+
+    @property
+    def wire_bytes_by_kind_and_group_size(self) -> dict[tuple[str, int], float]:
+        out: dict[tuple[str, int], float] = {}
+        for c in self.calls:
+            key = (c.kind, c.group_size)
+            out[key] = out.get(key, 0.0) + c.wire_bytes
+        return out
+
+    @property
+    def total_wire_bytes(self) -> float:
+        return sum(c.wire_bytes for c in self.calls)
+
+
+# --------------------------------------------------------------------------------- memory
+
+
+@contextlib.contextmanager
+def _flag_sharding_propagation(tracker: _LoggingMemTracker) -> Iterator[None]:
+    """Raise ``tracker.propagating`` while DTensor runs sharding propagation.
+
+    To learn an op's output shape DTensor runs it on fake tensors of the *global* shapes,
+    under ``detect_fake_mode() or FakeTensorMode()``. MemTracker skips those ops by checking
+    that the active fake mode is not the one it was entered under, which fails when the
+    whole run is already under ``FakeTensorMode`` (memshard simulate): DTensor then reuses
+    that mode and the global-shape tensors would count as this rank's memory.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator as Prop
+
+    original = Prop._propagate_tensor_meta_non_cached
+
+    @functools.wraps(original)
+    def propagate(prop: Any, op_schema: Any) -> Any:
+        tracker.propagating += 1
+        try:
+            return original(prop, op_schema)
+        finally:
+            tracker.propagating -= 1
+
+    Prop._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Prop._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+class _LoggingMemTracker(MemTracker):
+    """MemTracker that logs every change of a storage's tracked bytes, in order, and knows
+    which storages are real optimizer state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[Any, int]] = []  # (_WeakRefInfo, its bytes after the change)
+        self.optimizer_state: set[Any] = set()  # _WeakRefInfo of tensors in optimizer.state
+        self.propagating = 0  # depth inside DTensor's sharding propagation
+        self._patches = contextlib.ExitStack()
+
+    def __enter__(self) -> _LoggingMemTracker:
+        if self._depth == 0:
+            self._patches.enter_context(_flag_sharding_propagation(self))
+        super().__enter__()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        if self._depth == 0:
+            self._patches.close()
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if self.propagating:  # DTensor deriving output metadata on global-shape fake tensors
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _update_snap(self, u_type: _UpdateType, winfo: Any, *args: Any, **kwargs: Any) -> None:
+        super()._update_snap(u_type, winfo, *args, **kwargs)
+        if u_type == _UpdateType.DEL:
+            self.events.append((winfo, 0))
+        elif u_type in (_UpdateType.ADD, _UpdateType.SIZE):
+            self.events.append((winfo, winfo.mem_consumed))
+
+    def _track_optimizer_states(self, reftype: Any, optimizer: optim.Optimizer) -> None:
+        super()._track_optimizer_states(reftype, optimizer)
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    for st in get_untyped_storages(value):
+                        winfo, _ = self._WINFO.get(st, (None, None))
+                        if winfo is not None:
+                            self.optimizer_state.add(winfo)
+
+    def live(self) -> list[tuple[Any, int]]:
+        """(winfo, bytes) of every tracked storage alive now."""
+        return [
+            (winfo, winfo.mem_consumed)
+            for winfo, ref in list(self._WINFO.values())
+            if ref() is not None and winfo.mem_consumed > 0
+        ]
+
+
+def _measured_device(
+    module: nn.Module | None, device: torch.device | str | None
+) -> torch.device | None:
+    """The device asked for, else the module's first CUDA device; CUDA indices explicit."""
+    dev = torch.device(device) if device is not None else None
+    if dev is None and module is not None:
+        dev = next((p.device for p in module.parameters() if p.device.type == "cuda"), None)
+    if dev is not None and dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+class MemoryMeter:
+    """One rank's peak memory over a region, broken down by category at the peak.
+
+    ``MemoryMeter(module, optimizer, *tensors)`` tracks the module's parameters, buffers and
+    gradients and the optimizer's states from the start; tensors created inside the region
+    are tracked as they are allocated (so create the batch inside it to count it as an
+    activation); ``tensors`` created before it count as transients. Use it as a context
+    manager; each ``with`` block is one measurement. After the block:
+
+    - ``peak_bytes``: the largest tracked total on the measured device;
+    - ``breakdown``: the five categories of :data:`CATEGORIES` at that moment (they sum to
+      ``peak_bytes``): parameters (MemTracker's Parameter), gradients (Gradient),
+      optimizer_states (Optstate tensors held in ``optimizer.state``), activations
+      (Activation: allocated in forward), transients (Temp, Buffer, Other, and
+      optimizer-step temporaries);
+    - ``category_peaks``: each category's own maximum over the region;
+    - ``peak_bytes_by_device``: the peak of every device seen;
+    - ``cuda_peak_bytes``: ``torch.cuda.max_memory_allocated`` over the region, or None.
+
+    ``device`` is the device measured; by default the module's CUDA device if it has one,
+    else the device with the largest peak (CPU scalars such as Adam's ``step`` live beside
+    CUDA tensors). CUDA is touched only when that device is CUDA and no ``FakeTensorMode``
+    is active, so CPU runs in forked processes stay CUDA-free. ``cuda_peak_bytes`` also
+    counts memory the tracker does not see (tensors made before the meter and not given to
+    it, allocator-internal buffers). Enter the meter inside ``FakeTensorMode``, not around
+    it: MemTracker tracks only ops under the fake mode it was entered in.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        optimizer: optim.Optimizer | None = None,
+        *tensors: torch.Tensor,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self._tracker = _LoggingMemTracker()
+        self._tracker.track_external(*(o for o in (module, optimizer, *tensors) if o is not None))
+        self._device = _measured_device(module, device)
+        self._start = 0
+        self._cuda_device: int | None = None
+        self.peak_bytes = 0
+        self.breakdown: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.category_peaks: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.peak_bytes_by_device: dict[str, int] = {}
+        self.cuda_peak_bytes: int | None = None
+
+    def __enter__(self) -> MemoryMeter:
+        tracker = self._tracker
+        tracker.reset_mod_stats()  # MemTracker refuses a second iteration of a known module
+        tracker.events = list(tracker.live())  # the state at entry, then every change
+        self._start = len(tracker.events)
+        self._cuda_device = None
+        dev = self._device
+        if dev is not None and dev.type == "cuda" and active_fake_mode() is None:
+            self._cuda_device = dev.index
+            torch.cuda.synchronize(self._cuda_device)
+            torch.cuda.reset_peak_memory_stats(self._cuda_device)
+        tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tracker.__exit__(*exc)
+        if self._cuda_device is not None:
+            torch.cuda.synchronize(self._cuda_device)
+            self.cuda_peak_bytes = int(torch.cuda.max_memory_allocated(self._cuda_device))
+        self._replay(self._tracker.events[:])
+
+    def mark_gradient(self, t: torch.Tensor) -> None:
+        """Count ``t`` as a gradient: one an optimizer reads that is not a module
+        parameter's ``.grad`` (a ZeRO shard's reduced gradient)."""
+        self._tracker._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
+
+    def _category(self, winfo: Any) -> str:
+        ref = winfo.reftype
+        if ref == _MemRefType.PARAM:
+            return PARAMETERS
+        if ref == _MemRefType.GRAD:
+            return GRADIENTS
+        if ref == _MemRefType.OPT and winfo in self._tracker.optimizer_state:
+            return OPTIMIZER_STATES
+        if ref == _MemRefType.ACT:
+            return ACTIVATIONS
+        return TRANSIENTS
+
+    def _replay(self, events: list[tuple[Any, int]]) -> None:
+        """Walk the log in order with each storage's final category; keep the state at each
+        device's peak and each category's own peak."""
+        current: dict[Any, int] = {}
+        totals: dict[torch.device, int] = {}
+        by_cat: dict[torch.device, dict[str, int]] = {}
+
+        def apply(winfo: Any, nbytes: int) -> tuple[torch.device, str]:
+            dev, cat = winfo.device, self._category(winfo)
+            delta = nbytes - current.get(winfo, 0)
+            current[winfo] = nbytes
+            totals[dev] = totals.get(dev, 0) + delta
+            by_cat.setdefault(dev, dict.fromkeys(CATEGORIES, 0))[cat] += delta
+            return dev, cat
+
+        for winfo, nbytes in events[: self._start]:  # the state at entry
+            apply(winfo, nbytes)
+        peaks = dict(totals)
+        at_peak = {dev: dict(cats) for dev, cats in by_cat.items()}
+        own_peaks = {dev: dict(cats) for dev, cats in by_cat.items()}
+        for winfo, nbytes in events[self._start :]:
+            dev, cat = apply(winfo, nbytes)
+            own = own_peaks.setdefault(dev, dict.fromkeys(CATEGORIES, 0))
+            own[cat] = max(own[cat], by_cat[dev][cat])
+            if totals[dev] > peaks.get(dev, 0):
+                peaks[dev] = totals[dev]
+                at_peak[dev] = dict(by_cat[dev])
+        self.peak_bytes_by_device = {str(dev): peak for dev, peak in peaks.items()}
+        if not peaks:
+            return
+        dev = self._device if self._device in peaks else max(peaks, key=peaks.__getitem__)
+        self.peak_bytes = peaks[dev]
+        self.breakdown = at_peak.get(dev, dict.fromkeys(CATEGORIES, 0))
+        self.category_peaks = own_peaks.get(dev, dict.fromkeys(CATEGORIES, 0))
+
+
+# ---------------------------------------------------------------------------- fake world
+
+
+def init_fake_world(rank: int, world_size: int) -> dist.ProcessGroup:
+    """Initialise the default process group on the ``fake`` backend, so this one process
+    plays rank ``rank`` of ``world_size``: collectives cost nothing and move no data."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    group = dist.group.WORLD
+    assert group is not None
+    return group
+
+
+def destroy() -> None:
+    """Tear down the default process group, if one is initialised."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

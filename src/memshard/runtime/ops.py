@@ -1,0 +1,368 @@
+"""The kernels of every op kind of memshard's graph IR, run on one device's local shards.
+
+An op runs on the local pieces its strategy gives it (``OpContext``): the local range of
+every named dim, and the mesh axes that split each dim. Products (linear, matmul, embedding)
+are computed locally and leave a partial sum when a contracted dim is split; terms that do
+not involve the contracted dim (a bias, the residual of ``embedding_add``) are added on one
+rank of that axis only, so the partial sums add up to the true result. Ops that reduce over a
+split dim (norms, softmax, cross-entropy) all-reduce their per-row statistics, forward and
+backward, as the cost model prices them (``memshard.problem.STATS_*``).
+
+Every kernel keeps for backward exactly what the graph op says it saves (custom autograd
+functions where PyTorch's composite would keep copies), so measured memory can match.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
+
+from memshard.graph import Graph, Op
+from memshard.strategies import Strategy
+
+DROPOUT_P = 0.1
+NORM_EPS = 1e-5
+ROPE_BASE = 10000.0
+
+
+@dataclass
+class OpContext:
+    """What one device knows about an op it runs."""
+
+    graph: Graph
+    op: Op
+    index: int
+    strategy: Strategy
+    coords: tuple[int, ...]  # this device's coordinate on each mesh axis
+    groups: tuple  # process group of each mesh axis
+    sizes: dict[str, int]  # global dim sizes
+    step_seed: int = 0
+
+    def axes_of(self, dim: str) -> tuple[int, ...]:
+        return tuple(a for a, d in enumerate(self.strategy.assignment) if d == dim)
+
+    def dim_range(self, dim: str) -> tuple[int, int]:
+        """(offset, length) of this device's piece of ``dim`` (torch.chunk, axes in order)."""
+        start, n = 0, self.sizes[dim]
+        for a in self.axes_of(dim):
+            m = len_of(self.groups[a])
+            c = -(-n // m)
+            i = self.coords[a]
+            start += i * c
+            n = max(0, min(c, n - i * c))
+        return start, n
+
+    def split_axes(self, dims) -> tuple[int, ...]:
+        return tuple(a for a, d in enumerate(self.strategy.assignment) if d in dims)
+
+    def is_root_of(self, dims) -> bool:
+        """True on the one rank, per axis splitting ``dims``, that adds terms without them."""
+        return all(self.coords[a] == 0 for a in self.split_axes(dims))
+
+
+def len_of(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def all_reduce(t: torch.Tensor, groups, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    for g in groups:
+        dist.all_reduce(t, op=op, group=g)
+    return t
+
+
+def _letters(*dim_lists) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for dims in dim_lists:
+        for d in dims:
+            out.setdefault(d, chr(ord("a") + len(out)))
+    return out
+
+
+def _eq(dims_a, dims_b, dims_out) -> str:
+    L = _letters(dims_a, dims_b, dims_out)
+    return "".join(L[d] for d in dims_a) + "," + "".join(L[d] for d in dims_b) + "->" + "".join(L[d] for d in dims_out)
+
+
+class Einsum(torch.autograd.Function):
+    """``out = a·b`` over named dims, saving exactly ``a`` and ``b`` (torch.einsum would save
+    permuted copies, which a kept edge could not re-gather)."""
+
+    @staticmethod
+    def forward(ctx, a, b, dims_a, dims_b, dims_out):
+        ctx.save_for_backward(a, b)
+        ctx.dims = (dims_a, dims_b, dims_out)
+        return torch.einsum(_eq(dims_a, dims_b, dims_out), a, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        dims_a, dims_b, dims_out = ctx.dims
+        ga = torch.einsum(_eq(dims_out, dims_b, dims_a), g, b) if ctx.needs_input_grad[0] else None
+        gb = torch.einsum(_eq(dims_a, dims_out, dims_b), a, g) if ctx.needs_input_grad[1] else None
+        return ga, gb, None, None, None
+
+
+def _broadcast_to(t: torch.Tensor, dims, out_dims) -> torch.Tensor:
+    """View ``t`` (laid out as ``dims``) so it broadcasts against ``out_dims``."""
+    order = [d for d in out_dims if d in dims]
+    t = t.permute(*[dims.index(d) for d in order])
+    shape = [t.shape[order.index(d)] if d in order else 1 for d in out_dims]
+    return t.reshape(shape)
+
+
+# -- products ----------------------------------------------------------------------------------
+def linear(ctx: OpContext, x, w, bias=None):
+    op = ctx.op
+    xd, wd, od = op.inputs[0].dims, op.inputs[1].dims, op.output.dims
+    y = Einsum.apply(x, w, xd, wd, od)
+    if bias is not None:
+        # alpha 0 off the root keeps the bias in every rank's autograd graph (a zero gradient),
+        # so every rank reduces its gradient in step.
+        y = torch.add(y, _broadcast_to(bias, op.inputs[2].dims, od), alpha=float(ctx.is_root_of(op.contracted_dims)))
+    return y
+
+
+def matmul(ctx: OpContext, a, b):
+    op = ctx.op
+    y = Einsum.apply(a, b, op.inputs[0].dims, op.inputs[1].dims, op.output.dims)
+    if op.role == "attn.scores":  # Megatron scales the raw scores by 1/sqrt(head dim)
+        y = y * (1.0 / math.sqrt(ctx.sizes["d"]))
+    return y
+
+
+def embedding(ctx: OpContext, ids, table):
+    """``table[ids]``; with the vocab split, each rank looks up its rows and zeros the rest."""
+    v_dim = ctx.op.inputs[1].dims[0]
+    lo, n = ctx.dim_range(v_dim)
+    if not ctx.split_axes((v_dim,)):
+        return F.embedding(ids, table)
+    inside = (ids >= lo) & (ids < lo + n)
+    local = torch.where(inside, ids - lo, torch.zeros_like(ids))
+    return F.embedding(local, table) * inside.unsqueeze(-1)
+
+
+def embedding_add(ctx: OpContext, x, wpe):
+    """``x + wpe[positions]``: positions are the local sequence range."""
+    s_dim = ctx.op.inputs[0].dims[1]
+    p_dim = ctx.op.inputs[1].dims[0]
+    s0, sn = ctx.dim_range(s_dim)
+    p0, pn = ctx.dim_range(p_dim)
+    pos = torch.arange(s0, s0 + sn)
+    inside = (pos >= p0) & (pos < p0 + pn)
+    rows = F.embedding(torch.where(inside, pos - p0, torch.zeros_like(pos)), wpe) * inside.unsqueeze(-1)
+    return torch.add(rows, x, alpha=float(ctx.is_root_of((p_dim,))))
+
+
+# -- statistics over a split dim ---------------------------------------------------------------
+class SplitNorm(torch.autograd.Function):
+    """LayerNorm / RMSNorm over a last dim split across ``groups``: one all-reduce of the
+    per-row sums forward (2 for LayerNorm, 1 for RMSNorm) and the same backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, n_global, groups, rms):
+        if rms:
+            stats = all_reduce((x * x).sum(-1, keepdim=True), groups)
+            mean = None
+            rstd = torch.rsqrt(stats / n_global + NORM_EPS)
+            xhat = x * rstd
+        else:
+            stats = all_reduce(torch.cat([x.sum(-1, keepdim=True), (x * x).sum(-1, keepdim=True)], -1), groups)
+            mean = stats[..., :1] / n_global
+            var = stats[..., 1:] / n_global - mean * mean
+            rstd = torch.rsqrt(var + NORM_EPS)
+            xhat = (x - mean) * rstd
+        y = xhat * weight + (bias if bias is not None else 0)
+        ctx.save_for_backward(x, weight, rstd, mean if mean is not None else rstd)
+        ctx.meta = (n_global, groups, rms, bias is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd, mean = ctx.saved_tensors
+        n_global, groups, rms, has_bias = ctx.meta
+        xhat = x * rstd if rms else (x - mean) * rstd
+        gw = g * weight
+        red = tuple(range(g.dim() - 1))
+        grad_w = (g * xhat).sum(red)
+        grad_b = g.sum(red) if has_bias else None
+        if rms:
+            s = all_reduce((gw * xhat).sum(-1, keepdim=True), groups)
+            gx = rstd * (gw - xhat * s / n_global)
+        else:
+            s = all_reduce(torch.cat([gw.sum(-1, keepdim=True), (gw * xhat).sum(-1, keepdim=True)], -1), groups)
+            gx = rstd * (gw - s[..., :1] / n_global - xhat * s[..., 1:] / n_global)
+        return gx, grad_w, grad_b, None, None, None
+
+
+def norm(ctx: OpContext, x, weight, bias=None):
+    h = ctx.op.reduced_dims[0]
+    rms = ctx.op.kind == "rmsnorm"
+    axes = ctx.split_axes((h,))
+    if not axes:
+        if rms:
+            return F.rms_norm(x, (x.shape[-1],), weight, NORM_EPS)
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, NORM_EPS)
+    return SplitNorm.apply(x, weight, bias, ctx.sizes[h], tuple(ctx.groups[a] for a in axes), rms)
+
+
+def _causal_bias(ctx: OpContext, q_dim: str, k_dim: str) -> torch.Tensor:
+    """0 where key ≤ query (global positions), −inf above the diagonal: [s_local, t_local]."""
+    s0, sn = ctx.dim_range(q_dim)
+    t0, tn = ctx.dim_range(k_dim)
+    q = torch.arange(s0, s0 + sn).unsqueeze(1)
+    k = torch.arange(t0, t0 + tn).unsqueeze(0)
+    return torch.zeros(sn, tn).masked_fill(k > q, float("-inf"))
+
+
+class SplitSoftmax(torch.autograd.Function):
+    """Softmax over the last dim split across ``groups``: all-reduce max and sum forward,
+    one all-reduce of ``Σ g·y`` backward. Saves its output only."""
+
+    @staticmethod
+    def forward(ctx, x, groups):
+        m = all_reduce(x.amax(-1, keepdim=True), groups, dist.ReduceOp.MAX)
+        e = torch.exp(x - m)
+        s = all_reduce(e.sum(-1, keepdim=True), groups)
+        y = e.div_(s)
+        ctx.save_for_backward(y)
+        ctx.groups = groups
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        s = all_reduce((g * y).sum(-1, keepdim=True), ctx.groups)
+        return y * (g - s), None
+
+
+def softmax(ctx: OpContext, x):
+    """Causal softmax of attention scores ``[b, n, s, t]`` over ``t``."""
+    dims = ctx.op.output.dims
+    x = x + _causal_bias(ctx, dims[-2], dims[-1])
+    axes = ctx.split_axes(ctx.op.reduced_dims)
+    if not axes:
+        return torch.softmax(x, -1)
+    return SplitSoftmax.apply(x, tuple(ctx.groups[a] for a in axes))
+
+
+class SplitCrossEntropy(torch.autograd.Function):
+    """Summed token loss over a vocab split across ``groups`` (Megatron's vocab-parallel
+    cross-entropy): all-reduce the row max, then the row sum of exponentials and the target
+    logit (3 statistics per row). Saves the logits; backward needs no communication."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, v0, groups, scale):
+        m = all_reduce(logits.amax(-1, keepdim=True).detach().clone(), groups, dist.ReduceOp.MAX)
+        n = logits.shape[-1]
+        inside = (labels >= v0) & (labels < v0 + n)
+        idx = torch.where(inside, labels - v0, torch.zeros_like(labels)).unsqueeze(-1)
+        target = torch.gather(logits, -1, idx).squeeze(-1) * inside
+        sums = torch.stack([torch.exp(logits - m).sum(-1), target], -1)
+        sums = all_reduce(sums, groups)
+        loss = (torch.log(sums[..., 0]) + m.squeeze(-1) - sums[..., 1]).sum() * scale
+        ctx.save_for_backward(logits, labels, m, sums[..., 0:1])
+        ctx.meta = (v0, scale)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, labels, m, total = ctx.saved_tensors
+        v0, scale = ctx.meta
+        p = torch.exp(logits - m).div_(total)
+        n = logits.shape[-1]
+        inside = (labels >= v0) & (labels < v0 + n)
+        idx = torch.where(inside, labels - v0, torch.zeros_like(labels)).unsqueeze(-1)
+        p.scatter_add_(-1, idx, -inside.to(p.dtype).unsqueeze(-1))
+        return p.mul_(g * scale), None, None, None, None
+
+
+def cross_entropy(ctx: OpContext, logits, labels):
+    """Mean token loss; the local piece is a partial sum when batch or sequence is split."""
+    v = ctx.op.reduced_dims[0]
+    v0, _ = ctx.dim_range(v)
+    axes = ctx.split_axes((v,))
+    tokens = math.prod(ctx.sizes[d] for d in ctx.op.inputs[1].dims)
+    return SplitCrossEntropy.apply(logits, labels, v0, tuple(ctx.groups[a] for a in axes), 1.0 / tokens)
+
+
+# -- elementwise -------------------------------------------------------------------------------
+def dropout(ctx: OpContext, x):
+    """Dropout whose mask is a function of the global element index, the step and the op, so
+    every sharding of the model drops the same elements as the single-device run."""
+    if is_fake(x):  # memshard simulate: no values to draw, so no global-shape mask either
+        return _Dropout.apply(x, torch.empty(x.shape, dtype=torch.bool))
+    gen = torch.Generator().manual_seed((ctx.step_seed * 1_000_003 + zlib.crc32(ctx.op.name.encode())) % 2**63)
+    dims = ctx.op.output.dims
+    full = torch.rand([ctx.sizes[d] for d in dims], generator=gen)
+    index = tuple(slice(o, o + n) for o, n in (ctx.dim_range(d) for d in dims))
+    keep = (full[index] >= DROPOUT_P).contiguous()
+    del full
+    return _Dropout.apply(x, keep)
+
+
+class _Dropout(torch.autograd.Function):
+    """Saves the 1-byte mask only."""
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        ctx.save_for_backward(keep)
+        return x * keep / (1 - DROPOUT_P)
+
+    @staticmethod
+    def backward(ctx, g):
+        (keep,) = ctx.saved_tensors
+        return g * keep / (1 - DROPOUT_P), None
+
+
+def rotary(ctx: OpContext, x):
+    """Rotate-half rotary embedding of ``[b, s, heads…, d]`` at the global positions."""
+    dims = ctx.op.output.dims
+    s0, sn = ctx.dim_range(dims[1])
+    d = ctx.sizes[dims[-1]]
+    inv = 1.0 / (ROPE_BASE ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    angles = torch.outer(torch.arange(s0, s0 + sn, dtype=torch.float32), inv)
+    angles = torch.cat([angles, angles], -1)
+    shape = [1, sn] + [1] * (x.dim() - 3) + [d]
+    cos, sin = angles.cos().reshape(shape).to(x.dtype), angles.sin().reshape(shape).to(x.dtype)
+    half = d // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+def sdpa(ctx: OpContext, q, k, v):
+    """Fused causal attention with grouped queries: q ``[b,s,e,g,d]``, k/v ``[b,t,e,d]``."""
+    b, s, e, g, d = q.shape
+    qh = q.reshape(b, s, e * g, d).transpose(1, 2)
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)
+    s0, _ = ctx.dim_range("s")
+    if s0 == 0 and s == k.shape[1]:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    else:
+        mask = _causal_bias(ctx, "s", "t") == 0
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return o.transpose(1, 2).unflatten(2, (e, g))  # a view: the saved output is the output
+
+
+KERNELS = {
+    "linear": linear,
+    "matmul": matmul,
+    "embedding": embedding,
+    "embedding_add": embedding_add,
+    "layernorm": norm,
+    "rmsnorm": norm,
+    "softmax": softmax,
+    "cross_entropy": cross_entropy,
+    "dropout": dropout,
+    "add": lambda ctx, a, b: a + b,
+    "mul": lambda ctx, a, b: a * b,
+    "gelu": lambda ctx, x: F.gelu(x, approximate="tanh"),
+    "silu": lambda ctx, x: F.silu(x),
+    "rotary": rotary,
+    "sdpa": sdpa,
+}

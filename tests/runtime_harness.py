@@ -1,0 +1,96 @@
+"""Run plans on real gloo ranks (forked on this machine) and on the single-process reference.
+
+``run_plans(plans, steps)`` runs every plan of one mesh shape in one forked world, so the
+ranks start once; each rank returns ``train``'s report plus the full gradients of every
+parameter at the second step (rank 0 only). ``reference(graph, steps)`` is the unsharded
+model with ``torch.optim.Adam``: an independent optimizer, so the check covers LeanAdam too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from memshard.runtime.executor import GraphModel, make_batch
+
+INSPECT_STEP = 1  # gradients compared at the second step (after one optimizer update)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reference(graph, steps: int, seed: int = 0, lr: float = 1e-3):
+    model = GraphModel(graph, seed)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses, grads = [], {}
+    for step in range(steps):
+        model.step = step
+        loss = model(make_batch(graph, 1, seed + step)[0])
+        loss.backward()
+        losses.append(loss.item())
+        if step == INSPECT_STEP:
+            grads = {n: model.parameter(n).grad.clone() for n in graph.parameters}
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def _worker(rank: int, world: int, port: int, plans, steps: int, queue) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memshard.runtime.train import train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        out = []
+        for plan in plans:
+            mesh = init_device_mesh("cpu", plan.problem.mesh.shape)
+            grads = {}
+
+            def inspect(model, step, grads=grads):
+                if step == INSPECT_STEP:
+                    for name in model.graph.parameters:
+                        grads[name] = model.full_gradient(name).numpy().copy()
+
+            report = train(plan, mesh, steps=steps, inspect=inspect)
+            report["gradients"] = grads if rank == 0 else {}
+            out.append(report)
+        queue.put((rank, out, None))
+        dist.destroy_process_group()
+    except Exception:
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def run_plans(plans, steps: int = 3) -> list[list[dict]]:
+    """Per plan, the reports of every rank (rank order). All plans share one mesh size."""
+    world = plans[0].problem.mesh.num_devices
+    assert all(p.problem.mesh.num_devices == world for p in plans)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, plans, steps, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, list] = {}
+    try:
+        for _ in range(world):
+            rank, out, err = queue.get(timeout=600)
+            if err:
+                raise RuntimeError(f"rank {rank} failed:\n{err}")
+            results[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [[results[r][i] for r in range(world)] for i in range(len(plans))]
