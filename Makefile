@@ -3,22 +3,26 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TORCH ?= 2.13.0
 
 .PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned: its CPU build; an open range would pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==$(TORCH)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/memshard models
 	$(VENV)/bin/memshard plan --model llama3-8b --mesh 8x8 --batch 64 --seq 4096 --json plan.json
+	OMP_NUM_THREADS=1 $(VENV)/bin/memshard run --model tiny-gpt --mesh 2x2 --steps 3
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(PY) -m pytest
+	OMP_NUM_THREADS=1 $(PY) -m pytest
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'

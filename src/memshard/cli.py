@@ -316,7 +316,7 @@ def _cmd_models(console) -> None:
         t.add_column(col, justify="left" if col in ("name", "family") else "right", no_wrap=True)
     for name, cfg in PRESETS.items():
         n = build_graph(cfg, batch=1, seq=8).num_parameters
-        t.add_row(name, cfg.family, f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.1f}M", str(cfg.num_layers),
+        t.add_row(name, cfg.family, f"{n / 1e9:.3f}B" if n >= 1e9 else (f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"), str(cfg.num_layers),
                   str(cfg.hidden), str(cfg.heads), str(cfg.num_kv_heads), str(cfg.ffn), str(cfg.vocab), str(cfg.default_seq))
     console.print(t)
 

@@ -427,6 +427,11 @@ class _Builder:
             # With several micro-batches the gradients accumulate across them: live all step.
             grads_from = S.backward(max(i for i, _ in uses)) if self.k == 1 else 0
             self.slot(gid, grads_from, S.optimizer, "gradients", *v["gradients"], spec.numel * prec.grad_bytes)
+            first, last = S.backward(uses[-1][0]), S.backward(uses[0][0])
+            if last - first > 1:
+                # Sharded gradients (ZeRO-2/3) of a tied weight: the later use's contribution
+                # waits, unsharded, for the earlier use's backward.
+                self.slot(gid, first + 1, last - 1, "transients", *v["unsharded"])
             for i, _ in uses[:-1]:
                 # A tied weight's earlier uses (later in backward): autograd sums their two
                 # gradient contributions into a new buffer while both are still alive.

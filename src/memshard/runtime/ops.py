@@ -14,6 +14,7 @@ functions where PyTorch's composite would keep copies), so measured memory can m
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from dataclasses import dataclass
@@ -160,25 +161,31 @@ def embedding_add(ctx: OpContext, x, wpe):
 
 
 # -- statistics over a split dim ---------------------------------------------------------------
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ over the last dim of a·b, keepdim, without an a·b-sized temporary."""
+    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).squeeze(-1)
+
+
 class SplitNorm(torch.autograd.Function):
-    """LayerNorm / RMSNorm over a last dim split across ``groups``: one all-reduce of the
-    per-row sums forward (2 for LayerNorm, 1 for RMSNorm) and the same backward."""
+    """LayerNorm / RMSNorm over a last dim split across ``groups`` (none: a plain norm that
+    keeps only its input and statistics): one all-reduce of the per-row sums forward (2 for
+    LayerNorm, 1 for RMSNorm) and the same backward. Forward and backward each allocate one
+    input-sized buffer, their result, as PyTorch's fused kernels do."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, n_global, groups, rms):
         if rms:
-            stats = all_reduce((x * x).sum(-1, keepdim=True), groups)
-            mean = None
+            mean = torch.zeros_like(x[..., :1])
+            stats = all_reduce(_row_dot(x, x), groups)
             rstd = torch.rsqrt(stats / n_global + NORM_EPS)
-            xhat = x * rstd
         else:
-            stats = all_reduce(torch.cat([x.sum(-1, keepdim=True), (x * x).sum(-1, keepdim=True)], -1), groups)
+            stats = all_reduce(torch.cat([x.sum(-1, keepdim=True), _row_dot(x, x)], -1), groups)
             mean = stats[..., :1] / n_global
-            var = stats[..., 1:] / n_global - mean * mean
-            rstd = torch.rsqrt(var + NORM_EPS)
-            xhat = (x - mean) * rstd
-        y = xhat * weight + (bias if bias is not None else 0)
-        ctx.save_for_backward(x, weight, rstd, mean if mean is not None else rstd)
+            rstd = torch.rsqrt(stats[..., 1:] / n_global - mean * mean + NORM_EPS)
+        y = (x - mean).mul_(rstd).mul_(weight)
+        if bias is not None:
+            y.add_(bias)
+        ctx.save_for_backward(x, weight, rstd, mean)
         ctx.meta = (n_global, groups, rms, bias is not None)
         return y
 
@@ -186,27 +193,27 @@ class SplitNorm(torch.autograd.Function):
     def backward(ctx, g):
         x, weight, rstd, mean = ctx.saved_tensors
         n_global, groups, rms, has_bias = ctx.meta
-        xhat = x * rstd if rms else (x - mean) * rstd
-        gw = g * weight
         red = tuple(range(g.dim() - 1))
-        grad_w = (g * xhat).sum(red)
+        grad_w = (x - mean).mul_(rstd).mul_(g).sum(red)
         grad_b = g.sum(red) if has_bias else None
-        if rms:
-            s = all_reduce((gw * xhat).sum(-1, keepdim=True), groups)
-            gx = rstd * (gw - xhat * s / n_global)
-        else:
-            s = all_reduce(torch.cat([gw.sum(-1, keepdim=True), (gw * xhat).sum(-1, keepdim=True)], -1), groups)
-            gx = rstd * (gw - s[..., :1] / n_global - xhat * s[..., 1:] / n_global)
-        return gx, grad_w, grad_b, None, None, None
+        gw = g * weight
+        # x̂ = (x − μ)·r;  Σ gw·x̂ = r·(Σ gw·x − μ·Σ gw)
+        s1 = gw.sum(-1, keepdim=True)
+        s2 = rstd * (_row_dot(gw, x) - mean * s1)
+        stats = all_reduce(s2 if rms else torch.cat([s1, s2], -1), groups)
+        c2 = rstd * stats[..., -1:] / n_global
+        # gx = r·(gw − Σgw/n − x̂·Σgw·x̂/n), built in gw's buffer
+        if not rms:
+            gw.sub_(stats[..., :1] / n_global)
+        gw.addcmul_(x, c2, value=-1).add_(mean * c2)
+        return gw.mul_(rstd), grad_w, grad_b, None, None, None
 
 
 def norm(ctx: OpContext, x, weight, bias=None):
     h = ctx.op.reduced_dims[0]
     rms = ctx.op.kind == "rmsnorm"
     axes = ctx.split_axes((h,))
-    if not axes:
-        if rms:
-            return F.rms_norm(x, (x.shape[-1],), weight, NORM_EPS)
+    if not axes and not rms:  # F.rms_norm is a composite that keeps a normalised copy too
         return F.layer_norm(x, (x.shape[-1],), weight, bias, NORM_EPS)
     return SplitNorm.apply(x, weight, bias, ctx.sizes[h], tuple(ctx.groups[a] for a in axes), rms)
 
@@ -263,7 +270,9 @@ class SplitCrossEntropy(torch.autograd.Function):
         inside = (labels >= v0) & (labels < v0 + n)
         idx = torch.where(inside, labels - v0, torch.zeros_like(labels)).unsqueeze(-1)
         target = torch.gather(logits, -1, idx).squeeze(-1) * inside
-        sums = torch.stack([torch.exp(logits - m).sum(-1), target], -1)
+        e = logits.sub(m).exp_()  # one logits-sized buffer, as backward's gradient
+        sums = torch.stack([e.sum(-1), target], -1)
+        del e
         sums = all_reduce(sums, groups)
         loss = (torch.log(sums[..., 0]) + m.squeeze(-1) - sums[..., 1]).sum() * scale
         ctx.save_for_backward(logits, labels, m, sums[..., 0:1])
@@ -274,7 +283,7 @@ class SplitCrossEntropy(torch.autograd.Function):
     def backward(ctx, g):
         logits, labels, m, total = ctx.saved_tensors
         v0, scale = ctx.meta
-        p = torch.exp(logits - m).div_(total)
+        p = logits.sub(m).exp_().div_(total)  # one buffer: the gradient
         n = logits.shape[-1]
         inside = (labels >= v0) & (labels < v0 + n)
         idx = torch.where(inside, labels - v0, torch.zeros_like(labels)).unsqueeze(-1)
@@ -292,17 +301,43 @@ def cross_entropy(ctx: OpContext, logits, labels):
 
 
 # -- elementwise -------------------------------------------------------------------------------
+_MASK64 = (1 << 64) - 1
+
+
+def _to_signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """A uniform number in [0, 1) per int64 ``index`` (SplitMix64), the same on every rank."""
+    z = index * _to_signed(0x9E3779B97F4A7C15) + _to_signed((seed * 0xD1B54A32D192ED03) & _MASK64)
+    z = z ^ ((z >> 30) & ((1 << 34) - 1))
+    z = z * _to_signed(0xBF58476D1CE4E5B9)
+    z = z ^ ((z >> 27) & ((1 << 37) - 1))
+    z = z * _to_signed(0x94D049BB133111EB)
+    z = z ^ ((z >> 31) & ((1 << 33) - 1))
+    return ((z >> 40) & 0xFFFFFF).to(torch.float32) / float(1 << 24)
+
+
 def dropout(ctx: OpContext, x):
     """Dropout whose mask is a function of the global element index, the step and the op, so
-    every sharding of the model drops the same elements as the single-device run."""
-    if is_fake(x):  # memshard simulate: no values to draw, so no global-shape mask either
+    every sharding of the model drops the same elements as the single-device run. Each rank
+    draws only its own elements, one slice of the leading dims at a time (small temporaries)."""
+    if is_fake(x):  # memshard simulate: no values to draw
         return _Dropout.apply(x, torch.empty(x.shape, dtype=torch.bool))
-    gen = torch.Generator().manual_seed((ctx.step_seed * 1_000_003 + zlib.crc32(ctx.op.name.encode())) % 2**63)
+    seed = ctx.step_seed * 1_000_003 + zlib.crc32(ctx.op.name.encode())
     dims = ctx.op.output.dims
-    full = torch.rand([ctx.sizes[d] for d in dims], generator=gen)
-    index = tuple(slice(o, o + n) for o, n in (ctx.dim_range(d) for d in dims))
-    keep = (full[index] >= DROPOUT_P).contiguous()
-    del full
+    ranges = [ctx.dim_range(d) for d in dims]
+    strides = [math.prod(ctx.sizes[d] for d in dims[k + 1:]) for k in range(len(dims))]
+    lead = min(2, x.dim() - 1)
+    tail_index = sum(  # global linear index of the trailing dims, broadcast
+        (torch.arange(o, o + n, dtype=torch.int64) * st).reshape([n] + [1] * (len(dims) - k - 1))
+        for k, ((o, n), st) in enumerate(zip(ranges, strides)) if k >= lead
+    )
+    keep = torch.empty(x.shape, dtype=torch.bool)
+    for pos in itertools.product(*(range(n) for _, n in ranges[:lead])):
+        base = sum((ranges[k][0] + i) * strides[k] for k, i in enumerate(pos))
+        keep[pos] = _uniform(tail_index + base, seed) >= DROPOUT_P
     return _Dropout.apply(x, keep)
 
 

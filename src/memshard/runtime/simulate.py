@@ -45,11 +45,15 @@ def simulate(plan, rank: int = 0, steps: int = 2, seed: int = 0, lr: float = 1e-
         raise MemshardError(f"rank {rank} is outside the plan's {world} devices")
     precision = plan.problem.graph.precision.name
     if precision != "fp32":  # the executor's tensors are fp32: other plans price other bytes
-        raise MemshardError(f"the runtime runs fp32 models only; this plan is {precision} "
-                            "(plan with precision='fp32')")
+        raise MemshardError(
+            f"the runtime runs fp32 models only; this plan is {precision} "
+            "(plan with precision='fp32')"
+        )
     if dist.is_initialized():
-        raise MemshardError("a process group is already initialised in this process; "
-                            "simulate needs its own (fake) one")
+        raise MemshardError(
+            "a process group is already initialised in this process; "
+            "simulate needs its own (fake) one"
+        )
     init_fake_world(rank, world)
     try:
         mesh = init_device_mesh("cpu", mesh_spec.shape, mesh_dim_names=mesh_spec.axis_names)
@@ -57,7 +61,9 @@ def simulate(plan, rank: int = 0, steps: int = 2, seed: int = 0, lr: float = 1e-
             report = train(plan, mesh, steps=steps, seed=seed, lr=lr)
     finally:
         destroy()
-    report["losses"] = [None if isinstance(x, float) and math.isnan(x) else x for x in report["losses"]]
+    report["losses"] = [
+        None if isinstance(x, float) and math.isnan(x) else x for x in report["losses"]
+    ]
     report["simulated"] = True
     report["world_size"] = world
     return report

@@ -1,0 +1,83 @@
+"""`memshard run` end to end, saved plans, and a rank that dies mid-step."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+import memshard
+from memshard.api import strategy_plan
+from memshard.cli import main
+from memshard.errors import MemshardError
+from memshard.plans import load_plan
+from memshard.runtime.launch import launch
+from memshard.runtime.train import KILL_ENV
+
+
+def test_a_saved_plan_loads_back_to_the_same_choices(tmp_path):
+    plan = memshard.plan("tiny-llama", "2x2", batch=8, precision="fp32", mip_gap=0.05)
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    loaded = load_plan(str(path))
+    assert loaded.selection == plan.selection
+    assert loaded.peak_bytes == plan.peak_bytes
+    assert loaded.data["communication"] == plan.data["communication"]
+
+
+def test_a_baseline_on_a_finer_logical_mesh_loads_back(tmp_path):
+    plan = strategy_plan("tiny-gpt", "1x4", "megatron-tp2-dp2-sp", batch=4, precision="fp32")
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    loaded = load_plan(str(path))
+    assert loaded.problem.mesh.shape == plan.problem.mesh.shape == (1, 2, 2)
+    assert loaded.selection == plan.selection
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "not valid JSON"),
+    ('{"schema": "other"}', "not a memshard plan"),
+    ('{"schema": "memshard.plan/1", "model": {}}', "does not match"),
+])
+def test_bad_plan_files_give_one_clear_error(tmp_path, capsys, text, message):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    assert main(["run", "--plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_run_refuses_mixed_precision_and_unknown_strategies(capsys):
+    assert main(["run", "--model", "tiny-gpt", "--mesh", "2", "--precision", "mixed"]) == 2
+    assert "fp32" in capsys.readouterr().err
+    assert main(["run", "--model", "tiny-gpt", "--mesh", "2", "--strategy", "nonsense"]) == 2
+    assert "unknown strategy" in capsys.readouterr().err
+
+
+def test_memshard_run_trains_and_reports_every_rank(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    assert main(["run", "--model", "tiny-gpt", "--mesh", "2", "--strategy", "zero3-fsdp", "--steps", "2",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "predicted vs measured" in text and "rank 1" in text
+    data = json.loads(out.read_text())
+    assert data["schema"] == "memshard.run/1" and [r["rank"] for r in data["ranks"]] == [0, 1]
+    first = data["ranks"][0]
+    assert len(first["losses"]) == 2 and first["losses"] == data["ranks"][1]["losses"]
+    # ZeRO-3 over 2 ranks: each holds half of every (flattened, padded) weight
+    params = first["measured"]["breakdown"]["parameters"]
+    total = memshard.build_graph("tiny-gpt", batch=2, precision="fp32").num_parameters * 4
+    assert total / 2 <= params <= total / 2 + 4 * 64
+
+
+def test_a_rank_that_dies_mid_step_stops_the_run_with_a_message(tmp_path):
+    plan = strategy_plan("tiny-gpt", "4", "ddp", batch=4, precision="fp32")
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    start = time.monotonic()
+    with pytest.raises(MemshardError) as info:
+        launch("memshard.runtime.train", ["--plan", str(path), "--steps", "3"], 4,
+               env={KILL_ENV: "2:1"}, timeout_s=120)
+    assert time.monotonic() - start < 60
+    assert "rank 2" in str(info.value) and "SIGKILL" in str(info.value)

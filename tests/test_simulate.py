@@ -1,0 +1,182 @@
+"""memshard simulate: one rank of a large job under the fake process group and FakeTensorMode.
+
+Two claims (DESIGN.md, "Runtime and verification"):
+
+- a simulated rank measures exactly what the same rank measures in a real gloo run (peak,
+  breakdown at the peak, bytes and calls per collective kind);
+- for billion-parameter models the executor's measured step matches the plan's prediction:
+  peak within 2 %, each category within 5 %, communication within 1 %. What does not hold
+  yet is an explicit strict xfail naming the discrepancy (``KNOWN_CATEGORY_GAPS``).
+
+Durations on 2 CPU cores (unloaded): the gloo comparison ~12 s, GPT-3 6.7B on 8x8 ~25 s,
+LLaMA-3 8B on 4x8 ~20 s (planning included; each big model is simulated once per module).
+Under fake tensors the sequence length costs nothing: time goes with the number of ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch.distributed as dist
+
+import memshard
+from memshard.api import strategy_plan
+from memshard.cost.comm import KINDS
+from memshard.cost.memory import CATEGORIES
+from memshard.errors import MemshardError
+from memshard.runtime.launch import launch
+from memshard.runtime.simulate import simulate
+
+# MemTracker's own post-accumulate-grad hook reads ``p.grad`` after ZeRO-2's hook has moved
+# the gradient away (ParamStore._reduce_now sets it to None); harmless, so not noise here.
+pytestmark = pytest.mark.filterwarnings("ignore:Expected a tensor or a traceable wrapper-subclass")
+
+PEAK_TOL, CATEGORY_TOL, COMM_TOL = 0.02, 0.05, 0.01
+
+# Where the measured breakdown at the peak differs from the plan's (found by logging the live
+# storages at the measured peak; figures for rank 0 at seq 2048). The measured peak is inside
+# lm_head's backward; the plan's is there or in the loss's backward (they differ by < 0.1 %).
+_LM_HEAD_INPUT_GRAD = (
+    "the model does not price lm_head's input gradient in lm_head's own layout before "
+    "Reshard takes it to the producer's layout (local [8,2048,4096] fp32, 256 MiB, vs the "
+    "32 MiB priced: +235 MB), and MemoryMeter counts the kept ln_f/norm -> lm_head edge's "
+    "re-gathered input (256 MiB, allocated in backward) as transients where the model "
+    "counts it as activations"
+)
+KNOWN_CATEGORY_GAPS = {
+    ("gpt3_6_7b", "transients"): _LM_HEAD_INPUT_GRAD,
+    ("llama3_8b", "transients"): _LM_HEAD_INPUT_GRAD,
+    ("gpt3_6_7b", "gradients"): (
+        "the model counts wte's ZeRO gradient shard (12.9 MB) from lm_head's backward on; at "
+        "the measured peak (the unreduced [6283,4096] weight gradient just allocated in "
+        "lm_head's backward) the reduce-scatter has not made the shard yet"
+    ),
+}
+
+
+def _table(report: dict) -> str:
+    """measured vs predicted, one line per figure (printed for the record)."""
+    m, p = report["measured"], report["predicted"]
+    rows = [("peak", m["peak_bytes"], p["peak_bytes"])]
+    rows += [(c, m["breakdown"][c], p["breakdown"][c]) for c in CATEGORIES]
+    rows += [("communication", m["communication_bytes"], p["communication_bytes"])]
+    rows += [(k, m["communication_by_kind"][k], p["communication_by_kind"][k]) for k in KINDS]
+    lines = []
+    for name, a, b in rows:
+        rel = f"{(a - b) / b:+.3%}" if b else ("exact" if a == b else "inf")
+        lines.append(f"{name:18s} measured {a:>16,.0f}  predicted {b:>16,.0f}  {rel}")
+    return "\n".join(lines)
+
+
+def _close(measured: float, predicted: float, tol: float) -> bool:
+    return math.isclose(measured, predicted, rel_tol=tol, abs_tol=0.0) or measured == predicted
+
+
+# ------------------------------------------------------------------ simulate == real gloo
+
+
+def test_a_simulated_rank_measures_what_the_real_gloo_rank_measures(tmp_path) -> None:
+    # ~12 s on 2 cores: 4 real gloo ranks (subprocesses), then the same 4 ranks simulated.
+    plan = strategy_plan("tiny-gpt", "2x2", "megatron-tp2-dp2-sp", batch=8)
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    real = launch("memshard.runtime.train", ["--plan", str(path), "--steps", "2"], 4)
+    for rank in range(4):
+        sim = simulate(plan, rank=rank)
+        assert not dist.is_initialized()
+        assert sim["rank"] == real[rank]["rank"] == rank
+        assert sim["coordinate"] == real[rank]["coordinate"]
+        assert sim["predicted"] == real[rank]["predicted"]
+        assert sim["measured"] == real[rank]["measured"], f"rank {rank}"
+        assert sim["simulated"] is True and sim["world_size"] == 4
+        assert sim["losses"] == [None, None]
+        assert all(math.isfinite(x) for x in real[rank]["losses"])
+    assert real[0]["measured"]["peak_bytes"] > 0
+
+
+# ------------------------------------------------------------------------ refusals, cleanup
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return strategy_plan("tiny-gpt", "2x2", "megatron-tp2-dp2-sp", batch=8)
+
+
+def test_simulate_refuses_a_rank_outside_the_mesh(tiny) -> None:
+    with pytest.raises(MemshardError, match="outside"):
+        simulate(tiny, rank=4)
+    assert not dist.is_initialized()
+
+
+def test_simulate_refuses_a_mixed_precision_plan() -> None:
+    plan = strategy_plan("tiny-gpt", "2x2", "megatron-tp2-dp2-sp", batch=8, precision="mixed")
+    with pytest.raises(MemshardError, match="fp32"):
+        simulate(plan)
+    assert not dist.is_initialized()
+
+
+def test_simulate_tears_the_fake_world_down_when_the_step_fails(tiny) -> None:
+    with pytest.raises(MemshardError, match="at least 2 steps"):
+        simulate(tiny, steps=1)  # train refuses inside the fake world
+    assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------- billion-parameter models
+
+
+@pytest.fixture(scope="module")
+def gpt3_6_7b() -> dict:
+    # ~25 s: planning ~5 s (mip_gap 0.02 as `memshard simulate` plans), simulating 64 ranks'
+    # rank 0 ~20 s (two fake steps of 32 layers).
+    plan = memshard.plan("gpt3-6.7b", "8x8", batch=64, seq=2048, precision="fp32", mip_gap=0.02)
+    report = simulate(plan, rank=0)
+    print("\ngpt3-6.7b 8x8 rank 0\n" + _table(report))
+    return report
+
+
+@pytest.fixture(scope="module")
+def llama3_8b() -> dict:
+    # ~20 s: planning ~4 s, simulating rank 0 of 32 ~16 s.
+    plan = memshard.plan("llama3-8b", "4x8", batch=32, seq=2048, precision="fp32", mip_gap=0.02)
+    report = simulate(plan, rank=0)
+    print("\nllama3-8b 4x8 rank 0\n" + _table(report))
+    return report
+
+
+@pytest.fixture(params=["gpt3_6_7b", "llama3_8b"])
+def big(request) -> dict:
+    return request.getfixturevalue(request.param)
+
+
+def test_big_model_communication_matches_the_plan(big) -> None:
+    m, p = big["measured"], big["predicted"]
+    assert _close(m["communication_bytes"], p["communication_bytes"], COMM_TOL), _table(big)
+    for kind in KINDS:
+        assert _close(
+            m["communication_by_kind"][kind], p["communication_by_kind"][kind], COMM_TOL
+        ), kind
+
+
+def test_big_model_peak_matches_the_plan(big) -> None:
+    m, p = big["measured"], big["predicted"]
+    assert _close(m["peak_bytes"], p["peak_bytes"], PEAK_TOL), _table(big)
+    assert sum(m["breakdown"].values()) == m["peak_bytes"]
+
+
+def _category_cases():
+    """(model, category), with a strict xfail where the figures are known to differ."""
+    for model in ("gpt3_6_7b", "llama3_8b"):
+        for category in CATEGORIES:
+            reason = KNOWN_CATEGORY_GAPS.get((model, category))
+            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            yield pytest.param(model, category, marks=marks, id=f"{model}-{category}")
+
+
+@pytest.mark.parametrize(("model", "category"), list(_category_cases()))
+def test_big_model_category_at_the_peak_matches_the_plan(
+    request, model: str, category: str
+) -> None:
+    report = request.getfixturevalue(model)
+    m, p = report["measured"]["breakdown"][category], report["predicted"]["breakdown"][category]
+    assert _close(m, p, CATEGORY_TOL), _table(report)
