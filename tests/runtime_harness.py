@@ -28,8 +28,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def reference(graph, steps: int, seed: int = 0, lr: float = 1e-3):
-    model = GraphModel(graph, seed)
+def reference(graph, steps: int, seed: int = 0, lr: float = 1e-3, dtype=torch.float32):
+    model = GraphModel(graph, seed).to(dtype)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses, grads = [], {}
     for step in range(steps):
@@ -38,7 +38,7 @@ def reference(graph, steps: int, seed: int = 0, lr: float = 1e-3):
         loss.backward()
         losses.append(loss.item())
         if step == INSPECT_STEP:
-            grads = {n: model.parameter(n).grad.clone() for n in graph.parameters}
+            grads = {n: model.parameter(n).grad.double() for n in graph.parameters}
         opt.step()
         opt.zero_grad()
     return losses, grads

@@ -1,0 +1,106 @@
+"""Runtime accuracy: predicted against measured peak memory and communication, per plan.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/runtime_accuracy.py [--write]
+
+Runs the 25 plans of ``tests/test_runtime.py`` (tiny GPT and LLaMA, fp32, batch 8 × 32
+tokens; memshard's plans under both objectives on meshes 4, 2x2, 1x4, 2x2x2, and baselines)
+on forked gloo ranks, 3 Adam steps, the last one measured on every rank; then ``simulate``
+(fake process group, one process) for rank 0 of GPT-3 6.7B on 8x8 and LLaMA-3 8B on 4x8.
+The figures are rank 0's; "worst rank" is the largest peak error over the ranks.
+``--write`` puts the tables into BENCHMARKS.md between their markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import memshard  # noqa: E402
+from memshard.runtime.report import error  # noqa: E402
+from memshard.runtime.simulate import simulate  # noqa: E402
+from tests.runtime_harness import run_plans  # noqa: E402
+from tests.test_runtime import CASES, STEPS, _make  # noqa: E402
+
+BEGIN, END = "<!-- runtime-accuracy:begin -->", "<!-- runtime-accuracy:end -->"
+SIMULATED = (("gpt3-6.7b", "8x8", 64), ("llama3-8b", "4x8", 32))
+
+
+def mib(x: float) -> str:
+    return f"{x / 2**20:.2f}"
+
+
+def pct(e: float | None) -> str:
+    return "–" if e is None else f"{e:+.2%}"
+
+
+def row(name: str, reports: list[dict]) -> str:
+    r0 = reports[0]
+    p, m = r0["predicted"], r0["measured"]
+    worst = max((error(r["measured"]["peak_bytes"], r["predicted"]["peak_bytes"]) for r in reports), key=abs)
+    comm = max((abs(error(r["measured"]["communication_bytes"], r["predicted"]["communication_bytes"]) or 0.0)
+                for r in reports))
+    return (f"| {name} | {mib(p['peak_bytes'])} | {mib(m['peak_bytes'])} | "
+            f"{pct(error(m['peak_bytes'], p['peak_bytes']))} | {pct(worst)} | "
+            f"{mib(p['communication_bytes'])} | {mib(m['communication_bytes'])} | {comm:.2%} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    start = time.time()
+    plans = {case: _make(case) for case in CASES}
+    by_world: dict[int, list[str]] = {}
+    for case, plan in plans.items():
+        by_world.setdefault(plan.problem.mesh.num_devices, []).append(case)
+    results = {}
+    for cases in by_world.values():
+        for case, reports in zip(cases, run_plans([plans[c] for c in cases], STEPS)):
+            results[case] = reports
+    lines = [
+        f"Command: `OMP_NUM_THREADS=1 python benchmarks/runtime_accuracy.py --write` "
+        f"({datetime.date.today()}, 2-core CPU, gloo, torch fp32; {time.time() - start:.0f} s).",
+        "",
+        "| plan (model-strategy-mesh) | predicted peak MiB | measured MiB | error | worst rank "
+        "| predicted comm MiB/step | measured | worst comm error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [row(case, results[case]) for case in sorted(results)]
+    lines += ["", "Simulated (fake process group, rank 0, fp32, seq 2048, memshard plan):", "",
+              "| model | mesh | predicted peak GiB | measured GiB | error | comm error | "
+              + " | ".join(f"{c} error" for c in ("parameters", "gradients", "optimizer_states",
+                                                   "activations", "transients")) + " | time |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for model, mesh, batch in SIMULATED:
+        t = time.time()
+        plan = memshard.plan(model, mesh, batch=batch, seq=2048, precision="fp32", mip_gap=0.02)
+        r = simulate(plan)
+        p, m = r["predicted"], r["measured"]
+        cats = " | ".join(pct(error(m["breakdown"][c], p["breakdown"][c]))
+                          for c in ("parameters", "gradients", "optimizer_states", "activations", "transients"))
+        lines.append(f"| {model} | {mesh} | {p['peak_bytes'] / 2**30:.2f} | {m['peak_bytes'] / 2**30:.2f} | "
+                     f"{pct(error(m['peak_bytes'], p['peak_bytes']))} | "
+                     f"{pct(error(m['communication_bytes'], p['communication_bytes']))} | {cats} | "
+                     f"{time.time() - t:.0f} s |")
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        path = ROOT / "BENCHMARKS.md"
+        doc = path.read_text()
+        block = f"{BEGIN}\n{text}\n{END}"
+        if BEGIN in doc:
+            doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
+        else:
+            doc += f"\n## Runtime accuracy (issue #4)\n\n{block}\n"
+        path.write_text(doc)
+
+
+if __name__ == "__main__":
+    main()
