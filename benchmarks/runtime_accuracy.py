@@ -22,11 +22,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tests.runtime_harness import run_plans  # noqa: E402
+from tests.test_runtime import CASES, STEPS, _make  # noqa: E402
+
 import memshard  # noqa: E402
 from memshard.runtime.report import error  # noqa: E402
 from memshard.runtime.simulate import simulate  # noqa: E402
-from tests.runtime_harness import run_plans  # noqa: E402
-from tests.test_runtime import CASES, STEPS, _make  # noqa: E402
 
 BEGIN, END = "<!-- runtime-accuracy:begin -->", "<!-- runtime-accuracy:end -->"
 SIMULATED = (("gpt3-6.7b", "8x8", 64), ("llama3-8b", "4x8", 32))
@@ -44,8 +45,8 @@ def row(name: str, reports: list[dict]) -> str:
     r0 = reports[0]
     p, m = r0["predicted"], r0["measured"]
     worst = max((error(r["measured"]["peak_bytes"], r["predicted"]["peak_bytes"]) for r in reports), key=abs)
-    comm = max((abs(error(r["measured"]["communication_bytes"], r["predicted"]["communication_bytes"]) or 0.0)
-                for r in reports))
+    comm = max(abs(error(r["measured"]["communication_bytes"], r["predicted"]["communication_bytes"]) or 0.0)
+                for r in reports)
     return (f"| {name} | {mib(p['peak_bytes'])} | {mib(m['peak_bytes'])} | "
             f"{pct(error(m['peak_bytes'], p['peak_bytes']))} | {pct(worst)} | "
             f"{mib(p['communication_bytes'])} | {mib(m['communication_bytes'])} | {comm:.2%} |")
