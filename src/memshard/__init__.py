@@ -17,6 +17,8 @@ _LAZY = {
     "build_graph": ("memshard.models", "build_graph"),
     "get_config": ("memshard.models", "get_config"),
     "MemshardError": ("memshard.errors", "MemshardError"),
+    "load_plan": ("memshard.plans", "load_plan"),
+    "parallelize": ("memshard.runtime.executor", "parallelize"),  # needs torch
 }
 
 __all__ = sorted([*_LAZY, "plan"])

@@ -59,24 +59,17 @@ def init_parameter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor
     return torch.randn(shape, generator=gen) * INIT_STD
 
 
-def make_batch(graph: Graph, micro_batches: int, seed: int) -> list[dict[str, torch.Tensor]]:
+def make_batch(graph: Graph, micro_batches: int, seed: int, device="cpu") -> list[dict[str, torch.Tensor]]:
     """Random token ids and labels for each micro-batch, identical on every rank."""
+    vocab = next(graph.tensors[op.inputs[1].tensor].shape[0] for op in graph.ops if op.kind == "embedding")
     out = []
     for k in range(micro_batches):
         gen = torch.Generator().manual_seed(seed * 1009 + k)
-        vocab = graph.meta.get("vocab") or _vocab(graph)
         out.append({
-            name: torch.randint(0, vocab, spec.shape, generator=gen)
+            name: torch.randint(0, vocab, spec.shape, generator=gen).to(device)
             for name, spec in graph.tensors.items() if spec.kind is TensorKind.INPUT
         })
     return out
-
-
-def _vocab(graph: Graph) -> int:
-    for op in graph.ops:
-        if op.kind == "embedding":
-            return graph.tensors[op.inputs[1].tensor].shape[0]
-    raise ValueError("graph has no embedding")
 
 
 # -- the interpreter -------------------------------------------------------------------------
@@ -182,7 +175,8 @@ class GraphModel(nn.Module):
 
         def context(i):
             op = g.ops[i]
-            return ops.OpContext(g, op, i, Strategy((), (), (), ()), (), (), g.dim_sizes(op), self.step)
+            return ops.OpContext(g, op, i, Strategy((), (), (), ()), (), (), g.dim_sizes(op), self.step,
+                                 next(self.parameters()).device)
 
         return _run_graph(
             g, inputs, context,
@@ -258,7 +252,7 @@ class ParamStore:
     def _reduce_now(self) -> None:
         g = self.param.grad
         self.param.grad = None
-        local = torch.zeros(self.local_shape) if g is None else (g.to_local() if isinstance(g, DTensor) else g)
+        local = torch.zeros(self.local_shape, device=self.param.device) if g is None else (g.to_local() if isinstance(g, DTensor) else g)
         self._accumulate(self._reduce(local))
 
     def finish_gradients(self) -> None:
@@ -319,6 +313,7 @@ class ShardedGraphModel(nn.Module):
         self.seed = model.seed
         self.step = 0
         self.coords = tuple(device_mesh.get_coordinate() or [0] * device_mesh.ndim)
+        self.device = torch.device(device_mesh.device_type)
         self.groups = tuple(device_mesh.get_group(a) for a in range(device_mesh.ndim))
         self.strategies = [problem.strategy(selection, problem.op_group[i]) for i in range(len(graph.ops))]
         uses: dict[str, int] = {}
@@ -331,7 +326,7 @@ class ShardedGraphModel(nn.Module):
             gid = problem.storage_group[name]
             G, opt = problem.groups[gid].meta["options"][selection.choices[gid]]
             grad = tuple(PARTIAL if g == "P" else (REPLICATE if g == "R" else Shard(int(g[1:]))) for g in G)
-            full = model.parameter(name).detach()
+            full = model.parameter(name).detach().to(self.device)
             self.stores[name] = ParamStore(name, full, param_layout(G), grad, opt.stage, opt.axes,
                                            device_mesh, uses[name])
         self.weights = nn.ParameterDict({_key(n): s.param for n, s in self.stores.items()})
@@ -369,7 +364,7 @@ class ShardedGraphModel(nn.Module):
 
         def context(i):
             return ops.OpContext(g, g.ops[i], i, self.strategies[i], self.coords, self.groups,
-                                 g.dim_sizes(g.ops[i]), self.step)
+                                 g.dim_sizes(g.ops[i]), self.step, self.device)
 
         cache: dict[str, tuple] = {}
 

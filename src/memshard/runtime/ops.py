@@ -14,7 +14,6 @@ functions where PyTorch's composite would keep copies), so measured memory can m
 
 from __future__ import annotations
 
-import itertools
 import math
 import zlib
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from memshard.graph import Graph, Op
 from memshard.strategies import Strategy
@@ -43,6 +43,7 @@ class OpContext:
     groups: tuple  # process group of each mesh axis
     sizes: dict[str, int]  # global dim sizes
     step_seed: int = 0
+    device: torch.device = torch.device("cpu")  # where constants (masks, positions) are made
 
     def axes_of(self, dim: str) -> tuple[int, ...]:
         return tuple(a for a, d in enumerate(self.strategy.assignment) if d == dim)
@@ -153,7 +154,7 @@ def embedding_add(ctx: OpContext, x, wpe):
     p_dim = ctx.op.inputs[1].dims[0]
     s0, sn = ctx.dim_range(s_dim)
     p0, pn = ctx.dim_range(p_dim)
-    pos = torch.arange(s0, s0 + sn)
+    pos = torch.arange(s0, s0 + sn, device=ctx.device)
     inside = (pos >= p0) & (pos < p0 + pn)
     rows = F.embedding(torch.where(inside, pos - p0, torch.zeros_like(pos)), wpe) * inside.unsqueeze(-1)
     return torch.add(rows, x, alpha=float(ctx.is_root_of((p_dim,))))
@@ -221,9 +222,9 @@ def _causal_bias(ctx: OpContext, q_dim: str, k_dim: str) -> torch.Tensor:
     """0 where key ≤ query (global positions), −inf above the diagonal: [s_local, t_local]."""
     s0, sn = ctx.dim_range(q_dim)
     t0, tn = ctx.dim_range(k_dim)
-    q = torch.arange(s0, s0 + sn).unsqueeze(1)
-    k = torch.arange(t0, t0 + tn).unsqueeze(0)
-    return torch.zeros(sn, tn).masked_fill(k > q, float("-inf"))
+    q = torch.arange(s0, s0 + sn, device=ctx.device).unsqueeze(1)
+    k = torch.arange(t0, t0 + tn, device=ctx.device).unsqueeze(0)
+    return torch.zeros(sn, tn, device=ctx.device).masked_fill(k > q, float("-inf"))
 
 
 class SplitSoftmax(torch.autograd.Function):
@@ -318,24 +319,28 @@ def _uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
     return ((z >> 40) & 0xFFFFFF).to(torch.float32) / float(1 << 24)
 
 
+MASK_CHUNK = 1 << 18  # elements hashed at a time: bounded temporaries (a few MiB)
+
+
 def dropout(ctx: OpContext, x):
     """Dropout whose mask is a function of the global element index, the step and the op, so
     every sharding of the model drops the same elements as the single-device run. Each rank
-    draws only its own elements, one slice of the leading dims at a time (small temporaries)."""
+    hashes only its own elements, a bounded chunk at a time."""
+    if is_fake(x):  # memshard simulate: no values to draw
+        return _Dropout.apply(x, torch.empty(x.shape, dtype=torch.bool, device=x.device))
     seed = ctx.step_seed * 1_000_003 + zlib.crc32(ctx.op.name.encode())
     dims = ctx.op.output.dims
     ranges = [ctx.dim_range(d) for d in dims]
     strides = [math.prod(ctx.sizes[d] for d in dims[k + 1:]) for k in range(len(dims))]
-    lead = min(2, x.dim() - 1)
-    tail_index = sum(  # global linear index of the trailing dims, broadcast
-        (torch.arange(o, o + n, dtype=torch.int64) * st).reshape([n] + [1] * (len(dims) - k - 1))
-        for k, ((o, n), st) in enumerate(zip(ranges, strides)) if k >= lead
-    )
-    keep = torch.empty(x.shape, dtype=torch.bool)
-    for pos in itertools.product(*(range(n) for _, n in ranges[:lead])):
-        base = sum((ranges[k][0] + i) * strides[k] for k, i in enumerate(pos))
-        keep[pos] = _uniform(tail_index + base, seed) >= DROPOUT_P
-    return _Dropout.apply(x, keep)
+    keep = torch.empty(x.numel(), dtype=torch.bool, device=ctx.device)
+    for start in range(0, x.numel(), MASK_CHUNK):
+        flat = torch.arange(start, min(start + MASK_CHUNK, x.numel()), dtype=torch.int64, device=ctx.device)
+        index = torch.zeros_like(flat)
+        for (o, n), st in reversed(list(zip(ranges, strides))):  # unravel, innermost dim first
+            index += (flat % n + o) * st
+            flat = flat.div(n, rounding_mode="floor")
+        keep[start:start + len(index)] = _uniform(index, seed) >= DROPOUT_P
+    return _Dropout.apply(x, keep.view(x.shape))
 
 
 class _Dropout(torch.autograd.Function):
@@ -357,8 +362,8 @@ def rotary(ctx: OpContext, x):
     dims = ctx.op.output.dims
     s0, sn = ctx.dim_range(dims[1])
     d = ctx.sizes[dims[-1]]
-    inv = 1.0 / (ROPE_BASE ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    angles = torch.outer(torch.arange(s0, s0 + sn, dtype=torch.float32), inv)
+    inv = 1.0 / (ROPE_BASE ** (torch.arange(0, d, 2, dtype=torch.float32, device=ctx.device) / d))
+    angles = torch.outer(torch.arange(s0, s0 + sn, dtype=torch.float32, device=ctx.device), inv)
     angles = torch.cat([angles, angles], -1)
     shape = [1, sn] + [1] * (x.dim() - 3) + [d]
     cos, sin = angles.cos().reshape(shape).to(x.dtype), angles.sin().reshape(shape).to(x.dtype)

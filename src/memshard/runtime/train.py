@@ -75,7 +75,7 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
         counter = CommCounter()
         start = time.perf_counter()
         with meter if last else _nothing(), counter if last else _nothing():
-            batches = make_batch(graph, k, seed + step)  # inside: the batch counts as activations
+            batches = make_batch(graph, k, seed + step, model.device)  # inside: counts as activations
             model.step = step
             model.watch_gradients(meter.mark_gradient if last else None)
             total = 0.0
