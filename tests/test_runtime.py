@@ -117,7 +117,7 @@ def test_communication_bytes_match_the_prediction(case):
             assert m["communication_by_kind"][kind] == pytest.approx(predicted, rel=0.01, abs=1), kind
 
 
-# Measured above the prediction by 2–15% (BENCHMARKS.md, "Runtime accuracy"). What the
+# Measured off the prediction by −3.7% to +19% (BENCHMARKS.md, "Runtime accuracy"). What the
 # model does not price yet: DTensor's all-gather (reduce-scatter) along a non-leading tensor
 # dim builds a second, rearranged copy of its output (input); a gradient reshard holds its
 # source and its result at once; under ZeRO-2/3 a tied weight's two gradient contributions

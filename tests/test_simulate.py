@@ -2,8 +2,9 @@
 
 Two claims (DESIGN.md, "Runtime and verification"):
 
-- a simulated rank measures exactly what the same rank measures in a real gloo run (peak,
-  breakdown at the peak, bytes and calls per collective kind);
+- a simulated rank measures what the same rank measures in a real gloo run: the same bytes
+  and calls per collective kind, the peak within 0.1 % (dropout's mask hashing, skipped
+  under fake tensors, makes small temporaries in real runs);
 - for billion-parameter models the executor's measured step matches the plan's prediction:
   peak within 2 %, each category within 5 %, communication within 1 %. What does not hold
   yet is an explicit strict xfail naming the discrepancy (``KNOWN_CATEGORY_GAPS``).
