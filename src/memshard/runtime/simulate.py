@@ -13,7 +13,7 @@ on a laptop (DESIGN.md, "Runtime and verification").
 What differs from a real run: there are no values, so the losses are ``None``; the step
 times are those of the fake execution, not of a device; and under fake tensors the executor
 skips what only produces values (``ops.dropout`` allocates the local mask directly instead of
-drawing a global-shape random tensor and slicing it; ``loss_value`` reads no value). The
+hashing element indices chunk by chunk; ``loss_value`` reads no value). The
 command is ``memshard simulate --model gpt3-6.7b --mesh 8x8 --batch 64 --seq 2048 --rank 0``.
 """
 
