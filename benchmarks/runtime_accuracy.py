@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.runtime_harness import run_plans  # noqa: E402
+from tests.runtime_harness import run_cases  # noqa: E402
 from tests.test_runtime import CASES, STEPS, _make  # noqa: E402
 
 import memshard  # noqa: E402
@@ -57,14 +57,7 @@ def main() -> None:
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     start = time.time()
-    plans = {case: _make(case) for case in CASES}
-    by_world: dict[int, list[str]] = {}
-    for case, plan in plans.items():
-        by_world.setdefault(plan.problem.mesh.num_devices, []).append(case)
-    results = {}
-    for cases in by_world.values():
-        for case, reports in zip(cases, run_plans([plans[c] for c in cases], STEPS)):
-            results[case] = reports
+    results = run_cases({case: _make(case) for case in CASES}, STEPS)
     lines = [
         f"Command: `OMP_NUM_THREADS=1 python benchmarks/runtime_accuracy.py --write` "
         f"({datetime.date.today()}, 2-core CPU, gloo, torch fp32; {time.time() - start:.0f} s).",

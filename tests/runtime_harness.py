@@ -94,3 +94,14 @@ def run_plans(plans, steps: int = 3) -> list[list[dict]]:
             if p.is_alive():
                 p.kill()
     return [[results[r][i] for r in range(world)] for i in range(len(plans))]
+
+
+def run_cases(plans: dict, steps: int = 3) -> dict[str, list[dict]]:
+    """``run_plans`` for named plans of any mesh sizes: one forked world per size."""
+    by_world: dict[int, list[str]] = {}
+    for case, plan in plans.items():
+        by_world.setdefault(plan.problem.mesh.num_devices, []).append(case)
+    out = {}
+    for cases in by_world.values():
+        out.update(zip(cases, run_plans([plans[c] for c in cases], steps)))
+    return out

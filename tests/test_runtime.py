@@ -25,7 +25,7 @@ import torch
 import memshard
 from memshard.api import strategy_plan
 from memshard.runtime.report import error
-from tests.runtime_harness import INSPECT_STEP, reference, run_plans
+from tests.runtime_harness import INSPECT_STEP, reference, run_cases
 
 STEPS = 3
 BATCH = 8
@@ -71,14 +71,7 @@ def _make(case):
 @functools.cache
 def _results() -> dict[str, tuple]:
     plans = {case: _make(case) for case in CASES}
-    by_world: dict[int, list[str]] = {}
-    for case, plan in plans.items():
-        by_world.setdefault(plan.problem.mesh.num_devices, []).append(case)
-    out = {}
-    for cases in by_world.values():
-        for case, reports in zip(cases, run_plans([plans[c] for c in cases], STEPS)):
-            out[case] = (plans[case], reports)
-    return out
+    return {case: (plans[case], reports) for case, reports in run_cases(plans, STEPS).items()}
 
 
 @functools.cache

@@ -57,12 +57,7 @@ def plan(
         graph = model
         model_info = {}
     else:
-        batch = mesh.num_devices if batch is None else batch
-        if batch % micro_batches:
-            raise MemshardError(f"a batch of {batch} does not split into {micro_batches} equal micro-batches")
-        graph = build_graph(model, batch=batch // micro_batches, seq=seq, **model_overrides)
-        model_info = {"batch": batch, "micro_batches": micro_batches, "seq": graph.tensors["input_ids"].shape[1],
-                      "overrides": {k: v for k, v in model_overrides.items() if v is not None}}
+        graph, model_info = _job_graph(model, mesh, batch, seq, micro_batches, model_overrides)
     problem = build_problem(graph, mesh, shared_layers=not exact, micro_batches=micro_batches)
     constraints = {"max_step_time_s": max_step_time_s, "memory_budget_bytes": memory_budget}
     groups = merge_groups(mesh)
@@ -80,6 +75,17 @@ def plan(
         merged = " and ".join("×".join(mesh.axis_names[a] for a in g) for g in groups if len(g) > 1)
         result = replace(result, selection=lifted, search_space=f"axes {merged} planned as one")
     return build_plan(problem, result, model=model_info, constraints=constraints)
+
+
+def _job_graph(model, mesh: Mesh, batch, seq, micro_batches: int, overrides: dict) -> tuple[Graph, dict]:
+    """The graph of one micro-batch of the job, and the job as the plan JSON records it."""
+    batch = mesh.num_devices if batch is None else batch
+    if batch % micro_batches:
+        raise MemshardError(f"a batch of {batch} does not split into {micro_batches} equal micro-batches")
+    graph = build_graph(model, batch=batch // micro_batches, seq=seq, **overrides)
+    info = {"batch": batch, "micro_batches": micro_batches, "seq": graph.tensors["input_ids"].shape[1],
+            "overrides": {k: v for k, v in overrides.items() if v is not None}}
+    return graph, info
 
 
 def _explain_infeasible(problem, objective, max_step_time_s, memory_budget, time_limit_s) -> MemshardError:
@@ -166,12 +172,7 @@ def strategy_plan(
     from memshard.baselines import baselines
 
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
-    batch = mesh.num_devices if batch is None else batch
-    if batch % micro_batches:
-        raise MemshardError(f"a batch of {batch} does not split into {micro_batches} equal micro-batches")
-    graph = build_graph(model, batch=batch // micro_batches, seq=seq, **model_overrides)
-    model_info = {"batch": batch, "micro_batches": micro_batches, "seq": graph.tensors["input_ids"].shape[1],
-                  "overrides": {k: v for k, v in model_overrides.items() if v is not None}}
+    graph, model_info = _job_graph(model, mesh, batch, seq, micro_batches, model_overrides)
     fixed, skipped = baselines(build_problem(graph, mesh, micro_batches=micro_batches))
     for b in fixed:
         if b.name == strategy:
