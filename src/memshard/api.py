@@ -182,3 +182,34 @@ def strategy_plan(
         raise MemshardError(f"strategy {strategy} does not fit {graph.name} on {mesh}: {reason}")
     known = ", ".join(["memshard", *(b.name for b in fixed)])
     raise MemshardError(f"unknown strategy {strategy!r} for this mesh; known: {known}")
+
+
+def runtime_plan(
+    plan_path: str | None = None,
+    model: str | None = None,
+    mesh: str | None = None,
+    *,
+    strategy: str = "memshard",
+    objective: str = "memory",
+    batch: int | None = None,
+    seq: int | None = None,
+    micro_batches: int = 1,
+    precision: str | None = None,
+) -> Plan:
+    """The plan ``memshard run``, ``simulate`` and the torchrun worker execute: a saved plan,
+    memshard's plan or a named baseline; fp32, the precision the runtime computes in."""
+    from memshard.plans import load_plan
+
+    if plan_path:
+        result = load_plan(plan_path)
+    elif not (model and mesh):
+        raise MemshardError("give --plan, or --model and --mesh")
+    elif strategy == "memshard":
+        result = plan(model, mesh, objective=objective, batch=batch, seq=seq, micro_batches=micro_batches,
+                      mip_gap=0.02, precision=precision or "fp32")
+    else:
+        result = strategy_plan(model, mesh, strategy, batch=batch, seq=seq, micro_batches=micro_batches,
+                               precision=precision or "fp32")
+    if result.problem.graph.precision.name != "fp32":
+        raise MemshardError("the runtime executes fp32 plans; plan with --precision fp32")
+    return result

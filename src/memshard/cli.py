@@ -77,25 +77,11 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _runtime_plan(args):
-    """The plan a `run` / `simulate` executes (the runtime computes in fp32)."""
-    from memshard.api import plan, strategy_plan
-    from memshard.plans import load_plan
+    from memshard.api import runtime_plan
 
-    if args.plan:
-        result = load_plan(args.plan)
-    else:
-        if not (args.model and args.mesh):
-            raise MemshardError("give --plan, or --model and --mesh")
-        knobs = {"precision": args.precision or "fp32"}
-        if args.strategy == "memshard":
-            result = plan(args.model, args.mesh, objective=args.objective, batch=args.batch, seq=args.seq,
-                          micro_batches=args.micro_batches, mip_gap=0.02, **knobs)
-        else:
-            result = strategy_plan(args.model, args.mesh, args.strategy, batch=args.batch, seq=args.seq,
-                                   micro_batches=args.micro_batches, **knobs)
-    if result.problem.graph.precision.name != "fp32":
-        raise MemshardError("the runtime executes fp32 plans; plan with --precision fp32")
-    return result
+    return runtime_plan(args.plan, args.model, args.mesh, strategy=args.strategy, objective=args.objective,
+                        batch=args.batch, seq=args.seq, micro_batches=args.micro_batches,
+                        precision=args.precision)
 
 
 def _cmd_run(args, console) -> None:

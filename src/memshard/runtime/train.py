@@ -21,11 +21,13 @@ import os
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from memshard.api import runtime_plan
 from memshard.cost.comm import KINDS
 from memshard.cost.memory import CATEGORIES
 from memshard.errors import MemshardError
@@ -74,7 +76,7 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
         meter = MemoryMeter(model, optimizer)
         counter = CommCounter()
         start = time.perf_counter()
-        with meter if last else _nothing(), counter if last else _nothing():
+        with meter if last else nullcontext(), counter if last else nullcontext():
             batches = make_batch(graph, k, seed + step, model.device)  # inside: counts as activations
             model.step = step
             model.watch_gradients(meter.mark_gradient if last else None)
@@ -116,14 +118,6 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
     }
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 # -- the worker command ---------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memshard.runtime.train", description=__doc__.split("\n\n")[0])
@@ -142,26 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_plan(args):
-    from memshard.api import plan as make_plan
-    from memshard.api import strategy_plan
-    from memshard.plans import load_plan
-
-    if args.plan:
-        return load_plan(args.plan)
-    if not (args.model and args.mesh):
-        raise MemshardError("give --plan, or --model and --mesh")
-    if args.strategy == "memshard":
-        return make_plan(args.model, args.mesh, objective=args.objective, batch=args.batch, seq=args.seq,
-                         micro_batches=args.micro_batches, mip_gap=0.05)
-    return strategy_plan(args.model, args.mesh, args.strategy, batch=args.batch, seq=args.seq,
-                         micro_batches=args.micro_batches)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        plan = resolve_plan(args)
+        plan = runtime_plan(args.plan, args.model, args.mesh, strategy=args.strategy,
+                            objective=args.objective, batch=args.batch, seq=args.seq,
+                            micro_batches=args.micro_batches)
         backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         timeout = float(os.environ.get("MEMSHARD_COLLECTIVE_TIMEOUT_S", "300"))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
