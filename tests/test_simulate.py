@@ -3,8 +3,8 @@
 Two claims (DESIGN.md, "Runtime and verification"):
 
 - a simulated rank measures what the same rank measures in a real gloo run: the same bytes
-  and calls per collective kind, the peak within 0.1 % (dropout's mask hashing, skipped
-  under fake tensors, makes small temporaries in real runs);
+  and calls per collective kind, and the peak at the low end of the real run's run-to-run
+  jitter (gloo frees collective buffers from its own thread);
 - for billion-parameter models the executor's measured step matches the plan's prediction:
   peak within 2 %, each category within 5 %, communication within 1 %. What does not hold
   yet is an explicit strict xfail naming the discrepancy (``KNOWN_CATEGORY_GAPS``).
@@ -89,11 +89,15 @@ def test_a_simulated_rank_measures_what_the_real_gloo_rank_measures(tmp_path) ->
         assert sim["rank"] == real[rank]["rank"] == rank
         assert sim["coordinate"] == real[rank]["coordinate"]
         assert sim["predicted"] == real[rank]["predicted"]
-        # Same bytes sent; the peak within 0.1% (two nearly equal moments can swap places,
-        # so the breakdown at the peak may come from the other one).
+        # Same bytes sent. The real peak is not exactly repeatable: gloo's worker thread drops
+        # its reference to a collective's buffers at a moment of its own, so a freshly started
+        # real run measured 4,710,680 B on most ranks and 4,711,704, 4,750,616 or 4,808,984 B
+        # on some (4 runs × 4 ranks); the simulated rank always measures the low figure. The
+        # simulated peak is therefore checked to lie within the real run's jitter (+0/−2.5%).
         for key in ("communication_bytes", "communication_by_kind", "collective_calls"):
             assert sim["measured"][key] == real[rank]["measured"][key], (rank, key)
-        assert sim["measured"]["peak_bytes"] == pytest.approx(real[rank]["measured"]["peak_bytes"], rel=1e-3)
+        real_peak = real[rank]["measured"]["peak_bytes"]
+        assert 0.975 * real_peak <= sim["measured"]["peak_bytes"] <= real_peak * 1.001, rank
         assert sim["simulated"] is True and sim["world_size"] == 4
         assert sim["losses"] == [None, None]
         assert all(math.isfinite(x) for x in real[rank]["losses"])
