@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from memshard.coarsen import lift_selection, merge_groups, merged_mesh
 from memshard.errors import MemshardError
@@ -15,10 +15,26 @@ from memshard.solver import Infeasible, solve
 from memshard.units import format_bytes, format_seconds, parse_bytes
 
 
+@dataclass(frozen=True)
+class HFModel:
+    """A Hugging Face ``transformers`` model to trace: a config.json path, a config dict, or
+    a model type whose default config ships with transformers (``gpt2``, ``llama``…).
+    ``attn_implementation`` picks the attention kernel (default: the model's, usually sdpa)."""
+
+    source: str | dict
+    attn_implementation: str | None = None
+
+
+# memshard's knob names → transformers' config names
+HF_KNOBS = {"num_layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+            "kv_heads": "num_key_value_heads", "ffn": "intermediate_size", "vocab": "vocab_size"}
+
+
 def plan(
-    model: str | ModelConfig | Graph,
+    model: str | ModelConfig | Graph | HFModel,
     mesh: str | Mesh = "2x4",
     *,
+    example_inputs=None,
     objective: str = "memory",
     batch: int | None = None,
     seq: int | None = None,
@@ -34,8 +50,10 @@ def plan(
     """Find the plan with the least per-device peak memory (``objective="memory"``, optionally
     under ``max_step_time_s``) or the fastest plan under ``memory_budget`` (``"time"``).
 
-    ``model`` is a preset name (see ``memshard models``), a :class:`ModelConfig` or a graph;
-    ``batch`` is the global batch in sequences (default: one per device), run as
+    ``model`` is a preset name (see ``memshard models``), a :class:`ModelConfig`, a graph, an
+    :class:`HFModel`, or an ``nn.Module`` with ``example_inputs`` (a tuple of positional
+    arguments, a dict of keyword arguments, or one tensor: one micro-batch) that returns its
+    loss; ``batch`` is the global batch in sequences (default: one per device), run as
     ``micro_batches`` accumulated micro-batches of ``batch / micro_batches``. On meshes of three
     or more axes, adjacent axes with identical links are planned as one (see ``coarsen.py``)
     unless ``full_mesh``.
@@ -55,6 +73,9 @@ def plan(
         raise MemshardError("the number of micro-batches must be positive")
     if isinstance(model, Graph):
         graph = model
+        model_info = {}
+    elif _is_module(model):
+        graph = _module_graph(model, example_inputs, model_overrides.get("precision"))
         model_info = {}
     else:
         graph, model_info = _job_graph(model, mesh, batch, seq, micro_batches, model_overrides)
@@ -77,14 +98,49 @@ def plan(
     return build_plan(problem, result, model=model_info, constraints=constraints)
 
 
+def _is_module(model) -> bool:
+    """An ``nn.Module``, recognised without importing torch."""
+    return any(c.__module__ == "torch.nn.modules.module" and c.__name__ == "Module" for c in type(model).__mro__)
+
+
+def _module_graph(module, example_inputs, precision: str | None) -> Graph:
+    from memshard.graph import PRECISIONS
+    from memshard.trace import trace_module
+
+    if example_inputs is None:
+        raise MemshardError("planning an nn.Module needs example inputs: memshard.plan(model, example_inputs, mesh=...)")
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(example_inputs), {}
+    else:
+        args, kwargs = (example_inputs,), {}
+    if precision is not None and precision not in PRECISIONS:
+        raise MemshardError(f"unknown precision {precision!r}; use mixed or fp32")
+    return trace_module(module, args, kwargs, precision=PRECISIONS.get(precision))
+
+
 def _job_graph(model, mesh: Mesh, batch, seq, micro_batches: int, overrides: dict) -> tuple[Graph, dict]:
     """The graph of one micro-batch of the job, and the job as the plan JSON records it."""
     batch = mesh.num_devices if batch is None else batch
     if batch % micro_batches:
         raise MemshardError(f"a batch of {batch} does not split into {micro_batches} equal micro-batches")
-    graph = build_graph(model, batch=batch // micro_batches, seq=seq, **overrides)
-    info = {"batch": batch, "micro_batches": micro_batches, "seq": graph.tensors["input_ids"].shape[1],
-            "overrides": {k: v for k, v in overrides.items() if v is not None}}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(model, HFModel):
+        from memshard.trace.hf import read_source, trace_hf
+
+        unknown = sorted(set(overrides) - {*HF_KNOBS, "precision"})
+        if unknown:
+            raise MemshardError(f"Hugging Face models take no {', '.join(unknown)} override")
+        knobs = {HF_KNOBS[k]: v for k, v in overrides.items() if k in HF_KNOBS}
+        graph = trace_hf(model.source, batch // micro_batches, seq, overrides.get("precision", "mixed"),
+                         model.attn_implementation, **knobs)
+        source = {"hf": read_source(model.source), "attn_implementation": model.attn_implementation}
+    else:
+        graph = build_graph(model, batch=batch // micro_batches, seq=seq, **overrides)
+        source = {}
+    seq = graph.meta["seq"] if "seq" in graph.meta else graph.tensors["input_ids"].shape[1]
+    info = {**source, "batch": batch, "micro_batches": micro_batches, "seq": seq, "overrides": overrides}
     return graph, info
 
 

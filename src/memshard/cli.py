@@ -49,9 +49,31 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _add_model_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
+    """One of: a preset, a Hugging Face config.json, a transformers model type."""
+    group = parser.add_mutually_exclusive_group(required=required)
+    group.add_argument("--model", help="preset name (see `memshard models`)")
+    group.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder) to trace")
+    group.add_argument("--hf-model", metavar="TYPE",
+                       help="a transformers model type with a built-in config: gpt2, llama, mistral, qwen2, bert…")
+    parser.add_argument("--attn-implementation", choices=("sdpa", "eager"),
+                        help="with --hf-*: the attention kernel to trace (default: the model's)")
+
+
+def _model_of(args):
+    """The --model / --hf-config / --hf-model choice as what the API takes."""
+    if getattr(args, "hf_config", None) or getattr(args, "hf_model", None):
+        from memshard.api import HFModel
+
+        return HFModel(args.hf_config or args.hf_model, args.attn_implementation)
+    if getattr(args, "attn_implementation", None):
+        raise MemshardError("--attn-implementation applies to --hf-config / --hf-model only")
+    return args.model
+
+
 def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """The training job: model, mesh, batch, sequence length, micro-batches."""
-    parser.add_argument("--model", required=True, help="preset name (see `memshard models`)")
+    _add_model_arguments(parser, required=True)
     parser.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x4 or 8x8x16 (last axis = within a node)")
     parser.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
     parser.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
@@ -62,7 +84,7 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     """A job (or a saved plan) and the strategy to run it with."""
     parser.add_argument("--plan", help="a plan JSON written by `memshard plan --json` (replaces the job options)")
-    parser.add_argument("--model", help="preset name (see `memshard models`)")
+    _add_model_arguments(parser, required=False)
     parser.add_argument("--mesh", help="mesh shape, e.g. 2x2")
     parser.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
     parser.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
@@ -79,7 +101,7 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
 def _runtime_plan(args):
     from memshard.api import runtime_plan
 
-    return runtime_plan(args.plan, args.model, args.mesh, strategy=args.strategy, objective=args.objective,
+    return runtime_plan(args.plan, _model_of(args), args.mesh, strategy=args.strategy, objective=args.objective,
                         batch=args.batch, seq=args.seq, micro_batches=args.micro_batches,
                         precision=args.precision)
 
@@ -224,7 +246,7 @@ def _cmd_plan(args, console) -> None:
         knobs["dropout"] = args.dropout == "on"
     with console.status("solving…"):
         result = plan(
-            args.model, mesh, objective=args.objective, batch=args.batch, seq=args.seq,
+            _model_of(args), mesh, objective=args.objective, batch=args.batch, seq=args.seq,
             micro_batches=args.micro_batches,
             max_step_time_s=args.max_step_time, memory_budget=args.memory_budget, exact=args.exact,
             full_mesh=args.full_mesh, mip_gap=args.gap,
@@ -259,7 +281,7 @@ def _cmd_compare(args, console) -> None:
     if args.time_slack < 1:
         raise MemshardError("--time-slack must be at least 1")
     with console.status("solving…"):
-        result = compare(args.model, parse_mesh(args.mesh), batch=args.batch, seq=args.seq,
+        result = compare(_model_of(args), parse_mesh(args.mesh), batch=args.batch, seq=args.seq,
                          micro_batches=args.micro_batches, time_slack=args.time_slack,
                          time_limit_s=args.time_limit)
     if args.json:
@@ -279,9 +301,9 @@ def _cmd_pareto(args, console) -> None:
         raise MemshardError("--points must be at least 2")
     mesh = parse_mesh(args.mesh)
     with console.status("sweeping the step-time budget…"):
-        points, base = frontier(args.model, mesh, points=args.points, batch=args.batch, seq=args.seq,
+        points, base = frontier(_model_of(args), mesh, points=args.points, batch=args.batch, seq=args.seq,
                                 micro_batches=args.micro_batches, time_limit_s=args.time_limit)
-    draw(points, base, f"{args.model} on {args.mesh}", mesh.device_memory_bytes, args.out)
+    draw(points, base, f"{args.model or args.hf_config or args.hf_model} on {args.mesh}", mesh.device_memory_bytes, args.out)
     t = Table(title="memshard frontier: least peak memory per step-time budget", title_justify="left")
     for col in ("budget", "step time", "peak / device", "redundant"):
         t.add_column(col, justify="right")

@@ -16,6 +16,7 @@ from memshard.cost import comm
 from memshard.cost.memory import CATEGORIES, StorageOption, param_layout
 from memshard.evaluate import Evaluation, evaluate
 from memshard.files import write_text_atomically
+from memshard.graph import Graph
 from memshard.mesh import Mesh
 from memshard.placement import format_layout
 from memshard.problem import Problem, Selection
@@ -187,7 +188,7 @@ def build_plan(
         "schema": SCHEMA,
         "strategy": strategy_name,
         "model": {"name": graph.name, "num_parameters": graph.num_parameters, "num_layers": graph.num_layers,
-                  "precision": graph.precision.name, **(model or {})},
+                  "precision": graph.precision.name, **_traced_info(graph), **(model or {})},
         "mesh": _mesh_dict(mesh),
         "objective": result.objective if result else None,
         "constraints": constraints or {},
@@ -261,16 +262,17 @@ def load_plan(source: str | dict) -> Plan:
 
 
 def _rebuild(data: dict) -> Plan:
+    from memshard.api import HFModel, _job_graph
     from memshard.mesh import make_mesh
-    from memshard.models import build_graph
     from memshard.problem import build_problem
 
     m, md = data["model"], data["mesh"]
     k = int(m.get("micro_batches", 1))
-    graph = build_graph(m["name"], batch=int(m["batch"]) // k, seq=int(m["seq"]), **m.get("overrides", {}))
+    model = HFModel(m["hf"], m.get("attn_implementation")) if "hf" in m else m["name"]
     mesh = make_mesh(tuple(md["shape"]), tuple(md["axis_names"]), device_memory_bytes=md["device_memory_bytes"],
                      peak_flops=md["peak_flops"], compute_efficiency=md["compute_efficiency"])
     mesh = mesh.with_links(tuple(md["bandwidth_bytes_per_s"]), tuple(md["latency_s"]))
+    graph, _ = _job_graph(model, mesh, int(m["batch"]), int(m["seq"]), k, m.get("overrides", {}))
     problem = build_problem(graph, mesh, shared_layers=data["solver"]["shared_layers"], micro_batches=k)
     choices = [0] * len(problem.groups)
     by_key = {grp.key: gid for gid, grp in enumerate(problem.groups) if grp.kind == "op"}
@@ -295,6 +297,13 @@ def _rebuild(data: dict) -> Plan:
     rebuilt.data["objective"] = data.get("objective")
     rebuilt.data["solver"] = data["solver"]
     return rebuilt
+
+
+def _traced_info(graph: Graph) -> dict:
+    """For a traced module: the ATen ops memshard has no description for (planned replicated)."""
+    if "unknown_ops" not in graph.meta:
+        return {}
+    return {"unknown_ops": graph.meta["unknown_ops"]}
 
 
 def _grad_text(G: tuple[str, ...]) -> str:

@@ -34,6 +34,9 @@ def render_plan(plan: Plan, console: Console, top: int = 10, show_strategy: bool
         f"{model['precision']}{extra}) on mesh [bold]{shape}[/] ({mesh['num_devices']} devices), "
         f"objective [bold]{d['objective'] or d['strategy']}[/]"
     )
+    if model.get("unknown_ops"):
+        ops = ", ".join(f"{name} ×{n}" for name, n in model["unknown_ops"].items())
+        console.print(f"[yellow]ops memshard has no description for, kept whole (replicated):[/] {ops}")
 
     t = Table(title="Memory per device", title_justify="left")
     t.add_column("category")

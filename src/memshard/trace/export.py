@@ -1,0 +1,61 @@
+"""torch.export of a training step's forward: a module and example inputs → an ExportedProgram.
+
+The module runs on the meta device (no real memory) and must return its loss: a scalar
+tensor, or an output object with a ``.loss`` (Hugging Face models given ``labels``). Export is
+non-strict (Python runs as usual), so ordinary ``nn.Module`` code traces without changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from memshard.errors import MemshardError
+
+WRAPPER_PREFIX = "module."
+
+
+class _LossOf(torch.nn.Module):
+    """Calls the wrapped module and returns only its loss, so export sees one output."""
+
+    def __init__(self, module: torch.nn.Module, kwargs: Mapping):
+        super().__init__()
+        self.module = module
+        self.kwargs = dict(kwargs)
+
+    def forward(self, *args):
+        out = self.module(*args, **self.kwargs)
+        loss = getattr(out, "loss", None)
+        if loss is None and isinstance(out, (tuple, list)) and out:
+            loss = out[0]
+        if loss is None and isinstance(out, torch.Tensor):
+            loss = out
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise MemshardError(
+                "the module must return its training loss (a scalar tensor, or an output with "
+                ".loss: pass labels to a Hugging Face model)"
+            )
+        return loss
+
+
+def export_training_forward(
+    module: torch.nn.Module, args: tuple, kwargs: Mapping | None = None
+) -> torch.export.ExportedProgram:
+    """Export ``module(*args, **kwargs)`` up to its loss, in training mode, without running it.
+
+    Parameter names in the program keep the module's FQNs behind :data:`WRAPPER_PREFIX`.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise MemshardError(f"expected an nn.Module, got {type(module).__name__}")
+    was_training = module.training
+    module.train()
+    try:
+        return torch.export.export(_LossOf(module, kwargs or {}), tuple(args), strict=False)
+    except MemshardError:
+        raise
+    except Exception as exc:  # export's own errors are long; keep the first line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MemshardError(f"torch.export could not trace {type(module).__name__}: {first}") from exc
+    finally:
+        module.train(was_training)

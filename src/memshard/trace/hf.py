@@ -1,0 +1,128 @@
+"""Hugging Face ``transformers`` models from a config, on the meta device (no download).
+
+A source is a ``config.json`` path (or a folder holding one) or a model type whose default
+config ships with ``transformers`` (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``bert``…).
+Decoder models train as causal LMs, encoders (BERT) as masked LMs; both take ``labels`` so
+the model returns its loss. ``transformers`` is optional: ``pip install memshard[hf]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from memshard.errors import MemshardError
+from memshard.graph import PRECISIONS, Graph
+from memshard.trace import trace_module
+
+# Knobs the CLI can override, by their transformers name (attribute maps cover GPT-2's n_*).
+OVERRIDES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+             "intermediate_size", "vocab_size")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise MemshardError("Hugging Face models need transformers: pip install 'memshard[hf]'") from None
+    return transformers
+
+
+def read_source(source: str | dict) -> str | dict:
+    """A config file's contents (so a saved plan does not depend on the file), or the model type."""
+    if isinstance(source, dict):
+        return dict(source)
+    if not (os.path.isdir(source) or source.endswith(".json") or os.path.sep in source):
+        return source
+    path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise MemshardError(f"cannot read config {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise MemshardError(f"{path} is not valid JSON: {e.msg} (line {e.lineno})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise MemshardError(f"{path} has no \"model_type\": is it a transformers config.json?")
+    return data
+
+
+def load_config(source: str | dict, **overrides):
+    """A ``PretrainedConfig`` from a config.json path, a folder, a dict or a model type."""
+    tf = _transformers()
+    source = read_source(source)
+    data = dict(source) if isinstance(source, dict) else {"model_type": source}
+    model_type = data.pop("model_type", None)
+    # Overrides go in before the config derives its other fields (LLaMA's head_dim).
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return tf.AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError):
+        raise MemshardError(
+            f"transformers has no model type {model_type!r} (e.g. gpt2, llama, mistral, qwen2, bert)"
+        ) from None
+
+
+def _model_class(cfg):
+    from transformers.models.auto import modeling_auto as auto
+
+    tf = _transformers()
+    if cfg.model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(cfg, "is_decoder", False):
+        return tf.AutoModelForMaskedLM, False
+    if cfg.model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return tf.AutoModelForCausalLM, True
+    raise MemshardError(f"{cfg.model_type}: memshard trains causal or masked language models only")
+
+
+def max_positions(cfg) -> int | None:
+    """Learned position embeddings bound the sequence; rotary ones do not."""
+    if getattr(cfg, "n_positions", None):
+        return cfg.n_positions
+    rotary = any(getattr(cfg, a, None) is not None for a in ("rope_theta", "rope_parameters", "rope_scaling"))
+    return None if rotary else getattr(cfg, "max_position_embeddings", None)
+
+
+def build_model(cfg, precision: str = "mixed", attn_implementation: str | None = None):
+    """The model on the meta device, in bf16 for mixed precision or fp32."""
+    import torch
+
+    auto_class, _ = _model_class(cfg)
+    if attn_implementation:
+        cfg._attn_implementation = attn_implementation
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    with torch.device("meta"):
+        model = auto_class.from_config(cfg, dtype=dtype)
+    return model
+
+
+def example_inputs(cfg, batch: int, seq: int, device="meta") -> tuple[tuple, dict]:
+    import torch
+
+    limit = max_positions(cfg)
+    if limit is not None and seq > limit:
+        raise MemshardError(f"{cfg.model_type} has {limit} positions; --seq {seq} is longer")
+    ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    kwargs = {"labels": torch.zeros(batch, seq, dtype=torch.long, device=device)}
+    if _model_class(cfg)[1]:
+        kwargs["use_cache"] = False
+    return (ids,), kwargs
+
+
+def config_label(source: str | dict) -> str:
+    if isinstance(source, dict):
+        return source.get("model_type", "hf")
+    return os.path.basename(os.path.normpath(source)) if os.path.exists(source) else source
+
+
+def trace_hf(source: str | dict, batch: int, seq: int | None = None, precision: str = "mixed",
+             attn_implementation: str | None = None, **overrides) -> Graph:
+    """Trace a Hugging Face model for a micro-batch of ``batch`` sequences of ``seq`` tokens."""
+    if precision not in PRECISIONS:
+        raise MemshardError(f"unknown precision {precision!r}; use mixed or fp32")
+    cfg = load_config(source, **overrides)
+    seq = seq or min(max_positions(cfg) or 2048, 2048)
+    model = build_model(cfg, precision, attn_implementation)
+    args, kwargs = example_inputs(cfg, batch, seq)
+    graph = trace_module(model, args, kwargs, name=f"hf:{config_label(source)}", precision=PRECISIONS[precision])
+    graph.meta["seq"] = seq
+    return graph

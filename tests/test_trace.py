@@ -1,0 +1,187 @@
+"""Tracing real modules: torch.export → graph IR → plan, checked against the built-in models,
+Hugging Face's own parameter counts, and what the ops really save."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("transformers")
+import torch  # noqa: E402
+
+import memshard  # noqa: E402
+from memshard.errors import MemshardError  # noqa: E402
+from memshard.graph import TensorKind  # noqa: E402
+from memshard.models import build_graph  # noqa: E402
+from memshard.problem import build_problem  # noqa: E402
+from memshard.report import render_plan_text  # noqa: E402
+from memshard.trace import trace_module  # noqa: E402
+from memshard.trace.hf import build_model, load_config, trace_hf  # noqa: E402
+from tests.test_cli import assert_one_line_error, run  # noqa: E402
+
+TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+        "vocab_size": 256}
+FAMILIES = {
+    "gpt2": {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 64},
+    "llama": {**TINY, "num_key_value_heads": 2},
+    "mistral": {**TINY, "num_key_value_heads": 2, "sliding_window": None},
+    "qwen2": {**TINY, "num_key_value_heads": 2},
+    "bert": {**TINY, "max_position_embeddings": 64},
+}
+
+
+def hf_parameter_count(source, **overrides) -> int:
+    model = build_model(load_config(source, **overrides), "fp32")
+    return sum(p.numel() for p in model.parameters())  # parameters() lists tied weights once
+
+
+def saved_bytes_of_layer(graph, layer: int) -> int:
+    """Activation bytes one layer keeps for backward, from the graph's own description:
+    every distinct saved tensor once, plus private buffers (masks, statistics)."""
+    tensors, buffers = set(), 0
+    for op in graph.ops:
+        if op.layer != layer:
+            continue
+        tensors.update(op.inputs[i].tensor for i in op.saves_inputs)
+        if op.saves_output:
+            tensors.add(op.output.tensor)
+        sizes = graph.dim_sizes(op)
+        buffers += sum(math.prod(sizes[d] for d in b.dims) * b.dtype_bytes for b in op.buffers)
+    return sum(graph.tensors[t].nbytes for t in tensors) + buffers
+
+
+def test_gpt2_124m_traced_has_the_builders_and_hfs_parameter_count():
+    traced = trace_hf("gpt2", batch=1, seq=64)
+    assert traced.num_parameters == build_graph("gpt2", batch=1, seq=64).num_parameters == 124_439_808
+    assert traced.num_parameters == hf_parameter_count("gpt2")
+    assert traced.meta["unknown_ops"] == {}
+
+
+def test_gpt2_traced_layer_saves_what_the_builder_says():
+    """Unfused attention and exact GeLU are the builder's GPT layer (Megatron's 34sbh + 5as²b);
+    the traced layer's saved activations agree within 2%."""
+    traced = trace_hf("gpt2", batch=2, seq=256, attn_implementation="eager", activation_function="gelu")
+    built = build_graph("gpt2", batch=2, seq=256)
+    for layer in (0, 11):
+        t, b = saved_bytes_of_layer(traced, layer), saved_bytes_of_layer(built, layer)
+        assert t == pytest.approx(b, rel=0.02)
+    s, bsz, h, a = 256, 2, 768, 12  # and both are Megatron's formula
+    assert saved_bytes_of_layer(traced, 3) == pytest.approx(s * bsz * h * (34 + 5 * a * s / h), rel=0.02)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_traces_without_unknown_ops_and_plans(family):
+    graph = trace_hf(family, batch=4, seq=32, precision="fp32", **FAMILIES[family])
+    assert graph.meta["unknown_ops"] == {}
+    assert graph.num_parameters == hf_parameter_count(family, **FAMILIES[family])
+    plan = memshard.plan(graph, "2x2", time_limit_s=30)
+    assert plan.peak_bytes >= plan.lower_bound_bytes
+    assert plan.peak_bytes <= 1.1 * plan.lower_bound_bytes
+
+
+def test_identical_layers_share_solver_variables_and_dims():
+    graph = trace_hf("llama", batch=2, seq=32, **{**FAMILIES["llama"], "num_hidden_layers": 3})
+    per_layer = [[op for op in graph.ops if op.layer == i] for i in range(3)]
+    assert len({len(ops) for ops in per_layer}) == 1
+    for ops in zip(*per_layer):  # same role, same dims, in every layer
+        assert len({op.role for op in ops}) == 1
+        assert len({tuple(o.dims for o in op.operands) for op in ops}) == 1
+    problem = build_problem(graph, memshard.parse_mesh("2x2"))
+    op_groups = [g for g in problem.groups if g.kind == "op"]
+    outside = sum(op.layer is None for op in graph.ops)
+    assert len(op_groups) == len(per_layer[0]) + outside
+
+
+def test_gqa_projection_weights_are_split_by_kv_head():
+    graph = trace_hf("llama", batch=2, seq=32, **FAMILIES["llama"])
+    axes = graph.meta["parameter_axes"]
+    q = axes["model.layers.0.self_attn.q_proj.weight"]
+    k = axes["model.layers.0.self_attn.k_proj.weight"]
+    assert q[1] == k[1]  # both read the hidden dim
+    assert q[0][0] == k[0][0]  # the outermost dim of both outputs is the kv-head
+    sizes = {d: n for op in graph.ops for d, n in graph.dim_sizes(op).items()}
+    assert sizes[q[0][0]] == 2 and sizes[q[0][1]] == 2  # 4 heads = 2 kv-heads × 2 per group
+    assert math.prod(sizes[d] for d in q[0]) == 64
+
+
+class CumsumNet(torch.nn.Module):
+    """A module with an op memshard has no rule for (cumsum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(32, 64)
+        self.b = torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.b(torch.cumsum(self.a(x), dim=-1)).pow(2).mean()
+
+
+def test_an_unknown_op_is_planned_replicated_and_listed():
+    module = CumsumNet()
+    plan = memshard.plan(module, (torch.randn(8, 16, 32),), mesh="2")
+    graph = plan.problem.graph
+    assert graph.meta["unknown_ops"] == {"aten.cumsum": 1}
+    op = next(op for op in graph.ops if op.kind == "aten.cumsum")
+    assert set(op.unsplittable_dims) == set(op.dims)
+    assert plan.data["model"]["unknown_ops"] == {"aten.cumsum": 1}
+    assert "aten.cumsum ×1" in render_plan_text(plan)
+
+
+def test_module_api_traces_on_meta_and_prices_fp32_states():
+    with torch.device("meta"):
+        module = CumsumNet()
+    graph = trace_module(module, (torch.empty(8, 16, 32, device="meta"),))
+    params = sum(p.numel() for p in module.parameters())
+    assert graph.num_parameters == params
+    assert graph.precision.name == "fp32"
+    assert {graph.tensors[p].kind for p in graph.parameters} == {TensorKind.PARAMETER}
+
+
+def test_tracing_is_deterministic():
+    a = trace_hf("gpt2", batch=2, seq=32, **FAMILIES["gpt2"])
+    b = trace_hf("gpt2", batch=2, seq=32, **FAMILIES["gpt2"])
+    assert a.ops == b.ops and a.tensors == b.tensors
+
+
+@pytest.mark.parametrize("source, message", [
+    ("no-such-arch", "no model type"),
+    ("missing/config.json", "cannot read config"),
+])
+def test_bad_hf_sources_are_one_clear_error(source, message):
+    with pytest.raises(MemshardError, match=message):
+        trace_hf(source, batch=1, seq=8)
+
+
+def test_bad_config_files_and_lengths(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(MemshardError, match="not valid JSON"):
+        trace_hf(str(bad), batch=1, seq=8)
+    nameless = tmp_path / "nameless.json"
+    nameless.write_text('{"hidden_size": 8}')
+    with pytest.raises(MemshardError, match="model_type"):
+        trace_hf(str(nameless), batch=1, seq=8)
+    with pytest.raises(MemshardError, match="positions"):
+        trace_hf("gpt2", batch=1, seq=4096)
+
+
+def test_cli_plans_an_hf_config_and_the_saved_plan_reloads(tmp_path):
+    cfg = tmp_path / "tiny_llama.json"
+    cfg.write_text(json.dumps({"model_type": "llama", **FAMILIES["llama"]}))
+    out = tmp_path / "plan.json"
+    r = run("plan", "--hf-config", str(cfg), "--mesh", "2x2", "--batch", "4", "--seq", "32",
+            "--precision", "fp32", "--json", str(out), "--brief", columns=160)
+    assert r.returncode == 0, r.stderr
+    assert "hf:tiny_llama.json" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["model"]["hf"]["model_type"] == "llama"  # the config itself, not its path
+    cfg.unlink()
+    assert memshard.load_plan(str(out)).peak_bytes == data["memory"]["peak_bytes_per_device"]
+
+
+def test_cli_hf_errors_are_one_line():
+    assert "no model type" in assert_one_line_error(run("plan", "--hf-model", "nope", "--mesh", "2"))
+    assert "not allowed with" in assert_one_line_error(
+        run("plan", "--hf-model", "gpt2", "--model", "gpt2", "--mesh", "2"))
