@@ -44,7 +44,7 @@ def reference(graph, steps: int, seed: int = 0, lr: float = 1e-3, dtype=torch.fl
     return losses, grads
 
 
-def _worker(rank: int, world: int, port: int, plans, steps: int, queue) -> None:
+def _worker(rank: int, world: int, port: int, plans, steps: int, queue, module_factory=None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from memshard.runtime.train import train
@@ -62,7 +62,8 @@ def _worker(rank: int, world: int, port: int, plans, steps: int, queue) -> None:
                     for name in model.graph.parameters:
                         grads[name] = model.full_gradient(name).numpy().copy()
 
-            report = train(plan, mesh, steps=steps, inspect=inspect)
+            module = module_factory() if module_factory is not None else None
+            report = train(plan, mesh, steps=steps, inspect=inspect, module=module)
             report["gradients"] = grads if rank == 0 else {}
             out.append(report)
         queue.put((rank, out, None))
@@ -71,14 +72,16 @@ def _worker(rank: int, world: int, port: int, plans, steps: int, queue) -> None:
         queue.put((rank, None, traceback.format_exc()))
 
 
-def run_plans(plans, steps: int = 3) -> list[list[dict]]:
-    """Per plan, the reports of every rank (rank order). All plans share one mesh size."""
+def run_plans(plans, steps: int = 3, module_factory=None) -> list[list[dict]]:
+    """Per plan, the reports of every rank (rank order). All plans share one mesh size.
+    Plans of a traced module run ``module_factory()`` (default: the HF model they name)."""
     world = plans[0].problem.mesh.num_devices
     assert all(p.problem.mesh.num_devices == world for p in plans)
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, plans, steps, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, plans, steps, queue, module_factory))
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, list] = {}

@@ -259,7 +259,7 @@ def runtime_plan(
     if plan_path:
         result = load_plan(plan_path)
     elif not (model and mesh):
-        raise MemshardError("give --plan, or --model and --mesh")
+        raise MemshardError("give --plan, or a model (--model, --hf-config or --hf-model) and --mesh")
     elif strategy == "memshard":
         result = plan(model, mesh, objective=objective, batch=batch, seq=seq, micro_batches=micro_batches,
                       mip_gap=0.02, precision=precision or "fp32")

@@ -217,9 +217,11 @@ def edge_calls(spec: TensorSpec, lp: Layout, lc: Layout, gc: Layout, gp: Layout,
 NO_WEIGHT_IN_BACKWARD = frozenset({"embedding", "embedding_add"})
 
 
-def _gather_points(S: Schedule, op: Op, i: int) -> tuple[int, ...]:
-    """The schedule points where ZeRO-3 holds op ``i``'s gathered weight."""
-    if op.kind in NO_WEIGHT_IN_BACKWARD:
+def _gather_points(S: Schedule, graph: Graph, i: int) -> tuple[int, ...]:
+    """The schedule points where ZeRO-3 holds op ``i``'s gathered weight: backward needs it
+    only for the gradient of an activation input (a first layer on the raw input has none)."""
+    op = graph.ops[i]
+    if op.kind in NO_WEIGHT_IN_BACKWARD or not activation_inputs(graph, op):
         return (S.forward(i),)
     return (S.forward(i), S.backward(i))
 
@@ -404,7 +406,7 @@ class _Builder:
                 options = [(G, opt) for G in dict.fromkeys(g_labels) for opt in storage_options(G, mesh)]
                 choices = []
                 for G, opt in options:
-                    calls = self.sync_calls(spec, G, opt, sum(len(_gather_points(S, self.g.ops[i], i)) for i, _ in uses))
+                    calls = self.sync_calls(spec, G, opt, sum(len(_gather_points(S, self.g, i)) for i, _ in uses))
                     choices.append(Choice((G, opt.stage, opt.axes), 0.0, calls, self.time(calls)))
                 self.index[key] = len(self.groups)
                 mems = [storage_memory(spec, G, opt, prec, mesh) for G, opt in options]
@@ -437,7 +439,7 @@ class _Builder:
                 # gradient contributions into a new buffer while both are still alive.
                 self.slot(gid, S.backward(i), S.backward(i), "transients", *v["contributions"])
             for i, _ in uses:
-                for point in _gather_points(S, self.g.ops[i], i):
+                for point in _gather_points(S, self.g, i):
                     self.slot(gid, point, point, "transients", *v["gathered"])
                 self.slot(gid, S.backward(i), S.backward(i), "transients", *v["unsharded"])
         return storage_group

@@ -60,6 +60,7 @@ from memshard.problem import (
     Holder,
     Problem,
     Selection,
+    complete_selection,
     without_partial,
 )
 
@@ -131,6 +132,20 @@ class IlpBuilder:
         self.time_vals: list[np.ndarray] = []
 
     # -- rows ----------------------------------------------------------------------------------
+    def replicated_start(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every op unsplit, nothing stored sharded, nothing kept: a plan that exists whenever
+        any does without a memory budget, given as the choice columns only."""
+
+        sel = complete_selection(self.p, {g: 0 for g, grp in enumerate(self.p.groups) if grp.kind == "op"})
+        cols, vals = [], []
+        for g, group_cols in enumerate(self.x):
+            cols.extend(int(c) for c in group_cols)
+            vals.extend(float(k == sel.choices[g]) for k in range(len(group_cols)))
+        for col in self.kappa.values():
+            cols.append(int(col))
+            vals.append(0.0)
+        return np.array(cols), np.array(vals)
+
     def add_choice_rows(self) -> None:
         for cols in self.x:
             self.m.row((cols, np.ones(len(cols))), 1.0, 1.0)
@@ -459,7 +474,7 @@ def solve(
     else:
         primary, secondary = (t_cols, t_vals), peak_obj
     try:
-        values, best, gap, timed_out = hs.optimise(primary, tie_break=secondary)
+        values, best, gap, timed_out = hs.optimise(primary, tie_break=secondary, fallback=b.replicated_start())
     except Infeasible:
         raise Infeasible(objective) from None
     except SolverTimeLimit:
@@ -543,7 +558,9 @@ class _Highs:
         h.changeColsCost(self.n, np.arange(self.n, dtype=np.int32), cost)
         h.setOptionValue("solve_relaxation", relax)
         h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
-        if start is not None and not relax:
+        if isinstance(start, tuple) and not relax:  # partial: HiGHS completes it
+            h.setSolution(len(start[0]), start[0].astype(np.int32), start[1].astype(np.float64))
+        elif start is not None and not relax:
             sol = highspy.HighsSolution()
             sol.col_value = list(start)
             sol.value_valid = True
@@ -565,7 +582,7 @@ class _Highs:
         v = values[self.integer]
         return bool(np.all(np.minimum(np.abs(v), np.abs(1 - v)) < 1e-7))
 
-    def optimise(self, expr, start=None, tie_break=None, required: bool = True):
+    def optimise(self, expr, start=None, tie_break=None, required: bool = True, fallback=None):
         """Minimise ``expr``: (values, objective, gap, timed_out); None when not ``required``
         and no solution came in time.
 
@@ -573,7 +590,8 @@ class _Highs:
         and bound runs, warm-started from ``start`` or, given a ``tie_break`` expression, from
         the optimum of ``expr`` plus ``tie_break`` weighted at TIE_BREAK of ``expr``'s size:
         that settles the many exact ties (which axis splits the batch, …) that otherwise
-        stall HiGHS's primal heuristics.
+        stall HiGHS's primal heuristics. ``fallback`` (a partial solution: columns, values)
+        is offered to that first branch and bound, so it always has an incumbent.
         """
         try:
             values, obj, _, timed_out = self._run(expr, relax=True)
@@ -585,7 +603,7 @@ class _Highs:
                 second = float(values[tie_break[0]] @ tie_break[1])
                 weight = TIE_BREAK * abs(obj) / second if second > 0 else 0.0
                 blend = (np.concatenate([expr[0], tie_break[0]]), np.concatenate([expr[1], tie_break[1] * weight]))
-                start = self._run(blend, relax=False)[0]
+                start = self._run(blend, relax=False, start=fallback)[0]
             return self._run(expr, relax=False, start=start)
         except SolverTimeLimit:
             if required:

@@ -99,6 +99,10 @@ def _run_graph(
     """
     last_use = {t: uses[-1][0] for t, uses in graph.consumers.items()}
     env: dict[str, torch.Tensor] = {}
+    if graph.meta.get("family") == "traced":  # a traced module: each op calls its ATen op
+        from memshard.runtime.traced import kernel as kernel_of
+    else:
+        kernel_of = ops.KERNELS.__getitem__
     for i, op in enumerate(graph.ops):
         args = []
         again: dict[int, Callable] = {}
@@ -114,7 +118,7 @@ def _run_graph(
             if make is not None:
                 again[_storage_id(x)] = make
             args.append(x)
-        kernel = ops.KERNELS[op.kind]
+        kernel = kernel_of(op.kind)
         if again:
             with torch.autograd.graph.saved_tensors_hooks(*_make_again_hooks(again)):
                 out = kernel(context(i), *args)
@@ -424,6 +428,13 @@ class ShardedGraphModel(nn.Module):
         return float(t)
 
 
-def parallelize(model: GraphModel, plan, device_mesh: DeviceMesh) -> ShardedGraphModel:
-    """``model`` laid out on ``device_mesh`` as ``plan`` (a :class:`~memshard.plans.Plan`) says."""
-    return ShardedGraphModel(model, plan.problem, plan.selection, device_mesh)
+def parallelize(model: nn.Module, plan, device_mesh: DeviceMesh) -> ShardedGraphModel:
+    """``model`` laid out on ``device_mesh`` as ``plan`` (a :class:`~memshard.plans.Plan`) says.
+
+    ``model`` is a :class:`GraphModel` of the plan's graph, or the module the plan traced (its
+    parameters are read by name; call the result like the module, it returns the loss)."""
+    if isinstance(model, GraphModel):
+        return ShardedGraphModel(model, plan.problem, plan.selection, device_mesh)
+    from memshard.runtime.traced import parallelize_module
+
+    return parallelize_module(model, plan, device_mesh)

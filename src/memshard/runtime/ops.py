@@ -173,15 +173,15 @@ class SplitNorm(torch.autograd.Function):
     input-sized buffer, their result, as PyTorch's fused kernels do."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, n_global, groups, rms):
+    def forward(ctx, x, weight, bias, n_global, groups, rms, eps):
         if rms:
             mean = torch.zeros_like(x[..., :1])
             stats = all_reduce(_row_dot(x, x), groups)
-            rstd = torch.rsqrt(stats / n_global + NORM_EPS)
+            rstd = torch.rsqrt(stats / n_global + eps)
         else:
             stats = all_reduce(torch.cat([x.sum(-1, keepdim=True), _row_dot(x, x)], -1), groups)
             mean = stats[..., :1] / n_global
-            rstd = torch.rsqrt(stats[..., 1:] / n_global - mean * mean + NORM_EPS)
+            rstd = torch.rsqrt(stats[..., 1:] / n_global - mean * mean + eps)
         y = (x - mean).mul_(rstd).mul_(weight)
         if bias is not None:
             y.add_(bias)
@@ -206,7 +206,7 @@ class SplitNorm(torch.autograd.Function):
         if not rms:
             gw.sub_(stats[..., :1] / n_global)
         gw.addcmul_(x, c2, value=-1).add_(mean * c2)
-        return gw.mul_(rstd), grad_w, grad_b, None, None, None
+        return gw.mul_(rstd), grad_w, grad_b, None, None, None, None
 
 
 def norm(ctx: OpContext, x, weight, bias=None):
@@ -215,7 +215,7 @@ def norm(ctx: OpContext, x, weight, bias=None):
     axes = ctx.split_axes((h,))
     if not axes and not rms:  # F.rms_norm is a composite that keeps a normalised copy too
         return F.layer_norm(x, (x.shape[-1],), weight, bias, NORM_EPS)
-    return SplitNorm.apply(x, weight, bias, ctx.sizes[h], tuple(ctx.groups[a] for a in axes), rms)
+    return SplitNorm.apply(x, weight, bias, ctx.sizes[h], tuple(ctx.groups[a] for a in axes), rms, NORM_EPS)
 
 
 def _causal_bias(ctx: OpContext, q_dim: str, k_dim: str) -> torch.Tensor:
@@ -261,10 +261,11 @@ def softmax(ctx: OpContext, x):
 class SplitCrossEntropy(torch.autograd.Function):
     """Summed token loss over a vocab split across ``groups`` (Megatron's vocab-parallel
     cross-entropy): all-reduce the row max, then the row sum of exponentials and the target
-    logit (3 statistics per row). Saves the logits; backward needs no communication."""
+    logit (3 statistics per row). Saves the logits; backward needs no communication. Rows
+    whose label is ``ignore_index`` (when given) count nothing."""
 
     @staticmethod
-    def forward(ctx, logits, labels, v0, groups, scale):
+    def forward(ctx, logits, labels, v0, groups, scale, ignore_index):
         m = all_reduce(logits.amax(-1, keepdim=True).detach().clone(), groups, dist.ReduceOp.MAX)
         n = logits.shape[-1]
         inside = (labels >= v0) & (labels < v0 + n)
@@ -274,21 +275,26 @@ class SplitCrossEntropy(torch.autograd.Function):
         sums = torch.stack([e.sum(-1), target], -1)
         del e
         sums = all_reduce(sums, groups)
-        loss = (torch.log(sums[..., 0]) + m.squeeze(-1) - sums[..., 1]).sum() * scale
+        rows = torch.log(sums[..., 0]) + m.squeeze(-1) - sums[..., 1]
+        if ignore_index is not None:
+            rows = rows * (labels != ignore_index)
+        loss = rows.sum() * scale
         ctx.save_for_backward(logits, labels, m, sums[..., 0:1])
-        ctx.meta = (v0, scale)
+        ctx.meta = (v0, scale, ignore_index)
         return loss
 
     @staticmethod
     def backward(ctx, g):
         logits, labels, m, total = ctx.saved_tensors
-        v0, scale = ctx.meta
+        v0, scale, ignore_index = ctx.meta
         p = logits.sub(m).exp_().div_(total)  # one buffer: the gradient
         n = logits.shape[-1]
         inside = (labels >= v0) & (labels < v0 + n)
         idx = torch.where(inside, labels - v0, torch.zeros_like(labels)).unsqueeze(-1)
         p.scatter_add_(-1, idx, -inside.to(p.dtype).unsqueeze(-1))
-        return p.mul_(g * scale), None, None, None, None
+        if ignore_index is not None:
+            p.mul_((labels != ignore_index).unsqueeze(-1))
+        return p.mul_(g * scale), None, None, None, None, None
 
 
 def cross_entropy(ctx: OpContext, logits, labels):
@@ -297,7 +303,7 @@ def cross_entropy(ctx: OpContext, logits, labels):
     v0, _ = ctx.dim_range(v)
     axes = ctx.split_axes((v,))
     tokens = math.prod(ctx.sizes[d] for d in ctx.op.inputs[1].dims)
-    return SplitCrossEntropy.apply(logits, labels, v0, tuple(ctx.groups[a] for a in axes), 1.0 / tokens)
+    return SplitCrossEntropy.apply(logits, labels, v0, tuple(ctx.groups[a] for a in axes), 1.0 / tokens, None)
 
 
 # -- elementwise -------------------------------------------------------------------------------
@@ -322,12 +328,12 @@ def _uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
 MASK_CHUNK = 1 << 18  # elements hashed at a time: bounded temporaries (a few MiB)
 
 
-def dropout(ctx: OpContext, x):
+def dropout(ctx: OpContext, x, p: float = DROPOUT_P):
     """Dropout whose mask is a function of the global element index, the step and the op, so
     every sharding of the model drops the same elements as the single-device run. Each rank
     hashes only its own elements, a bounded chunk at a time."""
     if is_fake(x):  # memshard simulate: no values to draw
-        return _Dropout.apply(x, torch.empty(x.shape, dtype=torch.bool, device=x.device))
+        return _Dropout.apply(x, torch.empty(x.shape, dtype=torch.bool, device=x.device), p)
     seed = ctx.step_seed * 1_000_003 + zlib.crc32(ctx.op.name.encode())
     dims = ctx.op.output.dims
     ranges = [ctx.dim_range(d) for d in dims]
@@ -339,22 +345,23 @@ def dropout(ctx: OpContext, x):
         for (o, n), st in reversed(list(zip(ranges, strides))):  # unravel, innermost dim first
             index += (flat % n + o) * st
             flat = flat.div(n, rounding_mode="floor")
-        keep[start:start + len(index)] = _uniform(index, seed) >= DROPOUT_P
-    return _Dropout.apply(x, keep.view(x.shape))
+        keep[start:start + len(index)] = _uniform(index, seed) >= p
+    return _Dropout.apply(x, keep.view(x.shape), p)
 
 
 class _Dropout(torch.autograd.Function):
     """Saves the 1-byte mask only."""
 
     @staticmethod
-    def forward(ctx, x, keep):
+    def forward(ctx, x, keep, p):
         ctx.save_for_backward(keep)
-        return x * keep / (1 - DROPOUT_P)
+        ctx.p = p
+        return x * keep / (1 - p)
 
     @staticmethod
     def backward(ctx, g):
         (keep,) = ctx.saved_tensors
-        return g * keep / (1 - DROPOUT_P), None
+        return g * keep / (1 - ctx.p), None, None
 
 
 def rotary(ctx: OpContext, x):

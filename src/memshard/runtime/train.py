@@ -58,8 +58,11 @@ def _maybe_die(step: int) -> None:
             os.kill(os.getpid(), 9)
 
 
-def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, inspect=None) -> dict:
+def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, inspect=None, module=None) -> dict:
     """Run ``steps`` steps on this rank; measure the last one. Returns this rank's report.
+
+    A plan of a traced module runs that ``module`` (default: the Hugging Face model the plan
+    names, built with seed ``seed``) on random arguments of the traced shapes.
 
     ``inspect(model, step)``, if given, runs after each step's gradients are reduced and
     before the optimizer uses them, outside the measured region (tests read gradients)."""
@@ -67,7 +70,19 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
         raise MemshardError("run at least 2 steps: the last one is measured with optimizer states in place")
     graph = plan.problem.graph
     k = plan.problem.micro_batches
-    model = parallelize(GraphModel(graph, seed), plan, device_mesh)
+    if graph.meta.get("family") == "traced":
+        from memshard.runtime import traced
+
+        if module is None:
+            from memshard.trace.hf import module_of_job
+
+            module = module_of_job(plan.data["model"], device_mesh.device_type, seed)
+        model = parallelize(module, plan, device_mesh)
+        del module  # the shards are the model now
+        make_inputs = traced.make_batch
+    else:
+        model = parallelize(GraphModel(graph, seed), plan, device_mesh)
+        make_inputs = make_batch
     optimizer = LeanAdam(model.optimizer_parameters(), lr=lr)
     losses, times = [], []
     measured = {}
@@ -77,12 +92,12 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
         counter = CommCounter()
         start = time.perf_counter()
         with meter if last else nullcontext(), counter if last else nullcontext():
-            batches = make_batch(graph, k, seed + step, model.device)  # inside: counts as activations
+            batches = make_inputs(graph, k, seed + step, model.device)  # inside: counts as activations
             model.step = step
             model.watch_gradients(meter.mark_gradient if last else None)
             total = 0.0
             for i, batch in enumerate(batches):
-                loss = model(batch)
+                loss = model(*batch[0], **batch[1]) if isinstance(batch, tuple) else model(batch)
                 loss.backward()
                 if i == k // 2:
                     _maybe_die(step)

@@ -30,11 +30,14 @@ def trace_module(
 
     Model states are priced at ``precision`` (default: fp32 for fp32 parameters, else mixed
     precision); activations at the dtypes the module really computes in. ``graph.meta`` holds
-    ``unknown_ops`` (ATen op → count, planned replicated) and ``parameter_axes`` (parameter
-    FQN → the IR dims of each of its torch axes, outermost first).
+    ``unknown_ops`` (ATen op → count, planned replicated), ``parameter_axes`` (parameter
+    FQN → the IR dims of each of its torch axes, outermost first), and what the runtime needs
+    (``program``, ``aten``: each op's ATen call, ``fixed_kwargs``).
     """
-    from memshard.trace.export import export_training_forward
+    from memshard.trace.export import export_training_forward, split_kwargs
     from memshard.trace.lower import lower
 
     ep = export_training_forward(module, tuple(args), kwargs)
-    return lower(ep, name or type(module).__name__, precision or _precision_of(module))
+    graph = lower(ep, name or type(module).__name__, precision or _precision_of(module))
+    graph.meta["fixed_kwargs"] = split_kwargs(kwargs)[1]  # e.g. use_cache=False: part of the trace
+    return graph

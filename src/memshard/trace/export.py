@@ -17,15 +17,16 @@ WRAPPER_PREFIX = "module."
 
 
 class _LossOf(torch.nn.Module):
-    """Calls the wrapped module and returns only its loss, so export sees one output."""
+    """Calls the wrapped module and returns only its loss, so export sees one output.
+    Tensor arguments are traced inputs; other keyword arguments (``use_cache=False``) are fixed."""
 
-    def __init__(self, module: torch.nn.Module, kwargs: Mapping):
+    def __init__(self, module: torch.nn.Module, fixed: Mapping):
         super().__init__()
         self.module = module
-        self.kwargs = dict(kwargs)
+        self.fixed = dict(fixed)
 
-    def forward(self, *args):
-        out = self.module(*args, **self.kwargs)
+    def forward(self, *args, **kwargs):
+        out = self.module(*args, **kwargs, **self.fixed)
         loss = getattr(out, "loss", None)
         if loss is None and isinstance(out, (tuple, list)) and out:
             loss = out[0]
@@ -39,6 +40,13 @@ class _LossOf(torch.nn.Module):
         return loss
 
 
+def split_kwargs(kwargs: Mapping | None) -> tuple[dict, dict]:
+    """(tensor keyword arguments: traced inputs, the rest: fixed)."""
+    kwargs = dict(kwargs or {})
+    tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    return tensors, {k: v for k, v in kwargs.items() if k not in tensors}
+
+
 def export_training_forward(
     module: torch.nn.Module, args: tuple, kwargs: Mapping | None = None
 ) -> torch.export.ExportedProgram:
@@ -48,10 +56,11 @@ def export_training_forward(
     """
     if not isinstance(module, torch.nn.Module):
         raise MemshardError(f"expected an nn.Module, got {type(module).__name__}")
+    tensors, fixed = split_kwargs(kwargs)
     was_training = module.training
     module.train()
     try:
-        return torch.export.export(_LossOf(module, kwargs or {}), tuple(args), strict=False)
+        return torch.export.export(_LossOf(module, fixed), tuple(args), kwargs=tensors, strict=False)
     except MemshardError:
         raise
     except Exception as exc:  # export's own errors are long; keep the first line

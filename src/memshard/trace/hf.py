@@ -82,15 +82,15 @@ def max_positions(cfg) -> int | None:
     return None if rotary else getattr(cfg, "max_position_embeddings", None)
 
 
-def build_model(cfg, precision: str = "mixed", attn_implementation: str | None = None):
-    """The model on the meta device, in bf16 for mixed precision or fp32."""
+def build_model(cfg, precision: str = "mixed", attn_implementation: str | None = None, device="meta"):
+    """The model on ``device`` (meta: no memory), in bf16 for mixed precision or fp32."""
     import torch
 
     auto_class, _ = _model_class(cfg)
     if attn_implementation:
         cfg._attn_implementation = attn_implementation
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    with torch.device("meta"):
+    with torch.device(device):
         model = auto_class.from_config(cfg, dtype=dtype)
     return model
 
@@ -126,3 +126,16 @@ def trace_hf(source: str | dict, batch: int, seq: int | None = None, precision: 
     graph = trace_module(model, args, kwargs, name=f"hf:{config_label(source)}", precision=PRECISIONS[precision])
     graph.meta["seq"] = seq
     return graph
+
+
+def module_of_job(model_info: dict, device="cpu", seed: int = 0):
+    """The real (randomly initialised, seeded) module a plan of an HF model was made for."""
+    import torch
+
+    from memshard.api import HF_KNOBS
+
+    overrides = dict(model_info.get("overrides", {}))
+    precision = overrides.pop("precision", "mixed")
+    cfg = load_config(model_info["hf"], **{HF_KNOBS[k]: v for k, v in overrides.items()})
+    torch.manual_seed(seed)
+    return build_model(cfg, precision, model_info.get("attn_implementation"), device=device)

