@@ -185,3 +185,14 @@ def test_cli_hf_errors_are_one_line():
     assert "no model type" in assert_one_line_error(run("plan", "--hf-model", "nope", "--mesh", "2"))
     assert "not allowed with" in assert_one_line_error(
         run("plan", "--hf-model", "gpt2", "--model", "gpt2", "--mesh", "2"))
+
+
+def test_compare_on_a_traced_model_keeps_only_the_baselines_it_can_lay_out():
+    graph = trace_hf("gpt2", batch=4, seq=32, **FAMILIES["gpt2"])
+    result = memshard.compare(graph, "4", time_limit_s=30)
+    names = [r["strategy"] for r in result["rows"]]
+    assert {"ddp", "zero1", "zero2", "zero3-fsdp"} <= set(names)
+    assert not any(n.startswith(("megatron", "tp")) for n in names)
+    assert any("built-in model" in s["reason"] for s in result["skipped"])
+    best = result["rows"][0]["peak_bytes_per_device"]
+    assert all(best <= r["peak_bytes_per_device"] * (1 + 1e-9) for r in result["rows"])

@@ -121,3 +121,26 @@ def test_a_module_with_an_unknown_op_plans_and_runs():
     reports = run_plans([plan], STEPS, module_factory=CumsumNet)[0]
     check_run(plan, reports, CumsumNet)
     assert not math.isnan(reports[0]["losses"][-1])
+
+
+class SortNet(torch.nn.Module):
+    """A multi-output op memshard has no rule for (sort: values and indices)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(32, 64)
+        self.b = torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        values, _ = torch.sort(self.a(x), dim=-1)
+        return self.b(values).pow(2).mean()
+
+
+def test_a_multi_output_unknown_op_plans_and_runs():
+    with torch.device("meta"):
+        meta = SortNet()
+    plan = memshard.plan(meta, (torch.empty(8, 16, 32, device="meta"),), mesh="2")
+    assert plan.problem.graph.meta["unknown_ops"] == {"aten.sort": 1}
+    reports = run_plans([plan], STEPS, module_factory=SortNet)[0]
+    check_run(plan, reports, SortNet)

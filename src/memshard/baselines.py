@@ -156,6 +156,11 @@ def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
     add("ddp", ddp)
     for stage in (1, 2, 3):
         add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, s=stage: zero(p, s))
+    if problem.graph.meta.get("family") == "traced":
+        # Megatron's layouts are written for the built-in models' dims (heads, MLP width,
+        # vocabulary); a traced graph's dims are anonymous, so they are not laid out.
+        skipped.append(("megatron-*, tp*-fsdp*", "tensor-parallel baselines need a built-in model (--model)"))
+        return out, skipped
     layouts = []  # (problem, tp axes, tp degree)
     node = mesh.shape[-1]
     for tp in range(2, node):

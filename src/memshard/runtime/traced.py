@@ -76,6 +76,8 @@ def _call(ctx: ops.OpContext, xs, target=None, **overrides):
     call_kwargs = {k: _fill(v, args, ctx.device) for k, v in spec["kwargs"].items()}
     call_kwargs.update(overrides)
     out = (target or spec["target"])(*call_args, **call_kwargs)
+    if spec["item"] is not None:  # one output of a multi-output op
+        out = out[spec["item"]]
     return from_out(out, spec["out_axes"], size_of)
 
 

@@ -60,6 +60,8 @@ class _Desc:
     renamed: tuple[int, ...] = ()
     renamed_inputs: tuple[int, ...] = ()
     index: int = 0  # select: which piece
+    whole: bool = False  # an op without a rule: every dim stays whole
+    item: int | None = None  # one output of a multi-output op without a rule
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,11 @@ class _Lowering:
             if packet == "getitem":
                 parent, index = node.args
                 self.axes[node] = self.axes[parent][index]
-                if parent in self.descs:
-                    self.descs[node] = _Desc("select", unsplittable=self.descs[parent].unsplittable, index=index)
+                up = self.descs.get(parent)
+                if up is not None and up.whole:
+                    self.descs[node] = _Desc(up.kind, whole=True, item=index)
+                elif up is not None:
+                    self.descs[node] = _Desc("select", unsplittable=up.unsplittable, index=index)
                 continue
             try:
                 out_axes, desc = self.rule(node, packet)
@@ -148,8 +153,7 @@ class _Lowering:
                 vals = val if isinstance(val, (tuple, list)) else [val]
                 fresh = [[self.atoms.axis(int(n)) for n in v.shape] for v in vals if isinstance(v, torch.Tensor)]
                 out_axes = fresh if isinstance(val, (tuple, list)) else fresh[0]
-                desc = _Desc(f"aten.{packet}")
-                desc.unsplittable = None  # every dim: filled in when the op is built
+                desc = _Desc(f"aten.{packet}", whole=True)
             self.axes[node] = out_axes
             if desc is None:  # a view: owns no data
                 self.base[node] = self.base.get(args[0], args[0])
@@ -435,7 +439,7 @@ class _Lowering:
             val = node.meta["val"]
             if isinstance(val, (tuple, list)):  # its getitems are the ops
                 continue
-            inputs = _tensor_args(node) if _packet(node) != "getitem" else [node.args[0].args[0]]
+            inputs = self._inputs(node)
             for a in inputs:
                 tensor_of(a)
             ops_raw.append((node, self.descs[node], inputs, node))
@@ -467,7 +471,7 @@ class _Lowering:
             # A dim on two axes of one tensor (scores [b, n, s, s] of unfused attention) is two
             # different dims of the op that tracing cannot tell apart: it stays whole.
             doubled = {d for o in (*operands, output) for d, n in Counter(o.dims).items() if n > 1}
-            unsplittable = (tuple(sorted(op_dims)) if desc.unsplittable is None
+            unsplittable = (tuple(sorted(op_dims)) if desc.whole
                             else tuple(dict.fromkeys(
                                 [d for d in (self._name(x, desc, names) for x in A.leaves(desc.unsplittable))
                                  if d in op_dims] + sorted(doubled))))
@@ -526,11 +530,12 @@ class _Lowering:
                 return type(x)(template(y) for y in x)
             return x
 
-        getitem = _packet(node) == "getitem"
+        source = self._source(node)
         spec = {
-            "target": None if getitem else node.target,
-            "args": () if getitem else template(tuple(node.args)),
-            "kwargs": {} if getitem else {k: template(v) for k, v in node.kwargs.items()},
+            "target": source.target if source is not None else None,
+            "args": template(tuple(source.args)) if source is not None else (),
+            "kwargs": {k: template(v) for k, v in source.kwargs.items()} if source is not None else {},
+            "item": desc.item,
             "in_axes": [self._axis_names(a, i, desc, names) for i, a in enumerate(inputs)],
             "out_axes": [tuple(names[x] for x in self.atoms.leaves(ax)) for ax in self.axes[node]],
             "dtype": node.meta["val"].dtype,
@@ -555,16 +560,30 @@ class _Lowering:
     def _torch_axes(self, node: Node, names: dict[int, str]) -> tuple[tuple[str, ...], ...]:
         return tuple(tuple(names.get(a, "?") for a in self.atoms.leaves(ax)) for ax in self.axes[node])
 
+    def _inputs(self, node: Node) -> list[Node]:
+        """The tensors an op reads: a split's piece reads the split's input."""
+        if _packet(node) != "getitem":
+            return _tensor_args(node)
+        parent = node.args[0]
+        return _tensor_args(parent) if self.descs[node].item is not None else [parent.args[0]]
+
+    def _source(self, node: Node) -> Node | None:
+        """The node whose ATen call an op makes (none for a piece of a split)."""
+        if _packet(node) != "getitem":
+            return node
+        return node.args[0] if self.descs[node].item is not None else None
+
     def _probe(self, node: Node, inputs: list[Node]) -> Saved:
-        if _packet(node) == "getitem" or self.descs[node].kind in ("select", "cat", "copy"):
+        source = self._source(node)
+        if source is None or self.descs[node].kind in ("select", "cat", "copy"):
             return Saved((), False, ())
+        if source is not node and node is not next(iter(source.users)):
+            return Saved((), False, ())  # a multi-output op's saved tensors go to its first output
         specs = []
-        index = {}
 
         def placeholder(a):
             if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor):
                 v = a.meta["val"]
-                index.setdefault(a, len(specs))
                 specs.append(ArgSpec(tuple(int(n) for n in v.shape), tuple(int(s) for s in v.stride()),
                                      v.dtype, bool(self.grad.get(a)) and v.is_floating_point()))
                 return specs[-1]
@@ -572,9 +591,9 @@ class _Lowering:
                 return type(a)(placeholder(x) for x in a)
             return a
 
-        args = placeholder(tuple(node.args))
-        kwargs = {k: placeholder(v) for k, v in node.kwargs.items() if k != "device"}
-        saved = probe(node.target, args, kwargs, specs)
+        args = placeholder(tuple(source.args))
+        kwargs = {k: placeholder(v) for k, v in source.kwargs.items() if k != "device"}
+        saved = probe(source.target, args, kwargs, specs)
         return saved if saved is not None else Saved((), False, ())
 
     def _buffer_layout(self, shape, nbytes: int, node: Node, inputs: list[Node], names) -> tuple[tuple[str, ...], int]:
@@ -612,7 +631,10 @@ class _Lowering:
             stack = node.meta.get("nn_module_stack") or {}
             path = _strip(list(stack.values())[-1][0]) if stack else ""
             m = re.match(r"^(.*?)\.(\d+)(?:\.(.*))?$", path)
-            packet = _packet(node) if _packet(node) != "getitem" else "select"
+            packet = _packet(node)
+            if packet == "getitem":
+                item = self.descs[node].item
+                packet = "select" if item is None else f"{_packet(node.args[0])}{item}"
             if m:
                 layer, rel = int(m.group(2)), m.group(3) or ""
                 key = (layer, rel, packet)
