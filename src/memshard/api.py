@@ -75,8 +75,10 @@ def plan(
         graph = model
         model_info = {}
     elif _is_module(model):
+        if batch is not None or seq is not None:
+            raise MemshardError("the example inputs fix a module's batch and sequence: give no batch or seq")
         graph = _module_graph(model, example_inputs, model_overrides.get("precision"))
-        model_info = {}
+        model_info = {"traced_module": type(model).__name__, "micro_batches": micro_batches}
     else:
         graph, model_info = _job_graph(model, mesh, batch, seq, micro_batches, model_overrides)
     problem = build_problem(graph, mesh, shared_layers=not exact, micro_batches=micro_batches)

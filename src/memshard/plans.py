@@ -14,6 +14,7 @@ import numpy as np
 
 from memshard.cost import comm
 from memshard.cost.memory import CATEGORIES, StorageOption, param_layout
+from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, evaluate
 from memshard.files import write_text_atomically
 from memshard.graph import Graph
@@ -241,7 +242,6 @@ def _plain(obj):
 def load_plan(source: str | dict) -> Plan:
     """A plan from its JSON (a path or the parsed dict): the job is rebuilt from the recorded
     model, mesh and batch, and every op, parameter and edge takes the recorded choice."""
-    from memshard.errors import MemshardError
 
     if isinstance(source, str):
         try:
@@ -267,6 +267,9 @@ def _rebuild(data: dict) -> Plan:
     from memshard.problem import build_problem
 
     m, md = data["model"], data["mesh"]
+    if "traced_module" in m:
+        raise MemshardError(f"this plan was made from the module {m['traced_module']}: plan it again from the "
+                            "module (memshard.plan(module, example_inputs, mesh=...))")
     k = int(m.get("micro_batches", 1))
     model = HFModel(m["hf"], m.get("attn_implementation")) if "hf" in m else m["name"]
     mesh = make_mesh(tuple(md["shape"]), tuple(md["axis_names"]), device_memory_bytes=md["device_memory_bytes"],
