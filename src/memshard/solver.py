@@ -135,7 +135,6 @@ class IlpBuilder:
     def replicated_start(self) -> tuple[np.ndarray, np.ndarray]:
         """Every op unsplit, nothing stored sharded, nothing kept: a plan that exists whenever
         any does without a memory budget, given as the choice columns only."""
-
         sel = complete_selection(self.p, {g: 0 for g, grp in enumerate(self.p.groups) if grp.kind == "op"})
         cols, vals = [], []
         for g, group_cols in enumerate(self.x):
@@ -487,12 +486,9 @@ def solve(
         # of the primary objective are broken by the secondary one.
         hs.add_row(primary, best + abs(best) * max(mip_gap, TIE_RESOLUTION) + 1e-9)
         rows += 1
-        # The primary objective is met: the tie-break gets at most the time the primary
-        # took (and the rest of the limit), so it cannot turn seconds into minutes.
-        hs.deadline = min(hs.deadline, time.perf_counter() + max(SECOND_PASS_MIN_S, time.perf_counter() - started))
         second = hs.optimise(secondary, start=values, required=False)
         if second is not None:
-            values = second[0]
+            values, _, _, timed_out = second
     choices = tuple(int(np.argmax(values[cols])) for cols in b.x)
     keeps = tuple(int(round(values[b.kappa[e]])) if e in b.kappa else 0 for e in range(len(problem.edges)))
     return SolveResult(
@@ -505,9 +501,6 @@ def solve(
         constraints=rows,
         ilp_peak_bytes=float(values[b.peak]) * b.bytes_unit,
     )
-
-
-SECOND_PASS_MIN_S = 2.0
 
 
 class _Highs:
