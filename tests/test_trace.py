@@ -76,7 +76,9 @@ def test_every_family_traces_without_unknown_ops_and_plans(family):
     graph = trace_hf(family, batch=4, seq=32, precision="fp32", **FAMILIES[family])
     assert graph.meta["unknown_ops"] == {}
     assert graph.num_parameters == hf_parameter_count(family, **FAMILIES[family])
-    plan = memshard.plan(graph, "2x2", time_limit_s=30)
+    # one mesh axis: tiny traced graphs on two axes make the ILP slow (README, "Limits")
+    plan = memshard.plan(graph, "4", time_limit_s=30)
+    assert plan.data["solver"]["status"] == "optimal"
     assert plan.peak_bytes >= plan.lower_bound_bytes
     assert plan.peak_bytes <= 1.1 * plan.lower_bound_bytes
 
@@ -171,7 +173,7 @@ def test_cli_plans_an_hf_config_and_the_saved_plan_reloads(tmp_path):
     cfg = tmp_path / "tiny_llama.json"
     cfg.write_text(json.dumps({"model_type": "llama", **FAMILIES["llama"]}))
     out = tmp_path / "plan.json"
-    r = run("plan", "--hf-config", str(cfg), "--mesh", "2x2", "--batch", "4", "--seq", "32",
+    r = run("plan", "--hf-config", str(cfg), "--mesh", "4", "--batch", "4", "--seq", "32",
             "--precision", "fp32", "--json", str(out), "--brief", columns=160)
     assert r.returncode == 0, r.stderr
     assert "hf:tiny_llama.json" in r.stdout
