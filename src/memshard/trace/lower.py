@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
+from memshard.errors import MemshardError
 from memshard.graph import Graph, Op, Operand, Precision, SavedBuffer, TensorKind, TensorSpec
 from memshard.trace.dims import Atoms, DimConflict
 from memshard.trace.export import WRAPPER_PREFIX
@@ -413,8 +414,6 @@ class _Lowering:
             if node.op == "output":
                 loss_node = self.base.get(node.args[0][0], node.args[0][0])
         if loss_node is None or not self.grad.get(loss_node, False):
-            from memshard.errors import MemshardError
-
             raise MemshardError("the loss does not depend on any parameter: nothing to train")
 
         def tensor_of(n: Node) -> str:
