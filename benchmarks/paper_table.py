@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import re
 import time
-from pathlib import Path
 
 import memshard
+from benchmarks_md import write_section
 from memshard.baselines import baselines
 from memshard.plans import build_plan
 
 MODELS = ("gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "llama3-8b")
 MESHES = ("1x8", "2x4", "2x8", "4x8", "8x8")
 SEQ = 2048
-BEGIN, END = "<!-- paper-table:begin -->", "<!-- paper-table:end -->"
 
 
 def gib(x: float) -> str:
@@ -75,12 +73,7 @@ def main() -> None:
     lines.append(f"({time.perf_counter() - started:.0f} s for the whole table.)")
     table = "\n".join(lines)
     if args.write:
-        path = Path(__file__).parent.parent / "BENCHMARKS.md"
-        text = path.read_text()
-        block = f"{BEGIN}\n{table}\n{END}"
-        text = re.sub(re.escape(BEGIN) + ".*" + re.escape(END), lambda _: block, text, flags=re.S) \
-            if BEGIN in text else text.rstrip() + "\n\n## The paper's table\n\n" + block + "\n"
-        path.write_text(text)
+        write_section("paper-table", "The paper's table", table)
 
 
 if __name__ == "__main__":

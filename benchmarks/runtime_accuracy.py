@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import re
 import sys
 import time
 from pathlib import Path
@@ -26,10 +25,10 @@ from tests.runtime_harness import run_cases  # noqa: E402
 from tests.test_runtime import CASES, STEPS, _make  # noqa: E402
 
 import memshard  # noqa: E402
+from benchmarks_md import write_section  # noqa: E402
 from memshard.runtime.report import error  # noqa: E402
 from memshard.runtime.simulate import simulate  # noqa: E402
 
-BEGIN, END = "<!-- runtime-accuracy:begin -->", "<!-- runtime-accuracy:end -->"
 SIMULATED = (("gpt3-6.7b", "8x8", 64), ("llama3-8b", "4x8", 32))
 
 
@@ -86,14 +85,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        path = ROOT / "BENCHMARKS.md"
-        doc = path.read_text()
-        block = f"{BEGIN}\n{text}\n{END}"
-        if BEGIN in doc:
-            doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
-        else:
-            doc += f"\n## Runtime accuracy (issue #4)\n\n{block}\n"
-        path.write_text(doc)
+        write_section("runtime-accuracy", "Runtime accuracy (issue #4)", text)
 
 
 if __name__ == "__main__":

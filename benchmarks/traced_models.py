@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import re
 import sys
 import time
 from pathlib import Path
@@ -27,11 +26,11 @@ from tests.runtime_harness import run_plans  # noqa: E402
 from tests.test_traced_runtime import CONFIGS, STEPS  # noqa: E402
 
 import memshard  # noqa: E402
+from benchmarks_md import write_section  # noqa: E402
 from memshard.api import HFModel, _job_graph  # noqa: E402
 from memshard.mesh import parse_mesh  # noqa: E402
 from memshard.runtime.report import error  # noqa: E402
 
-BEGIN, END = "<!-- traced-models:begin -->", "<!-- traced-models:end -->"
 LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 128256, "rope_theta": 500000.0}
 FULL = (  # (label, source, mesh, batch, seq, the builder's preset or None)
@@ -95,14 +94,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        path = ROOT / "BENCHMARKS.md"
-        doc = path.read_text()
-        block = f"{BEGIN}\n{text}\n{END}"
-        if BEGIN in doc:
-            doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
-        else:
-            doc += f"\n## Traced models (issue #5)\n\n{block}\n"
-        path.write_text(doc)
+        write_section("traced-models", "Traced models (issue #5)", text)
 
 
 if __name__ == "__main__":
