@@ -3,6 +3,7 @@ Hugging Face's own parameter counts, and what the ops really save."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -20,6 +21,7 @@ from memshard.report import render_plan_text  # noqa: E402
 from memshard.trace import trace_module  # noqa: E402
 from memshard.trace.hf import build_model, load_config, trace_hf  # noqa: E402
 from tests.test_cli import assert_one_line_error, run  # noqa: E402
+from tests.test_traced_runtime import UnknownOpNet  # noqa: E402
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
         "vocab_size": 256}
@@ -108,16 +110,7 @@ def test_gqa_projection_weights_are_split_by_kv_head():
     assert math.prod(sizes[d] for d in q[0]) == 64
 
 
-class CumsumNet(torch.nn.Module):
-    """A module with an op memshard has no rule for (cumsum)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(32, 64)
-        self.b = torch.nn.Linear(64, 32)
-
-    def forward(self, x):
-        return self.b(torch.cumsum(self.a(x), dim=-1)).pow(2).mean()
+CumsumNet = functools.partial(UnknownOpNet, "cumsum")  # an op memshard has no rule for
 
 
 def test_an_unknown_op_is_planned_replicated_and_listed():

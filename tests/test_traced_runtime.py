@@ -103,50 +103,32 @@ def test_hf_model_peak_memory_is_the_planned_one(family, hf_runs, request):
         assert r["measured"]["peak_bytes"] == pytest.approx(r["predicted"]["peak_bytes"], rel=0.02)
 
 
-class CumsumNet(torch.nn.Module):
-    """An op memshard has no rule for (cumsum) between two linears."""
+class UnknownOpNet(torch.nn.Module):
+    """Two linears around an op memshard has no rule for: ``cumsum``, or ``sort`` (two
+    outputs: values and indices)."""
 
-    def __init__(self):
+    def __init__(self, op: str):
         super().__init__()
         torch.manual_seed(0)
+        self.op = op
         self.a = torch.nn.Linear(32, 64)
         self.b = torch.nn.Linear(64, 32)
 
     def forward(self, x):
-        return self.b(torch.cumsum(self.a(x), dim=-1)).pow(2).mean()
+        y = self.a(x)
+        y = torch.cumsum(y, dim=-1) if self.op == "cumsum" else torch.sort(y, dim=-1)[0]
+        return self.b(y).pow(2).mean()
 
 
-def test_a_module_with_an_unknown_op_plans_and_runs():
+@pytest.mark.parametrize("op, mesh", [("cumsum", "4"), ("sort", "2")])
+def test_a_module_with_an_unknown_op_plans_and_runs(op, mesh):
     with torch.device("meta"):
-        meta = CumsumNet()
-    plan = memshard.plan(meta, (torch.empty(8, 16, 32, device="meta"),), mesh="4")
+        meta = UnknownOpNet(op)
+    plan = memshard.plan(meta, (torch.empty(8, 16, 32, device="meta"),), mesh=mesh)
     graph = plan.problem.graph
-    assert graph.meta["unknown_ops"] == {"aten.cumsum": 1}
-    cumsum = next(op for op in graph.ops if op.kind == "aten.cumsum")
-    assert set(cumsum.unsplittable_dims) == set(cumsum.dims)
-    reports = run_plans([plan], STEPS, module_factory=CumsumNet)[0]
-    check_run(plan, reports, CumsumNet)
+    assert graph.meta["unknown_ops"] == {f"aten.{op}": 1}
+    unknown = [o for o in graph.ops if o.kind == f"aten.{op}"]
+    assert unknown and all(set(o.unsplittable_dims) == set(o.dims) for o in unknown)
+    reports = run_plans([plan], STEPS, module_factory=lambda: UnknownOpNet(op))[0]
+    check_run(plan, reports, lambda: UnknownOpNet(op))
     assert not math.isnan(reports[0]["losses"][-1])
-
-
-class SortNet(torch.nn.Module):
-    """A multi-output op memshard has no rule for (sort: values and indices)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = torch.nn.Linear(32, 64)
-        self.b = torch.nn.Linear(64, 32)
-
-    def forward(self, x):
-        values, _ = torch.sort(self.a(x), dim=-1)
-        return self.b(values).pow(2).mean()
-
-
-def test_a_multi_output_unknown_op_plans_and_runs():
-    with torch.device("meta"):
-        meta = SortNet()
-    plan = memshard.plan(meta, (torch.empty(8, 16, 32, device="meta"),), mesh="2")
-    assert plan.problem.graph.meta["unknown_ops"] == {"aten.sort": 1}
-    reports = run_plans([plan], STEPS, module_factory=SortNet)[0]
-    check_run(plan, reports, SortNet)
