@@ -21,6 +21,7 @@ from memshard.report import render_plan_text  # noqa: E402
 from memshard.trace import trace_module  # noqa: E402
 from memshard.trace.hf import build_model, load_config, trace_hf  # noqa: E402
 from tests.test_cli import assert_one_line_error, run  # noqa: E402
+from tests.test_models import saved_bytes_per_layer  # noqa: E402
 from tests.test_traced_runtime import UnknownOpNet  # noqa: E402
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
@@ -39,21 +40,6 @@ def hf_parameter_count(source, **overrides) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() lists tied weights once
 
 
-def saved_bytes_of_layer(graph, layer: int) -> int:
-    """Activation bytes one layer keeps for backward, from the graph's own description:
-    every distinct saved tensor once, plus private buffers (masks, statistics)."""
-    tensors, buffers = set(), 0
-    for op in graph.ops:
-        if op.layer != layer:
-            continue
-        tensors.update(op.inputs[i].tensor for i in op.saves_inputs)
-        if op.saves_output:
-            tensors.add(op.output.tensor)
-        sizes = graph.dim_sizes(op)
-        buffers += sum(math.prod(sizes[d] for d in b.dims) * b.dtype_bytes for b in op.buffers)
-    return sum(graph.tensors[t].nbytes for t in tensors) + buffers
-
-
 def test_gpt2_124m_traced_has_the_builders_and_hfs_parameter_count():
     traced = trace_hf("gpt2", batch=1, seq=64)
     assert traced.num_parameters == build_graph("gpt2", batch=1, seq=64).num_parameters == 124_439_808
@@ -67,10 +53,10 @@ def test_gpt2_traced_layer_saves_what_the_builder_says():
     traced = trace_hf("gpt2", batch=2, seq=256, attn_implementation="eager", activation_function="gelu")
     built = build_graph("gpt2", batch=2, seq=256)
     for layer in (0, 11):
-        t, b = saved_bytes_of_layer(traced, layer), saved_bytes_of_layer(built, layer)
+        t, b = saved_bytes_per_layer(traced, layer), saved_bytes_per_layer(built, layer)
         assert t == pytest.approx(b, rel=0.02)
     s, bsz, h, a = 256, 2, 768, 12  # and both are Megatron's formula
-    assert saved_bytes_of_layer(traced, 3) == pytest.approx(s * bsz * h * (34 + 5 * a * s / h), rel=0.02)
+    assert saved_bytes_per_layer(traced, 3) == pytest.approx(s * bsz * h * (34 + 5 * a * s / h), rel=0.02)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

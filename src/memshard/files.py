@@ -1,9 +1,24 @@
-"""Writing result files so a crash never leaves a half-written one behind."""
+"""Reading input files with one clear error, and writing result files so a crash never
+leaves a half-written one behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+
+from memshard.errors import MemshardError
+
+
+def read_json(path: str, what: str):
+    """The JSON in ``path`` (a ``what``: "plan", "config"), or one clear MemshardError."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise MemshardError(f"cannot read {what} {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise MemshardError(f"{what} {path} is not valid JSON: {e.msg} (line {e.lineno})") from None
 
 
 def write_text_atomically(path: str, text: str) -> None:

@@ -16,7 +16,7 @@ from memshard.cost import comm
 from memshard.cost.memory import CATEGORIES, StorageOption, param_layout
 from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, evaluate
-from memshard.files import write_text_atomically
+from memshard.files import read_json, write_text_atomically
 from memshard.graph import Graph
 from memshard.mesh import Mesh
 from memshard.placement import format_layout
@@ -243,16 +243,7 @@ def load_plan(source: str | dict) -> Plan:
     """A plan from its JSON (a path or the parsed dict): the job is rebuilt from the recorded
     model, mesh and batch, and every op, parameter and edge takes the recorded choice."""
 
-    if isinstance(source, str):
-        try:
-            with open(source) as f:
-                data = json.load(f)
-        except OSError as e:
-            raise MemshardError(f"cannot read plan {source}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise MemshardError(f"plan {source} is not valid JSON: {e}") from None
-    else:
-        data = source
+    data = read_json(source, "plan") if isinstance(source, str) else source
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise MemshardError(f"not a memshard plan (expected schema {SCHEMA!r})")
     try:

@@ -8,10 +8,10 @@ the model returns its loss. ``transformers`` is optional: ``pip install memshard
 
 from __future__ import annotations
 
-import json
 import os
 
 from memshard.errors import MemshardError
+from memshard.files import read_json
 from memshard.graph import PRECISIONS, Graph
 from memshard.trace import trace_module
 
@@ -35,13 +35,7 @@ def read_source(source: str | dict) -> str | dict:
     if not (os.path.isdir(source) or source.endswith(".json") or os.path.sep in source):
         return source
     path = os.path.join(source, "config.json") if os.path.isdir(source) else source
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise MemshardError(f"cannot read config {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise MemshardError(f"{path} is not valid JSON: {e.msg} (line {e.lineno})") from None
+    data = read_json(path, "config")
     if not isinstance(data, dict) or "model_type" not in data:
         raise MemshardError(f"{path} has no \"model_type\": is it a transformers config.json?")
     return data
