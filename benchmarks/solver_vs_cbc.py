@@ -30,6 +30,7 @@ def build(args):
     b.add_link_rows()
     b.add_edge_rows()
     b.add_memory_rows(problem.candidate_points)
+    b.add_reshard_rows()
     return problem, b
 
 

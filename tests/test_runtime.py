@@ -10,9 +10,7 @@ the baselines) runs 3 Adam steps on forked gloo ranks; the results are compared 
   elementwise rtol of 1e-5 against the fp32 run is not a fair test: that run is itself up to
   5e-5 of the largest gradient away from float64, from summation order alone.
 - the plan's predictions: bytes each rank sends per step, per collective kind, within 1%;
-  the peak memory of every rank (MemTracker) within 2%. The plans in ``MEMORY_GAPS`` miss
-  that bound today for reasons we know and have not priced yet (they are expected
-  failures, not skipped: they pass again, and must be un-marked, once the model prices them).
+  the peak memory of every rank (MemTracker) within 2%.
 """
 
 from __future__ import annotations
@@ -33,11 +31,11 @@ BATCH = 8
 
 
 def _memshard(model, mesh, objective):
-    best = memshard.plan(model, mesh, batch=BATCH, precision="fp32", mip_gap=0.05, time_limit_s=30)
+    best = memshard.plan(model, mesh, batch=BATCH, precision="fp32", mip_gap=0.05, time_limit_s=20)
     if objective == "memory":
         return best
-    return memshard.plan(model, mesh, batch=BATCH, precision="fp32", objective="time",
-                         memory_budget=int(best.peak_bytes * 1.3), mip_gap=0.05, time_limit_s=30)
+    return memshard.plan(model, mesh, batch=BATCH, precision="fp32", objective="time", start=best,
+                         memory_budget=int(best.peak_bytes * 1.3), mip_gap=0.05, time_limit_s=20)
 
 
 CASES = {  # id → how to make the plan
@@ -111,24 +109,7 @@ def test_communication_bytes_match_the_prediction(case):
             assert m["communication_by_kind"][kind] == pytest.approx(predicted, rel=0.01, abs=1), kind
 
 
-# Measured off the prediction by −3.7% to +19% (BENCHMARKS.md, "Runtime accuracy"). What the
-# model does not price yet: DTensor's all-gather (reduce-scatter) along a non-leading tensor
-# dim builds a second, rearranged copy of its output (input); a gradient reshard holds its
-# source and its result at once; under ZeRO-2/3 a tied weight's two gradient contributions
-# and the op's own gradients overlap differently from the per-op schedule points.
-MEMORY_GAPS = {
-    "tiny-gpt-megatron-tp4-sp-1x4", "tiny-gpt-memshard-memory-2x2", "tiny-gpt-memshard-memory-2x2x2",
-    "tiny-gpt-memshard-time-2x2", "tiny-gpt-memshard-time-2x2x2", "tiny-gpt-tp2-fsdp2-2x2",
-    "tiny-gpt-zero2-4", "tiny-gpt-zero3-fsdp-2x2x2", "tiny-llama-megatron-tp2-dp2-sp-distopt-2x2",
-    "tiny-llama-memshard-memory-1x4", "tiny-llama-memshard-memory-2x2",
-    "tiny-llama-memshard-memory-2x2x2", "tiny-llama-memshard-memory-4", "tiny-llama-memshard-time-1x4",
-}
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(reason="unpriced reshard copies (see MEMORY_GAPS)"))
-    if c in MEMORY_GAPS else c for c in sorted(CASES)
-])
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_peak_memory_matches_the_prediction(case):
     """Every rank within 2%. gloo's worker thread frees a collective's buffers at its own
     moment, so a real rank's peak is sometimes a few percent higher in one run and not the

@@ -39,20 +39,12 @@ PEAK_TOL, CATEGORY_TOL, COMM_TOL = 0.02, 0.05, 0.01
 # storages at the measured peak; figures for rank 0 at seq 2048). The measured peak is inside
 # lm_head's backward; the plan's is there or in the loss's backward (they differ by < 0.1 %).
 _LM_HEAD_INPUT_GRAD = (
-    "the model does not price lm_head's input gradient in lm_head's own layout before "
-    "Reshard takes it to the producer's layout (local [8,2048,4096] fp32, 256 MiB, vs the "
-    "32 MiB priced: +235 MB), and MemoryMeter counts the kept ln_f/norm -> lm_head edge's "
-    "re-gathered input (256 MiB, allocated in backward) as transients where the model "
-    "counts it as activations"
+    "MemoryMeter counts the kept ln_f/norm -> lm_head edge's re-gathered input (256 MiB, "
+    "allocated in backward) as transients where the model counts it as activations"
 )
 KNOWN_CATEGORY_GAPS = {
     ("gpt3_6_7b", "transients"): _LM_HEAD_INPUT_GRAD,
     ("llama3_8b", "transients"): _LM_HEAD_INPUT_GRAD,
-    ("gpt3_6_7b", "gradients"): (
-        "the model counts wte's ZeRO gradient shard (12.9 MB) from lm_head's backward on; at "
-        "the measured peak (the unreduced [6283,4096] weight gradient just allocated in "
-        "lm_head's backward) the reduce-scatter has not made the shard yet"
-    ),
 }
 
 

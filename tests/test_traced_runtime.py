@@ -27,12 +27,6 @@ CONFIGS = {
     "llama": {"model_type": "llama", **TINY, "num_key_value_heads": 2},
     "qwen2": {"model_type": "qwen2", **TINY, "num_key_value_heads": 2},
 }
-# Peak memory within 2%: met for GPT-2; LLaMA and Qwen2 measure 3–4% above the plan: a
-# tensor-parallel gradient all-gathered along a non-leading dim makes a second, rearranged
-# copy that the model does not price (the edge-reshard transient issue #4 leaves open).
-MEMORY_GAPS = {"llama", "qwen2"}
-
-
 def _cast(t, dtype):
     return t.to(dtype) if t.is_floating_point() else t
 
@@ -91,12 +85,10 @@ def test_hf_model_under_its_plan_equals_the_model(family, hf_runs):
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_hf_model_peak_memory_is_the_planned_one(family, hf_runs, request):
+def test_hf_model_peak_memory_is_the_planned_one(family, hf_runs):
     """Measured on every rank with ``simulate`` (the same step under the fake process group):
     deterministic, where a real gloo rank's peak moves by a few percent from run to run with
     the moment gloo's worker thread frees a collective's buffers (see BENCHMARKS.md)."""
-    if family in MEMORY_GAPS:
-        request.applymarker(pytest.mark.xfail(reason="unpriced reshard copy (issue #4's gap)", strict=True))
     plans, _ = hf_runs
     for rank in range(4):
         r = simulate(plans[family], rank=rank)

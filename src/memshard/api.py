@@ -45,6 +45,7 @@ def plan(
     full_mesh: bool = False,
     time_limit_s: float = 60.0,
     mip_gap: float = 1e-3,
+    start: Plan | None = None,
     **model_overrides,
 ) -> Plan:
     """Find the plan with the least per-device peak memory (``objective="memory"``, optionally
@@ -56,7 +57,9 @@ def plan(
     loss; ``batch`` is the global batch in sequences (default: one per device), run as
     ``micro_batches`` accumulated micro-batches of ``batch / micro_batches``. On meshes of three
     or more axes, adjacent axes with identical links are planned as one (see ``coarsen.py``)
-    unless ``full_mesh``.
+    unless ``full_mesh``. ``start``: a plan of the same job the solver starts from (e.g. the
+    memory-optimal plan when asking for the fastest one under a budget it meets; not used
+    where axes are planned as one).
     """
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     if isinstance(memory_budget, str):
@@ -88,9 +91,15 @@ def plan(
     if mesh.ndim >= 3 and len(groups) < mesh.ndim and not full_mesh:
         searched = build_problem(graph, merged_mesh(mesh, groups), shared_layers=not exact,
                                  micro_batches=micro_batches)
+    initial = None
+    if start is not None and searched is problem:
+        if len(start.selection.choices) != len(problem.groups):
+            raise MemshardError("the start plan is of another job")
+        initial = start.selection
     try:
         result = solve(searched, objective, max_step_time_s=max_step_time_s,
-                       memory_budget_bytes=memory_budget, time_limit_s=time_limit_s, mip_gap=mip_gap)
+                       memory_budget_bytes=memory_budget, time_limit_s=time_limit_s, mip_gap=mip_gap,
+                       start=initial)
     except Infeasible:
         raise _explain_infeasible(searched, objective, max_step_time_s, memory_budget, time_limit_s) from None
     if searched is not problem:

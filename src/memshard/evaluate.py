@@ -76,16 +76,21 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
     by_tensor = defaultdict(list)
     for h in problem.holders:
         layout = problem.holder_layout(selection, h)
-        lid = -1 if layout is None else problem.held[h.tensor].layout_id(layout)
-        by_tensor[h.tensor].append((h.start, h.end, lid))
+        if layout is not None:
+            tensor = (problem.holder_identity(selection, h), problem.held[h.tensor].layout_id(layout))
+            by_tensor[h.tensor].append((h.start, h.end, tensor))
     for t, entries in by_tensor.items():
         held = problem.held[t]
         cuts = sorted({s for s, _, _ in entries} | {e + 1 for _, e, _ in entries})
         for lo, hi in zip(cuts, cuts[1:]):
-            ids = {lid for s, e, lid in entries if s <= lo and hi - 1 <= e and lid >= 0}
+            ids = {tensor for s, e, tensor in entries if s <= lo and hi - 1 <= e}
             if ids:
-                add(lo, hi - 1, "activations", sum(held.nbytes[i] for i in ids),
-                    sum(held.redundant[i] for i in ids), held.global_bytes)
+                add(lo, hi - 1, "activations", sum(held.nbytes[i] for _, i in ids),
+                    sum(held.redundant[i] for _, i in ids), held.global_bytes)
+
+    for rp in problem.reshard_points:
+        extra = max(problem.reshard_rows(selection, rp))
+        add(rp.point, rp.point, "transients", extra, 0.0, 0.0)
 
     live = np.cumsum(live, axis=1)[:, :n_points]
     total = live.sum(axis=0)

@@ -15,9 +15,15 @@ plan evaluator (``evaluate.py``) read, so the two price every plan identically:
   forward reshard, the backward reshard of the gradient, and the re-gather when kept.
 - **slots**: memory priced per choice of one group, live on a closed interval of schedule points.
 - **holders**: an activation can be held at once by its producer (until its last forward use),
-  by a consumer's input copy, and by every op that saves it. It counts once per distinct
-  layout among the holders live at a point.
+  by a consumer's input copy, and by every op that saves it. The producer's tensor counts
+  once however many hold it (consumers reading it in its own layout, copies kept in it); a
+  consumer that reads another layout holds its own copy (``holder_identity``).
 - **constants**: memory no choice changes (the input batch).
+- **reshard points**: before an op's forward its inputs are resharded one by one, after its
+  backward their gradients. A reshard holds its source, its intermediate layouts and the
+  buffers its collectives allocate (``cost.reshard_memory``), priced per edge from the pair
+  (producer layout, consumer layout): ``reshard_rows`` gives the live bytes each reshard of
+  the point adds, the point's transient is their maximum.
 """
 
 from __future__ import annotations
@@ -40,9 +46,10 @@ from memshard.cost.memory import (
     storage_options,
     tensor_bytes,
 )
+from memshard.cost.reshard_memory import reshard_peak_bytes
 from memshard.graph import Graph, Op, TensorKind, TensorSpec
 from memshard.mesh import Mesh
-from memshard.placement import REPLICATE, Layout, Partial, local_numel
+from memshard.placement import REPLICATE, Layout, Partial, local_numel, local_shape
 from memshard.schedule import Schedule, candidate_points
 from memshard.strategies import (
     Strategy,
@@ -57,6 +64,10 @@ STATS_BYTES = 4  # fp32 statistics
 # fp32 statistics per row that backward all-reduces when the reduced dim is split: LayerNorm
 # Σg·w and Σg·w·x̂, RMSNorm Σg·w·x̂, softmax Σg·y; cross-entropy's backward needs none.
 STATS_IN_BACKWARD = {"layernorm": 2, "rmsnorm": 1, "softmax": 1}
+
+# Cross-entropy's forward sums the exponentials of its logits in this many row chunks
+# (``runtime.ops.SplitCrossEntropy``): it holds one chunk's buffer while it runs.
+CROSS_ENTROPY_CHUNKS = 8
 
 # Holder kinds
 PRODUCER = "producer"  # the producer's output until its last forward use (or its backward if saved)
@@ -149,6 +160,20 @@ class Constant:
 
 
 @dataclass(frozen=True)
+class ReshardPoint:
+    """The reshards op ``op`` runs at schedule point ``point``: its activation inputs' edges
+    in input order (forward), or their gradients (``backward``); ``last[k]``: the op is the
+    last consumer of edge k's tensor (its gradient then becomes the producer's, priced from
+    the op's backward on)."""
+
+    point: int
+    op: int
+    backward: bool
+    edges: tuple[int, ...]
+    last: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
 class Selection:
     """A complete plan: one choice per group and the keep flag of every edge."""
 
@@ -174,6 +199,7 @@ class Problem:
     micro_batches: int
     edge_of_input: dict[tuple[int, int], int]  # (consumer op, input index) → edge
     storage_group: dict[str, int]  # parameter name → storage group
+    reshard_points: list[ReshardPoint]
 
     def strategy(self, selection: Selection, group: int) -> Strategy:
         return self.groups[group].meta["strategies"][selection.choices[group]]
@@ -202,6 +228,54 @@ class Problem:
         if h.kind == INPUT_COPY:
             return lc
         return lc if keep else None
+
+    def holder_identity(self, selection: Selection, h: Holder) -> int:
+        """Which tensor a holder holds: −1 for the producer's own (its holder, a copy kept in
+        its layout, a consumer reading exactly that layout), else the edge whose consumer made
+        its own copy (consumers never share one: each reshards for itself)."""
+        if h.kind == PRODUCER:
+            return -1
+        lp, lc, _, _, keep = self.edge_layouts(selection, h.source)
+        if lp == lc or (h.kind == SAVED and keep):
+            return -1
+        return h.source
+
+    def reshard_rows(self, selection: Selection, rp: ReshardPoint) -> list[float]:
+        """Bytes live at ``rp`` beyond what spans it, while each of its reshards runs."""
+        terms = []
+        for e, last in zip(rp.edges, rp.last):
+            lp, lc, gc, gp, _ = self.edge_layouts(selection, e)
+            spec = self.edges[e].tensor
+            if rp.backward:
+                terms.append(backward_reshard_bytes(spec, gc, gp, self.mesh, last))
+            else:
+                terms.append(forward_reshard_bytes(spec, lp, lc, self.mesh))
+        if rp.backward:  # every input gradient exists when the first reshard starts
+            held = sum(h for h, _ in terms)
+            return [held + during for _, during in terms]
+        rows, made = [], 0.0
+        for during, after in terms:
+            rows.append(made + during)
+            made += after
+        return rows
+
+
+def forward_reshard_bytes(spec: TensorSpec, lp: Layout, lc: Layout, mesh: Mesh) -> tuple[float, float]:
+    """(bytes while ``lp → lc`` runs, its result included; bytes it leaves: the input copy)."""
+    if lp == lc:
+        return 0.0, 0.0
+    return float(reshard_peak_bytes(spec.shape, spec.dtype_bytes, lp, lc, mesh)), float(tensor_bytes(spec, lc, mesh))
+
+
+def backward_reshard_bytes(spec: TensorSpec, gc: Layout, gp: Layout, mesh: Mesh, last: bool) -> tuple[float, float]:
+    """(the source gradient's bytes, bytes the reshard ``gc → gp`` adds while it runs). The
+    result of the last consumer's reshard is the producer's output gradient, priced already."""
+    if gc == gp:
+        return 0.0, 0.0
+    during = reshard_peak_bytes(spec.shape, spec.dtype_bytes, gc, gp, mesh, reverse=True)
+    if last:
+        during -= tensor_bytes(spec, gp, mesh)
+    return float(tensor_bytes(spec, without_partial(gc), mesh)), float(during)
 
 
 def edge_calls(spec: TensorSpec, lp: Layout, lc: Layout, gc: Layout, gp: Layout, keep: bool, mesh: Mesh):
@@ -275,6 +349,16 @@ class _Builder:
         nbytes = np.array([tensor_bytes(spec, L, self.mesh) for L in layouts], float)
         return nbytes, np.array(self.redundant(nbytes, layouts))
 
+    def chunk_prices(self, spec: TensorSpec, layouts: list[Layout]) -> tuple[np.ndarray, np.ndarray]:
+        """One row chunk of the local logits (see CROSS_ENTROPY_CHUNKS) in each layout."""
+        nbytes = []
+        for L in layouts:
+            shape = local_shape(spec.shape, L, self.mesh.shape)
+            rows = math.prod(shape[:-1])
+            nbytes.append(-(-rows // CROSS_ENTROPY_CHUNKS) * shape[-1] * spec.dtype_bytes if rows else 0)
+        nbytes = np.array(nbytes, float)
+        return nbytes, np.array(self.redundant(nbytes, layouts))
+
     # -- ops ---------------------------------------------------------------------------------
     def op_choices(self, op: Op, strategies: list[Strategy]) -> list[Choice]:
         rate = self.mesh.peak_flops * self.mesh.compute_efficiency
@@ -321,20 +405,25 @@ class _Builder:
                 [buffer_bytes(op, s) for s in strategies],
                 [buffer_redundant_bytes(op, s, mesh) for s in strategies]))
             self.slot(gid, S.forward(i), S.backward(i), "activations", *buffers, buffer_global_bytes(self.g, op))
+            if op.kind == "cross_entropy":
+                chunk = self.cached((gid, "workspace"), lambda op=op, strategies=strategies: self.chunk_prices(
+                    self.g.tensors[op.inputs[0].tensor], [s.input_layouts[0] for s in strategies]))
+                self.slot(gid, S.forward(i), S.forward(i), "transients", *chunk)
             out = self.g.tensors[op.output.tensor]
             if op.output.tensor in self.last_consumer:
-                # The gradient of the output, from its last consumer's backward to ours.
+                # The gradient of the output in our layout, from its last consumer's reshard of
+                # it (the consumers' own layouts before: their input-gradient slots) to ours.
                 prices = self.cached((gid, "output_grad"), lambda out=out, strategies=strategies: self.layout_prices(
                     out, [without_partial(s.output_layout) for s in strategies]))
-                self.slot(gid, S.backward(self.last_consumer[op.output.tensor]), S.backward(i),
+                self.slot(gid, S.reshard_out(self.last_consumer[op.output.tensor]), S.backward(i),
                           "transients", *prices, out.nbytes)
             for j in activation_inputs(self.g, op):
                 t = op.inputs[j].tensor
-                if self.last_consumer[t] == i:
-                    continue  # the producer's output-gradient slot covers it
                 prices = self.cached((gid, "input_grad", j), lambda t=t, gid=gid, j=j: self.layout_prices(
                     self.g.tensors[t], [without_partial(L) for L in self.groups[gid].meta["input_grads"][j]]))
-                self.slot(gid, S.backward(i), S.backward(i), "transients", *prices)
+                # The last consumer's is the tensor's whole gradient until it is resharded.
+                unique = self.g.tensors[t].nbytes if self.last_consumer[t] == i else 0.0
+                self.slot(gid, S.backward(i), S.backward(i), "transients", *prices, unique)
 
     # -- activations flowing between ops ----------------------------------------------------
     def add_edges(self, op_group: list[int]) -> dict[tuple[int, int], int]:
@@ -360,6 +449,19 @@ class _Builder:
                     entry.append((REGATHER, e, S.backward(i), S.backward(i)))
         self.add_holders(op_group, holders)
         return edge_of_input
+
+    def add_reshard_points(self, edge_of_input: dict[tuple[int, int], int]) -> list[ReshardPoint]:
+        S = self.sched
+        points = []
+        for i, op in enumerate(self.g.ops):
+            inputs = activation_inputs(self.g, op)
+            if not inputs:
+                continue
+            edges = tuple(edge_of_input[(i, j)] for j in inputs)
+            last = tuple(self.last_consumer[op.inputs[j].tensor] == i for j in inputs)
+            points.append(ReshardPoint(S.reshard_in(i), i, False, edges, last))
+            points.append(ReshardPoint(S.reshard_out(i), i, True, edges, last))
+        return points
 
     def add_holders(self, op_group: list[int], edge_holders: dict[str, list[tuple]]) -> None:
         S = self.sched
@@ -427,13 +529,19 @@ class _Builder:
             self.slot(gid, *whole, "parameters", *v["parameters"], spec.numel * prec.param_bytes)
             self.slot(gid, *whole, "optimizer_states", *v["optimizer_states"], spec.numel * prec.optimizer_bytes)
             # With several micro-batches the gradients accumulate across them: live all step.
-            grads_from = S.backward(max(i for i, _ in uses)) if self.k == 1 else 0
-            self.slot(gid, grads_from, S.optimizer, "gradients", *v["gradients"], spec.numel * prec.grad_bytes)
-            first, last = S.backward(uses[-1][0]), S.backward(uses[0][0])
-            if last - first > 1:
-                # Sharded gradients (ZeRO-2/3) of a tied weight: the later use's contribution
-                # waits, unsharded, for the earlier use's backward.
-                self.slot(gid, first + 1, last - 1, "transients", *v["unsharded"])
+            # Stored sharded (ZeRO-2/3), the gradient exists once every use's contribution is
+            # reduce-scattered, after the first use's backward (the last one to run); until
+            # then the whole local gradient waits, from the last use's backward on.
+            first, last = uses[-1][0], uses[0][0]
+            grads_from = S.backward(first) if self.k == 1 else 0
+            reduced_at = S.reshard_out(last) if self.k == 1 else 0
+            grad_bytes = spec.numel * prec.grad_bytes
+            if reduced_at > grads_from:
+                unsharded = np.array([opt.stage < 2 for _, opt in grp.meta["options"]], float)
+                nbytes, red = v["gradients"]
+                self.slot(gid, grads_from, reduced_at - 1, "gradients", nbytes * unsharded, red * unsharded, grad_bytes)
+            self.slot(gid, reduced_at, S.optimizer, "gradients", *v["gradients"], grad_bytes)
+            self.slot(gid, S.backward(first), S.reshard_out(last), "transients", *v["unsharded"])
             for i, _ in uses[:-1]:
                 # A tied weight's earlier uses (later in backward): autograd sums their two
                 # gradient contributions into a new buffer while both are still alive.
@@ -441,7 +549,6 @@ class _Builder:
             for i, _ in uses:
                 for point in _gather_points(S, self.g, i):
                     self.slot(gid, point, point, "transients", *v["gathered"])
-                self.slot(gid, S.backward(i), S.backward(i), "transients", *v["unsharded"])
         return storage_group
 
     def storage_prices(self, grp: Group) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -508,7 +615,7 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         links=b.links, edges=b.edges, slots=b.slots, held=b.held, holders=b.holders,
         constants=b.constants, candidate_points=candidate_points(graph, b.sched, shared_layers),
         op_group=op_group, micro_batches=micro_batches, edge_of_input=edge_of_input,
-        storage_group=storage_group,
+        storage_group=storage_group, reshard_points=b.add_reshard_points(edge_of_input),
     )
 
 

@@ -1,14 +1,20 @@
 """The training schedule and liveness intervals.
 
 One step runs every op's forward in graph order, every op's backward in reverse order, then
-the optimizer. With ``n`` ops the schedule points are numbered::
+the optimizer. Each op's forward is preceded by the reshards of its inputs into its layouts,
+and its backward followed by the reshards of its input gradients back to the producers'
+layouts. With ``n`` ops the schedule points are numbered::
 
-    F(i) = i            forward of op i
-    B(i) = 2n − 1 − i   backward of op i
-    O    = 2n           optimizer step
+    RF(i) = 2i              the inputs of op i being resharded for its forward
+    F(i)  = 2i + 1          forward of op i
+    B(i)  = 4n − 2 − 2i     backward of op i
+    RB(i) = 4n − 1 − 2i     op i's input gradients being resharded
+    O     = 4n              optimizer step
 
-Every memory item is live on a closed interval of points; the peak is the largest sum of
-live bytes over the points, never the sum of everything.
+Every memory item is live on a closed interval of F, B and O points; an item spanning a
+reshard point is live during it (what is held while the reshard runs), and the reshard's own
+buffers are priced at its point. The peak is the largest sum of live bytes over the points,
+never the sum of everything.
 """
 
 from __future__ import annotations
@@ -22,26 +28,35 @@ from memshard.graph import Graph
 class Schedule:
     num_ops: int
 
+    def reshard_in(self, i: int) -> int:
+        return 2 * i
+
     def forward(self, i: int) -> int:
-        return i
+        return 2 * i + 1
 
     def backward(self, i: int) -> int:
-        return 2 * self.num_ops - 1 - i
+        return 4 * self.num_ops - 2 - 2 * i
+
+    def reshard_out(self, i: int) -> int:
+        return 4 * self.num_ops - 1 - 2 * i
 
     @property
     def optimizer(self) -> int:
-        return 2 * self.num_ops
+        return 4 * self.num_ops
 
     @property
     def num_points(self) -> int:
-        return 2 * self.num_ops + 1
+        return 4 * self.num_ops + 1
 
     def describe(self, point: int, graph: Graph) -> str:
+        n = self.num_ops
         if point == self.optimizer:
             return "optimizer step"
-        if point < self.num_ops:
-            return f"forward {graph.ops[point].name}"
-        return f"backward {graph.ops[2 * self.num_ops - 1 - point].name}"
+        if point < 2 * n:
+            name = graph.ops[point // 2].name
+            return f"forward {name}" if point % 2 else f"resharding the inputs of {name}"
+        name = graph.ops[(4 * n - 1 - point) // 2].name
+        return f"resharding the input gradients of {name}" if point % 2 else f"backward {name}"
 
 
 def candidate_points(graph: Graph, schedule: Schedule, shared_layers: bool) -> list[int]:
@@ -58,7 +73,7 @@ def candidate_points(graph: Graph, schedule: Schedule, shared_layers: bool) -> l
     points = []
     for i, op in enumerate(graph.ops):
         if op.layer is None or op.layer in keep_layers:
-            points.append(schedule.forward(i))
-            points.append(schedule.backward(i))
+            points += [schedule.reshard_in(i), schedule.forward(i),
+                       schedule.backward(i), schedule.reshard_out(i)]
     points.append(schedule.optimizer)
     return sorted(points)

@@ -9,7 +9,8 @@ Formulation (bytes and seconds in units scaled to the problem, see ``_units``)::
                        state σ = (consumer placements on axes < a, producer placements on
                        axes ≥ a, consumer placement on axis a)
     κ[e] ∈ {0,1}       edge e keeps its saved copy in the producer's layout
-    y[τ,H,L] ≥ 0       tensor τ is held in layout L by one of the holders H live together
+    y[τ,H,L] ≥ 0       the producer's tensor τ is held in layout L by one of the holders H
+    c[τ,H,L,e] ≥ 0     consumer edge e holds its own copy of τ in layout L
     M ≥ 0              peak bytes per device
 
   one choice      Σ_c x[g,c] = 1                                        add_choice_rows
@@ -18,9 +19,14 @@ Formulation (bytes and seconds in units scaled to the problem, see ``_units``)::
                   Σ_k Σ_{σ at a=A−1 with consumer part K} z = Σ_{s: in(s)=K} x[c,s]
                   flow into each state of step a+1 = flow out of step a     add_edge_rows
                   Σ_{σ} z[e,1,0,σ] = κ[e]
-  holders         y[τ,H,L] ≥ [holder h holds τ in L]  ∀h ∈ H                _or_var
+  holders         y[τ,H,L] ≥ [the producer's tensor is held in L by one of H],
+                  c[τ,H,L,e] ≥ [edge e's consumer holds its own copy in L]   _held_vars
   peak            L_t = L_prev + Δ_t (live bytes, chained),  L_t + const_t ≤ M
                   for every candidate point t                               add_memory_rows
+  reshards        L_t + Σ_k ρ[e_k,·] + const_t ≤ M at a reshard point t, one row per reshard
+                  it runs; ρ[e,f] ≥ Σ_c f(a, c)·X_cons(c) − max_c f(a, c)·(1 − X_prod(a))
+                  for every producer-side layout a: the pair price f of edge e
+                  (``problem.forward_reshard_bytes``/``backward_reshard_bytes``) add_reshard_rows
   step time       T = Σ instances·time(x) + Σ instances·time(z)             time_expression
                   T ≤ budget (objective "memory" with --max-step-time)      add_budget_rows
                   M ≤ capacity (objective "time")                            add_budget_rows
@@ -60,7 +66,9 @@ from memshard.problem import (
     Holder,
     Problem,
     Selection,
+    backward_reshard_bytes,
     complete_selection,
+    forward_reshard_bytes,
     without_partial,
 )
 
@@ -130,19 +138,25 @@ class IlpBuilder:
         self.peak = int(self.m.cols(1, integer=False, hi=highspy.kHighsInf)[0])
         self.time_cols: list[np.ndarray] = []
         self.time_vals: list[np.ndarray] = []
+        self.live_col: dict[int, int] = {}  # schedule point → its live-bytes column
+        self.rho: dict[tuple, int | None] = {}
 
     # -- rows ----------------------------------------------------------------------------------
     def replicated_start(self) -> tuple[np.ndarray, np.ndarray]:
         """Every op unsplit, nothing stored sharded, nothing kept: a plan that exists whenever
         any does without a memory budget, given as the choice columns only."""
-        sel = complete_selection(self.p, {g: 0 for g, grp in enumerate(self.p.groups) if grp.kind == "op"})
+        return self.selection_start(
+            complete_selection(self.p, {g: 0 for g, grp in enumerate(self.p.groups) if grp.kind == "op"}))
+
+    def selection_start(self, sel: Selection) -> tuple[np.ndarray, np.ndarray]:
+        """A complete plan as a partial MIP start: its choice and keep columns."""
         cols, vals = [], []
         for g, group_cols in enumerate(self.x):
             cols.extend(int(c) for c in group_cols)
             vals.extend(float(k == sel.choices[g]) for k in range(len(group_cols)))
-        for col in self.kappa.values():
+        for e, col in self.kappa.items():
             cols.append(int(col))
-            vals.append(0.0)
+            vals.append(float(sel.keeps[e]))
         return np.array(cols), np.array(vals)
 
     def add_choice_rows(self) -> None:
@@ -273,8 +287,9 @@ class IlpBuilder:
         calls += comm.reshard_step(spec.shape, spec.dtype_bytes, cur_b, a, gp_suf[0], mesh)
         return comm.total_time(calls, mesh)
 
-    def indicator(self, h: Holder, layout: Layout) -> dict[int, float]:
-        """Linear expression of "holder h holds its tensor in ``layout``"."""
+    def indicator(self, h: Holder, layout: Layout, part: str = "all") -> dict[int, float]:
+        """Linear expression of "holder h holds its tensor in ``layout``"; for a saved copy,
+        ``part`` "copy" is the consumer's own copy (not kept), "kept" the producer's tensor."""
         p = self.p
         if h.kind == PRODUCER:
             strats = p.groups[h.source].meta["strategies"]
@@ -286,11 +301,19 @@ class IlpBuilder:
         ev = self.edge_vars[h.source]
         out: dict[int, float] = {}
         if h.kind == SAVED:  # kept in the consumer's layout, or (kept) in the producer's
-            out.update(dict.fromkeys(ev["consumer_layout_cols"][0].get(layout, ()), 1.0))
-            out.update(dict.fromkeys(ev["producer_layout_cols"].get(layout, ()), 1.0))
+            if part != "kept":
+                out.update(dict.fromkeys(ev["consumer_layout_cols"][0].get(layout, ()), 1.0))
+            if part != "copy":
+                out.update(dict.fromkeys(ev["producer_layout_cols"].get(layout, ()), 1.0))
         elif h.kind == REGATHER and 1 in ev["keeps"]:
             out.update(dict.fromkeys(ev["consumer_layout_cols"][1].get(layout, ()), 1.0))
         return out
+
+    def producer_in(self, group: int, layout: Layout) -> dict[int, float]:
+        """Π: the producer's output is exactly ``layout`` (a consumer reading it in that
+        layout holds the producer's own tensor, no copy)."""
+        strats = self.p.groups[group].meta["strategies"]
+        return {int(self.x[group][c]): 1.0 for c, s in enumerate(strats) if s.output_layout == layout}
 
     def add_memory_rows(self, points: list[int]) -> list[int]:
         """One row per candidate point: live bytes − M ≤ −constants, with live bytes written as
@@ -321,6 +344,12 @@ class IlpBuilder:
         signature_expr: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         indicator_cache: dict[tuple, dict[int, float]] = {}
 
+        def cached_indicator(h: Holder, layout: Layout, part: str) -> dict[int, float]:
+            ikey = (h.kind, h.source, layout, part)
+            if ikey not in indicator_cache:
+                indicator_cache[ikey] = self.indicator(h, layout, part)
+            return indicator_cache[ikey]
+
         def expression(key: int, mask: int, tensor: int):
             held = p.held[tensor]
             active = [h for k, h in enumerate(by_tensor[tensor]) if mask >> k & 1]
@@ -329,18 +358,29 @@ class IlpBuilder:
                 nbytes = held.nbytes[lid] / self.bytes_unit
                 if nbytes == 0:
                     continue
-                exprs = []
+                # The producer's tensor (its own holder, a copy kept in its layout) and, per
+                # edge, the consumer's copy: its input copy, its saved copy (not kept) or the
+                # re-gathered one; the same copy written with different columns, each a row.
+                own = [cached_indicator(h, layout, "kept") for h in active if h.kind in (PRODUCER, SAVED)]
+                copies: dict[int, list[tuple[dict, dict]]] = defaultdict(list)  # (copy, any) rows
                 for h in active:
-                    ikey = (h.kind, h.source, layout)
-                    if ikey not in indicator_cache:
-                        indicator_cache[ikey] = self.indicator(h, layout)
-                    if indicator_cache[ikey]:
-                        exprs.append(indicator_cache[ikey])
-                if len(exprs) == 1:
-                    for col, v in exprs[0].items():
+                    if h.kind == INPUT_COPY:
+                        ind = cached_indicator(h, layout, "all")
+                        copies[h.source].append((ind, ind))
+                    elif h.kind == SAVED:
+                        copies[h.source].append((cached_indicator(h, layout, "copy"), cached_indicator(h, layout, "all")))
+                    elif h.kind == REGATHER:
+                        ind = cached_indicator(h, layout, "copy")
+                        copies[h.source].append((ind, ind))
+                own = [ind for ind in own if ind]
+                copies = {e: [(c, a) for c, a in reps if a] for e, reps in copies.items()}
+                copies = {e: reps for e, reps in copies.items() if reps}
+                if not copies and len(own) == 1:
+                    for col, v in own[0].items():
                         expr[col] += v * nbytes
-                elif exprs:
-                    expr[self._or_var((key, mask, lid), exprs)] += nbytes
+                elif own or copies:
+                    for col in self._held_vars((key, mask, lid), own, copies, held.key, layout):
+                        expr[col] += nbytes
             return (np.fromiter(expr.keys(), dtype=np.int64, count=len(expr)),
                     np.fromiter(expr.values(), dtype=float, count=len(expr)))
 
@@ -380,18 +420,122 @@ class IlpBuilder:
             vals = np.concatenate([diff[changed], [-1.0], [1.0] if k else []])
             self.m.row((cols, vals), 0.0, 0.0)
             rows.append(self.m.row({int(live_cols[k]): 1.0, self.peak: -1.0}, -highspy.kHighsInf, -const))
+            self.live_col[points[k]] = int(live_cols[k])
             previous = dense
+        self.constants_at = {t: terms[k][2] for k, t in enumerate(points)}
         return rows
 
-    def _or_var(self, key: tuple, exprs: list[dict[int, float]]) -> int:
-        """A variable ≥ each of ``exprs``: the tensor is held in this layout by any holder."""
+    def add_reshard_rows(self) -> None:
+        """At each candidate reshard point, one row per reshard it runs (after add_memory_rows)."""
+        p = self.p
+        for rp in p.reshard_points:
+            if rp.point not in self.live_col:
+                continue
+            if rp.backward:
+                sources = [self.pair_var(e, "held", last) for e, last in zip(rp.edges, rp.last)]
+                rows = [sources[:k] + sources[k + 1:] + [self.pair_var(e, "held+during", last)]
+                        for k, (e, last) in enumerate(zip(rp.edges, rp.last))]
+            else:
+                rows = [[self.pair_var(e, "after", False) for e in rp.edges[:k]] + [self.pair_var(e, "during", False)]
+                        for k, e in enumerate(rp.edges)]
+            for terms in rows:
+                terms = [t for t in terms if t is not None]
+                if terms:
+                    coefs = {self.live_col[rp.point]: 1.0, self.peak: -1.0}
+                    for t in terms:
+                        coefs[t] = coefs.get(t, 0.0) + 1.0
+                    self.m.row(coefs, -highspy.kHighsInf, -self.constants_at[rp.point])
+
+    def pair_var(self, e: int, kind: str, last: bool) -> int | None:
+        """ρ ≥ the price ``kind`` of edge ``e`` under the chosen producer and consumer
+        strategies (None when it is 0 for every pair)."""
+        key = (e, kind, last)
+        if key in self.rho:
+            return self.rho[key]
+        p, mesh = self.p, self.p.mesh
+        edge = p.edges[e]
+        spec = edge.tensor
+        prod = p.groups[edge.producer].meta["strategies"]
+        cons = p.groups[edge.consumer].meta["strategies"]
+        if kind in ("after", "during"):
+            a_of = [s.output_layout for s in prod]
+            c_of = [s.input_layouts[edge.input_index] for s in cons]
+
+            def price(a, c):
+                during, after = forward_reshard_bytes(spec, a, c, mesh)
+                return during if kind == "during" else after
+        else:
+            a_of = [without_partial(s.output_layout) for s in prod]
+            c_of = p.groups[edge.consumer].meta["input_grads"][edge.input_index]
+
+            def price(a, c):
+                held, during = backward_reshard_bytes(spec, c, a, mesh, last)
+                return held + during if kind == "held+during" else held
+        a_set = sorted(set(a_of), key=repr)
+        c_set = sorted(set(c_of), key=repr)
+        table = {(a, c): price(a, c) / self.bytes_unit for a in a_set for c in c_set}
+        if not any(table.values()):
+            self.rho[key] = None
+            return None
+        rho = int(self.m.cols(1, integer=False, hi=highspy.kHighsInf)[0])
+        # ρ ≥ Σ_c f(a, c)·X_cons(c) − max_c f(a, c)·(1 − X_prod(a)) for each a, or the same
+        # with the roles swapped: whichever side has fewer distinct layouts.
+        sides = [(a_set, a_of, edge.producer, c_of, edge.consumer, lambda a, c: table[a, c]),
+                 (c_set, c_of, edge.consumer, a_of, edge.producer, lambda c, a: table[a, c])]
+        fixed_set, fixed_of, fixed_group, other_of, other_group, f = min(sides, key=lambda side: len(side[0]))
+        for u in fixed_set:
+            top = max(f(u, v) for v in set(other_of))
+            if top <= 0:
+                continue
+            cols = [rho]
+            vals = [1.0]
+            for k, v in enumerate(other_of):
+                cols.append(int(self.x[other_group][k]))
+                vals.append(-f(u, v))
+            for k, u_k in enumerate(fixed_of):
+                if u_k == u:
+                    cols.append(int(self.x[fixed_group][k]))
+                    vals.append(-top)
+            self.m.row((np.array(cols), np.array(vals)), -top, highspy.kHighsInf)
+        self.rho[key] = rho
+        return rho
+
+    def _held_vars(self, key: tuple, own: list[dict], copies: dict[int, list[tuple[dict, dict]]], producer: int,
+                   layout: Layout) -> list[int]:
+        """Columns whose sum counts the distinct tensors held in ``layout``: y for the
+        producer's own, c_e for edge e's consumer copy. With A_e "edge e's consumer holds a
+        copy in ``layout``" (input copy, saved copy not kept, re-gathered copy), K_e "… or
+        keeps the producer's tensor in it" and Π "the producer's output is ``layout``" (then
+        the consumer holds the producer's tensor itself):
+
+            y ≥ each indicator of the producer's tensor,   c_e ≥ A_e − Π,   y + c_e ≥ K_e.
+
+        With the choices integral the sum is exact (a consumer holding the producer's tensor
+        may be counted in c_e instead of y, never twice); the last row keeps the LP relaxation
+        at least as tight as "held in ``layout`` by anyone". A copy written with different
+        columns (input copy: the consumer's strategy; saved: the edge flow) gets each row."""
         if key not in self.y:
+            inf = highspy.kHighsInf
+            prod = self.producer_in(producer, layout)
             ycol = int(self.m.cols(1, integer=False)[0])
-            self.y[key] = ycol
-            for expr in exprs:
-                row = dict(expr)
-                row[ycol] = row.get(ycol, 0.0) - 1.0
-                self.m.row(row, -highspy.kHighsInf, 0.0)
+            cols = [ycol]
+
+            def row(ind, extra: dict[int, float], hi: float) -> None:
+                r = dict(ind)
+                for col, v in extra.items():
+                    r[col] = r.get(col, 0.0) + v
+                self.m.row(r, -inf, hi)
+
+            for ind in own:
+                row(ind, {ycol: -1.0}, 0.0)
+            for e in sorted(copies):
+                ccol = int(self.m.cols(1, integer=False)[0])
+                cols.append(ccol)
+                for copy, anyone in copies[e]:
+                    if copy:
+                        row(copy, {**{c: -v for c, v in prod.items()}, ccol: -1.0}, 0.0)
+                    row(anyone, {ycol: -1.0, ccol: -1.0}, 0.0)
+            self.y[key] = cols
         return self.y[key]
 
     def add_budget_rows(self, objective: str, time_expr, max_step_time_s, memory_budget_bytes) -> None:
@@ -444,10 +588,12 @@ def solve(
     time_limit_s: float = 60.0,
     mip_gap: float = 1e-3,
     fixed: Selection | None = None,
+    start: Selection | None = None,
 ) -> SolveResult:
     """Solve ``problem`` for ``objective``; with ``fixed``, price that complete plan through
     the ILP instead (every choice pinned), which checks the linearisation against the
-    evaluator."""
+    evaluator. ``start``: a plan of ``problem`` branch and bound starts from (default: every
+    op unsplit); one within the budget guarantees an answer under a time limit."""
     if objective not in ("memory", "time"):
         raise MemshardError(f"unknown objective {objective!r}; use memory or time")
     started = time.perf_counter()
@@ -456,6 +602,7 @@ def solve(
     b.add_link_rows()
     b.add_edge_rows()
     b.add_memory_rows(problem.candidate_points)
+    b.add_reshard_rows()
     t_cols, t_vals = b.time_expression()
     b.add_budget_rows(objective, (t_cols, t_vals), max_step_time_s, memory_budget_bytes)
     m = b.m
@@ -473,7 +620,7 @@ def solve(
     else:
         primary, secondary = (t_cols, t_vals), peak_obj
     try:
-        values, best, gap, timed_out = hs.optimise(primary, tie_break=secondary, fallback=b.replicated_start())
+        values, best, gap, timed_out = hs.optimise(primary, tie_break=secondary, fallback=b.selection_start(start) if start is not None else b.replicated_start())
     except Infeasible:
         raise Infeasible(objective) from None
     except SolverTimeLimit:
@@ -499,7 +646,8 @@ def solve(
         time_s=time.perf_counter() - started,
         variables=len(m.lower),
         constraints=rows,
-        ilp_peak_bytes=float(values[b.peak]) * b.bytes_unit,
+        # The first pass's optimum: the tie-break pass may leave M anywhere in its slack.
+        ilp_peak_bytes=(best if objective == "memory" else float(values[b.peak])) * b.bytes_unit,
     )
 
 
@@ -556,6 +704,7 @@ class _Highs:
         h = self.h
         h.changeColsCost(self.n, np.arange(self.n, dtype=np.int32), cost)
         h.setOptionValue("solve_relaxation", relax)
+        h.setOptionValue("solver", "ipm" if relax else "choose")  # IPM: these LPs 1.5–4× faster
         h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
         if isinstance(start, tuple) and not relax:  # partial: HiGHS completes it
             h.setSolution(len(start[0]), start[0].astype(np.int32), start[1].astype(np.float64))

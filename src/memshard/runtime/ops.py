@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from memshard.graph import Graph, Op
+from memshard.problem import CROSS_ENTROPY_CHUNKS
 from memshard.strategies import Strategy
 
 DROPOUT_P = 0.1
@@ -271,9 +272,7 @@ class SplitCrossEntropy(torch.autograd.Function):
         inside = (labels >= v0) & (labels < v0 + n)
         idx = torch.where(inside, labels - v0, torch.zeros_like(labels)).unsqueeze(-1)
         target = torch.gather(logits, -1, idx).squeeze(-1) * inside
-        e = logits.sub(m).exp_()  # one logits-sized buffer, as backward's gradient
-        sums = torch.stack([e.sum(-1), target], -1)
-        del e
+        sums = torch.stack([_sum_exp(logits, m), target], -1)
         sums = all_reduce(sums, groups)
         rows = torch.log(sums[..., 0]) + m.squeeze(-1) - sums[..., 1]
         if ignore_index is not None:
@@ -295,6 +294,18 @@ class SplitCrossEntropy(torch.autograd.Function):
         if ignore_index is not None:
             p.mul_((labels != ignore_index).unsqueeze(-1))
         return p.mul_(g * scale), None, None, None, None, None
+
+
+def _sum_exp(logits: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Σ_v exp(logits − m) per row, CROSS_ENTROPY_CHUNKS row chunks at a time: the buffer of
+    exponentials is a chunk, not the logits' size (``memshard.problem`` prices one chunk)."""
+    rows = logits.flatten(0, -2)
+    shift = m.flatten(0, -2)
+    out = rows.new_empty(rows.shape[0])
+    step = max(1, -(-rows.shape[0] // CROSS_ENTROPY_CHUNKS))
+    for r in range(0, rows.shape[0], step):
+        out[r:r + step] = rows[r:r + step].sub(shift[r:r + step]).exp_().sum(-1)
+    return out.view(logits.shape[:-1])
 
 
 def cross_entropy(ctx: OpContext, logits, labels):
@@ -371,12 +382,37 @@ def rotary(ctx: OpContext, x):
     d = ctx.sizes[dims[-1]]
     inv = 1.0 / (ROPE_BASE ** (torch.arange(0, d, 2, dtype=torch.float32, device=ctx.device) / d))
     angles = torch.outer(torch.arange(s0, s0 + sn, dtype=torch.float32, device=ctx.device), inv)
-    angles = torch.cat([angles, angles], -1)
-    shape = [1, sn] + [1] * (x.dim() - 3) + [d]
+    shape = [1, sn] + [1] * (x.dim() - 3) + [d // 2]
     cos, sin = angles.cos().reshape(shape).to(x.dtype), angles.sin().reshape(shape).to(x.dtype)
-    half = d // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rotated * sin
+    return _Rotary.apply(x, cos, sin)
+
+
+class _Rotary(torch.autograd.Function):
+    """``y = x·cos + rotate_half(x)·sin`` written into the output in place: it allocates the
+    output only and saves only its cos/sin tables, no activation (as the planner prices it);
+    backward applies the transposed rotation to the gradient the same way."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, 1.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, -1.0), None, None
+
+
+def _rotate(x, cos, sin, sign: float):
+    """``[x1, x2] → [x1·c − sign·x2·s, x2·c + sign·x1·s]`` (sign −1: the transpose)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = x.new_empty(x.shape)
+    torch.mul(x1, cos, out=out[..., :half])
+    torch.mul(x2, cos, out=out[..., half:])
+    out[..., :half].addcmul_(x2, sin, value=-sign)
+    out[..., half:].addcmul_(x1, sin, value=sign)
+    return out
 
 
 def sdpa(ctx: OpContext, q, k, v):
