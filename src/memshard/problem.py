@@ -22,8 +22,8 @@ plan evaluator (``evaluate.py``) read, so the two price every plan identically:
 - **reshard points**: before an op's forward its inputs are resharded one by one, after its
   backward their gradients. A reshard holds its source, its intermediate layouts and the
   buffers its collectives allocate (``cost.reshard_memory``), priced per edge from the pair
-  (producer layout, consumer layout): ``reshard_rows`` gives the live bytes each reshard of
-  the point adds, the point's transient is their maximum.
+  (producer layout, consumer layout) by ``reshard_price``; ``reshard_terms`` says which prices
+  are live while each reshard of a point runs, the point's transient is the largest sum.
 """
 
 from __future__ import annotations
@@ -161,13 +161,11 @@ class Constant:
 
 @dataclass(frozen=True)
 class ReshardPoint:
-    """The reshards op ``op`` runs at schedule point ``point``: its activation inputs' edges
-    in input order (forward), or their gradients (``backward``); ``last[k]``: the op is the
-    last consumer of edge k's tensor (its gradient then becomes the producer's, priced from
-    the op's backward on)."""
+    """The reshards an op runs at schedule point ``point``: its activation inputs' edges in
+    input order (forward), or their gradients (``backward``); ``last[k]``: the op is the last
+    consumer of edge k's tensor (its gradient then becomes the producer's)."""
 
     point: int
-    op: int
     backward: bool
     edges: tuple[int, ...]
     last: tuple[bool, ...]
@@ -242,40 +240,52 @@ class Problem:
 
     def reshard_rows(self, selection: Selection, rp: ReshardPoint) -> list[float]:
         """Bytes live at ``rp`` beyond what spans it, while each of its reshards runs."""
-        terms = []
-        for e, last in zip(rp.edges, rp.last):
-            lp, lc, gc, gp, _ = self.edge_layouts(selection, e)
-            spec = self.edges[e].tensor
-            if rp.backward:
-                terms.append(backward_reshard_bytes(spec, gc, gp, self.mesh, last))
-            else:
-                terms.append(forward_reshard_bytes(spec, lp, lc, self.mesh))
-        if rp.backward:  # every input gradient exists when the first reshard starts
-            held = sum(h for h, _ in terms)
-            return [held + during for _, during in terms]
-        rows, made = [], 0.0
-        for during, after in terms:
-            rows.append(made + during)
-            made += after
+        rows = []
+        for terms in reshard_terms(rp):
+            total = 0.0
+            for e, kind, last in terms:
+                lp, lc, gc, gp, _ = self.edge_layouts(selection, e)
+                total += reshard_price(self.edges[e].tensor, kind, *((gp, gc) if kind in BACKWARD_PRICES else (lp, lc)),
+                                       self.mesh, last)
+            rows.append(total)
         return rows
 
 
-def forward_reshard_bytes(spec: TensorSpec, lp: Layout, lc: Layout, mesh: Mesh) -> tuple[float, float]:
-    """(bytes while ``lp → lc`` runs, its result included; bytes it leaves: the input copy)."""
+# What one edge adds at a reshard point, from (producer-side, consumer-side) layouts: forward
+# (lp, lc), the reshard while it runs ("during", its result included) or the input copy it
+# leaves ("after"); backward (gp, gc), the source gradient ("held") or the source and the
+# reshard while it runs ("held+during"; the last consumer's result is the producer's output
+# gradient, priced already).
+BACKWARD_PRICES = ("held", "held+during")
+
+
+def reshard_terms(rp: ReshardPoint) -> list[list[tuple[int, str, bool]]]:
+    """Each reshard of ``rp`` as the (edge, price, last consumer) terms live while it runs:
+    forward, the input copies made before it and itself; backward, every source gradient (all
+    exist when the first reshard starts) and itself."""
+    if rp.backward:
+        return [[(f, "held", lf) for f, lf in zip(rp.edges[:k] + rp.edges[k + 1:], rp.last[:k] + rp.last[k + 1:])]
+                + [(e, "held+during", last)] for k, (e, last) in enumerate(zip(rp.edges, rp.last))]
+    return [[(f, "after", False) for f in rp.edges[:k]] + [(e, "during", False)] for k, e in enumerate(rp.edges)]
+
+
+def reshard_price(spec: TensorSpec, kind: str, producer_side: Layout, consumer_side: Layout, mesh: Mesh,
+                  last: bool) -> float:
+    if kind in BACKWARD_PRICES:
+        gp, gc = producer_side, consumer_side
+        if gc == gp:
+            return 0.0
+        held = tensor_bytes(spec, without_partial(gc), mesh)
+        if kind == "held":
+            return float(held)
+        during = reshard_peak_bytes(spec.shape, spec.dtype_bytes, gc, gp, mesh, reverse=True)
+        return float(held + during - (tensor_bytes(spec, gp, mesh) if last else 0))
+    lp, lc = producer_side, consumer_side
     if lp == lc:
-        return 0.0, 0.0
-    return float(reshard_peak_bytes(spec.shape, spec.dtype_bytes, lp, lc, mesh)), float(tensor_bytes(spec, lc, mesh))
-
-
-def backward_reshard_bytes(spec: TensorSpec, gc: Layout, gp: Layout, mesh: Mesh, last: bool) -> tuple[float, float]:
-    """(the source gradient's bytes, bytes the reshard ``gc → gp`` adds while it runs). The
-    result of the last consumer's reshard is the producer's output gradient, priced already."""
-    if gc == gp:
-        return 0.0, 0.0
-    during = reshard_peak_bytes(spec.shape, spec.dtype_bytes, gc, gp, mesh, reverse=True)
-    if last:
-        during -= tensor_bytes(spec, gp, mesh)
-    return float(tensor_bytes(spec, without_partial(gc), mesh)), float(during)
+        return 0.0
+    if kind == "after":
+        return float(tensor_bytes(spec, lc, mesh))
+    return float(reshard_peak_bytes(spec.shape, spec.dtype_bytes, lp, lc, mesh))
 
 
 def edge_calls(spec: TensorSpec, lp: Layout, lc: Layout, gc: Layout, gp: Layout, keep: bool, mesh: Mesh):
@@ -355,7 +365,7 @@ class _Builder:
         for L in layouts:
             shape = local_shape(spec.shape, L, self.mesh.shape)
             rows = math.prod(shape[:-1])
-            nbytes.append(-(-rows // CROSS_ENTROPY_CHUNKS) * shape[-1] * spec.dtype_bytes if rows else 0)
+            nbytes.append(-(-rows // CROSS_ENTROPY_CHUNKS) * shape[-1] * spec.dtype_bytes)
         nbytes = np.array(nbytes, float)
         return nbytes, np.array(self.redundant(nbytes, layouts))
 
@@ -459,8 +469,8 @@ class _Builder:
                 continue
             edges = tuple(edge_of_input[(i, j)] for j in inputs)
             last = tuple(self.last_consumer[op.inputs[j].tensor] == i for j in inputs)
-            points.append(ReshardPoint(S.reshard_in(i), i, False, edges, last))
-            points.append(ReshardPoint(S.reshard_out(i), i, True, edges, last))
+            points.append(ReshardPoint(S.reshard_in(i), False, edges, last))
+            points.append(ReshardPoint(S.reshard_out(i), True, edges, last))
         return points
 
     def add_holders(self, op_group: list[int], edge_holders: dict[str, list[tuple]]) -> None:

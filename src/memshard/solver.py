@@ -24,9 +24,10 @@ Formulation (bytes and seconds in units scaled to the problem, see ``_units``)::
   peak            L_t = L_prev + Δ_t (live bytes, chained),  L_t + const_t ≤ M
                   for every candidate point t                               add_memory_rows
   reshards        L_t + Σ_k ρ[e_k,·] + const_t ≤ M at a reshard point t, one row per reshard
-                  it runs; ρ[e,f] ≥ Σ_c f(a, c)·X_cons(c) − max_c f(a, c)·(1 − X_prod(a))
-                  for every producer-side layout a: the pair price f of edge e
-                  (``problem.forward_reshard_bytes``/``backward_reshard_bytes``) add_reshard_rows
+                  it runs (``problem.reshard_terms``); ρ[e,f] ≥ Σ_c f(a, c)·X_cons(c)
+                  − max_c f(a, c)·(1 − X_prod(a)) for every producer-side layout a (or the
+                  same with the sides swapped, whichever has fewer layouts): the pair price f
+                  of edge e (``problem.reshard_price``)                   add_reshard_rows
   step time       T = Σ instances·time(x) + Σ instances·time(z)             time_expression
                   T ≤ budget (objective "memory" with --max-step-time)      add_budget_rows
                   M ≤ capacity (objective "time")                            add_budget_rows
@@ -59,6 +60,7 @@ from memshard.cost import comm
 from memshard.errors import MemshardError
 from memshard.placement import Layout, Partial
 from memshard.problem import (
+    BACKWARD_PRICES,
     INPUT_COPY,
     PRODUCER,
     REGATHER,
@@ -66,9 +68,9 @@ from memshard.problem import (
     Holder,
     Problem,
     Selection,
-    backward_reshard_bytes,
     complete_selection,
-    forward_reshard_bytes,
+    reshard_price,
+    reshard_terms,
     without_partial,
 )
 
@@ -139,6 +141,7 @@ class IlpBuilder:
         self.time_cols: list[np.ndarray] = []
         self.time_vals: list[np.ndarray] = []
         self.live_col: dict[int, int] = {}  # schedule point → its live-bytes column
+        self.constants_at: dict[int, float] = {}  # schedule point → its constant bytes
         self.rho: dict[tuple, int | None] = {}
 
     # -- rows ----------------------------------------------------------------------------------
@@ -427,53 +430,36 @@ class IlpBuilder:
 
     def add_reshard_rows(self) -> None:
         """At each candidate reshard point, one row per reshard it runs (after add_memory_rows)."""
-        p = self.p
-        for rp in p.reshard_points:
+        for rp in self.p.reshard_points:
             if rp.point not in self.live_col:
                 continue
-            if rp.backward:
-                sources = [self.pair_var(e, "held", last) for e, last in zip(rp.edges, rp.last)]
-                rows = [sources[:k] + sources[k + 1:] + [self.pair_var(e, "held+during", last)]
-                        for k, (e, last) in enumerate(zip(rp.edges, rp.last))]
-            else:
-                rows = [[self.pair_var(e, "after", False) for e in rp.edges[:k]] + [self.pair_var(e, "during", False)]
-                        for k, e in enumerate(rp.edges)]
-            for terms in rows:
-                terms = [t for t in terms if t is not None]
-                if terms:
+            for terms in reshard_terms(rp):
+                cols = [c for c in (self.pair_var(e, kind, last) for e, kind, last in terms) if c is not None]
+                if cols:
                     coefs = {self.live_col[rp.point]: 1.0, self.peak: -1.0}
-                    for t in terms:
-                        coefs[t] = coefs.get(t, 0.0) + 1.0
+                    for c in cols:
+                        coefs[c] = coefs.get(c, 0.0) + 1.0
                     self.m.row(coefs, -highspy.kHighsInf, -self.constants_at[rp.point])
 
     def pair_var(self, e: int, kind: str, last: bool) -> int | None:
-        """ρ ≥ the price ``kind`` of edge ``e`` under the chosen producer and consumer
-        strategies (None when it is 0 for every pair)."""
+        """ρ ≥ the price ``kind`` of edge ``e`` (``problem.reshard_price``) under the chosen
+        producer and consumer strategies (None when it is 0 for every pair)."""
         key = (e, kind, last)
         if key in self.rho:
             return self.rho[key]
         p, mesh = self.p, self.p.mesh
         edge = p.edges[e]
-        spec = edge.tensor
         prod = p.groups[edge.producer].meta["strategies"]
-        cons = p.groups[edge.consumer].meta["strategies"]
-        if kind in ("after", "during"):
-            a_of = [s.output_layout for s in prod]
-            c_of = [s.input_layouts[edge.input_index] for s in cons]
-
-            def price(a, c):
-                during, after = forward_reshard_bytes(spec, a, c, mesh)
-                return during if kind == "during" else after
-        else:
+        if kind in BACKWARD_PRICES:
             a_of = [without_partial(s.output_layout) for s in prod]
             c_of = p.groups[edge.consumer].meta["input_grads"][edge.input_index]
-
-            def price(a, c):
-                held, during = backward_reshard_bytes(spec, c, a, mesh, last)
-                return held + during if kind == "held+during" else held
+        else:
+            a_of = [s.output_layout for s in prod]
+            c_of = [s.input_layouts[edge.input_index] for s in p.groups[edge.consumer].meta["strategies"]]
         a_set = sorted(set(a_of), key=repr)
         c_set = sorted(set(c_of), key=repr)
-        table = {(a, c): price(a, c) / self.bytes_unit for a in a_set for c in c_set}
+        table = {(a, c): reshard_price(edge.tensor, kind, a, c, mesh, last) / self.bytes_unit
+                 for a in a_set for c in c_set}
         if not any(table.values()):
             self.rho[key] = None
             return None
