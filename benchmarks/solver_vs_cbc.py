@@ -37,7 +37,7 @@ def build(args):
 def solve_highs(b: IlpBuilder, gap: float, limit: float) -> tuple[float, float]:
     started = time.perf_counter()
     hs = _Highs(b.m, gap, started + limit)
-    values, obj, _, _ = hs.optimise((np.array([b.peak]), np.array([1.0])), tie_break=b.time_expression())
+    _, obj, _, _ = hs.first_pass((np.array([b.peak]), np.array([1.0])), b.time_expression(), gap, b.replicated_start())
     return time.perf_counter() - started, obj
 
 

@@ -88,9 +88,11 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
                 add(lo, hi - 1, "activations", sum(held.nbytes[i] for _, i in ids),
                     sum(held.redundant[i] for _, i in ids), held.global_bytes)
 
+    extra: dict[int, float] = defaultdict(float)  # one reshard at a time: the largest counts
     for rp in problem.reshard_points:
-        extra = max(problem.reshard_rows(selection, rp))
-        add(rp.point, rp.point, "transients", extra, 0.0, 0.0)
+        extra[rp.point] = max(extra[rp.point], *problem.reshard_rows(selection, rp))
+    for point, nbytes in extra.items():
+        add(point, point, "transients", nbytes, 0.0, 0.0)
 
     live = np.cumsum(live, axis=1)[:, :n_points]
     total = live.sum(axis=0)

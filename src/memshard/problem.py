@@ -163,12 +163,15 @@ class Constant:
 class ReshardPoint:
     """The reshards an op runs at schedule point ``point``: its activation inputs' edges in
     input order (forward), or their gradients (``backward``); ``last[k]``: the op is the last
-    consumer of edge k's tensor (its gradient then becomes the producer's)."""
+    consumer of edge k's tensor (its gradient then becomes the producer's). ``regather``:
+    the copies its saved inputs kept in the producer's layout, gathered again as its backward
+    starts (priced at the point before its backward: nothing of that backward lives yet)."""
 
     point: int
     backward: bool
     edges: tuple[int, ...]
     last: tuple[bool, ...]
+    regather: bool = False
 
 
 @dataclass(frozen=True)
@@ -244,7 +247,9 @@ class Problem:
         for terms in reshard_terms(rp):
             total = 0.0
             for e, kind, last in terms:
-                lp, lc, gc, gp, _ = self.edge_layouts(selection, e)
+                lp, lc, gc, gp, keep = self.edge_layouts(selection, e)
+                if kind in KEPT_PRICES and not keep:
+                    continue
                 total += reshard_price(self.edges[e].tensor, kind, *((gp, gc) if kind in BACKWARD_PRICES else (lp, lc)),
                                        self.mesh, last)
             rows.append(total)
@@ -255,8 +260,10 @@ class Problem:
 # (lp, lc), the reshard while it runs ("during", its result included) or the input copy it
 # leaves ("after"); backward (gp, gc), the source gradient ("held") or the source and the
 # reshard while it runs ("held+during"; the last consumer's result is the producer's output
-# gradient, priced already).
+# gradient, priced already); a kept copy's re-gather ("regathering", with the copies
+# re-gathered before it, "regathered"), paid only if the edge keeps.
 BACKWARD_PRICES = ("held", "held+during")
+KEPT_PRICES = ("regathered", "regathering")
 
 
 def reshard_terms(rp: ReshardPoint) -> list[list[tuple[int, str, bool]]]:
@@ -266,7 +273,8 @@ def reshard_terms(rp: ReshardPoint) -> list[list[tuple[int, str, bool]]]:
     if rp.backward:
         return [[(f, "held", lf) for f, lf in zip(rp.edges[:k] + rp.edges[k + 1:], rp.last[:k] + rp.last[k + 1:])]
                 + [(e, "held+during", last)] for k, (e, last) in enumerate(zip(rp.edges, rp.last))]
-    return [[(f, "after", False) for f in rp.edges[:k]] + [(e, "during", False)] for k, e in enumerate(rp.edges)]
+    after, during = ("regathered", "regathering") if rp.regather else ("after", "during")
+    return [[(f, after, False) for f in rp.edges[:k]] + [(e, during, False)] for k, e in enumerate(rp.edges)]
 
 
 def reshard_price(spec: TensorSpec, kind: str, producer_side: Layout, consumer_side: Layout, mesh: Mesh,
@@ -283,7 +291,7 @@ def reshard_price(spec: TensorSpec, kind: str, producer_side: Layout, consumer_s
     lp, lc = producer_side, consumer_side
     if lp == lc:
         return 0.0
-    if kind == "after":
+    if kind in ("after", "regathered"):
         return float(tensor_bytes(spec, lc, mesh))
     return float(reshard_peak_bytes(spec.shape, spec.dtype_bytes, lp, lc, mesh))
 
@@ -471,6 +479,10 @@ class _Builder:
             last = tuple(self.last_consumer[op.inputs[j].tensor] == i for j in inputs)
             points.append(ReshardPoint(S.reshard_in(i), False, edges, last))
             points.append(ReshardPoint(S.reshard_out(i), True, edges, last))
+            saved = [(e, lst) for e, lst, j in zip(edges, last, inputs) if j in op.saves_inputs]
+            if saved and i + 1 < len(self.g.ops):
+                points.append(ReshardPoint(S.reshard_out(i + 1), False, tuple(e for e, _ in saved),
+                                           tuple(lst for _, lst in saved), regather=True))
         return points
 
     def add_holders(self, op_group: list[int], edge_holders: dict[str, list[tuple]]) -> None:

@@ -9,8 +9,10 @@ Formulation (bytes and seconds in units scaled to the problem, see ``_units``)::
                        state σ = (consumer placements on axes < a, producer placements on
                        axes ≥ a, consumer placement on axis a)
     κ[e] ∈ {0,1}       edge e keeps its saved copy in the producer's layout
-    y[τ,H,L] ≥ 0       the producer's tensor τ is held in layout L by one of the holders H
-    c[τ,H,L,e] ≥ 0     consumer edge e holds its own copy of τ in layout L
+    c[e,L,R] ≥ 0       edge e's consumer holds its own copy in layout L (R: which of its
+                       copy holders — input, saved, re-gathered — are live)
+    y[τ,H,L] ≥ 0       the producer's tensor τ is held in layout L by one of the holders H,
+                       once the producer's own holder has ended
     M ≥ 0              peak bytes per device
 
   one choice      Σ_c x[g,c] = 1                                        add_choice_rows
@@ -19,8 +21,9 @@ Formulation (bytes and seconds in units scaled to the problem, see ``_units``)::
                   Σ_k Σ_{σ at a=A−1 with consumer part K} z = Σ_{s: in(s)=K} x[c,s]
                   flow into each state of step a+1 = flow out of step a     add_edge_rows
                   Σ_{σ} z[e,1,0,σ] = κ[e]
-  holders         y[τ,H,L] ≥ [the producer's tensor is held in L by one of H],
-                  c[τ,H,L,e] ≥ [edge e's consumer holds its own copy in L]   _held_vars
+  holders         c[e,L,R] ≥ [a holder of R holds L] − [producer's output is L]  _copy_var
+                  held in L: the producer's indicator while its holder lives, else y with
+                  y ≥ each kept copy's indicator, y + c ≥ [e holds L]         _held_vars
   peak            L_t = L_prev + Δ_t (live bytes, chained),  L_t + const_t ≤ M
                   for every candidate point t                               add_memory_rows
   reshards        L_t + Σ_k ρ[e_k,·] + const_t ≤ M at a reshard point t, one row per reshard
@@ -38,8 +41,9 @@ an edge needs Σ_a |σ_a| variables instead of |producer layouts| × |consumer l
 x integral the flow is integral (each state has one way in and out), so z is continuous.
 
 Objectives: ``memory`` minimises M, then, with M held within the gap of its optimum, the step
-time (ties broken by time); ``time`` minimises T subject to M ≤ budget, then M. Each pass
-solves the LP relaxation first and branches only if it is fractional (``_Highs.optimise``).
+time (ties broken by time); ``time`` minimises T subject to M ≤ budget, then M. The first
+pass minimises the primary objective plus a small multiple of the other, which is usually
+optimal for the primary one alone, as the LP bound then shows (``_Highs.first_pass``).
 Solver options are fixed (one thread, seed 0) so the same input gives the same plan.
 """
 
@@ -62,6 +66,7 @@ from memshard.placement import Layout, Partial
 from memshard.problem import (
     BACKWARD_PRICES,
     INPUT_COPY,
+    KEPT_PRICES,
     PRODUCER,
     REGATHER,
     SAVED,
@@ -74,8 +79,8 @@ from memshard.problem import (
     without_partial,
 )
 
-# In the warm-start pass, the secondary objective is weighted so that a relative change of
-# 1 in it counts like TIE_BREAK in the primary one.
+# In the first branch and bound, the secondary objective weighs TIE_BREAK of the primary one
+# (at the LP optimum).
 TIE_BREAK = 0.01
 TIE_RESOLUTION = 1e-5  # relative slack on the primary objective in the second pass
 
@@ -136,13 +141,16 @@ class IlpBuilder:
         self.x = [self.m.cols(len(g.choices), integer=True) for g in problem.groups]
         self.edge_vars: list[dict] = []
         self.kappa: dict[int, int] = {}
-        self.y: dict[tuple, int] = {}
+        self.y: dict[tuple, list[int]] = {}
+        self.copy_vars: dict[tuple, int | None] = {}
         self.peak = int(self.m.cols(1, integer=False, hi=highspy.kHighsInf)[0])
         self.time_cols: list[np.ndarray] = []
         self.time_vals: list[np.ndarray] = []
         self.live_col: dict[int, int] = {}  # schedule point → its live-bytes column
         self.constants_at: dict[int, float] = {}  # schedule point → its constant bytes
         self.rho: dict[tuple, int | None] = {}
+        self.prices: dict[tuple, float] = {}  # reshard memory prices, by tensor shape and layouts
+        self.step_times: dict[tuple, float] = {}  # edge-flow step times, likewise
 
     # -- rows ----------------------------------------------------------------------------------
     def replicated_start(self) -> tuple[np.ndarray, np.ndarray]:
@@ -213,7 +221,10 @@ class IlpBuilder:
                 cols = self.m.cols(len(states), integer=False)
                 out["steps"][(k, a)] = (states, cols)
                 for (cpre, psuf, cv), col in zip(states, cols):
-                    t = self._step_time(spec, a, cpre, psuf, cv, k, mesh)
+                    skey = (spec.shape, spec.dtype_bytes, a, cpre, psuf, cv, k)
+                    if skey not in self.step_times:  # edges of one shape share step prices
+                        self.step_times[skey] = self._step_time(spec, a, cpre, psuf, cv, k, mesh)
+                    t = self.step_times[skey]
                     if t:
                         cost_cols.append(col)
                         cost_vals.append(t * edge.executions / self.time_unit)
@@ -330,8 +341,9 @@ class IlpBuilder:
         s_start = np.array([k[1] for k in slot_keys])
         s_end = np.array([k[2] for k in slot_keys])
         # Holders: a tensor's live holders at a point form a bit mask over its holder list;
-        # tensors of shared layers have the same producer group (key) and holder order, so
-        # (key, mask) identifies one expression, counted once per tensor that has it.
+        # tensors of shared layers have the same producer group and holders (kinds, edges),
+        # so (that key, mask) identifies one expression, counted once per tensor that has it.
+        # (The last layer's output has other holders than the others': another consumer.)
         by_tensor: dict[int, list[Holder]] = defaultdict(list)
         position = []
         for h in p.holders:
@@ -343,7 +355,9 @@ class IlpBuilder:
         h_end = np.array([h.end for h in p.holders])
         h_tensor = np.array([h.tensor for h in p.holders])
         h_bit = np.left_shift(1, np.array(position, dtype=np.int64))
-        tensor_key = np.array([held.key for held in p.held], dtype=np.int64)
+        kinds: dict[tuple, int] = {}
+        tensor_key = np.array([kinds.setdefault((held.key, tuple((h.kind, h.source) for h in by_tensor[t])), len(kinds))
+                               for t, held in enumerate(p.held)], dtype=np.int64)
         signature_expr: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         indicator_cache: dict[tuple, dict[int, float]] = {}
 
@@ -364,26 +378,46 @@ class IlpBuilder:
                 # The producer's tensor (its own holder, a copy kept in its layout) and, per
                 # edge, the consumer's copy: its input copy, its saved copy (not kept) or the
                 # re-gathered one; the same copy written with different columns, each a row.
+                # The producer's tensor (its own holder, a copy kept in its layout) and, per
+                # edge, the consumer's copy: its input copy, its saved copy (not kept) or the
+                # re-gathered one; the same copy written with different columns, each a row.
+                producer_active = any(h.kind == PRODUCER for h in active)
                 own = [cached_indicator(h, layout, "kept") for h in active if h.kind in (PRODUCER, SAVED)]
-                copies: dict[int, list[tuple[dict, dict]]] = defaultdict(list)  # (copy, any) rows
+                own = [ind for ind in own if ind]
+                copies: dict[int, list[tuple[str, dict, dict]]] = defaultdict(list)  # (kind, copy, any)
                 for h in active:
                     if h.kind == INPUT_COPY:
                         ind = cached_indicator(h, layout, "all")
-                        copies[h.source].append((ind, ind))
+                        copies[h.source].append((h.kind, ind, ind))
                     elif h.kind == SAVED:
-                        copies[h.source].append((cached_indicator(h, layout, "copy"), cached_indicator(h, layout, "all")))
+                        copies[h.source].append((h.kind, cached_indicator(h, layout, "copy"), cached_indicator(h, layout, "all")))
                     elif h.kind == REGATHER:
                         ind = cached_indicator(h, layout, "copy")
-                        copies[h.source].append((ind, ind))
-                own = [ind for ind in own if ind]
-                copies = {e: [(c, a) for c, a in reps if a] for e, reps in copies.items()}
+                        copies[h.source].append((h.kind, ind, ind))
+                copies = {e: [r for r in reps if r[2]] for e, reps in copies.items()}
                 copies = {e: reps for e, reps in copies.items() if reps}
-                if not copies and len(own) == 1:
-                    for col, v in own[0].items():
+                cols: list[int] = []
+                base = None
+                if producer_active:
+                    # Every kept copy is in the producer's layout, so while the producer's
+                    # holder is live "its tensor is held in L" is the producer's indicator.
+                    base = next(cached_indicator(h, layout, "kept") for h in active if h.kind == PRODUCER)
+                elif not copies and len(own) == 1:
+                    base = own[0]
+                elif len(copies) == 1 and [k for k, _, _ in next(iter(copies.values()))] in (["saved"], ["saved", "regather"]):
+                    # One consumer's saved tensor (a copy, or the producer's tensor kept):
+                    # one tensor, held in L iff "any" says so; a re-gathered copy beside it.
+                    (e, reps), = copies.items()
+                    base = reps[0][2]
+                    copies = {e: reps[1:]} if len(reps) > 1 else {}
+                if base is not None:
+                    for col, v in base.items():
                         expr[col] += v * nbytes
+                    cols = [c for e, reps in sorted(copies.items()) if (c := self._copy_var(e, layout, reps, held.key)) is not None]
                 elif own or copies:
-                    for col in self._held_vars((key, mask, lid), own, copies, held.key, layout):
-                        expr[col] += nbytes
+                    cols = self._held_vars((key, mask, lid), own, copies, held.key, layout)
+                for col in cols:
+                    expr[col] += nbytes
             return (np.fromiter(expr.keys(), dtype=np.int64, count=len(expr)),
                     np.fromiter(expr.values(), dtype=float, count=len(expr)))
 
@@ -458,69 +492,92 @@ class IlpBuilder:
             c_of = [s.input_layouts[edge.input_index] for s in p.groups[edge.consumer].meta["strategies"]]
         a_set = sorted(set(a_of), key=repr)
         c_set = sorted(set(c_of), key=repr)
-        table = {(a, c): reshard_price(edge.tensor, kind, a, c, mesh, last) / self.bytes_unit
-                 for a in a_set for c in c_set}
-        if not any(table.values()):
+        spec = edge.tensor
+        table = np.zeros((len(a_set), len(c_set)))
+        for i, a in enumerate(a_set):
+            for j, c in enumerate(c_set):
+                pkey = (spec.shape, spec.dtype_bytes, kind, last, a, c)
+                if pkey not in self.prices:  # edges of one shape (q, k, v's input) share prices
+                    self.prices[pkey] = reshard_price(spec, kind, a, c, mesh, last) / self.bytes_unit
+                table[i, j] = self.prices[pkey]
+        if not table.any():
             self.rho[key] = None
             return None
         rho = int(self.m.cols(1, integer=False, hi=highspy.kHighsInf)[0])
         # ρ ≥ Σ_c f(a, c)·X_cons(c) − max_c f(a, c)·(1 − X_prod(a)) for each a, or the same
         # with the roles swapped: whichever side has fewer distinct layouts.
-        sides = [(a_set, a_of, edge.producer, c_of, edge.consumer, lambda a, c: table[a, c]),
-                 (c_set, c_of, edge.consumer, a_of, edge.producer, lambda c, a: table[a, c])]
-        fixed_set, fixed_of, fixed_group, other_of, other_group, f = min(sides, key=lambda side: len(side[0]))
-        for u in fixed_set:
-            top = max(f(u, v) for v in set(other_of))
+        a_idx = np.array([a_set.index(a) for a in a_of])
+        c_idx = np.array([c_set.index(c) for c in c_of])
+        sides = [(table, a_idx, self.x[edge.producer], c_idx, self.x[edge.consumer]),
+                 (table.T, c_idx, self.x[edge.consumer], a_idx, self.x[edge.producer])]
+        f, fixed_idx, fixed_cols, other_idx, other_cols = min(sides, key=lambda side: len(side[0]))
+        present = np.zeros(f.shape[1], dtype=bool)
+        present[other_idx] = True
+        # A price paid only if the edge keeps its copy: also − max·(1 − κ).
+        kept = [self.kappa[e]] if kind in KEPT_PRICES else []
+        for u in range(f.shape[0]):
+            top = f[u, present].max()
             if top <= 0:
                 continue
-            cols = [rho]
-            vals = [1.0]
-            for k, v in enumerate(other_of):
-                cols.append(int(self.x[other_group][k]))
-                vals.append(-f(u, v))
-            for k, u_k in enumerate(fixed_of):
-                if u_k == u:
-                    cols.append(int(self.x[fixed_group][k]))
-                    vals.append(-top)
-            self.m.row((np.array(cols), np.array(vals)), -top, highspy.kHighsInf)
+            mine = fixed_cols[fixed_idx == u]
+            cols = np.concatenate([[rho], other_cols, mine, kept])
+            vals = np.concatenate([[1.0], -f[u, other_idx], np.full(len(mine) + len(kept), -top)])
+            self.m.row((cols, vals), -top * (1 + len(kept)), highspy.kHighsInf)
         self.rho[key] = rho
         return rho
 
-    def _held_vars(self, key: tuple, own: list[dict], copies: dict[int, list[tuple[dict, dict]]], producer: int,
-                   layout: Layout) -> list[int]:
-        """Columns whose sum counts the distinct tensors held in ``layout``: y for the
-        producer's own, c_e for edge e's consumer copy. With A_e "edge e's consumer holds a
-        copy in ``layout``" (input copy, saved copy not kept, re-gathered copy), K_e "… or
-        keeps the producer's tensor in it" and Π "the producer's output is ``layout``" (then
-        the consumer holds the producer's tensor itself):
+    def _copy_var(self, e: int, layout: Layout, reps: list[tuple[str, dict, dict]], producer: int) -> int | None:
+        """c ≥ A − Π: edge ``e``'s consumer holds its own copy in ``layout`` (A: input copy,
+        saved copy not kept or re-gathered copy, one row per representation ``reps`` of the
+        copy; Π: the producer's output is exactly ``layout``, so the consumer holds the
+        producer's tensor instead). Shared by every point where the same representations
+        are live."""
+        key = (e, layout, tuple(kind for kind, _, _ in reps))
+        if key not in self.copy_vars:
+            if not any(copy for _, copy, _ in reps):
+                self.copy_vars[key] = None
+                return None
+            col = int(self.m.cols(1, integer=False)[0])
+            prod = self.producer_in(producer, layout)
+            for _, copy, _ in reps:
+                if copy:
+                    r = dict(copy)
+                    for c, v in prod.items():
+                        r[c] = r.get(c, 0.0) - v
+                    r[col] = r.get(col, 0.0) - 1.0
+                    self.m.row(r, -highspy.kHighsInf, 0.0)
+            self.copy_vars[key] = col
+        return self.copy_vars[key]
 
-            y ≥ each indicator of the producer's tensor,   c_e ≥ A_e − Π,   y + c_e ≥ K_e.
+    def _held_vars(self, key: tuple, own: list[dict], copies: dict[int, list[tuple[str, dict, dict]]], producer: int,
+                   layout: Layout) -> list[int]:
+        """Columns whose sum counts the distinct tensors held in ``layout`` once the producer's
+        own holder has ended: y for the producer's tensor, c_e for edge e's consumer copy
+        (``_copy_var``). With K_e "edge e's consumer holds a copy in ``layout`` or keeps the
+        producer's tensor in it":
+
+            y ≥ each indicator of the producer's tensor (kept copies),   y + c_e ≥ K_e.
 
         With the choices integral the sum is exact (a consumer holding the producer's tensor
-        may be counted in c_e instead of y, never twice); the last row keeps the LP relaxation
-        at least as tight as "held in ``layout`` by anyone". A copy written with different
-        columns (input copy: the consumer's strategy; saved: the edge flow) gets each row."""
+        may be counted in c_e instead of y, never twice)."""
         if key not in self.y:
             inf = highspy.kHighsInf
-            prod = self.producer_in(producer, layout)
             ycol = int(self.m.cols(1, integer=False)[0])
             cols = [ycol]
-
-            def row(ind, extra: dict[int, float], hi: float) -> None:
-                r = dict(ind)
-                for col, v in extra.items():
-                    r[col] = r.get(col, 0.0) + v
-                self.m.row(r, -inf, hi)
-
             for ind in own:
-                row(ind, {ycol: -1.0}, 0.0)
+                r = dict(ind)
+                r[ycol] = r.get(ycol, 0.0) - 1.0
+                self.m.row(r, -inf, 0.0)
             for e in sorted(copies):
-                ccol = int(self.m.cols(1, integer=False)[0])
-                cols.append(ccol)
-                for copy, anyone in copies[e]:
-                    if copy:
-                        row(copy, {**{c: -v for c, v in prod.items()}, ccol: -1.0}, 0.0)
-                    row(anyone, {ycol: -1.0, ccol: -1.0}, 0.0)
+                ccol = self._copy_var(e, layout, copies[e], producer)
+                if ccol is not None:
+                    cols.append(ccol)
+                for _, _, anyone in copies[e]:
+                    r = dict(anyone)
+                    r[ycol] = r.get(ycol, 0.0) - 1.0
+                    if ccol is not None:
+                        r[ccol] = r.get(ccol, 0.0) - 1.0
+                    self.m.row(r, -inf, 0.0)
             self.y[key] = cols
         return self.y[key]
 
@@ -605,23 +662,24 @@ def solve(
         primary, secondary = peak_obj, (t_cols, t_vals)
     else:
         primary, secondary = (t_cols, t_vals), peak_obj
+    fallback = b.selection_start(start) if start is not None else b.replicated_start()
     try:
-        values, best, gap, timed_out = hs.optimise(primary, tie_break=secondary, fallback=b.selection_start(start) if start is not None else b.replicated_start())
+        values, best, gap, timed_out = hs.first_pass(primary, secondary, max(mip_gap, TIE_RESOLUTION), fallback)
     except Infeasible:
         raise Infeasible(objective) from None
     except SolverTimeLimit:
         raise SolverTimeLimit(time_limit_s) from None
     rows = len(m.rows_lo)
-    if not timed_out and not hs.expired():
+    if fixed is None and not hs.expired():
         # Second pass: hold the primary objective at its optimum, minimise the other one.
         # The slack covers the gap, and at least the rows' feasibility tolerance accumulated
         # along the chain of live-byte variables (≈1e-6 of the peak); ties finer than 1e-5
         # of the primary objective are broken by the secondary one.
         hs.add_row(primary, best + abs(best) * max(mip_gap, TIE_RESOLUTION) + 1e-9)
         rows += 1
-        second = hs.optimise(secondary, start=values, required=False)
-        if second is not None:
-            values, _, _, timed_out = second
+        with contextlib.suppress(SolverTimeLimit):  # else keep the first pass's plan
+            values, _, _, second_timed_out = hs.run(secondary, start=values)
+            timed_out = timed_out or second_timed_out
     choices = tuple(int(np.argmax(values[cols])) for cols in b.x)
     keeps = tuple(int(round(values[b.kappa[e]])) if e in b.kappa else 0 for e in range(len(problem.edges)))
     return SolveResult(
@@ -638,18 +696,13 @@ def solve(
 
 
 class _Highs:
-    """One HiGHS model solved several times with different objectives and extra rows.
-
-    Each optimisation solves the LP relaxation first: the model's LP optimum is very often
-    integral (an integral LP optimum is the ILP optimum, so branch and bound is skipped);
-    otherwise HiGHS branches, warm-started from a given or freshly found solution.
-    """
+    """One HiGHS model solved several times with different objectives and extra rows, each
+    branch and bound warm-started from a given or freshly found solution."""
 
     def __init__(self, m: _Model, mip_gap: float, deadline: float):
         self.deadline = deadline
         self.mip_gap = mip_gap
         self.n = len(m.lower)
-        self.integer = np.array(m.integer, dtype=bool)
         log = bool(os.environ.get("MEMSHARD_HIGHS_LOG"))
         with contextlib.nullcontext() if log else _silenced_stdout():
             h = self.h = highspy.Highs()  # prints a banner from C++ on construction
@@ -684,17 +737,20 @@ class _Highs:
         cols, vals = expr
         self.h.addRow(-highspy.kHighsInf, upper, len(cols), cols.astype(np.int32), vals)
 
-    def _run(self, expr, relax: bool, start=None):
+    def _set_cost(self, expr) -> None:
         cost = np.zeros(self.n)
         np.add.at(cost, expr[0], expr[1])
+        self.h.changeColsCost(self.n, np.arange(self.n, dtype=np.int32), cost)
+
+    def run(self, expr, start=None):
+        """Branch and bound on ``expr`` from ``start`` (a full or partial solution):
+        (values, objective, gap, timed_out)."""
         h = self.h
-        h.changeColsCost(self.n, np.arange(self.n, dtype=np.int32), cost)
-        h.setOptionValue("solve_relaxation", relax)
-        h.setOptionValue("solver", "ipm" if relax else "choose")  # IPM: these LPs 1.5–4× faster
+        self._set_cost(expr)
         h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
-        if isinstance(start, tuple) and not relax:  # partial: HiGHS completes it
+        if isinstance(start, tuple):  # partial: HiGHS completes it
             h.setSolution(len(start[0]), start[0].astype(np.int32), start[1].astype(np.float64))
-        elif start is not None and not relax:
+        elif start is not None:
             sol = highspy.HighsSolution()
             sol.col_value = list(start)
             sol.value_valid = True
@@ -709,40 +765,54 @@ class _Highs:
                 raise SolverTimeLimit()
             raise MemshardError(f"solver stopped without a plan: {h.modelStatusToString(status)}")
         values = np.array(h.getSolution().col_value)
-        gap = 0.0 if relax or not np.isfinite(info.mip_gap) else float(info.mip_gap)
+        gap = float(info.mip_gap) if np.isfinite(info.mip_gap) else 0.0
         return values, float(info.objective_function_value), gap, status == highspy.HighsModelStatus.kTimeLimit
 
-    def integral(self, values: np.ndarray) -> bool:
-        v = values[self.integer]
-        return bool(np.all(np.minimum(np.abs(v), np.abs(1 - v)) < 1e-7))
-
-    def optimise(self, expr, start=None, tie_break=None, required: bool = True, fallback=None):
-        """Minimise ``expr``: (values, objective, gap, timed_out); None when not ``required``
-        and no solution came in time.
-
-        The LP relaxation comes first: an integral LP optimum is optimal. Otherwise branch
-        and bound runs, warm-started from ``start`` or, given a ``tie_break`` expression, from
-        the optimum of ``expr`` plus ``tie_break`` weighted at TIE_BREAK of ``expr``'s size:
-        that settles the many exact ties (which axis splits the batch, …) that otherwise
-        stall HiGHS's primal heuristics. ``fallback`` (a partial solution: columns, values)
-        is offered to that first branch and bound, so it always has an incumbent.
-        """
+    def relaxation(self, expr) -> tuple[float, np.ndarray] | None:
+        """The LP relaxation's minimum of ``expr`` and its solution (None if not found in
+        time): interior point without crossover, since a bound and an estimate are all that
+        is needed (about half the simplex time)."""
+        h = self.h
+        self._set_cost(expr)
+        h.setOptionValue("solve_relaxation", True)
+        h.setOptionValue("solver", "ipm")
+        h.setOptionValue("run_crossover", "off")
+        h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
         try:
-            values, obj, _, timed_out = self._run(expr, relax=True)
-            if timed_out:
-                raise SolverTimeLimit()
-            if self.integral(values):
-                return values, obj, 0.0, False
-            if start is None and tie_break is not None:
-                second = float(values[tie_break[0]] @ tie_break[1])
-                weight = TIE_BREAK * abs(obj) / second if second > 0 else 0.0
-                blend = (np.concatenate([expr[0], tie_break[0]]), np.concatenate([expr[1], tie_break[1] * weight]))
-                start = self._run(blend, relax=False, start=fallback)[0]
-            return self._run(expr, relax=False, start=start)
+            h.run()
+            if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+                return None
+            return float(h.getInfo().objective_function_value), np.array(h.getSolution().col_value)
+        finally:
+            h.setOptionValue("solve_relaxation", False)
+            h.setOptionValue("solver", "choose")
+
+    def first_pass(self, expr, tie_break, slack: float, fallback):
+        """Minimise ``expr``: (values, value of ``expr``, gap, timed_out).
+
+        Branch and bound on ``expr`` alone stalls on its many exact ties (which axis splits
+        the batch, …): HiGHS's primal heuristics find no plan for long. So branch and bound
+        first minimises ``expr`` + w·``tie_break`` from ``fallback`` (a partial solution:
+        columns, values), w such that ``tie_break`` weighs TIE_BREAK of ``expr`` at the LP
+        relaxation's optimum. Usually that plan is already optimal for ``expr``: within
+        ``slack`` of the LP bound. Otherwise branch and bound on ``expr`` alone continues
+        from it.
+        """
+        lp = self.relaxation(expr)
+        bound = lp[0] if lp else None
+        second = float(lp[1][tie_break[0]] @ tie_break[1]) if lp else 0.0
+        weight = TIE_BREAK * abs(bound) / second if lp and second > 0 and bound else TIE_BREAK
+        blend = (np.concatenate([expr[0], tie_break[0]]), np.concatenate([expr[1], tie_break[1] * weight]))
+        values, _, gap, timed_out = self.run(blend, start=fallback)
+        value = float(values[expr[0]] @ expr[1])
+        if timed_out or self.expired():
+            return values, value, gap, True
+        if bound is not None and value <= bound + abs(bound) * slack + 1e-9:
+            return values, value, max(0.0, (value - bound) / abs(value)) if value else 0.0, False
+        try:
+            return self.run(expr, start=values)
         except SolverTimeLimit:
-            if required:
-                raise
-            return None
+            return values, value, gap, True
 
 
 @contextlib.contextmanager

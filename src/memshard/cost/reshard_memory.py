@@ -27,6 +27,8 @@ first makes a contiguous copy of it.
 
 from __future__ import annotations
 
+import functools
+
 from memshard.mesh import Mesh
 from memshard.placement import REPLICATE, Layout, Partial, Placement, Replicate, Shard, local_numel
 
@@ -46,9 +48,15 @@ def reshard_peak_bytes(
     shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout, mesh: Mesh, reverse: bool = False
 ) -> int:
     """Peak bytes the reshard ``src → dst`` holds beyond its input (0 when nothing changes)."""
-    if tuple(src) == tuple(dst):
+    return _peak(tuple(shape), dtype_bytes, tuple(src), tuple(dst), mesh.shape, reverse)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the ILP asks for every layout pair of every edge
+def _peak(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout, mesh_shape: tuple[int, ...],
+          reverse: bool) -> int:
+    if src == dst:
         return 0
-    cur = tuple(src)
+    cur = src
     held = 0  # bytes of the current intermediate, 0 while it is the caller's input
     contiguous = True
     peak = 0
@@ -57,8 +65,8 @@ def reshard_peak_bytes(
         nonlocal held, peak, contiguous
         here = layout[axis]
         after = layout[:axis] + (target,) + layout[axis + 1 :]
-        nbytes_in = local_numel(shape, layout, mesh.shape) * dtype_bytes
-        nbytes_out = local_numel(shape, after, mesh.shape) * dtype_bytes
+        nbytes_in = local_numel(shape, layout, mesh_shape) * dtype_bytes
+        nbytes_out = local_numel(shape, after, mesh_shape) * dtype_bytes
         all_to_all = isinstance(here, Shard) and isinstance(target, Shard)
         copy = nbytes_in if not contiguous and not all_to_all else 0
         peak = max(peak, held + copy + _step_peak(nbytes_in, nbytes_out, here, target))
