@@ -84,15 +84,7 @@ def test_hf_model_under_its_plan_equals_the_model(family, hf_runs):
     check_run(plan, runs[family], lambda: module_of_job(plan.data["model"], "cpu", 0))
 
 
-# A known gap: GPT-2's plan keeps ln_f's input split (S(2)) and re-gathers it as ln_f's
-# backward starts; ranks 1–3 measure 36 KiB (+3.4%) more transients there than the model's
-# price of that re-gather (LLaMA/Qwen2 plans, and GPT-2 plans without it, are within 2%).
-KNOWN_GAPS = {"gpt2"}
-
-
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(
-    f in KNOWN_GAPS, reason="re-gather of a kept input at the traced ln_f backward under-priced", strict=True))
-    for f in sorted(CONFIGS)])
+@pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_hf_model_peak_memory_is_the_planned_one(family, hf_runs):
     """Measured on every rank with ``simulate`` (the same step under the fake process group):
     deterministic, where a real gloo rank's peak moves by a few percent from run to run with

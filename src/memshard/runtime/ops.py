@@ -124,9 +124,10 @@ def linear(ctx: OpContext, x, w, bias=None):
     xd, wd, od = op.inputs[0].dims, op.inputs[1].dims, op.output.dims
     y = Einsum.apply(x, w, xd, wd, od)
     if bias is not None:
-        # alpha 0 off the root keeps the bias in every rank's autograd graph (a zero gradient),
-        # so every rank reduces its gradient in step.
-        y = torch.add(y, _broadcast_to(bias, op.inputs[2].dims, od), alpha=float(ctx.is_root_of(op.contracted_dims)))
+        # a zero bias off the root keeps it in every rank's autograd graph (a zero gradient),
+        # so every rank reduces its gradient in step; scaling the bias, not add's alpha (whose
+        # backward copies the whole output gradient for alpha ≠ 1)
+        y = y + _broadcast_to(bias * float(ctx.is_root_of(op.contracted_dims)), op.inputs[2].dims, od)
     return y
 
 

@@ -93,12 +93,14 @@ def linear(ctx, *xs):
     root = float(ctx.is_root_of(ctx.op.contracted_dims))
     name = str(spec["target"])
     if name.startswith("aten.addmm"):
-        return _call(ctx, xs, beta=root)
+        # scale the (small) bias, not addmm's beta (or add's alpha below): for a factor ≠ 1
+        # their backward makes a scaled copy of the whole output gradient
+        return _call(ctx, (xs[0] * root, *xs[1:])) if root != 1 else _call(ctx, xs)
     if name.startswith("aten.linear") and len(xs) == 3:
         y = _call(ctx, xs, target=lambda x, w, b: F.linear(x, w))  # the bias below, once
         bias = to_arg(xs[2], ctx.op.inputs[2].dims, [(d,) for d in ctx.op.output.dims if d in ctx.op.inputs[2].dims],
                       _size_of(ctx, spec))
-        return torch.add(y, _broadcast(bias, ctx.op.inputs[2].dims, ctx.op.output.dims), alpha=root)
+        return y + _broadcast(bias * root, ctx.op.inputs[2].dims, ctx.op.output.dims)
     return _call(ctx, xs)
 
 
