@@ -701,7 +701,6 @@ class _Highs:
 
     def __init__(self, m: _Model, mip_gap: float, deadline: float):
         self.deadline = deadline
-        self.mip_gap = mip_gap
         self.n = len(m.lower)
         log = bool(os.environ.get("MEMSHARD_HIGHS_LOG"))
         with contextlib.nullcontext() if log else _silenced_stdout():
