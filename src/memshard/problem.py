@@ -479,10 +479,9 @@ class _Builder:
             last = tuple(self.last_consumer[op.inputs[j].tensor] == i for j in inputs)
             points.append(ReshardPoint(S.reshard_in(i), False, edges, last))
             points.append(ReshardPoint(S.reshard_out(i), True, edges, last))
-            saved = [(e, lst) for e, lst, j in zip(edges, last, inputs) if j in op.saves_inputs]
-            if saved and i + 1 < len(self.g.ops):
-                points.append(ReshardPoint(S.reshard_out(i + 1), False, tuple(e for e, _ in saved),
-                                           tuple(lst for _, lst in saved), regather=True))
+            kept = tuple(e for e, j in zip(edges, inputs) if j in op.saves_inputs)
+            if kept and i + 1 < len(self.g.ops):  # re-gathers don't use ``last``
+                points.append(ReshardPoint(S.reshard_out(i + 1), False, kept, (False,) * len(kept), regather=True))
         return points
 
     def add_holders(self, op_group: list[int], edge_holders: dict[str, list[tuple]]) -> None:

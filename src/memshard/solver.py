@@ -378,9 +378,6 @@ class IlpBuilder:
                 # The producer's tensor (its own holder, a copy kept in its layout) and, per
                 # edge, the consumer's copy: its input copy, its saved copy (not kept) or the
                 # re-gathered one; the same copy written with different columns, each a row.
-                # The producer's tensor (its own holder, a copy kept in its layout) and, per
-                # edge, the consumer's copy: its input copy, its saved copy (not kept) or the
-                # re-gathered one; the same copy written with different columns, each a row.
                 producer_active = any(h.kind == PRODUCER for h in active)
                 own = [cached_indicator(h, layout, "kept") for h in active if h.kind in (PRODUCER, SAVED)]
                 own = [ind for ind in own if ind]
@@ -511,12 +508,10 @@ class IlpBuilder:
         sides = [(table, a_idx, self.x[edge.producer], c_idx, self.x[edge.consumer]),
                  (table.T, c_idx, self.x[edge.consumer], a_idx, self.x[edge.producer])]
         f, fixed_idx, fixed_cols, other_idx, other_cols = min(sides, key=lambda side: len(side[0]))
-        present = np.zeros(f.shape[1], dtype=bool)
-        present[other_idx] = True
         # A price paid only if the edge keeps its copy: also − max·(1 − κ).
         kept = [self.kappa[e]] if kind in KEPT_PRICES else []
         for u in range(f.shape[0]):
-            top = f[u, present].max()
+            top = f[u].max()
             if top <= 0:
                 continue
             mine = fixed_cols[fixed_idx == u]
