@@ -18,21 +18,24 @@ import sys
 import tempfile
 import time
 
-CASES = [  # model, mesh, batch, seq, micro-batches, goal (s)
-    ("llama3-8b", "8x8", 64, 4096, 1, 1.0),
+CASES = [  # model, mesh, batch, seq (None: the CLI's defaults), micro-batches, goal (s)
+    ("llama3-8b", "8x8", None, None, 1, 1.0),  # the command: batch 64, seq 8192
+    ("llama3-8b", "8x8", 64, 4096, 1, None),
     ("gpt3-6.7b", "2x4", 16, 2048, 1, None),
-    ("gpt3-175b", "8x8x16", 1536, 2048, 1, 10.0),
-    ("gpt3-175b", "8x8x16", 1536, 2048, 48, 10.0),
+    ("gpt3-175b", "8x8x16", None, None, 1, 10.0),  # the command: batch 1024, seq 2048
+    ("gpt3-175b", "8x8x16", 1536, 2048, 1, None),
+    ("gpt3-175b", "8x8x16", 1536, 2048, 48, None),
 ]
 MEMSHARD = [sys.executable, "-m", "memshard.cli"]
 
 
-def run(model: str, mesh: str, batch: int, seq: int, micro: int) -> tuple[float, dict]:
+def run(model: str, mesh: str, batch: int | None, seq: int | None, micro: int) -> tuple[float, dict]:
+    sizes = ["--batch", str(batch)] * (batch is not None) + ["--seq", str(seq)] * (seq is not None)
+    sizes += ["--micro-batches", str(micro)] * (micro > 1)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         started = time.perf_counter()
-        subprocess.run(MEMSHARD + ["plan", "--model", model, "--mesh", mesh, "--batch", str(batch),
-                                   "--seq", str(seq), "--micro-batches", str(micro), "--brief", "--json", out],
+        subprocess.run(MEMSHARD + ["plan", "--model", model, "--mesh", mesh, *sizes, "--json", out],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         elapsed = time.perf_counter() - started
         with open(out) as f:
@@ -50,7 +53,9 @@ def main() -> None:
             times.append(t)
         s = plan["solver"]
         m = plan["memory"]
-        print(f"| {model} b{batch} s{seq}{f' ×{micro} micro-batches' if micro > 1 else ''} | {mesh} | {statistics.median(times):.2f} s | "
+        job = plan["model"]
+        print(f"| {model} b{job['batch']} s{job['seq']}{f' ×{micro} micro-batches' if micro > 1 else ''} | {mesh} | "
+              f"{statistics.median(times):.2f} s | "
               f"{f'≤ {goal:g} s' if goal else '-'} | {s['variables']:,} / {s['constraints']:,} | "
               f"{s['search_space']} | {m['peak_bytes_per_device'] / 2**30:.2f} GiB | {m['above_lower_bound']:+.2%} |")
 

@@ -47,6 +47,32 @@ def check_links(problem: Problem, selection: Selection) -> None:
             )
 
 
+def zero_redundancy_bound(problem: Problem) -> np.ndarray:
+    """Per schedule point, the live bytes per device if every live tensor were split evenly
+    over all devices, held once: a lower bound on any plan's live bytes there. Which tensors
+    live when does not depend on the plan (a re-gathered copy lives only where its saved copy
+    does), so neither does the bound."""
+    n_points = problem.schedule.num_points
+    unique = np.zeros(n_points + 1)
+    for item in (*problem.constants, *problem.slots):
+        unique[item.start] += item.global_bytes
+        unique[item.end + 1] -= item.global_bytes
+    spans = defaultdict(list)
+    for h in problem.holders:
+        spans[h.tensor].append((h.start, h.end))
+    for t, intervals in spans.items():
+        intervals.sort()
+        lo, hi = intervals[0]
+        for start, end in [*intervals[1:], (n_points + 1, n_points + 1)]:
+            if start > hi + 1:  # a gap: the tensor is not live in between
+                unique[lo] += problem.held[t].global_bytes
+                unique[hi + 1] -= problem.held[t].global_bytes
+                lo, hi = start, end
+            else:
+                hi = max(hi, end)
+    return np.cumsum(unique)[:n_points] / problem.mesh.num_devices
+
+
 def evaluate(problem: Problem, selection: Selection) -> Evaluation:
     check_links(problem, selection)
     for e, edge in enumerate(problem.edges):
@@ -57,21 +83,18 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
     cat_index = {c: k for k, c in enumerate(CATEGORIES)}
     live = np.zeros((len(CATEGORIES), n_points + 1))
     redundant = np.zeros(n_points + 1)
-    unique = np.zeros(n_points + 1)
 
-    def add(start, end, category, nbytes, red, glob):
+    def add(start, end, category, nbytes, red):
         live[cat_index[category], start] += nbytes
         live[cat_index[category], end + 1] -= nbytes
         redundant[start] += red
         redundant[end + 1] -= red
-        unique[start] += glob
-        unique[end + 1] -= glob
 
     for c in problem.constants:
-        add(c.start, c.end, c.category, c.nbytes, c.redundant, c.global_bytes)
+        add(c.start, c.end, c.category, c.nbytes, c.redundant)
     for s in problem.slots:
         k = selection.choices[s.group]
-        add(s.start, s.end, s.category, s.nbytes[k], s.redundant[k], s.global_bytes)
+        add(s.start, s.end, s.category, s.nbytes[k], s.redundant[k])
 
     by_tensor = defaultdict(list)
     for h in problem.holders:
@@ -86,18 +109,18 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
             ids = {tensor for s, e, tensor in entries if s <= lo and hi - 1 <= e}
             if ids:
                 add(lo, hi - 1, "activations", sum(held.nbytes[i] for _, i in ids),
-                    sum(held.redundant[i] for _, i in ids), held.global_bytes)
+                    sum(held.redundant[i] for _, i in ids))
 
     extra: dict[int, float] = defaultdict(float)  # one reshard at a time: the largest counts
     for rp in problem.reshard_points:
         extra[rp.point] = max(extra[rp.point], *problem.reshard_rows(selection, rp))
     for point, nbytes in extra.items():
-        add(point, point, "transients", nbytes, 0.0, 0.0)
+        add(point, point, "transients", nbytes, 0.0)
 
     live = np.cumsum(live, axis=1)[:, :n_points]
     total = live.sum(axis=0)
     peak_point = int(np.argmax(total))
-    bound = np.cumsum(unique)[:n_points] / problem.mesh.num_devices
+    bound = zero_redundancy_bound(problem)
     bound_point = int(np.argmax(bound))
 
     compute = communication = wire = 0.0

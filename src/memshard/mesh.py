@@ -7,6 +7,7 @@ and are all overridable.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, replace
@@ -37,7 +38,7 @@ class Mesh:
     peak_flops: float = DEVICE_PEAK_FLOPS
     compute_efficiency: float = COMPUTE_EFFICIENCY
 
-    @property
+    @functools.cached_property  # asked for by every layout price
     def shape(self) -> tuple[int, ...]:
         return tuple(a.size for a in self.axes)
 

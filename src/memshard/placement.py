@@ -8,6 +8,7 @@ memory figures use the largest shard, the one rank 0 holds.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -82,6 +83,7 @@ def local_shape(shape: tuple[int, ...], layout: Layout, mesh_shape: tuple[int, .
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the planner prices every layout of every tensor, often
 def local_numel(shape: tuple[int, ...], layout: Layout, mesh_shape: tuple[int, ...]) -> int:
     return math.prod(local_shape(shape, layout, mesh_shape))
 

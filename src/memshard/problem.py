@@ -264,6 +264,7 @@ class Problem:
 # re-gathered before it, "regathered"), paid only if the edge keeps.
 BACKWARD_PRICES = ("held", "held+during")
 KEPT_PRICES = ("regathered", "regathering")
+COPY_PRICES = ("after", "regathered", "held")  # a finished copy, not a reshard in flight
 
 
 def reshard_terms(rp: ReshardPoint) -> list[list[tuple[int, str, bool]]]:
@@ -279,21 +280,33 @@ def reshard_terms(rp: ReshardPoint) -> list[list[tuple[int, str, bool]]]:
 
 def reshard_price(spec: TensorSpec, kind: str, producer_side: Layout, consumer_side: Layout, mesh: Mesh,
                   last: bool) -> float:
-    if kind in BACKWARD_PRICES:
+    if producer_side == consumer_side:
+        return 0.0
+    if kind in COPY_PRICES:
+        return _copy_bytes(spec, kind, consumer_side, mesh)
+    if kind in BACKWARD_PRICES:  # "held+during"
         gp, gc = producer_side, consumer_side
-        if gc == gp:
-            return 0.0
         held = tensor_bytes(spec, without_partial(gc), mesh)
-        if kind == "held":
-            return float(held)
         during = reshard_peak_bytes(spec.shape, spec.dtype_bytes, gc, gp, mesh, reverse=True)
         return float(held + during - (tensor_bytes(spec, gp, mesh) if last else 0))
-    lp, lc = producer_side, consumer_side
-    if lp == lc:
-        return 0.0
-    if kind in ("after", "regathered"):
-        return float(tensor_bytes(spec, lc, mesh))
-    return float(reshard_peak_bytes(spec.shape, spec.dtype_bytes, lp, lc, mesh))
+    return float(reshard_peak_bytes(spec.shape, spec.dtype_bytes, producer_side, consumer_side, mesh))
+
+
+def reshard_price_table(spec: TensorSpec, kind: str, producer_sides: list[Layout], consumer_sides: list[Layout],
+                        mesh: Mesh, last: bool) -> np.ndarray:
+    """``reshard_price`` of every (producer side, consumer side) pair, as rows × columns."""
+    if kind not in COPY_PRICES:
+        return np.array([[reshard_price(spec, kind, a, c, mesh, last) for c in consumer_sides]
+                         for a in producer_sides], dtype=float).reshape(len(producer_sides), len(consumer_sides))
+    # a copy's bytes depend on the consumer side alone, and are 0 where the sides agree
+    copy = np.array([_copy_bytes(spec, kind, c, mesh) for c in consumer_sides], dtype=float)
+    same = np.array([[a == c for c in consumer_sides] for a in producer_sides], dtype=bool)
+    return np.where(same.reshape(len(producer_sides), len(consumer_sides)), 0.0, copy)
+
+
+def _copy_bytes(spec: TensorSpec, kind: str, consumer_side: Layout, mesh: Mesh) -> float:
+    """The consumer's finished copy: its input (forward), or its input gradient (backward)."""
+    return float(tensor_bytes(spec, without_partial(consumer_side) if kind == "held" else consumer_side, mesh))
 
 
 def edge_calls(spec: TensorSpec, lp: Layout, lc: Layout, gc: Layout, gp: Layout, keep: bool, mesh: Mesh):

@@ -43,7 +43,8 @@ x integral the flow is integral (each state has one way in and out), so z is con
 Objectives: ``memory`` minimises M, then, with M held within the gap of its optimum, the step
 time (ties broken by time); ``time`` minimises T subject to M ≤ budget, then M. The first
 pass minimises the primary objective plus a small multiple of the other, which is usually
-optimal for the primary one alone, as the LP bound then shows (``_Highs.first_pass``).
+optimal for the primary one alone, as the zero-redundancy bound often shows at once, and
+then needs no second pass (``_Highs.first_pass``).
 Solver options are fixed (one thread, seed 0) so the same input gives the same plan.
 """
 
@@ -60,8 +61,10 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
+from memshard.baselines import zero
 from memshard.cost import comm
 from memshard.errors import MemshardError
+from memshard.evaluate import evaluate, zero_redundancy_bound
 from memshard.placement import Layout, Partial
 from memshard.problem import (
     BACKWARD_PRICES,
@@ -74,7 +77,7 @@ from memshard.problem import (
     Problem,
     Selection,
     complete_selection,
-    reshard_price,
+    reshard_price_table,
     reshard_terms,
     without_partial,
 )
@@ -83,6 +86,7 @@ from memshard.problem import (
 # (at the LP optimum).
 TIE_BREAK = 0.01
 TIE_RESOLUTION = 1e-5  # relative slack on the primary objective in the second pass
+HIGHS_TOLERANCE = 1e-6  # HiGHS's integrality and MIP feasibility tolerances (defaults)
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,8 @@ class IlpBuilder:
     def __init__(self, problem: Problem):
         self.p = problem
         self.m = _Model()
-        self.bytes_unit, self.time_unit = _units(problem)
+        self.reference = _reference(problem)
+        self.bytes_unit, self.time_unit = _units(self.reference)
         self.x = [self.m.cols(len(g.choices), integer=True) for g in problem.groups]
         self.edge_vars: list[dict] = []
         self.kappa: dict[int, int] = {}
@@ -149,8 +154,8 @@ class IlpBuilder:
         self.live_col: dict[int, int] = {}  # schedule point → its live-bytes column
         self.constants_at: dict[int, float] = {}  # schedule point → its constant bytes
         self.rho: dict[tuple, int | None] = {}
-        self.prices: dict[tuple, float] = {}  # reshard memory prices, by tensor shape and layouts
-        self.step_times: dict[tuple, float] = {}  # edge-flow step times, likewise
+        self.prices: dict[tuple, np.ndarray] = {}  # reshard memory price tables, by shape and layouts
+        self.edge_states: dict[tuple, dict] = {}  # edge-flow states and times, likewise
 
     # -- rows ----------------------------------------------------------------------------------
     def replicated_start(self) -> tuple[np.ndarray, np.ndarray]:
@@ -201,59 +206,36 @@ class IlpBuilder:
         prod_layouts = sorted({s.output_layout for s in prod_strats}, key=repr)
         # consumer key per axis: (input placement, gradient placement)
         cons_keys = sorted({tuple(zip(s.input_layouts[edge.input_index], g)) for s, g in zip(cons_strats, grads)}, key=repr)
-        prod_suffixes = [{L[a:] for L in prod_layouts} for a in range(A + 1)]
-        cons_prefixes = [{K[:a] for K in cons_keys} for a in range(A + 1)]
-        c_vals = [sorted({K[a] for K in cons_keys}, key=repr) for a in range(A)]
         keeps = (0, 1) if edge.saves else (0,)
+        key = (spec.shape, spec.dtype_bytes, tuple(prod_layouts), tuple(cons_keys), keeps)
+        if key not in self.edge_states:  # edges of one shape and layouts share their states
+            self.edge_states[key] = self._edge_states(spec, prod_layouts, cons_keys, keeps)
         out = {"steps": {}, "keeps": keeps}
         cost_cols, cost_vals = [], []
+        for step, (states, times) in self.edge_states[key].items():
+            cols = self.m.cols(len(states), integer=False)
+            out["steps"][step] = (states, cols)
+            paid = times != 0
+            cost_cols.append(cols[paid])
+            cost_vals.append(times[paid] * (edge.executions / self.time_unit))
+        self.time_cols.append(np.concatenate(cost_cols))
+        self.time_vals.append(np.concatenate(cost_vals))
+        # producer side: step 0 states with producer layout L = the producer's strategies with
+        # output L; consumer side likewise at the last step with consumer key K
+        prod_rows: dict[Layout, dict[int, float]] = {L: {} for L in prod_layouts}
+        cons_rows: dict[tuple, dict[int, float]] = {K: {} for K in cons_keys}
         for k in keeps:
-            for a in range(A):
-                states = []
-                for cpre in cons_prefixes[a]:
-                    for psuf in prod_suffixes[a]:
-                        if k and any(isinstance(x, Partial) for x in psuf):
-                            continue
-                        for cv in c_vals[a]:
-                            if cpre + (cv,) not in cons_prefixes[a + 1]:
-                                continue
-                            states.append((cpre, psuf, cv))
-                cols = self.m.cols(len(states), integer=False)
-                out["steps"][(k, a)] = (states, cols)
-                for (cpre, psuf, cv), col in zip(states, cols):
-                    skey = (spec.shape, spec.dtype_bytes, a, cpre, psuf, cv, k)
-                    if skey not in self.step_times:  # edges of one shape share step prices
-                        self.step_times[skey] = self._step_time(spec, a, cpre, psuf, cv, k, mesh)
-                    t = self.step_times[skey]
-                    if t:
-                        cost_cols.append(col)
-                        cost_vals.append(t * edge.executions / self.time_unit)
-        if cost_cols:
-            self.time_cols.append(np.array(cost_cols))
-            self.time_vals.append(np.array(cost_vals))
-        # producer side: step 0 states with producer layout L
-        for L in prod_layouts:
-            coefs: dict[int, float] = {}
-            for k in keeps:
-                states, cols = out["steps"][(k, 0)]
-                for (_, psuf, _), col in zip(states, cols):
-                    if psuf == L:
-                        coefs[int(col)] = 1.0
-            for c, s in enumerate(prod_strats):
-                if s.output_layout == L:
-                    coefs[int(self.x[edge.producer][c])] = -1.0
-            self.m.row(coefs, 0.0, 0.0)
-        # consumer side: last step states with consumer key K
-        for K in cons_keys:
-            coefs = {}
-            for k in keeps:
-                states, cols = out["steps"][(k, A - 1)]
-                for (cpre, _, cv), col in zip(states, cols):
-                    if cpre + (cv,) == K:
-                        coefs[int(col)] = 1.0
-            for c, (s, g) in enumerate(zip(cons_strats, grads)):
-                if tuple(zip(s.input_layouts[edge.input_index], g)) == K:
-                    coefs[int(self.x[edge.consumer][c])] = -1.0
+            states, cols = out["steps"][(k, 0)]
+            for (_, psuf, _), col in zip(states, cols):
+                prod_rows[psuf][int(col)] = 1.0
+            states, cols = out["steps"][(k, A - 1)]
+            for (cpre, _, cv), col in zip(states, cols):
+                cons_rows[cpre + (cv,)][int(col)] = 1.0
+        for c, s in enumerate(prod_strats):
+            prod_rows[s.output_layout][int(self.x[edge.producer][c])] = -1.0
+        for c, (s, g) in enumerate(zip(cons_strats, grads)):
+            cons_rows[tuple(zip(s.input_layouts[edge.input_index], g))][int(self.x[edge.consumer][c])] = -1.0
+        for coefs in (*prod_rows.values(), *cons_rows.values()):
             self.m.row(coefs, 0.0, 0.0)
         # conservation between steps
         for k in keeps:
@@ -286,6 +268,24 @@ class IlpBuilder:
             coefs = {int(c): 1.0 for c in out["steps"][(1, 0)][1]}
             coefs[kappa] = -1.0
             self.m.row(coefs, 0.0, 0.0)
+        return out
+
+    def _edge_states(self, spec, prod_layouts: list[Layout], cons_keys: list[tuple], keeps: tuple[int, ...]) -> dict:
+        """Per (keep, step a): the flow states σ = (consumer prefix, producer suffix,
+        consumer placement on axis a) and each one's time."""
+        A = self.p.mesh.ndim
+        prod_suffixes = [{L[a:] for L in prod_layouts} for a in range(A + 1)]
+        cons_prefixes = [{K[:a] for K in cons_keys} for a in range(A + 1)]
+        c_vals = [sorted({K[a] for K in cons_keys}, key=repr) for a in range(A)]
+        out = {}
+        for k in keeps:
+            for a in range(A):
+                states = [(cpre, psuf, cv)
+                          for cpre in cons_prefixes[a]
+                          for psuf in prod_suffixes[a] if not (k and any(isinstance(x, Partial) for x in psuf))
+                          for cv in c_vals[a] if cpre + (cv,) in cons_prefixes[a + 1]]
+                times = np.array([self._step_time(spec, a, *state, k, self.p.mesh) for state in states], dtype=float)
+                out[(k, a)] = (states, times)
         return out
 
     @staticmethod
@@ -490,21 +490,20 @@ class IlpBuilder:
         a_set = sorted(set(a_of), key=repr)
         c_set = sorted(set(c_of), key=repr)
         spec = edge.tensor
-        table = np.zeros((len(a_set), len(c_set)))
-        for i, a in enumerate(a_set):
-            for j, c in enumerate(c_set):
-                pkey = (spec.shape, spec.dtype_bytes, kind, last, a, c)
-                if pkey not in self.prices:  # edges of one shape (q, k, v's input) share prices
-                    self.prices[pkey] = reshard_price(spec, kind, a, c, mesh, last) / self.bytes_unit
-                table[i, j] = self.prices[pkey]
+        pkey = (spec.shape, spec.dtype_bytes, kind, last, tuple(a_set), tuple(c_set))
+        if pkey not in self.prices:  # edges of one shape and layouts (q, k, v's input) share prices
+            self.prices[pkey] = reshard_price_table(spec, kind, a_set, c_set, mesh, last) / self.bytes_unit
+        table = self.prices[pkey]
         if not table.any():
             self.rho[key] = None
             return None
         rho = int(self.m.cols(1, integer=False, hi=highspy.kHighsInf)[0])
         # ρ ≥ Σ_c f(a, c)·X_cons(c) − max_c f(a, c)·(1 − X_prod(a)) for each a, or the same
         # with the roles swapped: whichever side has fewer distinct layouts.
-        a_idx = np.array([a_set.index(a) for a in a_of])
-        c_idx = np.array([c_set.index(c) for c in c_of])
+        a_pos = {a: i for i, a in enumerate(a_set)}
+        c_pos = {c: j for j, c in enumerate(c_set)}
+        a_idx = np.array([a_pos[a] for a in a_of])
+        c_idx = np.array([c_pos[c] for c in c_of])
         sides = [(table, a_idx, self.x[edge.producer], c_idx, self.x[edge.consumer]),
                  (table.T, c_idx, self.x[edge.consumer], a_idx, self.x[edge.producer])]
         f, fixed_idx, fixed_cols, other_idx, other_cols = min(sides, key=lambda side: len(side[0]))
@@ -594,27 +593,37 @@ class IlpBuilder:
         return cols_u, np.bincount(inverse, weights=v)
 
 
-def _units(problem: Problem) -> tuple[float, float]:
+@dataclass(frozen=True)
+class _Reference:
+    """Cheap figures that scale the ILP and start its search."""
+
+    memory_floor_bytes: float  # zero-redundancy bound: no plan's peak is lower
+    time_floor_s: float  # every group at its fastest choice, no resharding: no plan is faster
+    time_estimate_s: float  # a typical memory-lean plan's step time (ZeRO-3 where it exists)
+    time_scale_s: float  # the slowest choice of every group: an over-estimate, of the right order
+
+
+def _reference(problem: Problem) -> _Reference:
+    time_floor = sum(g.instances * min(c.time_s for c in g.choices) for g in problem.groups)
+    try:
+        time_estimate = evaluate(problem, zero(problem, 3)).step_time_s
+    except ValueError:  # no ZeRO-3 here (BaselineUnavailable: e.g. a batch smaller than the mesh)
+        time_estimate = time_floor
+    return _Reference(
+        memory_floor_bytes=float(zero_redundancy_bound(problem).max()),
+        time_floor_s=time_floor,
+        time_estimate_s=time_estimate,
+        # even where latencies, not FLOPs, dominate (tiny models)
+        time_scale_s=sum(g.instances * max(c.time_s for c in g.choices) for g in problem.groups),
+    )
+
+
+def _units(ref: _Reference) -> tuple[float, float]:
     """Bytes and seconds per model unit: a power of two near the zero-redundancy bound and a
     power of ten near the step time, so the peak and the step time are O(1) in the model and
     HiGHS's absolute tolerances mean the same at any model size."""
-    n_points = problem.schedule.num_points
-    unique = np.zeros(n_points + 1)
-    for s in problem.slots:
-        unique[s.start] += s.global_bytes
-        unique[s.end + 1] -= s.global_bytes
-    for c in problem.constants:
-        unique[c.start] += c.global_bytes
-        unique[c.end + 1] -= c.global_bytes
-    for h in problem.holders:
-        unique[h.start] += problem.held[h.tensor].global_bytes
-        unique[h.end + 1] -= problem.held[h.tensor].global_bytes
-    bound = float(np.cumsum(unique).max()) / problem.mesh.num_devices
-    # the slowest choice of every group: an over-estimate of the step time, but of its order
-    # even where latencies, not FLOPs, dominate (tiny models)
-    time_scale = sum(g.instances * max(c.time_s for c in g.choices) for g in problem.groups)
-    bytes_unit = 2.0 ** round(math.log2(max(bound, 1.0)))
-    time_unit = 10.0 ** round(math.log10(max(time_scale, 1e-12)))
+    bytes_unit = 2.0 ** round(math.log2(max(ref.memory_floor_bytes, 1.0)))
+    time_unit = 10.0 ** round(math.log10(max(ref.time_scale_s, 1e-12)))
     return bytes_unit, time_unit
 
 
@@ -651,21 +660,26 @@ def solve(
                 m.lower[col] = m.upper[col] = float(c == fixed.choices[g])
         for e, col in b.kappa.items():
             m.lower[col] = m.upper[col] = float(fixed.keeps[e])
-    hs = _Highs(m, mip_gap, started + time_limit_s)
+    hs = _Highs(m, started + time_limit_s)
     peak_obj = (np.array([b.peak]), np.array([1.0]))
+    memory_floor = b.reference.memory_floor_bytes / b.bytes_unit
+    time_estimate = b.reference.time_estimate_s / b.time_unit
     if objective == "memory":
         primary, secondary = peak_obj, (t_cols, t_vals)
+        floor, scales = memory_floor, (memory_floor, time_estimate)
     else:
         primary, secondary = (t_cols, t_vals), peak_obj
+        floor, scales = b.reference.time_floor_s / b.time_unit, (time_estimate, memory_floor)
     fallback = b.selection_start(start) if start is not None else b.replicated_start()
     try:
-        values, best, gap, timed_out = hs.first_pass(primary, secondary, max(mip_gap, TIE_RESOLUTION), fallback)
+        values, best, gap, timed_out, ties_resolved = hs.first_pass(
+            primary, secondary, floor, scales, max(mip_gap, TIE_RESOLUTION), fallback)
     except Infeasible:
         raise Infeasible(objective) from None
     except SolverTimeLimit:
         raise SolverTimeLimit(time_limit_s) from None
     rows = len(m.rows_lo)
-    if fixed is None and not hs.expired():
+    if fixed is None and not ties_resolved and not hs.expired():
         # Second pass: hold the primary objective at its optimum, minimise the other one.
         # The slack covers the gap, and at least the rows' feasibility tolerance accumulated
         # along the chain of live-byte variables (≈1e-6 of the peak); ties finer than 1e-5
@@ -673,7 +687,7 @@ def solve(
         hs.add_row(primary, best + abs(best) * max(mip_gap, TIE_RESOLUTION) + 1e-9)
         rows += 1
         with contextlib.suppress(SolverTimeLimit):  # else keep the first pass's plan
-            values, _, _, second_timed_out = hs.run(secondary, start=values)
+            values, _, _, second_timed_out = hs.run(secondary, max(mip_gap, TIE_RESOLUTION), start=values)
             timed_out = timed_out or second_timed_out
     choices = tuple(int(np.argmax(values[cols])) for cols in b.x)
     keeps = tuple(int(round(values[b.kappa[e]])) if e in b.kappa else 0 for e in range(len(problem.edges)))
@@ -694,7 +708,7 @@ class _Highs:
     """One HiGHS model solved several times with different objectives and extra rows, each
     branch and bound warm-started from a given or freshly found solution."""
 
-    def __init__(self, m: _Model, mip_gap: float, deadline: float):
+    def __init__(self, m: _Model, deadline: float):
         self.deadline = deadline
         self.n = len(m.lower)
         log = bool(os.environ.get("MEMSHARD_HIGHS_LOG"))
@@ -703,7 +717,6 @@ class _Highs:
         h.setOptionValue("output_flag", log)
         h.setOptionValue("random_seed", 0)
         h.setOptionValue("threads", 1)
-        h.setOptionValue("mip_rel_gap", mip_gap)
         h.setOptionValue("mip_abs_gap", 1e-9)
         h.setOptionValue("presolve", "off")  # its probing costs more than it saves here
         lp = highspy.HighsLp()
@@ -736,11 +749,12 @@ class _Highs:
         np.add.at(cost, expr[0], expr[1])
         self.h.changeColsCost(self.n, np.arange(self.n, dtype=np.int32), cost)
 
-    def run(self, expr, start=None):
-        """Branch and bound on ``expr`` from ``start`` (a full or partial solution):
-        (values, objective, gap, timed_out)."""
+    def run(self, expr, gap: float, start=None):
+        """Branch and bound on ``expr`` to relative ``gap`` from ``start`` (a full or partial
+        solution): (values, objective, gap, timed_out)."""
         h = self.h
         self._set_cost(expr)
+        h.setOptionValue("mip_rel_gap", gap)
         h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
         if isinstance(start, tuple):  # partial: HiGHS completes it
             h.setSolution(len(start[0]), start[0].astype(np.int32), start[1].astype(np.float64))
@@ -762,51 +776,39 @@ class _Highs:
         gap = float(info.mip_gap) if np.isfinite(info.mip_gap) else 0.0
         return values, float(info.objective_function_value), gap, status == highspy.HighsModelStatus.kTimeLimit
 
-    def relaxation(self, expr) -> tuple[float, np.ndarray] | None:
-        """The LP relaxation's minimum of ``expr`` and its solution (None if not found in
-        time): interior point without crossover, since a bound and an estimate are all that
-        is needed (about half the simplex time)."""
-        h = self.h
-        self._set_cost(expr)
-        h.setOptionValue("solve_relaxation", True)
-        h.setOptionValue("solver", "ipm")
-        h.setOptionValue("run_crossover", "off")
-        h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
-        try:
-            h.run()
-            if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-                return None
-            return float(h.getInfo().objective_function_value), np.array(h.getSolution().col_value)
-        finally:
-            h.setOptionValue("solve_relaxation", False)
-            h.setOptionValue("solver", "choose")
-
-    def first_pass(self, expr, tie_break, slack: float, fallback):
-        """Minimise ``expr``: (values, value of ``expr``, gap, timed_out).
+    def first_pass(self, expr, tie_break, floor: float, scales: tuple[float, float], gap: float, fallback):
+        """Minimise ``expr`` (≥ ``floor``), ties broken by ``tie_break``: (values, value of
+        ``expr``, gap, timed_out, ties resolved).
 
         Branch and bound on ``expr`` alone stalls on its many exact ties (which axis splits
         the batch, …): HiGHS's primal heuristics find no plan for long. So branch and bound
         first minimises ``expr`` + w·``tie_break`` from ``fallback`` (a partial solution:
-        columns, values), w such that ``tie_break`` weighs TIE_BREAK of ``expr`` at the LP
-        relaxation's optimum. Usually that plan is already optimal for ``expr``: within
-        ``slack`` of the LP bound. Otherwise branch and bound on ``expr`` alone continues
-        from it.
+        columns, values), w such that ``tie_break`` weighs TIE_BREAK of ``expr`` at their
+        typical ``scales``, to a gap TIE_BREAK times finer. Usually that plan is optimal for
+        ``expr``, as ``floor`` often shows at once. Its ties are resolved to within ``gap``
+        of ``tie_break`` when the blend's remaining gap and HiGHS's tolerances, divided by
+        w, are that small. Otherwise branch and bound on ``expr`` alone continues from it,
+        and where it finds nothing better the blend's plan (and its tie-breaking) stands.
         """
-        lp = self.relaxation(expr)
-        bound = lp[0] if lp else None
-        second = float(lp[1][tie_break[0]] @ tie_break[1]) if lp else 0.0
-        weight = TIE_BREAK * abs(bound) / second if lp and second > 0 and bound else TIE_BREAK
-        blend = (np.concatenate([expr[0], tie_break[0]]), np.concatenate([expr[1], tie_break[1] * weight]))
-        values, _, gap, timed_out = self.run(blend, start=fallback)
+        w = TIE_BREAK * scales[0] / scales[1] if scales[0] > 0 and scales[1] > 0 else TIE_BREAK
+        blend = (np.concatenate([expr[0], tie_break[0]]), np.concatenate([expr[1], tie_break[1] * w]))
+        values, blend_value, blend_gap, timed_out = self.run(blend, gap * TIE_BREAK, start=fallback)
         value = float(values[expr[0]] @ expr[1])
+        # what the blend may be off by: its gap, and the integrality and feasibility tolerances
+        blend_error = (blend_gap + HIGHS_TOLERANCE) * max(abs(blend_value), 1.0)
+        ties_resolved = blend_error <= w * gap * abs(float(values[tie_break[0]] @ tie_break[1]))
+        floor_gap = max(0.0, (value - floor) / abs(value)) if value else 0.0
         if timed_out or self.expired():
-            return values, value, gap, True
-        if bound is not None and value <= bound + abs(bound) * slack + 1e-9:
-            return values, value, max(0.0, (value - bound) / abs(value)) if value else 0.0, False
+            return values, value, floor_gap, True, False
+        if floor_gap <= gap:
+            return values, value, floor_gap, False, ties_resolved
         try:
-            return self.run(expr, start=values)
+            best, best_value, best_gap, timed_out = self.run(expr, gap, start=values)
         except SolverTimeLimit:
-            return values, value, gap, True
+            return values, value, floor_gap, True, False
+        if best_value >= value - abs(value) * TIE_RESOLUTION:  # the blend's plan stands
+            return values, value, best_gap, timed_out, ties_resolved and not timed_out
+        return best, best_value, best_gap, timed_out, False
 
 
 @contextlib.contextmanager
