@@ -20,9 +20,8 @@ step                          what it allocates                                 
 ============================  =================================================  ==========
 
 (The all-to-all's send buffer is built from per-destination pieces, ``2·in`` at that moment.)
-A step's input, when the reshard made it, lives until the step returns. An all-to-all that
-moves a split off a dim other than 0 hands back a non-contiguous view; a DTensor step after it
-first makes a contiguous copy of it.
+A step's input, when the reshard made it, lives until the step returns. The all-to-all joins
+the received pieces straight into a contiguous result (nothing downstream copies it again).
 """
 
 from __future__ import annotations
@@ -58,20 +57,16 @@ def _peak(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout, me
         return 0
     cur = src
     held = 0  # bytes of the current intermediate, 0 while it is the caller's input
-    contiguous = True
     peak = 0
 
     def step(layout: Layout, axis: int, target: Placement) -> Layout:
-        nonlocal held, peak, contiguous
+        nonlocal held, peak
         here = layout[axis]
         after = layout[:axis] + (target,) + layout[axis + 1 :]
         nbytes_in = local_numel(shape, layout, mesh_shape) * dtype_bytes
         nbytes_out = local_numel(shape, after, mesh_shape) * dtype_bytes
-        all_to_all = isinstance(here, Shard) and isinstance(target, Shard)
-        copy = nbytes_in if not contiguous and not all_to_all else 0
-        peak = max(peak, held + copy + _step_peak(nbytes_in, nbytes_out, here, target))
+        peak = max(peak, held + _step_peak(nbytes_in, nbytes_out, here, target))
         held = nbytes_out
-        contiguous = not (all_to_all and here.dim != 0)
         return after
 
     axes = range(len(src) - 1, -1, -1) if reverse else range(len(src))

@@ -124,8 +124,16 @@ def _all_to_all(local: torch.Tensor, shape, mesh: DeviceMesh, current: Layout, a
     moved = list(local.movedim(i, 0).shape)
     jj = j if j > i else j + 1  # dim j's place once dim i is moved to the front
     moved[jj] = pieces_j[me]
-    parts = [p.view([pieces_i[r], *moved[1:]]) for r, p in enumerate(recv.split(out_sizes))]
-    return torch.cat(parts, 0).movedim(0, i)
+    # Joined straight into a contiguous tensor: a view with dim i moved back would make every
+    # consumer (a matmul in backward, the next DTensor step) copy it once more.
+    out_shape = list(local.shape)
+    out_shape[i], out_shape[j] = sum(pieces_i), pieces_j[me]
+    out = recv.new_empty(out_shape)
+    start = 0
+    for r, p in enumerate(recv.split(out_sizes)):
+        out.narrow(i, start, pieces_i[r]).copy_(p.view([pieces_i[r], *moved[1:]]).movedim(0, i))
+        start += pieces_i[r]
+    return out
 
 
 def without_partial(layout: Layout) -> Layout:
