@@ -44,7 +44,7 @@ def plan(
     exact: bool = False,
     full_mesh: bool = False,
     time_limit_s: float = 60.0,
-    mip_gap: float = 1e-3,
+    mip_gap: float = 2e-3,
     start: Plan | None = None,
     **model_overrides,
 ) -> Plan:
@@ -180,7 +180,7 @@ def compare(
     micro_batches: int = 1,
     time_slack: float = 1.1,
     time_limit_s: float = 60.0,
-    mip_gap: float = 1e-3,
+    mip_gap: float = 2e-3,
     **model_overrides,
 ) -> dict:
     """memshard's plans against the hand-made strategies (``baselines.py``), all priced by the

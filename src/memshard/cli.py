@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full-mesh", action="store_true",
                    help="on 3+ axis meshes, search every axis separately (slow) instead of merging alike axes")
     p.add_argument("--time-limit", type=_seconds, default=60.0, help="solver time limit (default 60s)")
-    p.add_argument("--gap", type=float, default=1e-3,
-                   help="relative optimality gap the solver may stop at (default 0.001 = 0.1%%)")
+    p.add_argument("--gap", type=float, default=2e-3,
+                   help="relative optimality gap the solver may stop at (default 0.002 = 0.2%%)")
     p.add_argument("--json", metavar="PATH", help="write the complete plan as JSON")
     p.add_argument("--top", type=_positive_int, default=10, help="how many of the most redundant ops to list")
     p.add_argument("--brief", action="store_true", help="omit the per-op strategy tables")

@@ -84,7 +84,7 @@ from memshard.problem import (
 
 # In the first branch and bound, the secondary objective weighs TIE_BREAK of the primary one
 # (at the LP optimum).
-TIE_BREAK = 0.01
+TIE_BREAK = 0.03
 TIE_RESOLUTION = 1e-5  # relative slack on the primary objective in the second pass
 HIGHS_TOLERANCE = 1e-6  # HiGHS's integrality and MIP feasibility tolerances (defaults)
 
@@ -776,6 +776,24 @@ class _Highs:
         gap = float(info.mip_gap) if np.isfinite(info.mip_gap) else 0.0
         return values, float(info.objective_function_value), gap, status == highspy.HighsModelStatus.kTimeLimit
 
+    def relaxation(self, expr) -> float | None:
+        """The LP relaxation's minimum of ``expr`` (None if not found in time): interior point
+        without crossover, a bound is all that is needed."""
+        h = self.h
+        self._set_cost(expr)
+        h.setOptionValue("solve_relaxation", True)
+        h.setOptionValue("solver", "ipm")
+        h.setOptionValue("run_crossover", "off")
+        h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
+        try:
+            h.run()
+            if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+                return None
+            return float(h.getInfo().objective_function_value)
+        finally:
+            h.setOptionValue("solve_relaxation", False)
+            h.setOptionValue("solver", "choose")
+
     def first_pass(self, expr, tie_break, floor: float, scales: tuple[float, float], gap: float, fallback):
         """Minimise ``expr`` (≥ ``floor``), ties broken by ``tie_break``: (values, value of
         ``expr``, gap, timed_out, ties resolved).
@@ -785,7 +803,8 @@ class _Highs:
         first minimises ``expr`` + w·``tie_break`` from ``fallback`` (a partial solution:
         columns, values), w such that ``tie_break`` weighs TIE_BREAK of ``expr`` at their
         typical ``scales``, to a gap TIE_BREAK times finer. Usually that plan is optimal for
-        ``expr``, as ``floor`` often shows at once. Its ties are resolved to within ``gap``
+        ``expr``, as ``floor`` often shows at once, or else the LP relaxation of ``expr``
+        alone. Its ties are resolved to within ``gap``
         of ``tie_break`` when the blend's remaining gap and HiGHS's tolerances, divided by
         w, are that small. Otherwise branch and bound on ``expr`` alone continues from it,
         and where it finds nothing better the blend's plan (and its tie-breaking) stands.
@@ -802,6 +821,11 @@ class _Highs:
             return values, value, floor_gap, True, False
         if floor_gap <= gap:
             return values, value, floor_gap, False, ties_resolved
+        bound = self.relaxation(expr)
+        if bound is not None and bound > floor:
+            floor_gap = max(0.0, (value - bound) / abs(value)) if value else 0.0
+            if floor_gap <= gap:
+                return values, value, floor_gap, False, ties_resolved
         try:
             best, best_value, best_gap, timed_out = self.run(expr, gap, start=values)
         except SolverTimeLimit:
