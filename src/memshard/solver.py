@@ -633,7 +633,7 @@ def solve(
     max_step_time_s: float | None = None,
     memory_budget_bytes: float | None = None,
     time_limit_s: float = 60.0,
-    mip_gap: float = 1e-3,
+    mip_gap: float = 2e-3,
     fixed: Selection | None = None,
     start: Selection | None = None,
 ) -> SolveResult:
