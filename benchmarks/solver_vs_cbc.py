@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--gap", type=float, default=1e-3)  # memshard plan's default
+    ap.add_argument("--gap", type=float, default=2e-3)  # memshard plan's default
     ap.add_argument("--limit", type=float, default=600.0)
     args = ap.parse_args()
     problem, b = build(args)
