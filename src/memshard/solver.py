@@ -83,7 +83,7 @@ from memshard.problem import (
 )
 
 # In the first branch and bound, the secondary objective weighs TIE_BREAK of the primary one
-# (at the LP optimum).
+# (at their typical values: the zero-redundancy bound, ZeRO-3's step time).
 TIE_BREAK = 0.03
 TIE_RESOLUTION = 1e-5  # relative slack on the primary objective in the second pass
 HIGHS_TOLERANCE = 1e-6  # HiGHS's integrality and MIP feasibility tolerances (defaults)
@@ -804,10 +804,10 @@ class _Highs:
         columns, values), w such that ``tie_break`` weighs TIE_BREAK of ``expr`` at their
         typical ``scales``, to a gap TIE_BREAK times finer. Usually that plan is optimal for
         ``expr``, as ``floor`` often shows at once, or else the LP relaxation of ``expr``
-        alone. Its ties are resolved to within ``gap``
-        of ``tie_break`` when the blend's remaining gap and HiGHS's tolerances, divided by
-        w, are that small. Otherwise branch and bound on ``expr`` alone continues from it,
-        and where it finds nothing better the blend's plan (and its tie-breaking) stands.
+        alone. Its ties are resolved to within ``gap`` of ``tie_break`` when the blend's
+        remaining gap and HiGHS's tolerances, divided by w, are that small. Otherwise branch
+        and bound on ``expr`` alone continues from it, and where it finds nothing better the
+        blend's plan (and its tie-breaking) stands.
         """
         w = TIE_BREAK * scales[0] / scales[1] if scales[0] > 0 and scales[1] > 0 else TIE_BREAK
         blend = (np.concatenate([expr[0], tie_break[0]]), np.concatenate([expr[1], tie_break[1] * w]))
