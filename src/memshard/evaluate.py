@@ -73,6 +73,19 @@ def zero_redundancy_bound(problem: Problem) -> np.ndarray:
     return np.cumsum(unique)[:n_points] / problem.mesh.num_devices
 
 
+def _priced(problem: Problem, selection: Selection) -> list[tuple[int, float, tuple[comm.Collective, ...]]]:
+    """(times run per step, compute seconds, collectives) of every op, parameter and edge."""
+    priced = [(g.instances, g.choices[k].compute_s, g.choices[k].calls)
+              for g, k in zip(problem.groups, selection.choices)]
+    return priced + [(edge.executions, 0.0, problem.edge_calls(selection, e)) for e, edge in enumerate(problem.edges)]
+
+
+def step_time(problem: Problem, selection: Selection) -> float:
+    """The plan's estimated step time (``evaluate(...).step_time_s`` without the memory)."""
+    return sum(n * (compute_s + sum(comm.collective_time(c, problem.mesh) for c in calls))
+               for n, compute_s, calls in _priced(problem, selection))
+
+
 def evaluate(problem: Problem, selection: Selection) -> Evaluation:
     check_links(problem, selection)
     for e, edge in enumerate(problem.edges):
@@ -125,10 +138,7 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
 
     compute = communication = wire = 0.0
     by_kind: dict[str, dict[str, float]] = {k: {"calls": 0, "buffer_bytes": 0.0, "wire_bytes": 0.0} for k in comm.KINDS}
-    priced = [(g.instances, g.choices[k].compute_s, g.choices[k].calls)
-              for g, k in zip(problem.groups, selection.choices)]
-    priced += [(edge.executions, 0.0, problem.edge_calls(selection, e)) for e, edge in enumerate(problem.edges)]
-    for instances, compute_s, calls in priced:
+    for instances, compute_s, calls in _priced(problem, selection):
         compute += instances * compute_s
         for call in calls:
             w = comm.wire_bytes(call, problem.mesh)

@@ -64,7 +64,7 @@ import numpy as np
 from memshard.baselines import zero
 from memshard.cost import comm
 from memshard.errors import MemshardError
-from memshard.evaluate import evaluate, zero_redundancy_bound
+from memshard.evaluate import step_time, zero_redundancy_bound
 from memshard.placement import Layout, Partial
 from memshard.problem import (
     BACKWARD_PRICES,
@@ -606,7 +606,7 @@ class _Reference:
 def _reference(problem: Problem) -> _Reference:
     time_floor = sum(g.instances * min(c.time_s for c in g.choices) for g in problem.groups)
     try:
-        time_estimate = evaluate(problem, zero(problem, 3)).step_time_s
+        time_estimate = step_time(problem, zero(problem, 3))
     except ValueError:  # no ZeRO-3 here (BaselineUnavailable: e.g. a batch smaller than the mesh)
         time_estimate = time_floor
     return _Reference(
