@@ -816,14 +816,14 @@ class _Highs:
         # what the blend may be off by: its gap, and the integrality and feasibility tolerances
         blend_error = (blend_gap + HIGHS_TOLERANCE) * max(abs(blend_value), 1.0)
         ties_resolved = blend_error <= w * gap * abs(float(values[tie_break[0]] @ tie_break[1]))
-        floor_gap = max(0.0, (value - floor) / abs(value)) if value else 0.0
+        floor_gap = _relative_gap(value, floor)
         if timed_out or self.expired():
             return values, value, floor_gap, True, False
         if floor_gap <= gap:
             return values, value, floor_gap, False, ties_resolved
         bound = self.relaxation(expr)
         if bound is not None and bound > floor:
-            floor_gap = max(0.0, (value - bound) / abs(value)) if value else 0.0
+            floor_gap = _relative_gap(value, bound)
             if floor_gap <= gap:
                 return values, value, floor_gap, False, ties_resolved
         try:
@@ -833,6 +833,11 @@ class _Highs:
         if best_value >= value - abs(value) * TIE_RESOLUTION:  # the blend's plan stands
             return values, value, best_gap, timed_out, ties_resolved and not timed_out
         return best, best_value, best_gap, timed_out, False
+
+
+def _relative_gap(value: float, bound: float) -> float:
+    """How far ``value`` may be above the optimum, given a lower ``bound`` on it."""
+    return max(0.0, (value - bound) / abs(value)) if value else 0.0
 
 
 @contextlib.contextmanager
