@@ -14,6 +14,7 @@ functions where PyTorch's composite would keep copies), so measured memory can m
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from dataclasses import dataclass
@@ -326,18 +327,35 @@ def _to_signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
-    """A uniform number in [0, 1) per int64 ``index`` (SplitMix64), the same on every rank."""
-    z = index * _to_signed(0x9E3779B97F4A7C15) + _to_signed((seed * 0xD1B54A32D192ED03) & _MASK64)
-    z = z ^ ((z >> 30) & ((1 << 34) - 1))
-    z = z * _to_signed(0xBF58476D1CE4E5B9)
-    z = z ^ ((z >> 27) & ((1 << 37) - 1))
-    z = z * _to_signed(0x94D049BB133111EB)
-    z = z ^ ((z >> 31) & ((1 << 33) - 1))
-    return ((z >> 40) & 0xFFFFFF).to(torch.float32) / float(1 << 24)
+def _uniform_(z: torch.Tensor, seed: int) -> torch.Tensor:
+    """A uniform number in [0, 1) per int64 index in ``z`` (SplitMix64, overwriting ``z``),
+    the same on every rank."""
+    z.mul_(_to_signed(0x9E3779B97F4A7C15)).add_(_to_signed((seed * 0xD1B54A32D192ED03) & _MASK64))
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        z.bitwise_xor_(z.bitwise_right_shift(shift).bitwise_and_((1 << 64 - shift) - 1)).mul_(_to_signed(mult))
+    z.bitwise_xor_(z.bitwise_right_shift(31).bitwise_and_((1 << 33) - 1))
+    return z.bitwise_right_shift_(40).bitwise_and_(0xFFFFFF).to(torch.float32).div_(float(1 << 24))
 
 
 MASK_CHUNK = 1 << 18  # elements hashed at a time: bounded temporaries (a few MiB)
+
+
+def _index_blocks(ranges: list[tuple[int, int]], strides: list[int], device):
+    """The global flat index of this rank's elements (row-major over ``ranges``), as blocks
+    of at most ~MASK_CHUNK elements in order, each built by broadcasting one arange per dim."""
+    k = len(ranges) - 1  # the dim blocks are cut along: the last whose tail fits a chunk
+    while k > 0 and math.prod(n for _, n in ranges[k:]) <= MASK_CHUNK:
+        k -= 1
+    tail = torch.zeros((), dtype=torch.int64, device=device)
+    for (o, n), st in zip(ranges[k + 1:], strides[k + 1:]):
+        tail = tail.unsqueeze(-1) + torch.arange(o, o + n, dtype=torch.int64, device=device) * st
+    (ok, nk), stk = ranges[k], strides[k]
+    rows = max(1, MASK_CHUNK // max(1, tail.numel()))
+    for prefix in itertools.product(*(range(o, o + n) for o, n in ranges[:k])):
+        base = sum(i * st for i, st in zip(prefix, strides))
+        for r in range(ok, ok + nk, rows):
+            lead = torch.arange(r, min(r + rows, ok + nk), dtype=torch.int64, device=device) * stk + base
+            yield (lead.view(-1, *[1] * tail.dim()) + tail).view(-1)
 
 
 def dropout(ctx: OpContext, x, p: float = DROPOUT_P):
@@ -351,13 +369,10 @@ def dropout(ctx: OpContext, x, p: float = DROPOUT_P):
     ranges = [ctx.dim_range(d) for d in dims]
     strides = [math.prod(ctx.sizes[d] for d in dims[k + 1:]) for k in range(len(dims))]
     keep = torch.empty(x.numel(), dtype=torch.bool, device=ctx.device)
-    for start in range(0, x.numel(), MASK_CHUNK):
-        flat = torch.arange(start, min(start + MASK_CHUNK, x.numel()), dtype=torch.int64, device=ctx.device)
-        index = torch.zeros_like(flat)
-        for (o, n), st in reversed(list(zip(ranges, strides))):  # unravel, innermost dim first
-            index += (flat % n + o) * st
-            flat = flat.div(n, rounding_mode="floor")
-        keep[start:start + len(index)] = _uniform(index, seed) >= p
+    start = 0
+    for index in _index_blocks(ranges, strides, ctx.device):
+        torch.ge(_uniform_(index, seed), p, out=keep[start:start + len(index)])
+        start += len(index)
     return _Dropout.apply(x, keep.view(x.shape), p)
 
 
