@@ -201,3 +201,36 @@ def test_plan_json_parameter_storage_bytes(tiny_memory_plan):
     # every parameter of the model is accounted for exactly once
     counted = sum(p["instances"] * math.prod(p["shape"]) for p in params)
     assert counted == d["model"]["num_parameters"]
+
+
+def test_layer_unit_holds_a_layers_gathered_weights_across_it(tmp_path):
+    """ZeRO-3 per layer (FSDP's unit) against per op, same fixed plan: in the middle of a
+    layer's forward (an op with no weight) it holds exactly that layer's full weights more;
+    at no point does it hold less; the bytes sent are the same; the JSON keeps the unit."""
+    from memshard.api import strategy_plan
+    from memshard.evaluate import evaluate
+    from memshard.plans import load_plan
+
+    per_op = strategy_plan("tiny-gpt", "2x2", "zero3-fsdp", batch=8, precision="fp32")
+    per_layer = strategy_plan("tiny-gpt", "2x2", "zero3-fsdp", batch=8, precision="fp32", zero3_unit="layer")
+    graph = per_op.problem.graph
+    i = next(k for k, op in enumerate(graph.ops) if op.layer == 0 and op.kind == "softmax")
+    layer_weights = sum(graph.tensors[x.tensor].numel * 4 for op in graph.ops if op.layer == 0
+                        for x in op.inputs if x.tensor in graph.parameters)
+    a = evaluate(per_op.problem, per_op.selection).live_bytes
+    b = evaluate(per_layer.problem, per_layer.selection).live_bytes
+    point = per_op.problem.schedule.forward(i)
+    assert b[point] - a[point] == layer_weights
+    assert (b >= a).all()
+    assert per_layer.peak_bytes > per_op.peak_bytes
+    assert per_layer.data["communication"]["bytes_per_step_per_device"] == pytest.approx(
+        per_op.data["communication"]["bytes_per_step_per_device"])
+    path = tmp_path / "plan.json"
+    per_layer.save(str(path))
+    again = load_plan(str(path))
+    assert again.problem.zero3_unit == "layer" and again.peak_bytes == per_layer.peak_bytes
+
+
+def test_unknown_zero3_unit_is_refused():
+    with pytest.raises(MemshardError, match="gather unit"):
+        memshard.plan("tiny-gpt", "2x2", zero3_unit="block")

@@ -1,7 +1,7 @@
 """Plans executed on real gloo ranks: numerics, memory and communication against the plan.
 
 Every plan below (memshard's, under both objectives, on meshes 4, 2×2, 1×4 and 2×2×2, and
-the baselines) runs 3 Adam steps on forked gloo ranks; the results are compared with
+the baselines; a few with ZeRO-3 gathered per layer) runs 3 Adam steps on forked gloo ranks; the results are compared with
 
 - the unsharded single-process model with ``torch.optim.Adam``: the losses of every step
   equal its fp32 losses (rtol 1e-5); the gradients of the second step are as close to the
@@ -30,8 +30,9 @@ STEPS = 3
 BATCH = 8
 
 
-def _memshard(model, mesh, objective):
-    best = memshard.plan(model, mesh, batch=BATCH, precision="fp32", mip_gap=0.05, time_limit_s=20)
+def _memshard(model, mesh, objective, unit="op"):
+    best = memshard.plan(model, mesh, batch=BATCH, precision="fp32", mip_gap=0.05, time_limit_s=20,
+                         zero3_unit=unit)
     if objective == "memory":
         return best
     return memshard.plan(model, mesh, batch=BATCH, precision="fp32", objective="time", start=best,
@@ -58,13 +59,20 @@ CASES = {  # id → how to make the plan
         ("tiny-gpt", "2x2x2", "megatron-tp4-dp2-sp"),
     )},
 }
+LAYER_UNIT = {  # ZeRO-3 weights gathered a layer at a time (zero3_unit="layer", FSDP's unit)
+    "tiny-gpt-tp2-fsdp2-layer-2x2": ("tiny-gpt", "2x2", "tp2-fsdp2"),
+    "tiny-llama-zero3-fsdp-layer-2x2x2": ("tiny-llama", "2x2x2", "zero3-fsdp"),
+    "tiny-llama-memshard-memory-layer-2x2": ("tiny-llama", "2x2", "memory"),
+}
+CASES.update(LAYER_UNIT)
 
 
 def _make(case):
     model, mesh, what = CASES[case]
+    unit = "layer" if case in LAYER_UNIT else "op"
     if what in ("memory", "time"):
-        return _memshard(model, mesh, what)
-    return strategy_plan(model, mesh, what, batch=BATCH, precision="fp32")
+        return _memshard(model, mesh, what, unit)
+    return strategy_plan(model, mesh, what, batch=BATCH, precision="fp32", zero3_unit=unit)
 
 
 @functools.cache

@@ -10,7 +10,7 @@ from memshard.graph import Graph
 from memshard.mesh import Mesh, parse_mesh
 from memshard.models import ModelConfig, build_graph
 from memshard.plans import Plan, build_plan
-from memshard.problem import build_problem
+from memshard.problem import ZERO3_UNITS, build_problem
 from memshard.solver import Infeasible, solve
 from memshard.units import format_bytes, format_seconds, parse_bytes
 
@@ -46,6 +46,7 @@ def plan(
     time_limit_s: float = 60.0,
     mip_gap: float = 2e-3,
     start: Plan | None = None,
+    zero3_unit: str = "op",
     **model_overrides,
 ) -> Plan:
     """Find the plan with the least per-device peak memory (``objective="memory"``, optionally
@@ -59,7 +60,8 @@ def plan(
     or more axes, adjacent axes with identical links are planned as one (see ``coarsen.py``)
     unless ``full_mesh``. ``start``: a plan of the same job the solver starts from (e.g. the
     memory-optimal plan when asking for the fastest one under a budget it meets; not used
-    where axes are planned as one).
+    where axes are planned as one). ``zero3_unit``: ZeRO-3 weights gathered per op (``"op"``,
+    least memory) or per layer (``"layer"``, FSDP's unit: fewer, larger collectives).
     """
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     if isinstance(memory_budget, str):
@@ -74,6 +76,7 @@ def plan(
         raise MemshardError(f"the optimality gap must be in [0, 1), got {mip_gap}")
     if micro_batches < 1:
         raise MemshardError("the number of micro-batches must be positive")
+    _check_unit(zero3_unit)
     if isinstance(model, Graph):
         graph = model
         model_info = {}
@@ -84,13 +87,14 @@ def plan(
         model_info = {"traced_module": type(model).__name__, "micro_batches": micro_batches}
     else:
         graph, model_info = _job_graph(model, mesh, batch, seq, micro_batches, model_overrides)
-    problem = build_problem(graph, mesh, shared_layers=not exact, micro_batches=micro_batches)
+    problem = build_problem(graph, mesh, shared_layers=not exact, micro_batches=micro_batches,
+                            zero3_unit=zero3_unit)
     constraints = {"max_step_time_s": max_step_time_s, "memory_budget_bytes": memory_budget}
     groups = merge_groups(mesh)
     searched = problem
     if mesh.ndim >= 3 and len(groups) < mesh.ndim and not full_mesh:
         searched = build_problem(graph, merged_mesh(mesh, groups), shared_layers=not exact,
-                                 micro_batches=micro_batches)
+                                 micro_batches=micro_batches, zero3_unit=zero3_unit)
     initial = None
     if start is not None and searched is problem:
         if len(start.selection.choices) != len(problem.groups):
@@ -224,6 +228,11 @@ def _compare_row(p: Plan, best: Plan) -> dict:
     }
 
 
+def _check_unit(zero3_unit: str) -> None:
+    if zero3_unit not in ZERO3_UNITS:
+        raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, got {zero3_unit!r}")
+
+
 def strategy_plan(
     model: str | ModelConfig,
     mesh: str | Mesh,
@@ -232,6 +241,7 @@ def strategy_plan(
     batch: int | None = None,
     seq: int | None = None,
     micro_batches: int = 1,
+    zero3_unit: str = "op",
     **model_overrides,
 ) -> Plan:
     """The fixed plan of a named baseline (``ddp``, ``zero3-fsdp``, ``megatron-tp4-sp``…;
@@ -240,7 +250,8 @@ def strategy_plan(
 
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     graph, model_info = _job_graph(model, mesh, batch, seq, micro_batches, model_overrides)
-    fixed, skipped = baselines(build_problem(graph, mesh, micro_batches=micro_batches))
+    _check_unit(zero3_unit)
+    fixed, skipped = baselines(build_problem(graph, mesh, micro_batches=micro_batches, zero3_unit=zero3_unit))
     for b in fixed:
         if b.name == strategy:
             return build_plan(b.problem, None, b.selection, model=model_info, strategy_name=b.name)
@@ -262,6 +273,7 @@ def runtime_plan(
     seq: int | None = None,
     micro_batches: int = 1,
     precision: str | None = None,
+    zero3_unit: str = "op",
 ) -> Plan:
     """The plan ``memshard run``, ``simulate`` and the torchrun worker execute: a saved plan,
     memshard's plan or a named baseline; fp32, the precision the runtime computes in."""
@@ -273,10 +285,10 @@ def runtime_plan(
         raise MemshardError("give --plan, or a model (--model, --hf-config or --hf-model) and --mesh")
     elif strategy == "memshard":
         result = plan(model, mesh, objective=objective, batch=batch, seq=seq, micro_batches=micro_batches,
-                      mip_gap=0.02, precision=precision or "fp32")
+                      mip_gap=0.02, precision=precision or "fp32", zero3_unit=zero3_unit)
     else:
         result = strategy_plan(model, mesh, strategy, batch=batch, seq=seq, micro_batches=micro_batches,
-                               precision=precision or "fp32")
+                               precision=precision or "fp32", zero3_unit=zero3_unit)
     if result.problem.graph.precision.name != "fp32":
         raise MemshardError("the runtime executes fp32 plans; plan with --precision fp32")
     return result

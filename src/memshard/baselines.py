@@ -166,7 +166,7 @@ def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
     for tp in range(2, node):
         if node % tp == 0:
             finer = build_problem(problem.graph, split_innermost(mesh, tp), problem.shared_layers,
-                                  problem.micro_batches)
+                                  problem.micro_batches, problem.zero3_unit)
             layouts.append((finer, 1, tp))
     for k in range(1, mesh.ndim + 1):
         tp = math.prod(mesh.shape[mesh.ndim - k:])

@@ -79,6 +79,9 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
     parser.add_argument("--micro-batches", type=_positive_int, default=1,
                         help="gradient accumulation: run the batch as this many equal micro-batches per step")
+    parser.add_argument("--zero3-unit", choices=("op", "layer"), default="op",
+                        help="what ZeRO-3 gathers at once: each op's weights (least memory, default) or a "
+                             "whole layer's (FSDP's unit: far fewer collectives)")
 
 
 def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +92,9 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
     parser.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
     parser.add_argument("--micro-batches", type=_positive_int, default=1)
+    parser.add_argument("--zero3-unit", choices=("op", "layer"), default="op",
+                        help="what ZeRO-3 gathers at once: each op's weights (least memory, default) or a "
+                             "whole layer's (FSDP's unit: far fewer collectives)")
     parser.add_argument("--strategy", default="memshard",
                         help="memshard (default) or a baseline: ddp, zero1, zero3-fsdp, megatron-tp4-sp… "
                              "(`memshard compare` lists them)")
@@ -103,7 +109,7 @@ def _runtime_plan(args):
 
     return runtime_plan(args.plan, _model_of(args), args.mesh, strategy=args.strategy, objective=args.objective,
                         batch=args.batch, seq=args.seq, micro_batches=args.micro_batches,
-                        precision=args.precision)
+                        precision=args.precision, zero3_unit=args.zero3_unit)
 
 
 def _cmd_run(args, console) -> None:
@@ -249,7 +255,7 @@ def _cmd_plan(args, console) -> None:
             _model_of(args), mesh, objective=args.objective, batch=args.batch, seq=args.seq,
             micro_batches=args.micro_batches,
             max_step_time_s=args.max_step_time, memory_budget=args.memory_budget, exact=args.exact,
-            full_mesh=args.full_mesh, mip_gap=args.gap,
+            full_mesh=args.full_mesh, mip_gap=args.gap, zero3_unit=args.zero3_unit,
             time_limit_s=args.time_limit, **knobs,
         )
     if args.json:
@@ -283,7 +289,7 @@ def _cmd_compare(args, console) -> None:
     with console.status("solving…"):
         result = compare(_model_of(args), parse_mesh(args.mesh), batch=args.batch, seq=args.seq,
                          micro_batches=args.micro_batches, time_slack=args.time_slack,
-                         time_limit_s=args.time_limit)
+                         time_limit_s=args.time_limit, zero3_unit=args.zero3_unit)
     if args.json:
         write_text_atomically(args.json, json.dumps(result, indent=2) + "\n")
     render_comparison(result, console)
@@ -302,7 +308,8 @@ def _cmd_pareto(args, console) -> None:
     mesh = parse_mesh(args.mesh)
     with console.status("sweeping the step-time budget…"):
         points, base = frontier(_model_of(args), mesh, points=args.points, batch=args.batch, seq=args.seq,
-                                micro_batches=args.micro_batches, time_limit_s=args.time_limit)
+                                micro_batches=args.micro_batches, time_limit_s=args.time_limit,
+                                zero3_unit=args.zero3_unit)
     draw(points, base, f"{args.model or args.hf_config or args.hf_model} on {args.mesh}", mesh.device_memory_bytes, args.out)
     t = Table(title="memshard frontier: least peak memory per step-time budget", title_justify="left")
     for col in ("budget", "step time", "peak / device", "redundant"):

@@ -145,9 +145,11 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
             communication += instances * comm.collective_time(call, problem.mesh)
             wire += instances * w
             entry = by_kind[call.kind]
-            entry["calls"] += instances
+            entry["calls"] += instances * call.share
             entry["buffer_bytes"] += instances * call.buffer_bytes
             entry["wire_bytes"] += instances * w
+    for entry in by_kind.values():  # unit members each count a share of their unit's calls
+        entry["calls"] = round(entry["calls"])
     return Evaluation(
         peak_bytes=float(total[peak_point]),
         peak_point=peak_point,

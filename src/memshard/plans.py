@@ -218,6 +218,7 @@ def build_plan(
             "variables": result.variables if result else 0,
             "constraints": result.constraints if result else 0,
             "shared_layers": problem.shared_layers,
+            "zero3_unit": problem.zero3_unit,
             "search_space": result.search_space if result else "fixed plan",
         },
         "most_redundant_ops": [{"op": k, "redundant_bytes_per_device": v} for k, v in top_ops],
@@ -267,7 +268,8 @@ def _rebuild(data: dict) -> Plan:
                      peak_flops=md["peak_flops"], compute_efficiency=md["compute_efficiency"])
     mesh = mesh.with_links(tuple(md["bandwidth_bytes_per_s"]), tuple(md["latency_s"]))
     graph, _ = _job_graph(model, mesh, int(m["batch"]), int(m["seq"]), k, m.get("overrides", {}))
-    problem = build_problem(graph, mesh, shared_layers=data["solver"]["shared_layers"], micro_batches=k)
+    problem = build_problem(graph, mesh, shared_layers=data["solver"]["shared_layers"], micro_batches=k,
+                            zero3_unit=data["solver"].get("zero3_unit", "op"))
     choices = [0] * len(problem.groups)
     by_key = {grp.key: gid for gid, grp in enumerate(problem.groups) if grp.kind == "op"}
     for entry in data["ops"]:

@@ -18,6 +18,11 @@ plan evaluator (``evaluate.py``) read, so the two price every plan identically:
   by a consumer's input copy, and by every op that saves it. The producer's tensor counts
   once however many hold it (consumers reading it in its own layout, copies kept in it); a
   consumer that reads another layout holds its own copy (``holder_identity``).
+- **ZeRO-3 gather unit** (``zero3_unit``): ``"op"`` gathers a ZeRO-3 weight around each op
+  that uses it (least memory); ``"layer"`` gathers all of a layer's ZeRO-3 weights at once
+  for the layer's forward and again for its backward, and reduces their gradients together
+  (FSDP's unit: far fewer collectives, the layer's weights held across it). See
+  :func:`layer_units`.
 - **constants**: memory no choice changes (the input batch).
 - **reshard points**: before an op's forward its inputs are resharded one by one, after its
   backward their gradients. A reshard holds its source, its intermediate layouts and the
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -49,7 +54,7 @@ from memshard.cost.memory import (
 from memshard.cost.reshard_memory import reshard_peak_bytes
 from memshard.graph import Graph, Op, TensorKind, TensorSpec
 from memshard.mesh import Mesh
-from memshard.placement import REPLICATE, Layout, Partial, local_numel, local_shape
+from memshard.placement import PARTIAL, REPLICATE, Layout, Partial, Shard, local_numel, local_shape
 from memshard.schedule import Schedule, candidate_points
 from memshard.strategies import (
     Strategy,
@@ -201,6 +206,7 @@ class Problem:
     edge_of_input: dict[tuple[int, int], int]  # (consumer op, input index) → edge
     storage_group: dict[str, int]  # parameter name → storage group
     reshard_points: list[ReshardPoint]
+    zero3_unit: str = "op"  # one of ZERO3_UNITS
 
     def strategy(self, selection: Selection, group: int) -> Strategy:
         return self.groups[group].meta["strategies"][selection.choices[group]]
@@ -331,6 +337,50 @@ def _gather_points(S: Schedule, graph: Graph, i: int) -> tuple[int, ...]:
     return (S.forward(i), S.backward(i))
 
 
+ZERO3_UNITS = ("op", "layer")
+
+
+@dataclass(frozen=True)
+class LayerUnit:
+    """The schedule of one layer's ZeRO-3 weights gathered as one unit (``zero3_unit="layer"``).
+
+    Members are the parameters whose every use is an op of the layer. The gathered weights
+    are held from the forward of the first op using a member to that of the last; again in
+    backward from the backward of the last op that reads a member to that of the first; the
+    members' gradients wait unsharded until the first op's backward, are copied into one flat
+    buffer there and reduce-scattered together (at that op's gradient reshard point)."""
+
+    forward_span: tuple[int, int]
+    backward_span: tuple[int, int] | None
+    reduce_point: int
+    members: int
+
+
+def layer_units(graph: Graph, S: Schedule) -> dict[str, LayerUnit]:
+    """Parameter name → its layer's unit, for the parameters all of whose uses are in one layer."""
+    uses: dict[str, set[int]] = {}
+    for i, op in enumerate(graph.ops):
+        for j in parameter_inputs(graph, op):
+            uses.setdefault(op.inputs[j].tensor, set()).add(i)
+    members: dict[int, list[str]] = {}
+    for name, ops_ in uses.items():
+        layers = {graph.ops[i].layer for i in ops_}
+        if len(layers) == 1 and None not in layers:
+            members.setdefault(layers.pop(), []).append(name)
+    units = {}
+    for names in members.values():
+        ops_ = sorted(set().union(*(uses[n] for n in names)))
+        back = [i for i in ops_ if len(_gather_points(S, graph, i)) > 1]
+        unit = LayerUnit(
+            forward_span=(S.forward(ops_[0]), S.forward(ops_[-1])),
+            backward_span=(S.backward(back[-1]), S.backward(back[0])) if back else None,
+            reduce_point=S.reshard_out(ops_[0]),
+            members=len(names),
+        )
+        units.update(dict.fromkeys(names, unit))
+    return units
+
+
 def without_partial(layout: Layout) -> Layout:
     return tuple(REPLICATE if isinstance(p, Partial) else p for p in layout)
 
@@ -340,12 +390,13 @@ def _role_key(op: Op, shared: bool) -> str:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, mesh: Mesh, shared: bool, micro_batches: int):
+    def __init__(self, graph: Graph, mesh: Mesh, shared: bool, micro_batches: int, zero3_unit: str = "op"):
         self.g = graph
         self.mesh = mesh
         self.shared = shared
         self.k = micro_batches
         self.sched = Schedule(len(graph.ops))
+        self.units = layer_units(graph, self.sched) if zero3_unit == "layer" else {}
         self.groups: list[Group] = []
         self.index: dict[tuple, int] = {}
         self.links: list[Link] = []
@@ -542,7 +593,10 @@ class _Builder:
                 options = [(G, opt) for G in dict.fromkeys(g_labels) for opt in storage_options(G, mesh)]
                 choices = []
                 for G, opt in options:
-                    calls = self.sync_calls(spec, G, opt, sum(len(_gather_points(S, self.g, i)) for i, _ in uses))
+                    calls = self.sync_calls(spec, G, opt, self.gathers_per_pass(name, uses))
+                    if opt.stage == 3 and name in self.units:  # the unit's calls, shared
+                        share = 1 / self.units[name].members
+                        calls = tuple(replace(c, share=share) if c.kind != comm.ALL_REDUCE else c for c in calls)
                     choices.append(Choice((G, opt.stage, opt.axes), 0.0, calls, self.time(calls)))
                 self.index[key] = len(self.groups)
                 mems = [storage_memory(spec, G, opt, prec, mesh) for G, opt in options]
@@ -574,16 +628,45 @@ class _Builder:
                 unsharded = np.array([opt.stage < 2 for _, opt in grp.meta["options"]], float)
                 nbytes, red = v["gradients"]
                 self.slot(gid, grads_from, reduced_at - 1, "gradients", nbytes * unsharded, red * unsharded, grad_bytes)
-            self.slot(gid, reduced_at, S.optimizer, "gradients", *v["gradients"], grad_bytes)
-            self.slot(gid, S.backward(first), S.reshard_out(last), "transients", *v["unsharded"])
             for i, _ in uses[:-1]:
                 # A tied weight's earlier uses (later in backward): autograd sums their two
                 # gradient contributions into a new buffer while both are still alive.
                 self.slot(gid, S.backward(i), S.backward(i), "transients", *v["contributions"])
-            for i, _ in uses:
-                for point in _gather_points(S, self.g, i):
-                    self.slot(gid, point, point, "transients", *v["gathered"])
+            unit = self.units.get(name)
+            if unit is None:
+                self.slot(gid, reduced_at, S.optimizer, "gradients", *v["gradients"], grad_bytes)
+                self.slot(gid, S.backward(first), S.reshard_out(last), "transients", *v["unsharded"])
+                for i, _ in uses:
+                    for point in _gather_points(S, self.g, i):
+                        self.slot(gid, point, point, "transients", *v["gathered"])
+                continue
+            # A layer unit's member: under ZeRO-3 gathered for the unit's spans, its gradient
+            # reduced with the unit's (after a copy into the unit's flat buffer); other
+            # options as above.
+            z3 = np.array([opt.stage == 3 for _, opt in grp.meta["options"]], float)
+            nbytes, red = v["gradients"]
+            reduced_unit = unit.reduce_point if self.k == 1 else 0
+            self.slot(gid, reduced_at, S.optimizer, "gradients", nbytes * (1 - z3), red * (1 - z3), grad_bytes)
+            self.slot(gid, reduced_unit, S.optimizer, "gradients", nbytes * z3, red * z3, grad_bytes)
+            nbytes, red = v["unsharded"]
+            self.slot(gid, S.backward(first), S.reshard_out(last), "transients", nbytes * (1 - z3), red * (1 - z3))
+            self.slot(gid, S.backward(first), unit.reduce_point, "transients", nbytes * z3, red * z3)
+            self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", nbytes * z3, red * z3)
+            for span in (unit.forward_span, unit.backward_span):
+                if span is not None:
+                    self.slot(gid, *span, "transients", *v["gathered"])
+                    # Gathered over several axes, one at a time: the partial results too.
+                    self.slot(gid, span[0], span[0], "transients", *v["gathering"])
+            self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", *v["scattering"])
         return storage_group
+
+    def gathers_per_pass(self, name: str, uses: list[tuple[int, int]]) -> int:
+        """All-gathers of a ZeRO-3 weight per micro-batch: one per use and gather point, or
+        its layer unit's (one for forward, one for backward if any op there reads it)."""
+        unit = self.units.get(name)
+        if unit is None:
+            return sum(len(_gather_points(self.sched, self.g, i)) for i, _ in uses)
+        return 1 + (unit.backward_span is not None)
 
     def storage_prices(self, grp: Group) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         mems = grp.meta["memory"]
@@ -595,7 +678,25 @@ class _Builder:
                    else np.array(self.redundant(nbytes, layouts)))
             return nbytes, red
 
+        gathering, scattering = [], []
+        for G, opt in grp.meta["options"]:
+            if opt.stage < 3 or not self.units:
+                gathering.append(0.0)
+                scattering.append(0.0)
+                continue
+            numel = local_numel(self.g.tensors[grp.meta["params"][0]].shape, param_layout(G), self.mesh.shape)
+            flat = tuple(Shard(0) if a in opt.axes else REPLICATE for a in range(self.mesh.ndim))
+            whole = tuple(REPLICATE for _ in flat)
+            partial = tuple(PARTIAL if a in opt.axes and g == "P" else REPLICATE for a, g in enumerate(G))
+            prec = self.g.precision
+            gathering.append(reshard_peak_bytes((numel,), prec.param_bytes, flat, whole, self.mesh, reverse=True)
+                             - numel * prec.param_bytes)
+            scattering.append(reshard_peak_bytes((numel,), prec.grad_bytes, partial, flat, self.mesh)
+                              - local_numel((numel,), flat, self.mesh.shape) * prec.grad_bytes)
+        zeros = np.zeros(len(mems))
         return {
+            "gathering": (np.array(gathering, float), zeros),
+            "scattering": (np.array(scattering, float), zeros),
             "parameters": vec("parameters", "redundant_parameters"),
             "optimizer_states": vec("optimizer_states", "redundant_optimizer_states"),
             "gradients": vec("gradients", "redundant_gradients"),
@@ -609,8 +710,7 @@ class _Builder:
 
         Gradients are reduced once per step (accumulated locally over micro-batches) unless
         they are stored sharded (ZeRO-2/3), which reduces them after every micro-batch;
-        ZeRO-3 gathers the weight for every use, and again for its backward, in every
-        micro-batch (``n_gathers`` per micro-batch, see :func:`_gather_points`)."""
+        ZeRO-3 gathers the weight ``n_gathers`` times per micro-batch (``gathers_per_pass``)."""
         mesh, prec = self.mesh, self.g.precision
         numel = local_numel(spec.shape, param_layout(G), mesh.shape)
         partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
@@ -633,10 +733,13 @@ class _Builder:
                                                spec.nbytes * (1 - 1 / n), spec.nbytes))
 
 
-def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_batches: int = 1) -> Problem:
+def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_batches: int = 1,
+                  zero3_unit: str = "op") -> Problem:
     """``graph`` describes one micro-batch; a step runs ``micro_batches`` of them (gradient
-    accumulation) and one optimizer update."""
-    b = _Builder(graph, mesh, shared_layers, micro_batches)
+    accumulation) and one optimizer update. ``zero3_unit``: see :class:`LayerUnit`."""
+    if zero3_unit not in ZERO3_UNITS:
+        raise ValueError(f"zero3_unit must be one of {', '.join(ZERO3_UNITS)}, got {zero3_unit!r}")
+    b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit)
     op_group = b.add_ops()
     b.op_slots(op_group)
     edge_of_input = b.add_edges(op_group)
@@ -650,6 +753,7 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         constants=b.constants, candidate_points=candidate_points(graph, b.sched, shared_layers),
         op_group=op_group, micro_batches=micro_batches, edge_of_input=edge_of_input,
         storage_group=storage_group, reshard_points=b.add_reshard_points(edge_of_input),
+        zero3_unit=zero3_unit,
     )
 
 

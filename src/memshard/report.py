@@ -72,6 +72,7 @@ def render_plan(plan: Plan, console: Console, top: int = 10, show_strategy: bool
         f"solver: HiGHS {s['status']}, {s['time_s']:.2f} s, gap {s['gap']:.2%}, "
         f"{s['variables']:,} variables, {s['constraints']:,} constraints"
         + ("" if s["shared_layers"] else " (exact: no shared layers)")
+        + ("; ZeRO-3 weights gathered per layer" if s.get("zero3_unit") == "layer" else "")
         + ("" if s["search_space"] == "full" else f"; {s['search_space']} (--full-mesh to search all)")
     )
 

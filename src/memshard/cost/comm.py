@@ -41,6 +41,7 @@ class Collective:
     kind: str
     axis: int
     buffer_bytes: float
+    share: float = 1.0  # of one call: weights gathered together split its latency (and count)
 
 
 def wire_bytes(c: Collective, mesh: Mesh) -> float:
@@ -55,7 +56,7 @@ def collective_time(c: Collective, mesh: Mesh) -> float:
     if axis.size == 1:
         return 0.0
     steps = 2 if c.kind == ALL_REDUCE else 1
-    return steps * axis.latency_s + wire_bytes(c, mesh) / axis.bandwidth_bytes_per_s
+    return steps * axis.latency_s * c.share + wire_bytes(c, mesh) / axis.bandwidth_bytes_per_s
 
 
 def total_time(calls: tuple[Collective, ...] | list[Collective], mesh: Mesh) -> float:

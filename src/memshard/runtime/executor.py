@@ -10,7 +10,10 @@ with the kernels of ``ops.py``, so every op of the plan is one piece of code.
 - every parameter becomes a DTensor in the layout its op's strategy needs; with ZeRO storage
   (``ParamStore``) the optimizer sees only this rank's flat shard of it: stage 1 shards the
   optimizer states, 2 also the gradients (reduce-scattered as soon as each is complete),
-  3 also the weight, gathered around each use and gathered again in backward;
+  3 also the weight, gathered around each use and gathered again in backward — or, with
+  the plan's ``zero3_unit="layer"``, all of a layer's such weights as one flat shard
+  (``GatherUnit``, FSDP's unit): one all-gather for the layer's forward, one for its
+  backward, one reduce-scatter of their gradients;
 - every activation is redistributed at each op boundary from its producer's layout to its
   consumer's (``reshard.Reshard``: forward in axis order, gradient in reverse axis order);
 - an edge the plan keeps (Megatron's sequence parallelism) saves the producer's smaller
@@ -35,7 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from memshard.cost.memory import param_layout
 from memshard.graph import Graph, TensorKind
 from memshard.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
-from memshard.problem import Problem, Selection
+from memshard.problem import Problem, Selection, layer_units
 from memshard.runtime import ops
 from memshard.runtime.reshard import Reshard, reshard_local, to_torch, without_partial
 from memshard.strategies import Strategy, input_grad_layout
@@ -144,6 +147,8 @@ def _make_again_hooks(recipes: dict[int, Callable[[], torch.Tensor]]):
         make = recipes.get(_storage_id(t))
         if make is None:
             return t
+        if isinstance(make, _UnitRegather):
+            make.packed()
         return (make, t.size(), t.stride(), t.storage_offset())
 
     def unpack(packed):
@@ -207,8 +212,9 @@ class ParamStore:
     """One parameter under a plan: compute layout, gradient layout, ZeRO stage and axes."""
 
     def __init__(self, name: str, full: torch.Tensor, compute: Layout, grad: Layout, stage: int,
-                 axes: tuple[int, ...], mesh: DeviceMesh, uses: int):
+                 axes: tuple[int, ...], mesh: DeviceMesh, uses: int, in_unit: bool = False):
         self.name, self.mesh, self.stage, self.axes, self.uses = name, mesh, stage, axes, uses
+        self.unit: GatherUnit | None = None  # set by the unit that stores this weight
         self.compute, self.grad = compute, grad
         self.shape = tuple(full.shape)
         coords = mesh.get_coordinate() or [0] * mesh.ndim
@@ -230,6 +236,9 @@ class ParamStore:
             self.opt = nn.Parameter(piece)  # shares storage with the DTensor's local tensor
             if stage == 2:
                 self.param.register_post_accumulate_grad_hook(lambda p: self._reduce_now())
+        elif in_unit:
+            self.local = dt.to_local().reshape(-1)  # the unit takes its piece, then drops this
+            self.param = self.opt = None
         else:
             flat = dt.to_local().reshape(-1)
             self.param = nn.Parameter(flat[self.flat_start:self.flat_start + self.flat_len].clone())
@@ -305,6 +314,122 @@ class _GatherForUse(torch.autograd.Function):
         return store._reduce(g), None
 
 
+class GatherUnit:
+    """ZeRO-3 weights of one layer stored as one flat shard (``zero3_unit="layer"``).
+
+    The members' local compute shards, concatenated, are split over the storage axes like
+    one parameter's flat buffer; an all-gather gives the whole concatenation, each member a
+    view of it (no copy). Forward gathers it at the layer's first use and drops it after
+    the last; backward gathers it again at the first saved weight it needs and drops it
+    after the last. The members' gradients wait until every use's backward has run, are
+    copied into one flat buffer, all-reduced over the axes where they are partial sums and
+    not stored (per run of members alike), and reduce-scattered once into the shard
+    (``problem.LayerUnit`` prices these steps)."""
+
+    def __init__(self, stores: list[ParamStore], mesh: DeviceMesh):
+        self.stores, self.mesh = stores, mesh
+        first = stores[0]
+        self.axes, self.flat_sharded = first.axes, first.flat_sharded
+        # Partial over a storage axis: reduce-scattered; else (the rest) all-reduced first.
+        self.src = tuple(p if a in self.axes else REPLICATE for a, p in enumerate(first.flat_partial))
+        self.offsets, self.reduce_ranges = [], []
+        start = 0
+        for store in stores:
+            self.offsets.append(start)
+            axes = tuple(a for a, p in enumerate(store.flat_partial) if isinstance(p, Partial) and a not in self.axes)
+            if self.reduce_ranges and self.reduce_ranges[-1][2] == axes and self.reduce_ranges[-1][1] == start:
+                self.reduce_ranges[-1] = (self.reduce_ranges[-1][0], start + store.numel, axes)
+            elif axes:
+                self.reduce_ranges.append((start, start + store.numel, axes))
+            start += store.numel
+        self.numel = start
+        coords = mesh.get_coordinate() or [0] * mesh.ndim
+        lo, n = _flat_range(self.numel, self.axes, mesh, coords)
+        flat = torch.cat([store.local for store in stores])
+        self.param = nn.Parameter(flat[lo:lo + n].clone())
+        self.opt = self.param
+        del flat
+        for k, store in enumerate(stores):
+            store.unit, store.unit_index, store.local = self, k, None
+        self.uses = sum(store.uses for store in stores)  # member uses per forward pass
+        self.forward_flat: torch.Tensor | None = None
+        self.left = 0
+        self.pending: dict[int, torch.Tensor] = {}
+        self.outstanding = 0
+        self.regather = _UnitRegather(self)
+
+    def gather(self) -> torch.Tensor:
+        return reshard_local(self.param.detach(), (self.numel,), self.mesh, self.flat_sharded,
+                             tuple(REPLICATE for _ in self.flat_sharded), reverse=True)
+
+    def member(self, flat: torch.Tensor, k: int) -> torch.Tensor:
+        store = self.stores[k]
+        return flat.narrow(0, self.offsets[k], store.numel).view(store.local_shape)
+
+    def weight(self, k: int) -> tuple[torch.Tensor, Callable]:
+        """Member ``k``'s local weight for one forward use, and how to make it again."""
+        if self.forward_flat is None:
+            self.forward_flat, self.left = self.gather(), self.uses
+        flat = self.forward_flat
+        self.left -= 1
+        if not self.left:  # the last use: the op's arguments hold the buffer until it returns
+            self.forward_flat = None
+        return _UnitUse.apply(self.param, self, k, flat), self.regather
+
+    def reduce(self) -> torch.Tensor:
+        """The members' summed gradients as this rank's shard of the unit's gradient."""
+        pending = self.pending
+        self.pending = {}
+        flat = torch.cat([pending[k].reshape(-1) if k in pending
+                          else pending[next(iter(pending))].new_zeros(store.numel)
+                          for k, store in enumerate(self.stores)])
+        for start, end, axes in self.reduce_ranges:
+            for a in axes:
+                dist.all_reduce(flat[start:end], group=self.mesh.get_group(a))
+        return reshard_local(flat, (self.numel,), self.mesh, self.src, self.flat_sharded)
+
+
+class _UnitRegather:
+    """A unit's weights made again in backward: one all-gather serves every saved member view
+    (``_make_again_hooks`` counts them as they are saved and made again)."""
+
+    def __init__(self, unit: GatherUnit):
+        self.unit = unit
+        self.flat: torch.Tensor | None = None
+        self.saved = 0
+
+    def packed(self) -> None:
+        self.saved += 1
+
+    def __call__(self) -> torch.Tensor:
+        if self.flat is None:
+            self.flat = self.unit.gather()
+        flat = self.flat
+        self.saved -= 1
+        if not self.saved:
+            self.flat = None
+        return flat
+
+
+class _UnitUse(torch.autograd.Function):
+    """One use of a unit member's weight; the last use's backward reduces the whole unit."""
+
+    @staticmethod
+    def forward(ctx, shard, unit: GatherUnit, k: int, flat: torch.Tensor):
+        ctx.unit, ctx.k = unit, k
+        unit.outstanding += 1
+        return unit.member(flat, k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        unit, k = ctx.unit, ctx.k
+        unit.pending[k] = grad if k not in unit.pending else unit.pending[k].add_(grad)
+        unit.outstanding -= 1
+        if unit.outstanding:
+            return None, None, None, None
+        return unit.reduce(), None, None, None
+
+
 class ShardedGraphModel(nn.Module):
     """The graph of a :class:`GraphModel` run on one rank of ``device_mesh`` under a plan."""
 
@@ -325,18 +450,31 @@ class ShardedGraphModel(nn.Module):
             for x in op.inputs:
                 if graph.tensors[x.tensor].kind is TensorKind.PARAMETER:
                     uses[x.tensor] = uses.get(x.tensor, 0) + 1
+        units = layer_units(graph, problem.schedule) if problem.zero3_unit == "layer" else {}
         self.stores: dict[str, ParamStore] = {}
+        members: dict[tuple, list[ParamStore]] = {}
         for name in graph.parameters:
             gid = problem.storage_group[name]
             G, opt = problem.groups[gid].meta["options"][selection.choices[gid]]
             grad = tuple(PARTIAL if g == "P" else (REPLICATE if g == "R" else Shard(int(g[1:]))) for g in G)
             full = model.parameter(name).detach().to(self.device)
-            self.stores[name] = ParamStore(name, full, param_layout(G), grad, opt.stage, opt.axes,
-                                           device_mesh, uses[name])
-        self.weights = nn.ParameterDict({_key(n): s.param for n, s in self.stores.items()})
+            in_unit = opt.stage == 3 and name in units
+            store = ParamStore(name, full, param_layout(G), grad, opt.stage, opt.axes, device_mesh, uses[name],
+                               in_unit)
+            self.stores[name] = store
+            if in_unit:  # one flat shard per layer, storage axes and reduction over them
+                key = (units[name], opt.axes, tuple(isinstance(grad[a], Partial) for a in opt.axes))
+                members.setdefault(key, []).append(store)
+        # Members with the same all-reduce axes next to each other: one all-reduce per run.
+        self.units = [GatherUnit(sorted(group, key=lambda st: tuple(
+            isinstance(p, Partial) and a not in st.axes for a, p in enumerate(st.flat_partial))), device_mesh)
+            for group in members.values()]
+        self.weights = nn.ParameterDict({_key(n): s.param for n, s in self.stores.items() if s.unit is None})
+        self.unit_weights = nn.ParameterList([unit.param for unit in self.units])
 
     def optimizer_parameters(self) -> list[nn.Parameter]:
-        return [self.stores[n].opt for n in self.graph.parameters]
+        return [self.stores[n].opt for n in self.graph.parameters if self.stores[n].unit is None] + [
+            unit.param for unit in self.units]
 
     def boundary(self, i: int, j: int) -> _Boundary:
         e = self.problem.edge_of_input[(i, j)]
@@ -377,6 +515,8 @@ class ShardedGraphModel(nn.Module):
             # gradients in one autograd buffer (ZeRO-3 gathers for every use instead).
             name = g.ops[i].inputs[j].tensor
             store = self.stores[name]
+            if store.unit is not None:
+                return store.unit.weight(store.unit_index)
             if store.stage == 3:
                 return store.weight()
             if name not in cache:
@@ -408,6 +548,13 @@ class ShardedGraphModel(nn.Module):
     def full_gradient(self, name: str) -> torch.Tensor:
         """The whole reduced gradient of parameter ``name`` (gathered; for checks)."""
         store = self.stores[name]
+        if store.unit is not None:
+            unit = store.unit
+            flat = reshard_local(unit.param.grad.detach(), (unit.numel,), self.mesh, unit.flat_sharded,
+                                 tuple(REPLICATE for _ in unit.flat_sharded), reverse=True)
+            local = unit.member(flat, store.unit_index)
+            return reshard_local(local, store.shape, self.mesh, store.compute,
+                                 tuple(REPLICATE for _ in store.compute), reverse=True)
         g = store.opt.grad.detach()
         if store.stage >= 1:
             g = reshard_local(g, (store.numel,), self.mesh, store.flat_sharded,

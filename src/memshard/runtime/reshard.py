@@ -102,17 +102,20 @@ def _single_step(local, shape, mesh, current: list, axis: int, target) -> torch.
     return local.wait() if hasattr(local, "wait") else local
 
 
+_FUNCTIONAL = torch.ops._c10d_functional
+
+
 def _direct_step(local, shape, mesh: DeviceMesh, before: Layout, axis: int, target) -> torch.Tensor | None:
-    """An even split's step as the one c10d collective DTensor would run, without DTensor's
-    per-call dispatch (a few ms of CPU each, hundreds of calls per step); the same buffers as
-    DTensor allocates (``cost.reshard_memory``). None: let DTensor do it (uneven splits)."""
+    """An even split's step as the one functional collective DTensor would run, without
+    DTensor's per-call dispatch (a few ms of CPU each, hundreds of calls per step); the same
+    buffers as DTensor allocates (``cost.reshard_memory``; c10d's in-place
+    ``reduce_scatter_tensor`` would copy its input on gloo). None: let DTensor do it (uneven
+    splits)."""
     here = before[axis]
     m, me = mesh.size(axis), mesh.get_local_rank(axis)
-    group = mesh.get_group(axis)
+    name = mesh.get_group(axis).group_name
     if isinstance(here, Partial) and isinstance(target, Replicate):
-        out = local.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=group)
-        return out
+        return _FUNCTIONAL.wait_tensor(_FUNCTIONAL.all_reduce(local, "sum", name))
     if isinstance(target, Shard) and local.shape[target.dim] % m:
         return None
     if isinstance(here, Replicate) and isinstance(target, Shard):
@@ -123,9 +126,7 @@ def _direct_step(local, shape, mesh: DeviceMesh, before: Layout, axis: int, targ
         src = local if d == 0 else torch.cat(local.chunk(m, d))  # dim d's chunks leading
         if not src.is_contiguous():
             return None
-        out = src.new_empty((src.shape[0] // m, *src.shape[1:]))
-        dist.reduce_scatter_single(out, src, group=group)
-        return out
+        return _FUNCTIONAL.wait_tensor(_FUNCTIONAL.reduce_scatter_tensor(src, "sum", m, name))
     if isinstance(here, Shard) and isinstance(target, Replicate):
         d = here.dim
         size = shape[d]  # dim d before this axis splits it (earlier axes' torch.chunk pieces)
@@ -135,8 +136,7 @@ def _direct_step(local, shape, mesh: DeviceMesh, before: Layout, axis: int, targ
                 size = _pieces(size, mesh.size(a))[coords[a]]
         if size % m or not local.is_contiguous():
             return None
-        out = local.new_empty((m * local.shape[0], *local.shape[1:]))
-        dist.all_gather_single(out, local, group=group)
+        out = _FUNCTIONAL.wait_tensor(_FUNCTIONAL.all_gather_into_tensor(local, m, name))
         return out if d == 0 else torch.cat(out.chunk(m), dim=d)
     return None
 

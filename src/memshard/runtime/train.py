@@ -144,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--strategy", default="memshard", help="memshard (default) or a baseline name")
     p.add_argument("--objective", choices=("memory", "time"), default="memory")
+    p.add_argument("--zero3-unit", choices=("op", "layer"), default="op")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = runtime_plan(args.plan, args.model, args.mesh, strategy=args.strategy,
                             objective=args.objective, batch=args.batch, seq=args.seq,
-                            micro_batches=args.micro_batches)
+                            micro_batches=args.micro_batches, zero3_unit=args.zero3_unit)
         backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         timeout = float(os.environ.get("MEMSHARD_COLLECTIVE_TIMEOUT_S", "300"))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
