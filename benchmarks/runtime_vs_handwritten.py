@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=6, help="≥ 3: the first and last are not timed")
+    p.add_argument("--steps", type=int, default=10, help="≥ 3: the first and last are not timed")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a hand-written rank
     return p

@@ -235,3 +235,14 @@ def test_plan_help_is_fast():
     r = subprocess.run(memshard_cmd("plan", "--help"), capture_output=True, text=True, timeout=30, env=cli_env())
     assert r.returncode == 0 and "--mesh" in r.stdout
     assert time.perf_counter() - start < 1.0
+
+
+def test_plan_with_zero3_per_layer(tmp_path):
+    out = tmp_path / "plan.json"
+    r = run("plan", "--model", "tiny-gpt", "--mesh", "2x2", "--zero3-unit", "layer", "--gap", "0.05",
+            "--json", str(out), "--brief")
+    assert r.returncode == 0, r.stderr
+    assert "ZeRO-3 weights gathered per layer" in r.stdout
+    assert json.loads(out.read_text())["solver"]["zero3_unit"] == "layer"
+    bad = run("plan", "--model", "tiny-gpt", "--mesh", "2x2", "--zero3-unit", "block")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
