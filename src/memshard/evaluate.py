@@ -14,7 +14,7 @@ import numpy as np
 
 from memshard.cost import comm
 from memshard.cost.memory import CATEGORIES
-from memshard.problem import Problem, Selection
+from memshard.problem import REGATHER, Problem, Selection
 
 
 @dataclass(frozen=True)
@@ -114,15 +114,21 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
         layout = problem.holder_layout(selection, h)
         if layout is not None:
             tensor = (problem.holder_identity(selection, h), problem.held[h.tensor].layout_id(layout))
-            by_tensor[h.tensor].append((h.start, h.end, tensor))
+            by_tensor[h.tensor].append((h.start, h.end, tensor, h.kind == REGATHER))
     for t, entries in by_tensor.items():
         held = problem.held[t]
-        cuts = sorted({s for s, _, _ in entries} | {e + 1 for _, e, _ in entries})
+        cuts = sorted({s for s, _, _, _ in entries} | {e + 1 for _, e, _, _ in entries})
         for lo, hi in zip(cuts, cuts[1:]):
-            ids = {tensor for s, e, tensor in entries if s <= lo and hi - 1 <= e}
-            if ids:
-                add(lo, hi - 1, "activations", sum(held.nbytes[i] for _, i in ids),
-                    sum(held.redundant[i] for _, i in ids))
+            # A copy only re-gathered for a backward is made there and dropped after: a transient.
+            ids: dict[tuple, bool] = {}
+            for s, e, tensor, regather in entries:
+                if s <= lo and hi - 1 <= e:
+                    ids[tensor] = ids.get(tensor, True) and regather
+            for category, only_regathered in (("activations", False), ("transients", True)):
+                mine = [i for (_, i), r in ids.items() if r == only_regathered]
+                if mine:
+                    add(lo, hi - 1, category, sum(held.nbytes[i] for i in mine),
+                        sum(held.redundant[i] for i in mine))
 
     extra: dict[int, float] = defaultdict(float)  # one reshard at a time: the largest counts
     for rp in problem.reshard_points:
