@@ -3,10 +3,11 @@ for both objectives, including the secondary objective that breaks ties."""
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from memshard.evaluate import evaluate
+from memshard.evaluate import evaluate, least_choice_bound, peak_lower_bound, zero_redundancy_bound
 from memshard.graph import FP32, MIXED, Graph, Op, Operand, SavedBuffer, TensorKind, TensorSpec
 from memshard.mesh import make_mesh
 from memshard.problem import build_problem
@@ -81,6 +82,10 @@ def test_ilp_matches_brute_force(graph, shape, budget_quantile):
 
     # memory objective: least peak, then least time among the least-peak plans
     min_peak = min(ev.peak_bytes for _, ev in evals)
+    # the plan-independent bounds the solver certifies with hold at every point of every plan
+    bound = np.maximum(zero_redundancy_bound(problem), least_choice_bound(problem))
+    assert all((ev.live_bytes >= bound - 1e-9 * min_peak).all() for _, ev in evals)
+    assert peak_lower_bound(problem) <= min_peak * (1 + 1e-12)
     ties = [ev for _, ev in evals if ev.peak_bytes <= min_peak * (1 + 1e-9)]
     min_time_at_min_peak = min(ev.step_time_s for ev in ties)
     result = solve(problem, "memory", mip_gap=0.0)

@@ -64,7 +64,7 @@ import numpy as np
 from memshard.baselines import zero
 from memshard.cost import comm
 from memshard.errors import MemshardError
-from memshard.evaluate import step_time, zero_redundancy_bound
+from memshard.evaluate import peak_lower_bound, step_time, zero_redundancy_bound
 from memshard.placement import Layout, Partial
 from memshard.problem import (
     BACKWARD_PRICES,
@@ -597,7 +597,8 @@ class IlpBuilder:
 class _Reference:
     """Cheap figures that scale the ILP and start its search."""
 
-    memory_floor_bytes: float  # zero-redundancy bound: no plan's peak is lower
+    memory_floor_bytes: float  # zero-redundancy bound: no plan's peak is lower (and the scale)
+    least_peak_bytes: float  # a tighter plan-independent bound (``evaluate.peak_lower_bound``)
     time_floor_s: float  # every group at its fastest choice, no resharding: no plan is faster
     time_estimate_s: float  # a typical memory-lean plan's step time (ZeRO-3 where it exists)
     time_scale_s: float  # the slowest choice of every group: an over-estimate, of the right order
@@ -611,6 +612,7 @@ def _reference(problem: Problem) -> _Reference:
         time_estimate = time_floor
     return _Reference(
         memory_floor_bytes=float(zero_redundancy_bound(problem).max()),
+        least_peak_bytes=peak_lower_bound(problem),
         time_floor_s=time_floor,
         time_estimate_s=time_estimate,
         # even where latencies, not FLOPs, dominate (tiny models)
@@ -666,7 +668,7 @@ def solve(
     time_estimate = b.reference.time_estimate_s / b.time_unit
     if objective == "memory":
         primary, secondary = peak_obj, (t_cols, t_vals)
-        floor, scales = memory_floor, (memory_floor, time_estimate)
+        floor, scales = b.reference.least_peak_bytes / b.bytes_unit, (memory_floor, time_estimate)
     else:
         primary, secondary = (t_cols, t_vals), peak_obj
         floor, scales = b.reference.time_floor_s / b.time_unit, (time_estimate, memory_floor)
