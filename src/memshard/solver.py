@@ -43,8 +43,9 @@ x integral the flow is integral (each state has one way in and out), so z is con
 Objectives: ``memory`` minimises M, then, with M held within the gap of its optimum, the step
 time (ties broken by time); ``time`` minimises T subject to M ≤ budget, then M. The first
 pass minimises the primary objective plus a small multiple of the other, which is usually
-optimal for the primary one alone, as the zero-redundancy bound often shows at once, and
-then needs no second pass (``_Highs.first_pass``).
+optimal for the primary one alone, as a plan-independent bound on the peak
+(``evaluate.peak_lower_bound``) often shows at once, and then needs no second pass
+(``_Highs.first_pass``).
 Solver options are fixed (one thread, seed 0) so the same input gives the same plan.
 """
 
