@@ -41,7 +41,8 @@ def solve_highs(problem, b: IlpBuilder, gap: float, limit: float) -> tuple[float
     ref = _reference(problem)
     floor = ref.memory_floor_bytes / b.bytes_unit
     hs = _Highs(b.m, started + limit)
-    _, obj, _, _, _ = hs.first_pass((np.array([b.peak]), np.array([1.0])), b.time_expression(), floor,
+    _, obj, _, _, _ = hs.first_pass((np.array([b.peak]), np.array([1.0])), b.time_expression(),
+                                    ref.least_peak_bytes / b.bytes_unit,
                                     (floor, ref.time_estimate_s / b.time_unit), gap, b.replicated_start())
     return time.perf_counter() - started, obj
 
