@@ -2,10 +2,12 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/runtime_accuracy.py [--write]
 
-Runs the 25 plans of ``tests/test_runtime.py`` (tiny GPT and LLaMA, fp32, batch 8 × 32
-tokens; memshard's plans under both objectives on meshes 4, 2x2, 1x4, 2x2x2, and baselines)
-on forked gloo ranks, 3 Adam steps, the last one measured on every rank; then ``simulate``
-(fake process group, one process) for rank 0 of GPT-3 6.7B on 8x8 and LLaMA-3 8B on 4x8.
+Runs the 26 plans of ``tests/test_runtime.py`` (tiny GPT and LLaMA, fp32, batch 8 × 32
+tokens; memshard's plans under both objectives on meshes 4, 2x2, 1x4, 2x2x2, baselines, and
+three with ZeRO-3 gathered per layer) on forked gloo ranks, 3 Adam steps, the last one
+measured on every rank; then ``simulate`` (fake process group, one process) for rank 0 of
+memshard's plans of GPT-3 6.7B on 8x8 and LLaMA-3 8B on 4x8, and of GPT-3 6.7B's TP8 +
+ZeRO-3 plan with ZeRO-3 gathered per layer.
 The figures are rank 0's; "worst rank" is the largest peak error over the ranks.
 ``--write`` puts the tables into BENCHMARKS.md between their markers.
 """
@@ -26,10 +28,15 @@ from tests.test_runtime import CASES, STEPS, _make  # noqa: E402
 
 import memshard  # noqa: E402
 from benchmarks_md import write_section  # noqa: E402
+from memshard.api import strategy_plan  # noqa: E402
 from memshard.runtime.report import error  # noqa: E402
 from memshard.runtime.simulate import simulate  # noqa: E402
 
-SIMULATED = (("gpt3-6.7b", "8x8", 64), ("llama3-8b", "4x8", 32))
+SIMULATED = (  # model, mesh, batch, strategy, ZeRO-3 unit
+    ("gpt3-6.7b", "8x8", 64, "memshard", "op"),
+    ("llama3-8b", "4x8", 32, "memshard", "op"),
+    ("gpt3-6.7b", "8x8", 64, "tp8-fsdp8", "layer"),
+)
 
 
 def mib(x: float) -> str:
@@ -66,19 +73,23 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [row(case, results[case]) for case in sorted(results)]
-    lines += ["", "Simulated (fake process group, rank 0, fp32, seq 2048, memshard plan):", "",
-              "| model | mesh | predicted peak GiB | measured GiB | error | comm error | "
+    lines += ["", "Simulated (fake process group, rank 0, fp32, seq 2048):", "",
+              "| model | mesh | plan | predicted peak GiB | measured GiB | error | comm error | "
               + " | ".join(f"{c} error" for c in ("parameters", "gradients", "optimizer_states",
                                                    "activations", "transients")) + " | time |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for model, mesh, batch in SIMULATED:
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for model, mesh, batch, strategy, unit in SIMULATED:
         t = time.time()
-        plan = memshard.plan(model, mesh, batch=batch, seq=2048, precision="fp32", mip_gap=0.02)
+        if strategy == "memshard":
+            plan = memshard.plan(model, mesh, batch=batch, seq=2048, precision="fp32", mip_gap=0.02)
+        else:
+            plan = strategy_plan(model, mesh, strategy, batch=batch, seq=2048, precision="fp32", zero3_unit=unit)
         r = simulate(plan)
         p, m = r["predicted"], r["measured"]
         cats = " | ".join(pct(error(m["breakdown"][c], p["breakdown"][c]))
                           for c in ("parameters", "gradients", "optimizer_states", "activations", "transients"))
-        lines.append(f"| {model} | {mesh} | {p['peak_bytes'] / 2**30:.2f} | {m['peak_bytes'] / 2**30:.2f} | "
+        name = strategy + (", ZeRO-3 per layer" if unit == "layer" else "")
+        lines.append(f"| {model} | {mesh} | {name} | {p['peak_bytes'] / 2**30:.2f} | {m['peak_bytes'] / 2**30:.2f} | "
                      f"{pct(error(m['peak_bytes'], p['peak_bytes']))} | "
                      f"{pct(error(m['communication_bytes'], p['communication_bytes']))} | {cats} | "
                      f"{time.time() - t:.0f} s |")
