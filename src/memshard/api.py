@@ -10,7 +10,7 @@ from memshard.graph import Graph
 from memshard.mesh import Mesh, parse_mesh
 from memshard.models import ModelConfig, build_graph
 from memshard.plans import Plan, build_plan
-from memshard.problem import ZERO3_UNITS, build_problem
+from memshard.problem import build_problem
 from memshard.solver import Infeasible, solve
 from memshard.units import format_bytes, format_seconds, parse_bytes
 
@@ -76,7 +76,6 @@ def plan(
         raise MemshardError(f"the optimality gap must be in [0, 1), got {mip_gap}")
     if micro_batches < 1:
         raise MemshardError("the number of micro-batches must be positive")
-    _check_unit(zero3_unit)
     if isinstance(model, Graph):
         graph = model
         model_info = {}
@@ -228,11 +227,6 @@ def _compare_row(p: Plan, best: Plan) -> dict:
     }
 
 
-def _check_unit(zero3_unit: str) -> None:
-    if zero3_unit not in ZERO3_UNITS:
-        raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, got {zero3_unit!r}")
-
-
 def strategy_plan(
     model: str | ModelConfig,
     mesh: str | Mesh,
@@ -250,7 +244,6 @@ def strategy_plan(
 
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     graph, model_info = _job_graph(model, mesh, batch, seq, micro_batches, model_overrides)
-    _check_unit(zero3_unit)
     fixed, skipped = baselines(build_problem(graph, mesh, micro_batches=micro_batches, zero3_unit=zero3_unit))
     for b in fixed:
         if b.name == strategy:

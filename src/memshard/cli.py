@@ -71,6 +71,12 @@ def _model_of(args):
     return args.model
 
 
+def _add_zero3_unit_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--zero3-unit", choices=("op", "layer"), default="op",
+                        help="what ZeRO-3 gathers at once: each op's weights (least memory, default) or a "
+                             "whole layer's (FSDP's unit: far fewer collectives)")
+
+
 def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """The training job: model, mesh, batch, sequence length, micro-batches."""
     _add_model_arguments(parser, required=True)
@@ -79,9 +85,7 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
     parser.add_argument("--micro-batches", type=_positive_int, default=1,
                         help="gradient accumulation: run the batch as this many equal micro-batches per step")
-    parser.add_argument("--zero3-unit", choices=("op", "layer"), default="op",
-                        help="what ZeRO-3 gathers at once: each op's weights (least memory, default) or a "
-                             "whole layer's (FSDP's unit: far fewer collectives)")
+    _add_zero3_unit_argument(parser)
 
 
 def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,9 +96,7 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
     parser.add_argument("--seq", type=_positive_int, help="sequence length (default: the preset's)")
     parser.add_argument("--micro-batches", type=_positive_int, default=1)
-    parser.add_argument("--zero3-unit", choices=("op", "layer"), default="op",
-                        help="what ZeRO-3 gathers at once: each op's weights (least memory, default) or a "
-                             "whole layer's (FSDP's unit: far fewer collectives)")
+    _add_zero3_unit_argument(parser)
     parser.add_argument("--strategy", default="memshard",
                         help="memshard (default) or a baseline: ddp, zero1, zero3-fsdp, megatron-tp4-sp… "
                              "(`memshard compare` lists them)")

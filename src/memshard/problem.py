@@ -52,6 +52,7 @@ from memshard.cost.memory import (
     tensor_bytes,
 )
 from memshard.cost.reshard_memory import reshard_peak_bytes
+from memshard.errors import MemshardError
 from memshard.graph import Graph, Op, TensorKind, TensorSpec
 from memshard.mesh import Mesh
 from memshard.placement import PARTIAL, REPLICATE, Layout, Partial, Shard, local_numel, local_shape
@@ -738,7 +739,7 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
     """``graph`` describes one micro-batch; a step runs ``micro_batches`` of them (gradient
     accumulation) and one optimizer update. ``zero3_unit``: see :class:`LayerUnit`."""
     if zero3_unit not in ZERO3_UNITS:
-        raise ValueError(f"zero3_unit must be one of {', '.join(ZERO3_UNITS)}, got {zero3_unit!r}")
+        raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, got {zero3_unit!r}")
     b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit)
     op_group = b.add_ops()
     b.op_slots(op_group)

@@ -380,9 +380,7 @@ class GatherUnit:
         """The members' summed gradients as this rank's shard of the unit's gradient."""
         pending = self.pending
         self.pending = {}
-        flat = torch.cat([pending[k].reshape(-1) if k in pending
-                          else pending[next(iter(pending))].new_zeros(store.numel)
-                          for k, store in enumerate(self.stores)])
+        flat = torch.cat([pending[k].reshape(-1) for k in range(len(self.stores))])
         for start, end, axes in self.reduce_ranges:
             for a in axes:
                 dist.all_reduce(flat[start:end], group=self.mesh.get_group(a))

@@ -129,16 +129,20 @@ def _direct_step(local, shape, mesh: DeviceMesh, before: Layout, axis: int, targ
         return _FUNCTIONAL.wait_tensor(_FUNCTIONAL.reduce_scatter_tensor(src, "sum", m, name))
     if isinstance(here, Shard) and isinstance(target, Replicate):
         d = here.dim
-        size = shape[d]  # dim d before this axis splits it (earlier axes' torch.chunk pieces)
-        coords = mesh.get_coordinate()
-        for a in range(axis):
-            if before[a] == Shard(d):
-                size = _pieces(size, mesh.size(a))[coords[a]]
-        if size % m or not local.is_contiguous():
+        if _size_before(shape, mesh, before, axis, d) % m or not local.is_contiguous():
             return None
         out = _FUNCTIONAL.wait_tensor(_FUNCTIONAL.all_gather_into_tensor(local, m, name))
         return out if d == 0 else torch.cat(out.chunk(m), dim=d)
     return None
+
+
+def _size_before(shape, mesh: DeviceMesh, layout: Layout, axis: int, d: int) -> int:
+    """This rank's size of dim ``d`` before ``axis`` splits it: earlier axes' torch.chunk pieces."""
+    size, coords = shape[d], mesh.get_coordinate()
+    for a in range(axis):
+        if layout[a] == Shard(d):
+            size = _pieces(size, mesh.size(a))[coords[a]]
+    return size
 
 
 def _pieces(n: int, m: int) -> list[int]:
@@ -150,10 +154,7 @@ def _all_to_all(local: torch.Tensor, shape, mesh: DeviceMesh, current: Layout, a
     """Move the split of ``axis`` from dim ``i`` to dim ``j`` with one all-to-all."""
     i = current[axis].dim
     coords = mesh.get_coordinate()
-    size_i = shape[i]  # dim i before this axis splits it: earlier axes' pieces (torch.chunk)
-    for a in range(axis):
-        if current[a] == Shard(i):
-            size_i = _pieces(size_i, mesh.size(a))[coords[a]]
+    size_i = _size_before(shape, mesh, current, axis, i)
     m, me = mesh.size(axis), coords[axis]
     pieces_i, pieces_j = _pieces(size_i, m), _pieces(local.shape[j], m)
     starts_j = [sum(pieces_j[:r]) for r in range(m)]
