@@ -157,11 +157,12 @@ def test_saved_activations_korthikanti(name):
 def test_saved_activations_llama(name):
     # bf16: x and y at both norms / linears (8 sbh), rotated q and attention output (4 sbh),
     # rotated k and v (4 sbh·kv/heads), gate, silu and up and the product (8 sbf),
-    # plus the fp32 logsumexp (4 b·heads·s).
+    # plus the fp32 logsumexp (4 b·heads·s) and the two rotary ops' bf16 cos/sin tables
+    # (head_dim / 2 each per position: 2 · 2 s·head_dim).
     c = PRESETS[name]
     b, s, h, f = SMALL["batch"], SMALL["seq"], c.hidden, c.ffn
     expected = 12 * s * b * h + 4 * s * b * h * c.num_kv_heads // c.heads + 8 * s * b * f
-    expected += 4 * b * c.heads * s
+    expected += 4 * b * c.heads * s + 4 * s * (h // c.heads)
     assert saved_bytes_per_layer(small(name), 0) == expected
 
 

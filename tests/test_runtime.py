@@ -10,18 +10,21 @@ the baselines; a few with ZeRO-3 gathered per layer) runs 3 Adam steps on forked
   elementwise rtol of 1e-5 against the fp32 run is not a fair test: that run is itself up to
   5e-5 of the largest gradient away from float64, from summation order alone.
 - the plan's predictions: bytes each rank sends per step, per collective kind, within 1%;
-  the peak memory of every rank (MemTracker) within 2%.
+  the peak memory of every rank (MemTracker) within 2%, and each category at the peak
+  within 5% (see ``test_memory_categories_match_the_prediction``).
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
 import memshard
 from memshard.api import strategy_plan
+from memshard.evaluate import evaluate
 from memshard.runtime.report import error
 from memshard.runtime.simulate import simulate
 from tests.runtime_harness import INSPECT_STEP, reference, run_cases
@@ -117,15 +120,59 @@ def test_communication_bytes_match_the_prediction(case):
             assert m["communication_by_kind"][kind] == pytest.approx(predicted, rel=0.01, abs=1), kind
 
 
+@functools.cache
+def _simulated(case: str, rank: int) -> dict:
+    """A rank's step measured again with ``simulate`` (the same step, fake process group:
+    deterministic). gloo's worker thread frees a collective's buffers at its own moment, so a
+    real rank's peak is sometimes a few percent higher in one run and not the next
+    (BENCHMARKS.md): a rank that misses is measured this way, and must then match."""
+    return simulate(_results()[case][0], rank=rank)["measured"]
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_peak_memory_matches_the_prediction(case):
-    """Every rank within 2%. gloo's worker thread frees a collective's buffers at its own
-    moment, so a real rank's peak is sometimes a few percent higher in one run and not the
-    next (BENCHMARKS.md); a rank above the bound is measured again with ``simulate`` (the same
-    step, fake process group: deterministic), which must then be within it."""
+    """Every rank within 2%."""
     plan, reports = _results()[case]
     for r in reports:
         e = error(r["measured"]["peak_bytes"], r["predicted"]["peak_bytes"])
         if e > 0.02:
-            e = error(simulate(plan, rank=r["rank"])["measured"]["peak_bytes"], r["predicted"]["peak_bytes"])
+            e = error(_simulated(case, r["rank"])["peak_bytes"], r["predicted"]["peak_bytes"])
         assert abs(e) <= 0.02, f"rank {r['rank']}: measured peak {e:+.2%} off the prediction"
+
+
+TIED = 0.005  # schedule points this close to the predicted peak tie with it
+SMALL_CATEGORY = 0.2  # of the peak: a smaller category's error is measured against this
+
+
+def category_errors(ev, measured: dict) -> tuple[int, dict[str, float]]:
+    """Each category's error against the tied point whose breakdown ``measured`` matches
+    best (relative to the category, or to a fifth of the peak if it is smaller), and that
+    point."""
+    tied = np.nonzero(ev.live_bytes >= (1 - TIED) * ev.peak_bytes)[0]
+    floor = SMALL_CATEGORY * ev.peak_bytes
+    errors = {int(t): {c: (measured[c] - p) / max(p, floor) for c, p in ev.breakdown_at(int(t)).items()}
+              for t in tied}
+    point = min(errors, key=lambda t: max(map(abs, errors[t].values())))
+    return point, errors[point]
+
+
+def _category_misses(ev, measured: dict) -> tuple[int, dict[str, str]]:
+    point, errors = category_errors(ev, measured)
+    return point, {c: f"{e:+.1%}" for c, e in errors.items() if abs(e) > 0.05}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_memory_categories_match_the_prediction(case):
+    """Every rank's bytes per category at its peak (MemTracker: parameters, gradients,
+    optimizer states, activations, transients) within 5% of the plan's; for a category under
+    a fifth of the peak (the transients of most plans, the activations of some), within 1% of
+    the peak. Where several schedule points tie with the peak (within 0.5%, e.g. the logits'
+    reshard before the loss and the same bytes at its backward), MemTracker's peak falls on
+    any of them, each holding another mix: the breakdown must match one of them."""
+    plan, reports = _results()[case]
+    ev = evaluate(plan.problem, plan.selection)
+    for r in reports:
+        point, misses = _category_misses(ev, r["measured"]["breakdown"])
+        if misses:
+            point, misses = _category_misses(ev, _simulated(case, r["rank"])["breakdown"])
+        assert not misses, f"rank {r['rank']} at {plan.problem.schedule.describe(point, plan.problem.graph)}: {misses}"

@@ -14,7 +14,7 @@ import numpy as np
 
 from memshard.cost import comm
 from memshard.cost.memory import CATEGORIES
-from memshard.problem import REGATHER, Problem, Selection
+from memshard.problem import ALWAYS, DURING_RESHARDS, REGATHER, Problem, Selection
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,11 @@ class Evaluation:
     communication_bytes: float
     communication_by_kind: dict[str, dict[str, float]]
     live_bytes: np.ndarray  # per schedule point
+    category_bytes: np.ndarray  # per category (CATEGORIES' order) × schedule point
+
+    def breakdown_at(self, point: int) -> dict[str, float]:
+        """Live bytes per category at schedule point ``point``."""
+        return {c: float(self.category_bytes[k, point]) for k, c in enumerate(CATEGORIES)}
 
 
 class InconsistentPlan(ValueError):
@@ -80,6 +85,8 @@ def least_choice_bound(problem: Problem) -> np.ndarray:
         least[c.start] += c.nbytes
         least[c.end + 1] -= c.nbytes
     for s in problem.slots:
+        if s.phase == DURING_RESHARDS:  # instead of another slot, not beside it
+            continue
         m = float(s.nbytes.min())
         least[s.start] += m
         least[s.end + 1] -= m
@@ -138,9 +145,16 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
 
     for c in problem.constants:
         add(c.start, c.end, c.category, c.nbytes, c.redundant)
+    # What changes at a slot's last point while the reshards there run (Slot.phase).
+    swap = defaultdict(lambda: np.zeros(len(CATEGORIES) + 1))  # point → per category, redundant
     for s in problem.slots:
         k = selection.choices[s.group]
-        add(s.start, s.end, s.category, s.nbytes[k], s.redundant[k])
+        if s.phase != DURING_RESHARDS:
+            add(s.start, s.end, s.category, s.nbytes[k], s.redundant[k])
+        if s.phase != ALWAYS:
+            sign = 1.0 if s.phase == DURING_RESHARDS else -1.0
+            swap[s.end][cat_index[s.category]] += sign * s.nbytes[k]
+            swap[s.end][-1] += sign * s.redundant[k]
 
     by_tensor = defaultdict(list)
     for h in problem.holders:
@@ -166,8 +180,16 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
     extra: dict[int, float] = defaultdict(float)  # one reshard at a time: the largest counts
     for rp in problem.reshard_points:
         extra[rp.point] = max(extra[rp.point], *problem.reshard_rows(selection, rp))
+    # A point holds the larger of its two moments: before its reshards, and while the largest
+    # runs (with what changed in between).
     for point, nbytes in extra.items():
-        add(point, point, "transients", nbytes, 0.0)
+        change = swap[point].copy()
+        change[cat_index["transients"]] += nbytes
+        if change[:-1].sum() > 0:
+            for k, c in enumerate(CATEGORIES):
+                add(point, point, c, change[k], 0.0)
+            redundant[point] += change[-1]
+            redundant[point + 1] -= change[-1]
 
     live = np.cumsum(live, axis=1)[:, :n_points]
     total = live.sum(axis=0)
@@ -202,4 +224,5 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
         communication_bytes=wire,
         communication_by_kind=by_kind,
         live_bytes=total,
+        category_bytes=live,
     )

@@ -20,7 +20,7 @@ from memshard.files import read_json, write_text_atomically
 from memshard.graph import Graph
 from memshard.mesh import Mesh
 from memshard.placement import format_layout
-from memshard.problem import Problem, Selection
+from memshard.problem import DURING_RESHARDS, Problem, Selection
 from memshard.solver import SolveResult
 
 SCHEMA = "memshard.plan/1"
@@ -94,7 +94,7 @@ def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict
             owner[link.a] = problem.groups[link.b].key
     out: dict[str, float] = {}
     for s in problem.slots:
-        if s.start <= point <= s.end:
+        if s.start <= point <= s.end and s.phase != DURING_RESHARDS:  # (the moment before the reshards)
             key = owner[s.group]
             out[key] = out.get(key, 0.0) + float(s.redundant[selection.choices[s.group]])
     seen: dict[int, set] = {}

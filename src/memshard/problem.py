@@ -131,6 +131,13 @@ class Slot:
     nbytes: np.ndarray  # per choice
     redundant: np.ndarray  # per choice
     global_bytes: float  # plan-independent unique bytes (0 for plan-dependent copies)
+    # At its last point: held throughout (ALWAYS), or only before (BEFORE_RESHARDS) or only
+    # while (DURING_RESHARDS) the reshards there run. A weight's gradient is reduced after its
+    # op's backward and before the reshards of the op's input gradients.
+    phase: str = "always"
+
+
+ALWAYS, BEFORE_RESHARDS, DURING_RESHARDS = "always", "before_reshards", "during_reshards"
 
 
 @dataclass(frozen=True)
@@ -413,11 +420,11 @@ class _Builder:
     def time(self, calls) -> float:
         return comm.total_time(calls, self.mesh)
 
-    def slot(self, group, start, end, category, nbytes, redundant=None, global_bytes=0.0) -> None:
+    def slot(self, group, start, end, category, nbytes, redundant=None, global_bytes=0.0, phase=ALWAYS) -> None:
         nbytes = np.asarray(nbytes, float)
-        if nbytes.any():
+        if (nbytes.any() or global_bytes) and start <= end:
             red = np.zeros_like(nbytes) if redundant is None else np.asarray(redundant, float)
-            self.slots.append(Slot(group, start, end, category, nbytes, red, float(global_bytes)))
+            self.slots.append(Slot(group, start, end, category, nbytes, red, float(global_bytes), phase))
 
     def redundant(self, nbytes, layouts) -> list[float]:
         return [redundant_bytes(b, L, self.mesh) for b, L in zip(nbytes, layouts)]
@@ -614,9 +621,8 @@ class _Builder:
             grp.meta["params"].append(name)
             storage_group[name] = gid
             v = self.cached((gid, "storage"), lambda grp=grp: self.storage_prices(grp))
-            whole = (0, S.optimizer)
-            self.slot(gid, *whole, "parameters", *v["parameters"], spec.numel * prec.param_bytes)
-            self.slot(gid, *whole, "optimizer_states", *v["optimizer_states"], spec.numel * prec.optimizer_bytes)
+            self.slot(gid, 0, S.optimizer, "parameters", *v["parameters"], spec.numel * prec.param_bytes)
+            self.slot(gid, 0, S.optimizer, "optimizer_states", *v["optimizer_states"], spec.numel * prec.optimizer_bytes)
             # With several micro-batches the gradients accumulate across them: live all step.
             # Stored sharded (ZeRO-2/3), the gradient exists once every use's contribution is
             # reduce-scattered, after the first use's backward (the last one to run); until
@@ -624,35 +630,46 @@ class _Builder:
             first, last = uses[-1][0], uses[0][0]
             grads_from = S.backward(first) if self.k == 1 else 0
             reduced_at = S.reshard_out(last) if self.k == 1 else 0
+            # A tied weight's gradient waits in autograd's input buffer, not yet the
+            # parameter's .grad, until its last contribution (the first use's backward):
+            # a transient until then (as MemTracker files it).
+            summed_at = S.backward(last)
             grad_bytes = spec.numel * prec.grad_bytes
             if reduced_at > grads_from:
-                unsharded = np.array([opt.stage < 2 for _, opt in grp.meta["options"]], float)
+                whole = np.array([opt.stage < 2 for _, opt in grp.meta["options"]], float)
                 nbytes, red = v["gradients"]
-                self.slot(gid, grads_from, reduced_at - 1, "gradients", nbytes * unsharded, red * unsharded, grad_bytes)
+                self.slot(gid, grads_from, summed_at - 1, "transients", nbytes * whole, red * whole, grad_bytes)
+                self.slot(gid, summed_at, reduced_at - 1, "gradients", nbytes * whole, red * whole, grad_bytes)
             for i, _ in uses[:-1]:
                 # A tied weight's earlier uses (later in backward): autograd sums their two
                 # gradient contributions into a new buffer while both are still alive.
                 self.slot(gid, S.backward(i), S.backward(i), "transients", *v["contributions"])
             unit = self.units.get(name)
+            stages = np.array([opt.stage for _, opt in grp.meta["options"]])
+            # A layer unit's member under ZeRO-3: gathered for the unit's spans, its gradient
+            # reduced with the unit's (after a copy into the unit's flat buffer); every other
+            # option reduces its own gradient after the first use's backward.
+            in_unit = (stages == 3) & (unit is not None)
+            self.reduced_gradient(gid, v, stages, ~in_unit, reduced_at, grad_bytes, before_reshards=True)
+            # ZeRO-2/3: the whole local gradient until its reduce-scatter; under ZeRO-2 the
+            # parameter's .grad from its last contribution on (ZeRO-3 reduces its own).
+            unsharded, red = v["unsharded"]
+            zero2 = stages == 2
+            zero3_per_op = ~in_unit & ~zero2  # (the unsharded bytes are 0 below ZeRO-2)
+            self.slot(gid, S.backward(first), S.reshard_out(last), "transients", unsharded * zero3_per_op,
+                      red * zero3_per_op, phase=BEFORE_RESHARDS)
+            self.slot(gid, S.backward(first), summed_at - 1, "transients", unsharded * zero2, red * zero2)
+            self.slot(gid, summed_at, S.reshard_out(last), "gradients", unsharded * zero2, red * zero2,
+                      phase=BEFORE_RESHARDS)
             if unit is None:
-                self.slot(gid, reduced_at, S.optimizer, "gradients", *v["gradients"], grad_bytes)
-                self.slot(gid, S.backward(first), S.reshard_out(last), "transients", *v["unsharded"])
                 for i, _ in uses:
                     for point in _gather_points(S, self.g, i):
                         self.slot(gid, point, point, "transients", *v["gathered"])
                 continue
-            # A layer unit's member: under ZeRO-3 gathered for the unit's spans, its gradient
-            # reduced with the unit's (after a copy into the unit's flat buffer); other
-            # options as above.
-            z3 = np.array([opt.stage == 3 for _, opt in grp.meta["options"]], float)
-            nbytes, red = v["gradients"]
-            reduced_unit = unit.reduce_point if self.k == 1 else 0
-            self.slot(gid, reduced_at, S.optimizer, "gradients", nbytes * (1 - z3), red * (1 - z3), grad_bytes)
-            self.slot(gid, reduced_unit, S.optimizer, "gradients", nbytes * z3, red * z3, grad_bytes)
-            nbytes, red = v["unsharded"]
-            self.slot(gid, S.backward(first), S.reshard_out(last), "transients", nbytes * (1 - z3), red * (1 - z3))
-            self.slot(gid, S.backward(first), unit.reduce_point, "transients", nbytes * z3, red * z3)
-            self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", nbytes * z3, red * z3)
+            self.reduced_gradient(gid, v, stages, in_unit, unit.reduce_point if self.k == 1 else 0, 0.0,
+                                  before_reshards=False)
+            self.slot(gid, S.backward(first), unit.reduce_point, "transients", unsharded * in_unit, red * in_unit)
+            self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", unsharded * in_unit, red * in_unit)
             for span in (unit.forward_span, unit.backward_span):
                 if span is not None:
                     self.slot(gid, *span, "transients", *v["gathered"])
@@ -660,6 +677,23 @@ class _Builder:
                     self.slot(gid, span[0], span[0], "transients", *v["gathering"])
             self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", *v["scattering"])
         return storage_group
+
+    def reduced_gradient(self, gid: int, v: dict, stages: np.ndarray, options: np.ndarray, at: int,
+                         global_bytes: float, before_reshards: bool) -> None:
+        """The stored gradient of ``options`` from its reduction at point ``at`` on. A ZeRO-2/3
+        reduce-scatter's result is a transient there (the optimizer's .grad once it returns);
+        with micro-batches each one's is added to the gradient kept all step."""
+        nbytes, red = v["gradients"]
+        scattered = options & (stages >= 2) & (self.k == 1)
+        kept = options & ~scattered
+        self.slot(gid, at, self.sched.optimizer, "gradients", nbytes * kept, red * kept,
+                  global_bytes)
+        if before_reshards:  # reduced before the reshards at ``at``: .grad while they run
+            self.slot(gid, at, at, "transients", nbytes * scattered, red * scattered, phase=BEFORE_RESHARDS)
+            self.slot(gid, at, at, "gradients", nbytes * scattered, red * scattered, phase=DURING_RESHARDS)
+        else:
+            self.slot(gid, at, at, "transients", nbytes * scattered, red * scattered)
+        self.slot(gid, at + 1, self.sched.optimizer, "gradients", nbytes * scattered, red * scattered)
 
     def gathers_per_pass(self, name: str, uses: list[tuple[int, int]]) -> int:
         """All-gathers of a ZeRO-3 weight per micro-batch: one per use and gather point, or

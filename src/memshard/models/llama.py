@@ -59,14 +59,16 @@ def build_llama(cfg: ModelConfig, batch: int, seq: int) -> Graph:
         q = g.linear("attn.q", y, bsh, ("h", "e", "g", "d"), q_dims, bias=False)
         k = g.linear("attn.k", y, bsh, ("h", "e", "d"), kv_dims, bias=False)
         v = g.linear("attn.v", y, bsh, ("h", "e", "d"), kv_dims, bias=False)
-        # Rotary embedding: cos/sin are buffers, not parameters, and backward needs only them.
-        # It mixes the two halves of each head, so it cannot split the head dim.
+        # Rotary embedding: backward needs only its cos/sin tables (d/2 each per position, in
+        # the activations' dtype), no activation. It mixes the two halves of each head, so it
+        # cannot split the head dim.
         q = g.op(
             "attn.rope_q",
             "rotary",
             [(q, q_dims)],
             (g.activation("attn.rope_q.out", q_dims), q_dims),
             unsplittable_dims=("d",),
+            buffers=(SavedBuffer(g.prefix + "attn.rope_q.cos_sin", ("s", "d"), g.precision.activation_bytes),),
             flops_per_point=3.0,
         )
         k = g.op(
@@ -75,6 +77,7 @@ def build_llama(cfg: ModelConfig, batch: int, seq: int) -> Graph:
             [(k, kv_dims)],
             (g.activation("attn.rope_k.out", kv_dims), kv_dims),
             unsplittable_dims=("d",),
+            buffers=(SavedBuffer(g.prefix + "attn.rope_k.cos_sin", ("s", "d"), g.precision.activation_bytes),),
             flops_per_point=3.0,
         )
         o = g.op(

@@ -177,15 +177,15 @@ class SplitNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, n_global, groups, rms, eps):
-        if rms:
-            mean = torch.zeros_like(x[..., :1])
+        if rms:  # no mean: RMSNorm keeps one statistic per row
+            mean = None
             stats = all_reduce(_row_dot(x, x), groups)
             rstd = torch.rsqrt(stats / n_global + eps)
         else:
             stats = all_reduce(torch.cat([x.sum(-1, keepdim=True), _row_dot(x, x)], -1), groups)
             mean = stats[..., :1] / n_global
             rstd = torch.rsqrt(stats[..., 1:] / n_global - mean * mean + eps)
-        y = (x - mean).mul_(rstd).mul_(weight)
+        y = _centred(x, mean).mul_(rstd).mul_(weight)
         if bias is not None:
             y.add_(bias)
         ctx.save_for_backward(x, weight, rstd, mean)
@@ -197,19 +197,24 @@ class SplitNorm(torch.autograd.Function):
         x, weight, rstd, mean = ctx.saved_tensors
         n_global, groups, rms, has_bias = ctx.meta
         red = tuple(range(g.dim() - 1))
-        grad_w = (x - mean).mul_(rstd).mul_(g).sum(red)
+        grad_w = _centred(x, mean).mul_(rstd).mul_(g).sum(red)
         grad_b = g.sum(red) if has_bias else None
         gw = g * weight
         # x̂ = (x − μ)·r;  Σ gw·x̂ = r·(Σ gw·x − μ·Σ gw)
-        s1 = gw.sum(-1, keepdim=True)
-        s2 = rstd * (_row_dot(gw, x) - mean * s1)
+        s1 = None if rms else gw.sum(-1, keepdim=True)
+        s2 = rstd * (_row_dot(gw, x) if rms else _row_dot(gw, x) - mean * s1)
         stats = all_reduce(s2 if rms else torch.cat([s1, s2], -1), groups)
         c2 = rstd * stats[..., -1:] / n_global
         # gx = r·(gw − Σgw/n − x̂·Σgw·x̂/n), built in gw's buffer
+        gw.addcmul_(x, c2, value=-1)
         if not rms:
-            gw.sub_(stats[..., :1] / n_global)
-        gw.addcmul_(x, c2, value=-1).add_(mean * c2)
+            gw.sub_(stats[..., :1] / n_global).add_(mean * c2)
         return gw.mul_(rstd), grad_w, grad_b, None, None, None, None
+
+
+def _centred(x: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
+    """``x − mean`` as a new tensor (a copy of ``x`` for RMSNorm, which has no mean)."""
+    return x.clone() if mean is None else x - mean
 
 
 def norm(ctx: OpContext, x, weight, bias=None):
