@@ -122,6 +122,9 @@ class Edge:
         return self.saves and not any(isinstance(p, Partial) for p in producer_layout)
 
 
+ALWAYS, BEFORE_RESHARDS, DURING_RESHARDS = "always", "before_reshards", "during_reshards"  # Slot.phase
+
+
 @dataclass(frozen=True)
 class Slot:
     group: int
@@ -134,10 +137,7 @@ class Slot:
     # At its last point: held throughout (ALWAYS), or only before (BEFORE_RESHARDS) or only
     # while (DURING_RESHARDS) the reshards there run. A weight's gradient is reduced after its
     # op's backward and before the reshards of the op's input gradients.
-    phase: str = "always"
-
-
-ALWAYS, BEFORE_RESHARDS, DURING_RESHARDS = "always", "before_reshards", "during_reshards"
+    phase: str = ALWAYS
 
 
 @dataclass(frozen=True)
@@ -681,8 +681,9 @@ class _Builder:
     def reduced_gradient(self, gid: int, v: dict, stages: np.ndarray, options: np.ndarray, at: int,
                          global_bytes: float, before_reshards: bool) -> None:
         """The stored gradient of ``options`` from its reduction at point ``at`` on. A ZeRO-2/3
-        reduce-scatter's result is a transient there (the optimizer's .grad once it returns);
-        with micro-batches each one's is added to the gradient kept all step."""
+        reduce-scatter's result is a transient there (the optimizer's .grad once it returns;
+        ``before_reshards``: it returns before the reshards at ``at`` run); with micro-batches
+        each one's is added to the gradient kept all step."""
         nbytes, red = v["gradients"]
         scattered = options & (stages >= 2) & (self.k == 1)
         kept = options & ~scattered
