@@ -14,7 +14,7 @@ import numpy as np
 
 from memshard.cost import comm
 from memshard.cost.memory import CATEGORIES
-from memshard.problem import ALWAYS, DURING_RESHARDS, REGATHER, Problem, Selection
+from memshard.problem import DURING_RESHARDS, REGATHER, Problem, Selection
 
 
 @dataclass(frozen=True)
@@ -151,10 +151,9 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
         k = selection.choices[s.group]
         if s.phase != DURING_RESHARDS:
             add(s.start, s.end, s.category, s.nbytes[k], s.redundant[k])
-        if s.phase != ALWAYS:
-            sign = 1.0 if s.phase == DURING_RESHARDS else -1.0
-            swap[s.end][cat_index[s.category]] += sign * s.nbytes[k]
-            swap[s.end][-1] += sign * s.redundant[k]
+        if s.reshard_change:
+            swap[s.end][cat_index[s.category]] += s.reshard_change * s.nbytes[k]
+            swap[s.end][-1] += s.reshard_change * s.redundant[k]
 
     by_tensor = defaultdict(list)
     for h in problem.holders:

@@ -139,6 +139,12 @@ class Slot:
     # op's backward and before the reshards of the op's input gradients.
     phase: str = ALWAYS
 
+    @property
+    def reshard_change(self) -> float:
+        """How its last point's moment with reshards differs from the one before: +1 if it
+        is held only while they run, −1 if only before, 0 if throughout."""
+        return {ALWAYS: 0.0, BEFORE_RESHARDS: -1.0, DURING_RESHARDS: 1.0}[self.phase]
+
 
 @dataclass(frozen=True)
 class HeldTensor:

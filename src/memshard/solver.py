@@ -76,7 +76,6 @@ from memshard.errors import MemshardError
 from memshard.evaluate import evaluate, peak_lower_bound, step_time, zero_redundancy_bound
 from memshard.placement import Layout, Partial
 from memshard.problem import (
-    ALWAYS,
     BACKWARD_PRICES,
     DURING_RESHARDS,
     INPUT_COPY,
@@ -180,6 +179,12 @@ class IlpBuilder:
         choices = tuple(int(np.argmax(values[cols])) for cols in self.x)
         keeps = tuple(int(round(values[self.kappa[e]])) if e in self.kappa else 0 for e in range(len(self.p.edges)))
         return Selection(choices, keeps)
+
+    def meets_m(self, values: np.ndarray) -> bool:
+        """The plan of a solution, priced by the evaluator (its reshards included), is within
+        the solution's M: it meets every row, the lazy reshard rows too."""
+        peak = evaluate(self.p, self.selection(values)).peak_bytes
+        return peak <= values[self.peak] * self.bytes_unit * (1 + HIGHS_TOLERANCE) + 1.0
 
     def selection_start(self, sel: Selection) -> tuple[np.ndarray, np.ndarray]:
         """A complete plan as a partial MIP start: its choice and keep columns."""
@@ -483,10 +488,9 @@ class IlpBuilder:
         with what changes at the point before its reshards run (``Slot.phase``)."""
         swap: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
         for s in self.p.slots:
-            if s.phase != ALWAYS:
-                sign = 1.0 if s.phase == DURING_RESHARDS else -1.0
+            if s.reshard_change:
                 for col, nbytes in zip(self.x[s.group], s.nbytes):
-                    swap[s.end][int(col)] += sign * nbytes / self.bytes_unit
+                    swap[s.end][int(col)] += s.reshard_change * nbytes / self.bytes_unit
         for rp in self.p.reshard_points:
             if rp.point not in self.live_col:
                 continue
@@ -707,11 +711,6 @@ def solve(
         floor, scales = b.reference.time_floor_s / b.time_unit, (time_estimate, memory_floor)
     fallback = b.selection_start(start) if start is not None else b.replicated_start()
 
-    def meets_m(values) -> bool:
-        """The plan's evaluated peak, its reshards included, is within its M."""
-        peak = evaluate(problem, b.selection(values)).peak_bytes
-        return peak <= values[b.peak] * b.bytes_unit * (1 + HIGHS_TOLERANCE) + 1.0
-
     def add_reshard_rows() -> None:
         cols, rows = len(m.lower), len(m.rows_lo)
         b.add_reshard_rows()
@@ -725,7 +724,7 @@ def solve(
             raise Infeasible(objective) from None
         except SolverTimeLimit:
             raise SolverTimeLimit(time_limit_s) from None
-        if not lazy or meets_m(values):
+        if not lazy or b.meets_m(values):
             break
         lazy = False
         if timed_out or hs.expired():  # no time left: that plan stands, priced as it is
@@ -743,7 +742,7 @@ def solve(
         hs.add_row(primary, best + abs(best) * max(mip_gap, TIE_RESOLUTION) + 1e-9)
         with contextlib.suppress(SolverTimeLimit):  # else keep the first pass's plan
             second, _, _, second_timed_out = hs.run(secondary, max(mip_gap, TIE_RESOLUTION), start=values)
-            if lazy and not meets_m(second):
+            if lazy and not b.meets_m(second):
                 add_reshard_rows()
                 lazy = False
                 second, _, _, second_timed_out = hs.run(secondary, max(mip_gap, TIE_RESOLUTION),
