@@ -4,9 +4,11 @@ Builds memshard's ILP once (the peak-memory objective), hands the identical mode
 and to CBC through PuLP, and times both in one run with the same relative gap. ``--lazy``:
 the ILP without its reshard rows, as ``memshard plan`` solves first (``solver.solve``); the
 plan HiGHS finds is then checked to meet M with its reshards (else that ILP is not the one
-memshard ends up solving, and the script says so).
+memshard ends up solving, and the script says so). ``--same-objective``: one branch and bound
+each on the identical model, objective (memshard's first-pass blend of peak and step time),
+gap and start; HiGHS without memshard's bounds around it.
 
-    .venv/bin/python benchmarks/solver_vs_cbc.py [--model gpt3-1.3b --mesh 2x4 --layers 4] [--lazy]
+    .venv/bin/python benchmarks/solver_vs_cbc.py [--model gpt3-1.3b --mesh 2x4 --layers 4] [--lazy] [--same-objective]
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pulp
 from memshard.mesh import parse_mesh
 from memshard.models import build_graph
 from memshard.problem import build_problem
-from memshard.solver import IlpBuilder, _Highs, _reference
+from memshard.solver import TIE_BREAK, IlpBuilder, _Highs, _reference, blend_objective
 
 
 def build(args):
@@ -51,7 +53,23 @@ def solve_highs(problem, b: IlpBuilder, gap: float, limit: float) -> tuple[float
     return time.perf_counter() - started, obj, b.meets_m(values)
 
 
-def solve_cbc(b: IlpBuilder, gap: float, limit: float) -> tuple[float, float | None, str]:
+def blend(problem, b: IlpBuilder):
+    """memshard's first-pass objective: the peak plus TIE_BREAK-weighted step time."""
+    ref = _reference(problem)
+    scales = (ref.memory_floor_bytes / b.bytes_unit, ref.time_estimate_s / b.time_unit)
+    return blend_objective((np.array([b.peak]), np.array([1.0])), b.time_expression(), scales)[0]
+
+
+def solve_highs_alone(b: IlpBuilder, objective, gap: float, limit: float) -> tuple[float, float]:
+    """One HiGHS branch and bound on ``objective`` from the replicated start, nothing around it."""
+    started = time.perf_counter()
+    _, obj, _, _ = _Highs(b.m, started + limit).run(objective, gap, start=b.replicated_start())
+    return time.perf_counter() - started, obj
+
+
+def solve_cbc(b: IlpBuilder, gap: float, limit: float, objective=None) -> tuple[float, float | None, str]:
+    """CBC on the peak alone, or on ``objective`` (columns, coefficients) from the same start
+    HiGHS gets."""
     m = b.m
     started = time.perf_counter()
     prob = pulp.LpProblem("memshard", pulp.LpMinimize)
@@ -61,7 +79,12 @@ def solve_cbc(b: IlpBuilder, gap: float, limit: float) -> tuple[float, float | N
                         cat="Integer" if integer else "Continuous")
         for i, (lo, hi, integer) in enumerate(zip(m.lower, m.upper, m.integer))
     ]
-    prob += xs[b.peak]
+    if objective is None:
+        prob += xs[b.peak]
+    else:
+        prob += pulp.LpAffineExpression([(xs[int(c)], float(v)) for c, v in zip(*objective)])
+        for c, v in zip(*b.replicated_start()):
+            xs[int(c)].setInitialValue(float(v))
     for k, (cols, vals, lo, hi) in enumerate(zip(m.row_cols, m.row_vals, m.rows_lo, m.rows_hi)):
         expr = pulp.LpAffineExpression([(xs[int(c)], float(v)) for c, v in zip(cols, vals)])
         if lo == hi:
@@ -71,7 +94,8 @@ def solve_cbc(b: IlpBuilder, gap: float, limit: float) -> tuple[float, float | N
                 prob += (expr >= lo), f"l{k}"
             if hi != highspy.kHighsInf:
                 prob += (expr <= hi), f"u{k}"
-    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=gap, timeLimit=limit, threads=1))
+    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=gap, timeLimit=limit, threads=1,
+                                          warmStart=objective is not None))
     elapsed = time.perf_counter() - started
     return elapsed, pulp.value(prob.objective), pulp.LpStatus[status]
 
@@ -86,11 +110,23 @@ def main() -> None:
     ap.add_argument("--gap", type=float, default=2e-3)  # memshard plan's default
     ap.add_argument("--limit", type=float, default=600.0)
     ap.add_argument("--lazy", action="store_true", help="without the reshard rows, as memshard solves first")
+    ap.add_argument("--same-objective", action="store_true",
+                    help="both solvers minimise memshard's first-pass blend to its gap from the same start")
     args = ap.parse_args()
     problem, b = build(args)
     nnz = sum(len(c) for c in b.m.row_cols)
     print(f"{args.model} ({args.layers} layers) on {args.mesh}: {len(b.m.lower):,} variables "
           f"({sum(b.m.integer):,} integer), {len(b.m.rows_lo):,} constraints, {nnz:,} nonzeros")
+    if args.same_objective:
+        objective, gap = blend(problem, b), args.gap * TIE_BREAK
+        t_h, obj_h = solve_highs_alone(b, objective, gap, args.limit)
+        print(f"blend objective (peak + {TIE_BREAK:g} weight of step time), gap {gap:.1e}, replicated start")
+        print(f"HiGHS: {t_h:.2f} s, objective {obj_h:.6f}")
+        t_c, obj_c, status = solve_cbc(b, gap, args.limit, objective)
+        print(f"PuLP {pulp.__version__} + CBC: {t_c:.2f} s ({status}), objective "
+              f"{obj_c if obj_c is None else f'{obj_c:.6f}'}")
+        print(f"ratio CBC/HiGHS: {t_c / t_h:.1f}x")
+        return
     t_h, obj_h, meets_m = solve_highs(problem, b, args.gap, args.limit)
     print(f"HiGHS {highspy.Highs().version() if hasattr(highspy.Highs(), 'version') else ''}: {t_h:.2f} s, "
           f"peak {obj_h * b.bytes_unit / 2**30:.4f} GiB")

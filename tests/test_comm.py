@@ -210,7 +210,7 @@ def test_reduce_scatter_plus_gather_costs_as_much_as_all_reduce_on_one_axis():
     # ring identity: all-reduce = reduce-scatter + all-gather, in bytes and in time
     rs = reduce_scatter_flat(4096, 2, (1,), MESH)
     ag = gather_flat(4096, 2, (1,), MESH)
-    ar = comm.all_reduce_over(4096 * 2, (1,))
+    ar = comm.all_reduce_over(4096 * 2, (1,), MESH)
     assert rel(total_wire_bytes(rs + ag, MESH), 2 * 3 / 4 * 8192)
     assert rel(total_wire_bytes(rs + ag, MESH), total_wire_bytes(ar, MESH))
     assert rel(total_time(rs + ag, MESH), total_time(ar, MESH))

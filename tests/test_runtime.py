@@ -103,11 +103,21 @@ def test_losses_and_gradients_equal_the_single_process_run(case):
     _, exact = _reference(CASES[case][0], torch.float64)
     grads = reports[0]["gradients"]
     assert set(grads) == set(ref_grads)
+
+    def error(g, name):
+        return (g - exact[name]).abs().max().item()
+
+    # fp32 rounding alone, at its worst over the model's parameters, relative to their size
+    # (those with a gradient at all: a key bias's is zero, up to rounding): a sharded run sums
+    # its rows in other orders (partials, all-reduced norm statistics), so a parameter the
+    # single process happened to sum accurately may land anywhere up to it.
+    scales = {n: g.abs().max().item() for n, g in exact.items()}
+    fp32_noise = max(error(g, n) / scales[n] for n, g in ref_grads.items() if scales[n] > 1e-6 * max(scales.values()))
     for name, g in grads.items():
-        ours = (torch.from_numpy(g).double() - exact[name]).abs().max().item()
-        single = (ref_grads[name] - exact[name]).abs().max().item()
-        scale = exact[name].abs().max().item()
-        assert ours <= max(10 * single, 1e-6 * scale), (name, INSPECT_STEP, ours, single, scale)
+        ours = error(torch.from_numpy(g).double(), name)
+        single = error(ref_grads[name], name)
+        scale = scales[name]
+        assert ours <= max(10 * single, 1e-6 * scale, fp32_noise * scale), (name, INSPECT_STEP, ours, single, scale, fp32_noise)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from memshard.coarsen import lift_selection, merge_groups, merged_mesh
+from memshard.coarsen import merge_groups, merged_mesh, solve_merged
 from memshard.errors import MemshardError
 from memshard.graph import Graph
 from memshard.mesh import Mesh, parse_mesh
@@ -59,9 +59,10 @@ def plan(
     ``micro_batches`` accumulated micro-batches of ``batch / micro_batches``. On meshes of three
     or more axes, adjacent axes with identical links are planned as one (see ``coarsen.py``)
     unless ``full_mesh``. ``start``: a plan of the same job the solver starts from (e.g. the
-    memory-optimal plan when asking for the fastest one under a budget it meets; not used
-    where axes are planned as one). ``zero3_unit``: ZeRO-3 weights gathered per op (``"op"``,
-    least memory) or per layer (``"layer"``, FSDP's unit: fewer, larger collectives).
+    memory-optimal plan when asking for the fastest one under a budget it meets; where axes
+    are planned as one, used if it treats them alike). ``zero3_unit``: ZeRO-3 weights
+    gathered per op (``"op"``, least memory) or per layer (``"layer"``, FSDP's unit: fewer,
+    larger collectives).
     """
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     if isinstance(memory_budget, str):
@@ -95,20 +96,20 @@ def plan(
         searched = build_problem(graph, merged_mesh(mesh, groups), shared_layers=not exact,
                                  micro_batches=micro_batches, zero3_unit=zero3_unit)
     initial = None
-    if start is not None and searched is problem:
+    if start is not None:
         if len(start.selection.choices) != len(problem.groups):
             raise MemshardError("the start plan is of another job")
         initial = start.selection
     try:
-        result = solve(searched, objective, max_step_time_s=max_step_time_s,
-                       memory_budget_bytes=memory_budget, time_limit_s=time_limit_s, mip_gap=mip_gap,
-                       start=initial)
+        if searched is problem:
+            result = solve(problem, objective, max_step_time_s=max_step_time_s, memory_budget_bytes=memory_budget,
+                           time_limit_s=time_limit_s, mip_gap=mip_gap, start=initial)
+        else:
+            result = solve_merged(problem, searched, groups, objective, max_step_time_s=max_step_time_s,
+                                  memory_budget_bytes=memory_budget, time_limit_s=time_limit_s, mip_gap=mip_gap,
+                                  start=initial)
     except Infeasible:
         raise _explain_infeasible(searched, objective, max_step_time_s, memory_budget, time_limit_s) from None
-    if searched is not problem:
-        lifted = lift_selection(searched, problem, result.selection, groups)
-        merged = " and ".join("×".join(mesh.axis_names[a] for a in g) for g in groups if len(g) > 1)
-        result = replace(result, selection=lifted, search_space=f"axes {merged} planned as one")
     return build_plan(problem, result, model=model_info, constraints=constraints)
 
 

@@ -7,16 +7,28 @@ dim split over each of the original axes, in order; ZeRO storage over it becomes
 over each. The lifted plan is priced again on the real mesh, so every reported figure is
 exact for it; what the merge gives up is only choices that treat the merged axes
 differently (e.g. batch over one, sequence over the other), and the plan says so.
+
+A merged axis keeps its real axes (``MeshAxis.parts``): every collective and every reshard's
+buffers are priced as they run on the real axes (a step over the merged axis is a step over
+each part), so a plan of the merged mesh has exactly the peak, the step time and the
+communication of its lift, and a budget (``--memory-budget``, ``--max-step-time``) met on
+the merged mesh is met on the real one.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 
 from memshard.cost.memory import StorageOption
+from memshard.errors import MemshardError
+from memshard.evaluate import evaluate
 from memshard.mesh import Mesh, MeshAxis
 from memshard.problem import Problem, Selection
+from memshard.solver import SolveResult, solve
+
+BUDGET_TOLERANCE = 1e-6  # the ILP's rows hold to HiGHS's feasibility tolerance
 
 
 def merge_groups(mesh: Mesh) -> list[tuple[int, ...]]:
@@ -37,30 +49,83 @@ def merged_mesh(mesh: Mesh, groups: list[tuple[int, ...]]) -> Mesh:
     axes = []
     for g in groups:
         first = mesh.axes[g[0]]
-        axes.append(MeshAxis("*".join(mesh.axes[a].name for a in g), math.prod(mesh.axes[a].size for a in g),
-                             first.latency_s, first.bandwidth_bytes_per_s))
+        axes.append(first if len(g) == 1 else MeshAxis(
+            "*".join(mesh.axes[a].name for a in g), math.prod(mesh.axes[a].size for a in g), first.latency_s,
+            first.bandwidth_bytes_per_s, parts=tuple(mesh.axes[a] for a in g)))
     return replace(mesh, axes=tuple(axes))
 
 
 def lift_selection(coarse: Problem, fine: Problem, selection: Selection, groups: list[tuple[int, ...]]) -> Selection:
     """The fine-mesh plan that splits and stores exactly as the merged-axis plan does."""
     coarse_axis = {a: k for k, g in enumerate(groups) for a in g}
-    fine_axes = range(fine.mesh.ndim)
     choices = []
     for gid, (cg, fg) in enumerate(zip(coarse.groups, fine.groups)):
         if cg.key != fg.key or cg.kind != fg.kind:
             raise ValueError(f"group {gid} differs between the meshes: {cg.key} vs {fg.key}")
-        k = selection.choices[gid]
-        if cg.kind == "op":
-            want = tuple(cg.meta["strategies"][k].assignment[coarse_axis[a]] for a in fine_axes)
-            index = {s.assignment: i for i, s in enumerate(fg.meta["strategies"])}
-        else:
-            g, opt = cg.meta["options"][k]
-            want_g = tuple(g[coarse_axis[a]] for a in fine_axes)
-            axes = tuple(a for a in fine_axes if coarse_axis[a] in opt.axes and fine.mesh.shape[a] > 1)
-            want = (want_g, StorageOption(opt.stage if axes else 0, axes))
-            index = {o: i for i, o in enumerate(fg.meta["options"])}
+        want = _lifted_choice(cg, selection.choices[gid], coarse_axis, fine.mesh)
+        index = _choice_index(fg)
         if want not in index:
             raise ValueError(f"{cg.key}: {want} has no counterpart on the full mesh")
         choices.append(index[want])
     return Selection(tuple(choices), selection.keeps)
+
+
+def lower_selection(coarse: Problem, fine: Problem, selection: Selection,
+                    groups: list[tuple[int, ...]]) -> Selection | None:
+    """The merged-axis plan that lifts to ``selection``; None if ``selection`` treats the axes
+    of a merged group differently."""
+    coarse_axis = {a: k for k, g in enumerate(groups) for a in g}
+    choices = []
+    for cg, fg, fine_choice in zip(coarse.groups, fine.groups, selection.choices):
+        lifted = [_lifted_choice(cg, k, coarse_axis, fine.mesh) for k in range(len(cg.choices))]
+        want = _choice_key(fg, fine_choice)
+        if want not in lifted:
+            return None
+        choices.append(lifted.index(want))
+    return Selection(tuple(choices), selection.keeps)
+
+
+def _lifted_choice(cg, k: int, coarse_axis: dict[int, int], mesh: Mesh):
+    """Coarse group ``cg``'s choice ``k`` as its fine group's choice key (``_choice_key``)."""
+    fine_axes = range(mesh.ndim)
+    if cg.kind == "op":
+        return tuple(cg.meta["strategies"][k].assignment[coarse_axis[a]] for a in fine_axes)
+    g, opt = cg.meta["options"][k]
+    axes = tuple(a for a in fine_axes if coarse_axis[a] in opt.axes and mesh.shape[a] > 1)
+    return tuple(g[coarse_axis[a]] for a in fine_axes), StorageOption(opt.stage if axes else 0, axes)
+
+
+def _choice_key(group, k: int):
+    """What choice ``k`` of ``group`` is: an op's assignment of dims to mesh axes, or a
+    parameter's gradient layout and storage option."""
+    return group.meta["strategies"][k].assignment if group.kind == "op" else group.meta["options"][k]
+
+
+def _choice_index(group) -> dict:
+    return {_choice_key(group, k): k for k in range(len(group.choices))}
+
+
+def solve_merged(fine: Problem, coarse: Problem, groups: list[tuple[int, ...]], objective: str, *,
+                 max_step_time_s: float | None, memory_budget_bytes: float | None, time_limit_s: float,
+                 mip_gap: float, start: Selection | None = None) -> SolveResult:
+    """Solve ``coarse`` (``fine``'s mesh with ``groups`` merged) and lift its plan to ``fine``.
+    ``start``: a plan of ``fine`` to start from (used where it treats merged axes alike)."""
+    started = time.perf_counter()
+    coarse_start = lower_selection(coarse, fine, start, groups) if start is not None else None
+    result = solve(coarse, objective, max_step_time_s=max_step_time_s, memory_budget_bytes=memory_budget_bytes,
+                   time_limit_s=time_limit_s, mip_gap=mip_gap, start=coarse_start)
+    lifted = lift_selection(coarse, fine, result.selection, groups)
+    # The merged problem prices every plan as the real mesh runs it, so the lifted plan meets
+    # the budgets; checked, as a plan over its budget must never be returned.
+    ev = evaluate(fine, lifted)
+    memory_limit = None
+    if objective == "time":
+        memory_limit = memory_budget_bytes if memory_budget_bytes is not None else fine.mesh.device_memory_bytes
+    over = (memory_limit is not None and ev.peak_bytes > memory_limit * (1 + BUDGET_TOLERANCE)) or (
+        objective == "memory" and max_step_time_s is not None
+        and ev.step_time_s > max_step_time_s * (1 + BUDGET_TOLERANCE))
+    if over:
+        raise MemshardError("the plan found with merged axes exceeds the budget on the real mesh; use --full-mesh")
+    merged = " and ".join("×".join(fine.mesh.axis_names[a] for a in g) for g in groups if len(g) > 1)
+    return replace(result, selection=lifted, search_space=f"axes {merged} planned as one",
+                   time_s=time.perf_counter() - started)

@@ -29,6 +29,7 @@ class MeshAxis:
     size: int
     latency_s: float
     bandwidth_bytes_per_s: float
+    parts: tuple[MeshAxis, ...] = ()  # a merged axis (coarsen.py): the real axes, outer first
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,27 @@ class Mesh:
     @functools.cached_property  # asked for by every layout price
     def shape(self) -> tuple[int, ...]:
         return tuple(a.size for a in self.axes)
+
+    @functools.cached_property
+    def real(self) -> Mesh:
+        """The mesh collectives run on: merged axes (``MeshAxis.parts``) split again."""
+        if not any(a.parts for a in self.axes):
+            return self
+        return replace(self, axes=tuple(p for a in self.axes for p in (a.parts or (a,))))
+
+    @functools.cached_property
+    def real_axes(self) -> tuple[tuple[int, ...], ...]:
+        """Per axis, its axes in ``real``."""
+        out, start = [], 0
+        for a in self.axes:
+            n = len(a.parts) or 1
+            out.append(tuple(range(start, start + n)))
+            start += n
+        return tuple(out)
+
+    def on_real_axes(self, layout: tuple) -> tuple:
+        """A layout of this mesh as a layout of ``real``: a merged axis's placement on each part."""
+        return tuple(p for p, axes in zip(layout, self.real_axes) for _ in axes)
 
     @property
     def ndim(self) -> int:

@@ -466,9 +466,9 @@ class _Builder:
             if op.stats_per_row:
                 rows = math.prod(n for d, n in local.items() if d not in op.reduced_dims)
                 axes = tuple(a for a, d in enumerate(s.assignment) if d in op.reduced_dims)
-                calls = comm.all_reduce_over(rows * op.stats_per_row * STATS_BYTES, axes)
+                calls = comm.all_reduce_over(rows * op.stats_per_row * STATS_BYTES, axes, self.mesh)
                 if op.kind in STATS_IN_BACKWARD:
-                    calls += comm.all_reduce_over(rows * STATS_IN_BACKWARD[op.kind] * STATS_BYTES, axes)
+                    calls += comm.all_reduce_over(rows * STATS_IN_BACKWARD[op.kind] * STATS_BYTES, axes, self.mesh)
             compute = flops / rate * self.k
             calls *= self.k
             out.append(Choice(s.name(), compute, calls, compute + self.time(calls)))
@@ -757,7 +757,7 @@ class _Builder:
         numel = local_numel(spec.shape, param_layout(G), mesh.shape)
         partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
         sharded = set(opt.axes) if opt.stage >= 1 else set()
-        reduce = comm.all_reduce_over(numel * prec.grad_bytes, tuple(a for a in partial_axes if a not in sharded))
+        reduce = comm.all_reduce_over(numel * prec.grad_bytes, tuple(a for a in partial_axes if a not in sharded), mesh)
         if sharded:
             reduce += comm.reduce_scatter_flat(numel, prec.grad_bytes, tuple(a for a in opt.axes if a in partial_axes), mesh)
         calls = reduce * (self.k if opt.stage >= 2 else 1)

@@ -320,7 +320,7 @@ class IlpBuilder:
         step = comm.reshard_step(spec.shape, spec.dtype_bytes, cur, a, cv[0], mesh)
         calls += step * (2 if keep else 1)
         cur_b = gc_pre + (cv[1],) + gp_suf[1:]
-        calls += comm.reshard_step(spec.shape, spec.dtype_bytes, cur_b, a, gp_suf[0], mesh)
+        calls += comm.reshard_step(spec.shape, spec.dtype_bytes, cur_b, a, gp_suf[0], mesh, reverse=True)
         return comm.total_time(calls, mesh)
 
     def indicator(self, h: Holder, layout: Layout, part: str = "all") -> dict[int, float]:
@@ -882,8 +882,7 @@ class _Highs:
         and bound on ``expr`` alone continues from it, and where it finds nothing better the
         blend's plan (and its tie-breaking) stands.
         """
-        w = TIE_BREAK * scales[0] / scales[1] if scales[0] > 0 and scales[1] > 0 else TIE_BREAK
-        blend = (np.concatenate([expr[0], tie_break[0]]), np.concatenate([expr[1], tie_break[1] * w]))
+        blend, w = blend_objective(expr, tie_break, scales)
         values, blend_value, blend_gap, timed_out = self.run(blend, gap * TIE_BREAK, start=fallback)
         value = float(values[expr[0]] @ expr[1])
         # what the blend may be off by: its gap, and the integrality and feasibility tolerances
@@ -906,6 +905,13 @@ class _Highs:
         if best_value >= value - abs(value) * TIE_RESOLUTION:  # the blend's plan stands
             return values, value, best_gap, timed_out, ties_resolved and not timed_out
         return best, best_value, best_gap, timed_out, False
+
+
+def blend_objective(expr, tie_break, scales: tuple[float, float]):
+    """``expr`` + w·``tie_break``, w such that ``tie_break`` weighs TIE_BREAK of ``expr`` at
+    their typical ``scales``: ((columns, coefficients), w)."""
+    w = TIE_BREAK * scales[0] / scales[1] if scales[0] > 0 and scales[1] > 0 else TIE_BREAK
+    return (np.concatenate([expr[0], tie_break[0]]), np.concatenate([expr[1], tie_break[1] * w])), w
 
 
 def _relative_gap(value: float, bound: float) -> float:

@@ -20,6 +20,10 @@ reverse axis order (so both steps on axis ``a`` see the same other-axis state, w
 ILP price edges axis by axis). The steps: ``P→R`` all-reduce, ``P→S`` reduce-scatter,
 ``S→R`` all-gather, ``S(i)→S(j)`` all-to-all, ``R→S`` a local slice, ``R→P`` never needed.
 The runtime redistributes in the same order, so predicted and measured bytes agree.
+
+On a mesh with merged axes (``coarsen.py``) every collective is priced as it runs on the real
+axes: a step over a merged axis is a step over each of its parts (in order, or in reverse
+for gradients), and a ``Collective``'s axis is an axis of ``mesh.real``.
 """
 
 from __future__ import annotations
@@ -39,20 +43,20 @@ KINDS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
 @dataclass(frozen=True)
 class Collective:
     kind: str
-    axis: int
+    axis: int  # of ``mesh.real``
     buffer_bytes: float
     share: float = 1.0  # of one call: weights gathered together split its latency (and count)
 
 
 def wire_bytes(c: Collective, mesh: Mesh) -> float:
     """Bytes one device sends."""
-    m = mesh.axes[c.axis].size
+    m = mesh.real.axes[c.axis].size
     factor = 2.0 if c.kind == ALL_REDUCE else 1.0
     return factor * (m - 1) / m * c.buffer_bytes
 
 
 def collective_time(c: Collective, mesh: Mesh) -> float:
-    axis = mesh.axes[c.axis]
+    axis = mesh.real.axes[c.axis]
     if axis.size == 1:
         return 0.0
     steps = 2 if c.kind == ALL_REDUCE else 1
@@ -68,9 +72,26 @@ def total_wire_bytes(calls: tuple[Collective, ...] | list[Collective], mesh: Mes
 
 
 def reshard_step(
+    shape: tuple[int, ...], dtype_bytes: int, current: Layout, axis: int, target: Placement, mesh: Mesh,
+    reverse: bool = False,
+) -> tuple[Collective, ...]:
+    """The collectives that change ``current``'s placement on ``axis`` to ``target`` (on a
+    merged axis: on each of its real axes, last first if ``reverse``)."""
+    if mesh.real is mesh:
+        return _real_step(shape, dtype_bytes, tuple(current), axis, target, mesh)
+    cur = mesh.on_real_axes(current)
+    calls: list[Collective] = []
+    parts = mesh.real_axes[axis]
+    for part in reversed(parts) if reverse else parts:
+        calls += _real_step(shape, dtype_bytes, cur, part, target, mesh.real)
+        cur = cur[:part] + (target,) + cur[part + 1 :]
+    return tuple(calls)
+
+
+def _real_step(
     shape: tuple[int, ...], dtype_bytes: int, current: Layout, axis: int, target: Placement, mesh: Mesh
 ) -> tuple[Collective, ...]:
-    """The collectives that change ``current``'s placement on ``axis`` to ``target``.
+    """``reshard_step`` on a mesh without merged axes.
 
     Shards of one tensor dim over several axes nest in axis order, so an axis can change a
     split of dim ``i`` only after every later axis splitting ``i`` is gathered (innermost
@@ -117,13 +138,14 @@ def reshard(
     cur = tuple(src)
     axes = range(len(src) - 1, -1, -1) if reverse else range(len(src))
     for axis in axes:
-        calls += reshard_step(shape, dtype_bytes, cur, axis, dst[axis], mesh)
+        calls += reshard_step(shape, dtype_bytes, cur, axis, dst[axis], mesh, reverse)
         cur = cur[:axis] + (dst[axis],) + cur[axis + 1 :]
     return tuple(calls)
 
 
 def gather_flat(numel: int, dtype_bytes: int, axes: tuple[int, ...], mesh: Mesh) -> tuple[Collective, ...]:
     """All-gather a flat buffer sharded over ``axes`` (ZeRO / FSDP storage), innermost first."""
+    axes, mesh = tuple(r for a in axes for r in mesh.real_axes[a]), mesh.real
     calls = []
     shards = [mesh.axes[a].size for a in axes]
     remaining = numel
@@ -138,6 +160,7 @@ def gather_flat(numel: int, dtype_bytes: int, axes: tuple[int, ...], mesh: Mesh)
 
 def reduce_scatter_flat(numel: int, dtype_bytes: int, axes: tuple[int, ...], mesh: Mesh) -> tuple[Collective, ...]:
     """Reduce-scatter a flat buffer over ``axes`` in axis order (the inverse of gather_flat)."""
+    axes, mesh = tuple(r for a in axes for r in mesh.real_axes[a]), mesh.real
     calls = []
     size = numel
     for a in axes:
@@ -146,5 +169,5 @@ def reduce_scatter_flat(numel: int, dtype_bytes: int, axes: tuple[int, ...], mes
     return tuple(calls)
 
 
-def all_reduce_over(nbytes: float, axes: tuple[int, ...]) -> tuple[Collective, ...]:
-    return tuple(Collective(ALL_REDUCE, a, nbytes) for a in axes)
+def all_reduce_over(nbytes: float, axes: tuple[int, ...], mesh: Mesh) -> tuple[Collective, ...]:
+    return tuple(Collective(ALL_REDUCE, r, nbytes) for a in axes for r in mesh.real_axes[a])

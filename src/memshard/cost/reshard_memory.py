@@ -46,8 +46,11 @@ def _step_peak(in_bytes: int, out_bytes: int, here: Placement, target: Placement
 def reshard_peak_bytes(
     shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout, mesh: Mesh, reverse: bool = False
 ) -> int:
-    """Peak bytes the reshard ``src → dst`` holds beyond its input (0 when nothing changes)."""
-    return _peak(tuple(shape), dtype_bytes, tuple(src), tuple(dst), mesh.shape, reverse)
+    """Peak bytes the reshard ``src → dst`` holds beyond its input (0 when nothing changes);
+    on a mesh with merged axes, as it runs on the real ones."""
+    if mesh.real is not mesh:
+        src, dst = mesh.on_real_axes(src), mesh.on_real_axes(dst)
+    return _peak(tuple(shape), dtype_bytes, tuple(src), tuple(dst), mesh.real.shape, reverse)
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the ILP asks for every layout pair of every edge
