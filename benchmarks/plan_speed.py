@@ -18,24 +18,26 @@ import sys
 import tempfile
 import time
 
-CASES = [  # model, mesh, batch, seq (None: the CLI's defaults), micro-batches, goal (s)
-    ("llama3-8b", "8x8", None, None, 1, 1.0),  # the command: batch 64, seq 8192
-    ("llama3-8b", "8x8", 64, 4096, 1, None),
-    ("gpt3-6.7b", "2x4", 16, 2048, 1, None),
-    ("gpt3-175b", "8x8x16", None, None, 1, 10.0),  # the command: batch 1024, seq 2048
-    ("gpt3-175b", "8x8x16", 1536, 2048, 1, None),
-    ("gpt3-175b", "8x8x16", 1536, 2048, 48, None),
+CASES = [  # model, mesh, batch, seq (None: the CLI's defaults), micro-batches, goal (s), more flags
+    ("llama3-8b", "8x8", None, None, 1, 1.0, ()),  # the command: batch 64, seq 8192
+    ("llama3-8b", "8x8", 64, 4096, 1, None, ()),
+    ("gpt3-6.7b", "2x4", 16, 2048, 1, None, ()),
+    ("gpt3-175b", "8x8x16", None, None, 1, 10.0, ()),  # the command: batch 1024, seq 2048
+    ("gpt3-175b", "8x8x16", 1536, 2048, 1, None, ()),
+    ("gpt3-175b", "8x8x16", 1536, 2048, 48, None, ()),
+    # the time-objective command (the whole batch at once needs 390 GiB: as micro-batches)
+    ("gpt3-175b", "8x8x16", 1536, 2048, 48, None, ("--objective", "time", "--memory-budget", "80GiB")),
 ]
 MEMSHARD = [sys.executable, "-m", "memshard.cli"]
 
 
-def run(model: str, mesh: str, batch: int | None, seq: int | None, micro: int) -> tuple[float, dict]:
+def run(model: str, mesh: str, batch: int | None, seq: int | None, micro: int, flags=()) -> tuple[float, dict]:
     sizes = ["--batch", str(batch)] * (batch is not None) + ["--seq", str(seq)] * (seq is not None)
     sizes += ["--micro-batches", str(micro)] * (micro > 1)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.json")
         started = time.perf_counter()
-        subprocess.run(MEMSHARD + ["plan", "--model", model, "--mesh", mesh, *sizes, "--json", out],
+        subprocess.run(MEMSHARD + ["plan", "--model", model, "--mesh", mesh, *sizes, *flags, "--json", out],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         elapsed = time.perf_counter() - started
         with open(out) as f:
@@ -44,20 +46,23 @@ def run(model: str, mesh: str, batch: int | None, seq: int | None, micro: int) -
 
 def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
-    print("| job | mesh | wall time (median of 3) | goal | ILP variables / constraints | search | peak / device | above bound |")
-    print("|---|---|---|---|---|---|---|---|")
-    for model, mesh, batch, seq, micro, goal in CASES:
+    print("| job | mesh | wall time (median of 3) | goal | ILP variables / constraints | search | peak / device "
+          "| above bound | step time |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for model, mesh, batch, seq, micro, goal, flags in CASES:
         times, plan = [], None
         for _ in range(3):
-            t, plan = run(model, mesh, batch, seq, micro)
+            t, plan = run(model, mesh, batch, seq, micro, flags)
             times.append(t)
         s = plan["solver"]
         m = plan["memory"]
         job = plan["model"]
-        print(f"| {model} b{job['batch']} s{job['seq']}{f' ×{micro} micro-batches' if micro > 1 else ''} | {mesh} | "
+        print(f"| {model} b{job['batch']} s{job['seq']}{f' ×{micro} micro-batches' if micro > 1 else ''}"
+              f"{''.join(' ' + f for f in flags)} | {mesh} | "
               f"{statistics.median(times):.2f} s | "
               f"{f'≤ {goal:g} s' if goal else '-'} | {s['variables']:,} / {s['constraints']:,} | "
-              f"{s['search_space']} | {m['peak_bytes_per_device'] / 2**30:.2f} GiB | {m['above_lower_bound']:+.2%} |")
+              f"{s['search_space']} | {m['peak_bytes_per_device'] / 2**30:.2f} GiB | {m['above_lower_bound']:+.2%} | "
+              f"{plan['estimated_step_time_s']:.2f} s |")
 
 
 if __name__ == "__main__":

@@ -51,9 +51,12 @@ optimal for the primary one alone, as a plan-independent bound on the peak
 
 The reshard rows are lazy (without a memory budget): most plans' peak is not at a reshard,
 and without those rows (a quarter of them, and their ρ) HiGHS takes a third less time. The
-first pass runs without them; if the plan's evaluated peak (reshards included) exceeds its
-M, they are added and the first pass runs again, from that plan. A plan that meets M is
-optimal with them too: dropping rows only enlarges the feasible set.
+first pass runs without them; where the plan, priced by the evaluator, holds more than its M
+at a reshard point, that point's rows are added and the first pass runs again, from that
+plan, until none is over (``IlpBuilder.over_m``); the second pass likewise. A plan that
+meets M is optimal with every row too: dropping rows only enlarges the feasible set. (Adding
+every row at the first violation made one job's search 10× slower: GPT-3 175B as 48
+micro-batches on 8x8x16, whose plan exceeds M at a handful of its hundreds of reshards.)
 Solver options are fixed (one thread, seed 0) so the same input gives the same plan.
 """
 
@@ -166,6 +169,7 @@ class IlpBuilder:
         self.rho: dict[tuple, int | None] = {}
         self.prices: dict[tuple, np.ndarray] = {}  # reshard memory price tables, by shape and layouts
         self.edge_states: dict[tuple, dict] = {}  # edge-flow states and times, likewise
+        self.reshard_rows_added: set[int] = set()  # indices into problem.reshard_points
 
     # -- rows ----------------------------------------------------------------------------------
     def replicated_start(self) -> tuple[np.ndarray, np.ndarray]:
@@ -180,11 +184,13 @@ class IlpBuilder:
         keeps = tuple(int(round(values[self.kappa[e]])) if e in self.kappa else 0 for e in range(len(self.p.edges)))
         return Selection(choices, keeps)
 
-    def meets_m(self, values: np.ndarray) -> bool:
-        """The plan of a solution, priced by the evaluator (its reshards included), is within
-        the solution's M: it meets every row, the lazy reshard rows too."""
-        peak = evaluate(self.p, self.selection(values)).peak_bytes
-        return peak <= values[self.peak] * self.bytes_unit * (1 + HIGHS_TOLERANCE) + 1.0
+    def over_m(self, values: np.ndarray) -> set[int]:
+        """The reshard points where the plan of a solution, priced by the evaluator (its
+        reshards included), holds more than the solution's M: the lazy reshard rows it
+        violates. Empty: the plan meets every row, those not in the model too."""
+        live = evaluate(self.p, self.selection(values)).live_bytes
+        m = values[self.peak] * self.bytes_unit * (1 + HIGHS_TOLERANCE) + 1.0
+        return {rp.point for rp in self.p.reshard_points if live[rp.point] > m}
 
     def selection_start(self, sel: Selection) -> tuple[np.ndarray, np.ndarray]:
         """A complete plan as a partial MIP start: its choice and keep columns."""
@@ -483,17 +489,21 @@ class IlpBuilder:
         self.constants_at = {t: terms[k][2] for k, t in enumerate(points)}
         return rows
 
-    def add_reshard_rows(self) -> None:
-        """At each candidate reshard point, one row per reshard it runs (after add_memory_rows),
-        with what changes at the point before its reshards run (``Slot.phase``)."""
+    def add_reshard_rows(self, points: set[int] | None = None) -> None:
+        """At each candidate reshard point (of ``points``, default all), one row per reshard it
+        runs (after add_memory_rows), with what changes at the point before its reshards run
+        (``Slot.phase``). A point's rows are added once."""
         swap: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
         for s in self.p.slots:
             if s.reshard_change:
                 for col, nbytes in zip(self.x[s.group], s.nbytes):
                     swap[s.end][int(col)] += s.reshard_change * nbytes / self.bytes_unit
-        for rp in self.p.reshard_points:
-            if rp.point not in self.live_col:
+        for i, rp in enumerate(self.p.reshard_points):
+            if rp.point not in self.live_col or (points is not None and rp.point not in points):
                 continue
+            if i in self.reshard_rows_added:
+                continue
+            self.reshard_rows_added.add(i)
             for terms in reshard_terms(rp):
                 cols = [c for c in (self.pair_var(e, kind, last) for e, kind, last in terms) if c is not None]
                 if cols:
@@ -711,9 +721,9 @@ def solve(
         floor, scales = b.reference.time_floor_s / b.time_unit, (time_estimate, memory_floor)
     fallback = b.selection_start(start) if start is not None else b.replicated_start()
 
-    def add_reshard_rows() -> None:
+    def add_reshard_rows(points: set[int]) -> None:
         cols, rows = len(m.lower), len(m.rows_lo)
-        b.add_reshard_rows()
+        b.add_reshard_rows(points)
         hs.extend(m, cols, rows)
 
     while True:
@@ -724,15 +734,12 @@ def solve(
             raise Infeasible(objective) from None
         except SolverTimeLimit:
             raise SolverTimeLimit(time_limit_s) from None
-        if not lazy or b.meets_m(values):
+        over = b.over_m(values) if lazy else set()
+        if not over or timed_out or hs.expired():  # out of time: that plan stands, priced as it is
             break
-        lazy = False
-        if timed_out or hs.expired():  # no time left: that plan stands, priced as it is
-            break
-        # A reshard the plan runs holds more than M allows: again with every row, from it.
-        add_reshard_rows()
+        # Reshards the plan runs hold more than M allows: again with their rows, from it.
+        add_reshard_rows(over)
         fallback = b.selection_start(b.selection(values))
-    rows = len(m.rows_lo)
     if fixed is None and not ties_resolved and not hs.expired():
         # Second pass: hold the primary objective at its optimum, minimise the other one.
         # The slack covers the gap, and at least the rows' feasibility tolerance accumulated
@@ -740,15 +747,19 @@ def solve(
         # of the primary objective are broken by the secondary one. (The first pass's plan
         # meets every row, so its optimum holds with the reshard rows too.)
         hs.add_row(primary, best + abs(best) * max(mip_gap, TIE_RESOLUTION) + 1e-9)
+        start = values
         with contextlib.suppress(SolverTimeLimit):  # else keep the first pass's plan
-            second, _, _, second_timed_out = hs.run(secondary, max(mip_gap, TIE_RESOLUTION), start=values)
-            if lazy and not b.meets_m(second):
-                add_reshard_rows()
-                lazy = False
-                second, _, _, second_timed_out = hs.run(secondary, max(mip_gap, TIE_RESOLUTION),
-                                                        start=b.selection_start(b.selection(values)))
-            values, timed_out = second, timed_out or second_timed_out
-        rows = len(m.rows_lo)
+            while True:
+                second, _, _, second_timed_out = hs.run(secondary, max(mip_gap, TIE_RESOLUTION), start=start)
+                over = b.over_m(second) if lazy else set()
+                if not over:
+                    values, timed_out = second, timed_out or second_timed_out
+                    break
+                if second_timed_out or hs.expired():
+                    break  # the first pass's plan stands
+                add_reshard_rows(over)
+                start = b.selection_start(b.selection(values))
+    rows = len(m.rows_lo)
     return SolveResult(
         selection=b.selection(values),
         status="time_limit" if timed_out else "optimal",
