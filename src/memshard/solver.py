@@ -747,10 +747,10 @@ def solve(
         # of the primary objective are broken by the secondary one. (The first pass's plan
         # meets every row, so its optimum holds with the reshard rows too.)
         hs.add_row(primary, best + abs(best) * max(mip_gap, TIE_RESOLUTION) + 1e-9)
-        start = values
+        second_start = values
         with contextlib.suppress(SolverTimeLimit):  # else keep the first pass's plan
             while True:
-                second, _, _, second_timed_out = hs.run(secondary, max(mip_gap, TIE_RESOLUTION), start=start)
+                second, _, _, second_timed_out = hs.run(secondary, max(mip_gap, TIE_RESOLUTION), start=second_start)
                 over = b.over_m(second) if lazy else set()
                 if not over:
                     values, timed_out = second, timed_out or second_timed_out
@@ -758,7 +758,7 @@ def solve(
                 if second_timed_out or hs.expired():
                     break  # the first pass's plan stands
                 add_reshard_rows(over)
-                start = b.selection_start(b.selection(values))
+                second_start = b.selection_start(b.selection(values))
     rows = len(m.rows_lo)
     return SolveResult(
         selection=b.selection(values),
