@@ -53,9 +53,9 @@ def solve_highs(problem, b: IlpBuilder, gap: float, limit: float) -> tuple[float
     return time.perf_counter() - started, obj, not b.over_m(values)
 
 
-def blend(problem, b: IlpBuilder):
+def blend(b: IlpBuilder):
     """memshard's first-pass objective: the peak plus TIE_BREAK-weighted step time."""
-    ref = _reference(problem)
+    ref = b.reference
     scales = (ref.memory_floor_bytes / b.bytes_unit, ref.time_estimate_s / b.time_unit)
     return blend_objective((np.array([b.peak]), np.array([1.0])), b.time_expression(), scales)[0]
 
@@ -118,7 +118,7 @@ def main() -> None:
     print(f"{args.model} ({args.layers} layers) on {args.mesh}: {len(b.m.lower):,} variables "
           f"({sum(b.m.integer):,} integer), {len(b.m.rows_lo):,} constraints, {nnz:,} nonzeros")
     if args.same_objective:
-        objective, gap = blend(problem, b), args.gap * TIE_BREAK
+        objective, gap = blend(b), args.gap * TIE_BREAK
         t_h, obj_h = solve_highs_alone(b, objective, gap, args.limit)
         print(f"blend objective (peak + {TIE_BREAK:g} weight of step time), gap {gap:.1e}, replicated start")
         print(f"HiGHS: {t_h:.2f} s, objective {obj_h:.6f}")

@@ -60,6 +60,10 @@ class Mesh:
             start += n
         return tuple(out)
 
+    def to_real_axes(self, axes: tuple[int, ...]) -> tuple[int, ...]:
+        """Axes of this mesh as axes of ``real``."""
+        return tuple(r for a in axes for r in self.real_axes[a])
+
     def on_real_axes(self, layout: tuple) -> tuple:
         """A layout of this mesh as a layout of ``real``: a merged axis's placement on each part."""
         return tuple(p for p, axes in zip(layout, self.real_axes) for _ in axes)

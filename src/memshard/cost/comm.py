@@ -145,7 +145,7 @@ def reshard(
 
 def gather_flat(numel: int, dtype_bytes: int, axes: tuple[int, ...], mesh: Mesh) -> tuple[Collective, ...]:
     """All-gather a flat buffer sharded over ``axes`` (ZeRO / FSDP storage), innermost first."""
-    axes, mesh = tuple(r for a in axes for r in mesh.real_axes[a]), mesh.real
+    axes, mesh = mesh.to_real_axes(axes), mesh.real
     calls = []
     shards = [mesh.axes[a].size for a in axes]
     remaining = numel
@@ -160,7 +160,7 @@ def gather_flat(numel: int, dtype_bytes: int, axes: tuple[int, ...], mesh: Mesh)
 
 def reduce_scatter_flat(numel: int, dtype_bytes: int, axes: tuple[int, ...], mesh: Mesh) -> tuple[Collective, ...]:
     """Reduce-scatter a flat buffer over ``axes`` in axis order (the inverse of gather_flat)."""
-    axes, mesh = tuple(r for a in axes for r in mesh.real_axes[a]), mesh.real
+    axes, mesh = mesh.to_real_axes(axes), mesh.real
     calls = []
     size = numel
     for a in axes:
@@ -170,4 +170,4 @@ def reduce_scatter_flat(numel: int, dtype_bytes: int, axes: tuple[int, ...], mes
 
 
 def all_reduce_over(nbytes: float, axes: tuple[int, ...], mesh: Mesh) -> tuple[Collective, ...]:
-    return tuple(Collective(ALL_REDUCE, r, nbytes) for a in axes for r in mesh.real_axes[a])
+    return tuple(Collective(ALL_REDUCE, r, nbytes) for r in mesh.to_real_axes(axes))
