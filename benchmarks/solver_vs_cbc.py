@@ -1,12 +1,20 @@
-"""HiGHS vs PuLP + CBC (the solver Alpa and autoparallel use) on the same ILP.
+"""HiGHS vs PuLP + CBC (the solver Alpa and autoparallel use) on memshard's ILP, in one run.
 
-Builds memshard's ILP once (the peak-memory objective), hands the identical model to HiGHS
-and to CBC through PuLP, and times both in one run with the same relative gap. ``--lazy``:
-the ILP without its reshard rows, as ``memshard plan`` solves first (``solver.solve``); the
-plan HiGHS finds is then checked to meet M with its reshards (else that ILP is not the one
-memshard ends up solving, and the script says so). ``--same-objective``: one branch and bound
-each on the identical model, objective (memshard's first-pass blend of peak and step time),
-gap and start; HiGHS without memshard's bounds around it.
+Builds memshard's ILP once (the peak-memory objective) and times, with the same relative gap,
+one thread each:
+
+- HiGHS as ``memshard plan`` runs it (``solver._Highs.first_pass``: the cheap bounds, branch
+  and bound on peak + 3% step time, the plan-independent or LP bound as proof);
+- PuLP + CBC on the identical model, minimising the peak (PuLP's model building included);
+- PuLP + CBC on the same ILP in Alpa's edge formulation (``pair_formulation``: a variable per
+  producer-layout × consumer-layout pair of each edge, as Alpa and autoparallel build it).
+
+``--lazy``: the ILP without its reshard rows, as ``memshard plan`` solves first
+(``solver.solve``); the plan HiGHS finds is then checked to meet M with its reshards (else
+that ILP is not the one memshard ends up solving, and the script says so).
+``--same-objective``: one branch and bound each on the identical model, objective
+(memshard's first-pass blend of peak and step time), gap and start; HiGHS without memshard's
+bounds around it: the solvers alone, like for like.
 
     .venv/bin/python benchmarks/solver_vs_cbc.py [--model gpt3-1.3b --mesh 2x4 --layers 4] [--lazy] [--same-objective]
 """
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import platform
 import time
+from importlib import metadata
 
 import highspy
 import numpy as np
@@ -24,7 +33,7 @@ import pulp
 from memshard.mesh import parse_mesh
 from memshard.models import build_graph
 from memshard.problem import build_problem
-from memshard.solver import TIE_BREAK, IlpBuilder, _Highs, _reference, blend_objective
+from memshard.solver import TIE_BREAK, IlpBuilder, _Highs, _Model, _reference, blend_objective
 
 
 def build(args):
@@ -38,6 +47,67 @@ def build(args):
     if not args.lazy:
         b.add_reshard_rows()
     return problem, b
+
+
+def pair_formulation(b: IlpBuilder):
+    """The same ILP with Alpa's edge linearisation (also autoparallel's): one variable per
+    (keep, producer layout, consumer layout) pair of each edge instead of memshard's flow
+    over per-axis states. Each flow column z[e,k,a,σ] is the sum of the pair columns whose
+    reshard passes through σ at step a; substituting that sum in every row and the objective
+    gives a model with the same integer solutions and objective values (the conservation rows
+    vanish, the flow's end rows become the pairs' marginals). The pair columns are continuous
+    (Alpa declares them binary; with the choices integral they are 0/1 anyway).
+
+    Returns (model, substitute): ``substitute(cols, vals)`` maps an expression over the
+    original columns to one over the new."""
+    m = b.m
+    A = b.p.mesh.ndim
+    mapping: dict[int, list[int]] = {}  # original flow column → its pair columns (new indices)
+    pair_count = 0
+    pairs_of_edge = []
+    for ev in b.edge_vars:
+        pairs = []
+        for k in ev["keeps"]:
+            first, _ = ev["steps"][(k, 0)]
+            last, _ = ev["steps"][(k, A - 1)]
+            prods = sorted({psuf for _, psuf, _ in first}, key=repr)
+            conss = sorted({cpre + (cv,) for cpre, _, cv in last}, key=repr)
+            index = {a: dict(zip(*ev["steps"][(k, a)])) for a in range(A)}
+            for L in prods:
+                for K in conss:
+                    path = [int(index[a][(K[:a], L[a:], K[a])]) for a in range(A)]
+                    pairs.append(path)
+        pairs_of_edge.append(pairs)
+        pair_count += len(pairs)
+    flow_cols = {int(c) for ev in b.edge_vars for _, cols in ev["steps"].values() for c in cols}
+    kept = [c for c in range(len(m.lower)) if c not in flow_cols]
+    new_of = {c: i for i, c in enumerate(kept)}
+    nxt = len(kept)
+    for pairs in pairs_of_edge:
+        for path in pairs:
+            for col in path:
+                mapping.setdefault(col, []).append(nxt)
+            nxt += 1
+
+    def substitute(cols, vals):
+        out: dict[int, float] = {}
+        for c, v in zip(cols, vals):
+            for n in mapping.get(int(c), ()) if int(c) in flow_cols else (new_of[int(c)],):
+                out[n] = out.get(n, 0.0) + float(v)
+        keys = np.array(sorted(k for k, v in out.items() if abs(v) > 1e-12), dtype=np.int64)
+        return keys, np.array([out[int(k)] for k in keys])
+
+    pm = _Model()
+    pm.lower = [m.lower[c] for c in kept] + [0.0] * pair_count
+    pm.upper = [m.upper[c] for c in kept] + [1.0] * pair_count
+    pm.integer = [m.integer[c] for c in kept] + [0] * pair_count
+    for cols, vals, lo, hi in zip(m.row_cols, m.row_vals, m.rows_lo, m.rows_hi):
+        cols2, vals2 = substitute(cols, vals)
+        if len(cols2):  # a conservation row sums to nothing
+            pm.row((cols2, vals2), lo, hi)
+        elif lo > 0 or hi < 0:
+            raise AssertionError("an emptied row that is not 0 = 0")
+    return pm, substitute
 
 
 def solve_highs(problem, b: IlpBuilder, gap: float, limit: float) -> tuple[float, float, bool]:
@@ -67,10 +137,9 @@ def solve_highs_alone(b: IlpBuilder, objective, gap: float, limit: float) -> tup
     return time.perf_counter() - started, obj
 
 
-def solve_cbc(b: IlpBuilder, gap: float, limit: float, objective=None) -> tuple[float, float | None, str]:
-    """CBC on the peak alone, or on ``objective`` (columns, coefficients) from the same start
-    HiGHS gets."""
-    m = b.m
+def solve_cbc(m: _Model, objective, gap: float, limit: float, start=None) -> tuple[float, float, float | None, str]:
+    """PuLP + CBC on model ``m`` and ``objective`` (columns, coefficients), from ``start``
+    (columns, values) if given: (time building the PuLP model, total time, objective, status)."""
     started = time.perf_counter()
     prob = pulp.LpProblem("memshard", pulp.LpMinimize)
     xs = [
@@ -79,11 +148,9 @@ def solve_cbc(b: IlpBuilder, gap: float, limit: float, objective=None) -> tuple[
                         cat="Integer" if integer else "Continuous")
         for i, (lo, hi, integer) in enumerate(zip(m.lower, m.upper, m.integer))
     ]
-    if objective is None:
-        prob += xs[b.peak]
-    else:
-        prob += pulp.LpAffineExpression([(xs[int(c)], float(v)) for c, v in zip(*objective)])
-        for c, v in zip(*b.replicated_start()):
+    prob += pulp.LpAffineExpression([(xs[int(c)], float(v)) for c, v in zip(*objective)])
+    if start is not None:
+        for c, v in zip(*start):
             xs[int(c)].setInitialValue(float(v))
     for k, (cols, vals, lo, hi) in enumerate(zip(m.row_cols, m.row_vals, m.rows_lo, m.rows_hi)):
         expr = pulp.LpAffineExpression([(xs[int(c)], float(v)) for c, v in zip(cols, vals)])
@@ -94,10 +161,16 @@ def solve_cbc(b: IlpBuilder, gap: float, limit: float, objective=None) -> tuple[
                 prob += (expr >= lo), f"l{k}"
             if hi != highspy.kHighsInf:
                 prob += (expr <= hi), f"u{k}"
+    built = time.perf_counter() - started
     status = prob.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=gap, timeLimit=limit, threads=1,
-                                          warmStart=objective is not None))
+                                          warmStart=start is not None))
     elapsed = time.perf_counter() - started
-    return elapsed, pulp.value(prob.objective), pulp.LpStatus[status]
+    return built, elapsed, pulp.value(prob.objective), pulp.LpStatus[status]
+
+
+def sizes(m: _Model) -> str:
+    return (f"{len(m.lower):,} variables ({sum(m.integer):,} integer), {len(m.rows_lo):,} constraints, "
+            f"{sum(len(c) for c in m.row_cols):,} nonzeros")
 
 
 def main() -> None:
@@ -114,29 +187,32 @@ def main() -> None:
                     help="both solvers minimise memshard's first-pass blend to its gap from the same start")
     args = ap.parse_args()
     problem, b = build(args)
-    nnz = sum(len(c) for c in b.m.row_cols)
-    print(f"{args.model} ({args.layers} layers) on {args.mesh}: {len(b.m.lower):,} variables "
-          f"({sum(b.m.integer):,} integer), {len(b.m.rows_lo):,} constraints, {nnz:,} nonzeros")
+    print(f"{args.model} ({args.layers} layers) on {args.mesh}, machine {platform.processor() or platform.machine()}, "
+          f"Python {platform.python_version()}, highspy {metadata.version('highspy')}, "
+          f"PuLP {pulp.__version__} + CBC")
+    print(f"memshard's ILP: {sizes(b.m)}")
     if args.same_objective:
         objective, gap = blend(b), args.gap * TIE_BREAK
         t_h, obj_h = solve_highs_alone(b, objective, gap, args.limit)
         print(f"blend objective (peak + {TIE_BREAK:g} weight of step time), gap {gap:.1e}, replicated start")
         print(f"HiGHS: {t_h:.2f} s, objective {obj_h:.6f}")
-        t_c, obj_c, status = solve_cbc(b, gap, args.limit, objective)
-        print(f"PuLP {pulp.__version__} + CBC: {t_c:.2f} s ({status}), objective "
-              f"{obj_c if obj_c is None else f'{obj_c:.6f}'}")
+        _, t_c, obj_c, status = solve_cbc(b.m, objective, gap, args.limit, b.replicated_start())
+        print(f"PuLP + CBC: {t_c:.2f} s ({status}), objective {obj_c if obj_c is None else f'{obj_c:.6f}'}")
         print(f"ratio CBC/HiGHS: {t_c / t_h:.1f}x")
         return
+    gib = b.bytes_unit / 2**30
     t_h, obj_h, meets_m = solve_highs(problem, b, args.gap, args.limit)
-    print(f"HiGHS {highspy.Highs().version() if hasattr(highspy.Highs(), 'version') else ''}: {t_h:.2f} s, "
-          f"peak {obj_h * b.bytes_unit / 2**30:.4f} GiB")
+    print(f"HiGHS, memshard's search: {t_h:.2f} s, peak {obj_h * gib:.4f} GiB")
     if not meets_m:
         print("the plan's reshards exceed M: memshard adds the reshard rows and solves again")
-    t_c, obj_c, status = solve_cbc(b, args.gap, args.limit)
-    peak_c = f"{obj_c * b.bytes_unit / 2**30:.4f} GiB" if obj_c is not None else "none"
-    print(f"PuLP {pulp.__version__} + CBC: {t_c:.2f} s ({status}), peak {peak_c}")
-    print(f"ratio CBC/HiGHS: {t_c / t_h:.1f}x   (machine: {platform.processor() or platform.machine()}, "
-          f"{platform.python_version()})")
+    peak = (np.array([b.peak]), np.array([1.0]))
+    pm, substitute = pair_formulation(b)
+    print(f"Alpa's edge formulation of the same ILP: {sizes(pm)}")
+    for name, m, objective in (("memshard's ILP", b.m, peak), ("Alpa's formulation", pm, substitute(*peak))):
+        built, t_c, obj_c, status = solve_cbc(m, objective, args.gap, args.limit)
+        peak_c = f"{obj_c * gib:.4f} GiB" if obj_c is not None else "none"
+        print(f"PuLP + CBC on {name}: {t_c:.2f} s ({built:.2f} s building the PuLP model; {status}), "
+              f"peak {peak_c}; ratio to HiGHS {t_c / t_h:.1f}x", flush=True)
 
 
 if __name__ == "__main__":

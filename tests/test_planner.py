@@ -231,6 +231,39 @@ def test_layer_unit_holds_a_layers_gathered_weights_across_it(tmp_path):
     assert again.problem.zero3_unit == "layer" and again.peak_bytes == per_layer.peak_bytes
 
 
+def test_a_layer_unit_is_all_or_nothing():
+    """Per layer, ZeRO-3 is FSDP's unit: a plan whose layer keeps some weights out of ZeRO-3
+    (the layer's first and last ops' here) is refused with the two parameters named, and a
+    plan memshard finds never has one (its plans are checked the same way)."""
+    from dataclasses import replace
+
+    from memshard.api import strategy_plan
+    from memshard.evaluate import InconsistentPlan, evaluate
+    from memshard.problem import layer_units
+
+    base = strategy_plan("tiny-gpt", "2x2", "zero3-fsdp", batch=8, precision="fp32", zero3_unit="layer")
+    problem, choices = base.problem, list(base.selection.choices)
+    for name in ("layers.0.ln_1.weight", "layers.0.mlp.proj.weight"):
+        gid = problem.storage_group[name]
+        options = problem.groups[gid].meta["options"]
+        grad_layout = options[choices[gid]][0]
+        choices[gid] = next(k for k, (G, opt) in enumerate(options) if G == grad_layout and opt.stage == 0)
+    with pytest.raises(InconsistentPlan, match="disagree"):
+        evaluate(problem, replace(base.selection, choices=tuple(choices)))
+    # (before the rule, memshard's plan for this job kept two of a layer's five weights out)
+    found = memshard.plan("tiny-llama", "2x2", batch=8, precision="fp32", zero3_unit="layer", mip_gap=0.05,
+                          time_limit_s=20)
+    problem = found.problem
+    units = layer_units(problem.graph, problem.schedule)
+    for unit in set(units.values()):
+        kinds = set()
+        for name in (n for n, u in units.items() if u is unit):
+            gid = problem.storage_group[name]
+            G, opt = problem.groups[gid].meta["options"][found.selection.choices[gid]]
+            kinds.add((opt.axes, tuple(G[a] for a in opt.axes)) if opt.stage == 3 else "apart")
+        assert len(kinds) == 1, kinds
+
+
 def test_unknown_zero3_unit_is_refused():
     with pytest.raises(MemshardError, match="gather unit"):
         memshard.plan("tiny-gpt", "2x2", zero3_unit="block")

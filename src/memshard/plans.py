@@ -90,7 +90,7 @@ def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict
         if grp.kind == "op":
             owner[gid] = grp.key
     for link in problem.links:
-        if problem.groups[link.a].kind == "storage":
+        if problem.groups[link.a].kind == "storage" and problem.groups[link.b].kind == "op":
             owner[link.a] = problem.groups[link.b].key
     out: dict[str, float] = {}
     for s in problem.slots:

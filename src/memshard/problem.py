@@ -362,7 +362,10 @@ class LayerUnit:
     are held from the forward of the first op using a member to that of the last; again in
     backward from the backward of the last op that reads a member to that of the first; the
     members' gradients wait unsharded until the first op's backward, are copied into one flat
-    buffer there and reduce-scattered together (at that op's gradient reshard point)."""
+    buffer there and reduce-scattered together (at that op's gradient reshard point). The
+    members are all ZeRO-3 alike or none is (``_Builder.link_layer_units``): the runtime
+    gathers the members it holds from the first use of one to the last, so a unit of only
+    some of them would span less than priced."""
 
     forward_span: tuple[int, int]
     backward_span: tuple[int, int] | None
@@ -682,7 +685,30 @@ class _Builder:
                     # Gathered over several axes, one at a time: the partial results too.
                     self.slot(gid, span[0], span[0], "transients", *v["gathering"])
             self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", *v["scattering"])
+        self.link_layer_units(storage_group)
         return storage_group
+
+    def link_layer_units(self, storage_group: dict[str, int]) -> None:
+        """A layer unit is all or nothing, as FSDP's: every member ZeRO-3 over the same axes
+        (and partial over them alike), gathered as one flat buffer; or none ZeRO-3. The
+        runtime gathers the members it holds from the first use of one to the last; with a
+        layer's parameters all in one unit that is the layer's span the unit is priced over."""
+        def label(G, opt):
+            return ("unit", opt.axes, tuple(G[a] == "P" for a in opt.axes)) if opt.stage == 3 else "apart"
+
+        linked = set()
+        by_unit: dict[int, list[int]] = {}
+        for name, unit in self.units.items():
+            if name in storage_group:
+                by_unit.setdefault(id(unit), []).append(storage_group[name])
+        for gids in by_unit.values():
+            gids = sorted(set(gids))
+            if len(gids) < 2 or tuple(gids) in linked:
+                continue
+            linked.add(tuple(gids))
+            labels = {g: tuple(label(G, opt) for G, opt in self.groups[g].meta["options"]) for g in gids}
+            for g in gids[1:]:
+                self.links.append(Link(gids[0], labels[gids[0]], g, labels[g]))
 
     def reduced_gradient(self, gid: int, v: dict, stages: np.ndarray, options: np.ndarray, at: int,
                          global_bytes: float, before_reshards: bool) -> None:
@@ -812,8 +838,8 @@ def complete_selection(
     for gid, k in strategies.items():
         choices[gid] = k
     for link in problem.links:
-        if problem.groups[link.a].kind != "storage":
-            continue
+        if problem.groups[link.a].kind != "storage" or problem.groups[link.b].kind == "storage":
+            continue  # (storage to storage: a layer unit's members, all or nothing)
         gid = link.a
         want_g = link.b_labels[choices[link.b]]
         opt = (storage or {}).get(gid, StorageOption(0))

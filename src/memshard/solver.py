@@ -22,6 +22,8 @@ Formulation (bytes and seconds in units scaled to the problem, see ``_units``)::
                   flow into each state of step a+1 = flow out of step a     add_edge_rows
                   Σ_{σ} z[e,1,0,σ] = κ[e]
   holders         c[e,L,R] ≥ [a holder of R holds L] − [producer's output is L]  _copy_var
+                  (for a saved or re-gathered copy: the flow's producer layout under the same
+                  keep flag, tighter in the LP relaxation)
                   held in L: the producer's indicator while its holder lives, else y with
                   y ≥ each kept copy's indicator, y + c ≥ [e holds L]         _held_vars
   peak            L_t = L_prev + Δ_t (live bytes, chained),  L_t + const_t ≤ M
@@ -57,6 +59,9 @@ plan, until none is over (``IlpBuilder.over_m``); the second pass likewise. A pl
 meets M is optimal with every row too: dropping rows only enlarges the feasible set. (Adding
 every row at the first violation made one job's search 10× slower: GPT-3 175B as 48
 micro-batches on 8x8x16, whose plan exceeds M at a handful of its hundreds of reshards.)
+Every round's bound holds for the whole ILP. Out of time in a later round, the plan kept is
+the better of that round's and the one before it, as the evaluator prices them, with its gap
+to the best bound (the later round may have found only a worse plan, or none).
 Solver options are fixed (one thread, seed 0) so the same input gives the same plan.
 """
 
@@ -285,11 +290,14 @@ class IlpBuilder:
             for (cpre, _, cv), col in zip(states, cols):
                 by_layout[tuple(pl for pl, _ in cpre + (cv,))].append(int(col))
             out["consumer_layout_cols"][k] = by_layout
-        out["producer_layout_cols"] = defaultdict(list)
-        if 1 in keeps:
-            states, cols = out["steps"][(1, 0)]
+        # and which say "producer layout L" (first step), per keep
+        out["producer_layout_cols"] = {}
+        for k in keeps:
+            by_layout = defaultdict(list)
+            states, cols = out["steps"][(k, 0)]
             for (_, psuf, _), col in zip(states, cols):
-                out["producer_layout_cols"][psuf].append(int(col))
+                by_layout[psuf].append(int(col))
+            out["producer_layout_cols"][k] = by_layout
         if edge.saves:
             kappa = int(self.m.cols(1, integer=True)[0])
             self.kappa[e] = kappa
@@ -346,7 +354,7 @@ class IlpBuilder:
             if part != "kept":
                 out.update(dict.fromkeys(ev["consumer_layout_cols"][0].get(layout, ()), 1.0))
             if part != "copy":
-                out.update(dict.fromkeys(ev["producer_layout_cols"].get(layout, ()), 1.0))
+                out.update(dict.fromkeys(ev["producer_layout_cols"].get(1, {}).get(layout, ()), 1.0))
         elif h.kind == REGATHER and 1 in ev["keeps"]:
             out.update(dict.fromkeys(ev["consumer_layout_cols"][1].get(layout, ()), 1.0))
         return out
@@ -567,16 +575,27 @@ class IlpBuilder:
         saved copy not kept or re-gathered copy, one row per representation ``reps`` of the
         copy; Π: the producer's output is exactly ``layout``, so the consumer holds the
         producer's tensor instead). Shared by every point where the same representations
-        are live."""
+        are live.
+
+        For a saved or re-gathered copy Π is the edge flow's "producer layout L" under the
+        same keep flag as A (not kept, kept): equal to the producer's indicator when the
+        choices are integral, but in the LP relaxation a fractional plan can no longer
+        cancel a kept edge's copy with the weight of another plan whose producer is in L
+        and keeps nothing (GPT-3 6.7B on 2x4: the final norm's re-gathered output, a root
+        LP bound 3.5e-4 below the optimum, 2.4e-4 with this)."""
         key = (e, layout, tuple(kind for kind, _, _ in reps))
         if key not in self.copy_vars:
             if not any(copy for _, copy, _ in reps):
                 self.copy_vars[key] = None
                 return None
             col = int(self.m.cols(1, integer=False)[0])
-            prod = self.producer_in(producer, layout)
-            for _, copy, _ in reps:
+            by_keep = self.edge_vars[e]["producer_layout_cols"]
+            for kind, copy, _ in reps:
                 if copy:
+                    if kind == INPUT_COPY:
+                        prod = self.producer_in(producer, layout)
+                    else:
+                        prod = dict.fromkeys(by_keep[int(kind == REGATHER)].get(layout, ()), 1.0)
                     r = dict(copy)
                     for c, v in prod.items():
                         r[c] = r.get(c, 0.0) - v
@@ -726,6 +745,13 @@ def solve(
         b.add_reshard_rows(points)
         hs.extend(m, cols, rows)
 
+    def evaluated(vals) -> float:
+        """The primary objective of a solution's plan as the evaluator prices it (ILP units)."""
+        ev = evaluate(problem, b.selection(vals))
+        return ev.peak_bytes / b.bytes_unit if objective == "memory" else ev.step_time_s / b.time_unit
+
+    previous = None  # an earlier round's plan (over M at some reshard) and its evaluated objective
+    lower = -math.inf  # every round's bound holds for the whole ILP: it has fewer rows
     while True:
         try:
             values, best, gap, timed_out, ties_resolved = hs.first_pass(
@@ -733,11 +759,23 @@ def solve(
         except Infeasible:
             raise Infeasible(objective) from None
         except SolverTimeLimit:
-            raise SolverTimeLimit(time_limit_s) from None
+            if previous is None:
+                raise SolverTimeLimit(time_limit_s) from None
+            (values, best), timed_out, ties_resolved = previous, True, False
+            gap = _relative_gap(best, lower)
+            break
+        lower = max(lower, best * (1 - gap))
         over = b.over_m(values) if lazy else set()
-        if not over or timed_out or hs.expired():  # out of time: that plan stands, priced as it is
+        if over and (timed_out or hs.expired()):  # out of time: the better plan, priced as it is
+            best = evaluated(values)
+            if previous is not None and previous[1] < best:
+                values, best = previous
+            gap = _relative_gap(best, lower)
+            break
+        if not over:
             break
         # Reshards the plan runs hold more than M allows: again with their rows, from it.
+        previous = (values, evaluated(values))
         add_reshard_rows(over)
         fallback = b.selection_start(b.selection(values))
     if fixed is None and not ties_resolved and not hs.expired():
