@@ -4,11 +4,14 @@
 ranks start once; each rank returns ``train``'s report plus the full gradients of every
 parameter at the second step (rank 0 only). ``reference(graph, steps)`` is the unsharded
 model with ``torch.optim.Adam``: an independent optimizer, so the check covers LeanAdam too.
+``least_memory_plan`` is memshard's plan of a tiny job as the runtime tests make it, planned
+once per test session.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import traceback
@@ -17,9 +20,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import memshard
 from memshard.runtime.executor import GraphModel, make_batch
 
 INSPECT_STEP = 1  # gradients compared at the second step (after one optimizer update)
+BATCH = 8
+
+
+@functools.cache
+def least_memory_plan(model: str, mesh: str, unit: str = "op"):
+    return memshard.plan(model, mesh, batch=BATCH, precision="fp32", mip_gap=0.05, time_limit_s=20, zero3_unit=unit)
 
 
 def free_port() -> int:

@@ -233,13 +233,14 @@ def test_layer_unit_holds_a_layers_gathered_weights_across_it(tmp_path):
 
 def test_a_layer_unit_is_all_or_nothing():
     """Per layer, ZeRO-3 is FSDP's unit: a plan whose layer keeps some weights out of ZeRO-3
-    (the layer's first and last ops' here) is refused with the two parameters named, and a
-    plan memshard finds never has one (its plans are checked the same way)."""
+    (the layer's first and last ops' here) is refused, naming two of the layer's parameters
+    that disagree; and the plan memshard finds has every unit whole."""
     from dataclasses import replace
 
     from memshard.api import strategy_plan
     from memshard.evaluate import InconsistentPlan, evaluate
     from memshard.problem import layer_units
+    from tests.runtime_harness import least_memory_plan
 
     base = strategy_plan("tiny-gpt", "2x2", "zero3-fsdp", batch=8, precision="fp32", zero3_unit="layer")
     problem, choices = base.problem, list(base.selection.choices)
@@ -251,8 +252,7 @@ def test_a_layer_unit_is_all_or_nothing():
     with pytest.raises(InconsistentPlan, match="disagree"):
         evaluate(problem, replace(base.selection, choices=tuple(choices)))
     # (before the rule, memshard's plan for this job kept two of a layer's five weights out)
-    found = memshard.plan("tiny-llama", "2x2", batch=8, precision="fp32", zero3_unit="layer", mip_gap=0.05,
-                          time_limit_s=20)
+    found = least_memory_plan("tiny-llama", "2x2", "layer")  # (the runtime tests run it)
     problem = found.problem
     units = layer_units(problem.graph, problem.schedule)
     for unit in set(units.values()):

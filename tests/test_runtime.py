@@ -27,19 +27,13 @@ from memshard.api import strategy_plan
 from memshard.evaluate import evaluate
 from memshard.runtime.report import error
 from memshard.runtime.simulate import simulate
-from tests.runtime_harness import INSPECT_STEP, reference, run_cases
+from tests.runtime_harness import BATCH, INSPECT_STEP, least_memory_plan, reference, run_cases
 
 STEPS = 3
-BATCH = 8
-
-
-@functools.cache
-def _least_memory(model, mesh, unit):
-    return memshard.plan(model, mesh, batch=BATCH, precision="fp32", mip_gap=0.05, time_limit_s=20, zero3_unit=unit)
 
 
 def _memshard(model, mesh, objective, unit="op"):
-    best = _least_memory(model, mesh, unit)  # the time plan's start and budget: planned once
+    best = least_memory_plan(model, mesh, unit)  # also the time plan's start and budget
     if objective == "memory":
         return best
     return memshard.plan(model, mesh, batch=BATCH, precision="fp32", objective="time", start=best,
