@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from memshard.cost.memory import StorageOption
 from memshard.evaluate import Evaluation, InconsistentPlan, evaluate
-from memshard.problem import Problem, Selection
+from memshard.problem import Problem, Selection, storage_links
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,8 @@ def reselect(problem: Problem, selection: Selection, gid: int, choice: int) -> S
     their ZeRO stage on the axes still free, and its edges stop keeping copies."""
     choices = list(selection.choices)
     choices[gid] = choice
-    for link in problem.links:
-        if link.b != gid or problem.groups[link.a].kind != "storage":
+    for link in storage_links(problem):
+        if link.b != gid:
             continue
         options = problem.groups[link.a].meta["options"]
         _, old = options[selection.choices[link.a]]

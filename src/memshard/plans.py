@@ -20,7 +20,7 @@ from memshard.files import read_json, write_text_atomically
 from memshard.graph import Graph
 from memshard.mesh import Mesh
 from memshard.placement import format_layout
-from memshard.problem import DURING_RESHARDS, Problem, Selection
+from memshard.problem import DURING_RESHARDS, Problem, Selection, storage_links
 from memshard.solver import SolveResult
 
 SCHEMA = "memshard.plan/1"
@@ -89,9 +89,8 @@ def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict
     for gid, grp in enumerate(problem.groups):
         if grp.kind == "op":
             owner[gid] = grp.key
-    for link in problem.links:
-        if problem.groups[link.a].kind == "storage" and problem.groups[link.b].kind == "op":
-            owner[link.a] = problem.groups[link.b].key
+    for link in storage_links(problem):
+        owner[link.a] = problem.groups[link.b].key
     out: dict[str, float] = {}
     for s in problem.slots:
         if s.start <= point <= s.end and s.phase != DURING_RESHARDS:  # (the moment before the reshards)

@@ -825,6 +825,14 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
     )
 
 
+def storage_links(problem: Problem) -> list[Link]:
+    """The links from a parameter's storage group to its (first) op's group: the storage's
+    gradient layout is the one the op's strategy gives. (The other links tie a tied weight's
+    uses, or a layer unit's members.)"""
+    return [link for link in problem.links
+            if problem.groups[link.a].kind == "storage" and problem.groups[link.b].kind == "op"]
+
+
 def complete_selection(
     problem: Problem,
     strategies: dict[int, int],
@@ -837,9 +845,7 @@ def complete_selection(
     choices = [0] * len(problem.groups)
     for gid, k in strategies.items():
         choices[gid] = k
-    for link in problem.links:
-        if problem.groups[link.a].kind != "storage" or problem.groups[link.b].kind == "storage":
-            continue  # (storage to storage: a layer unit's members, all or nothing)
+    for link in storage_links(problem):
         gid = link.a
         want_g = link.b_labels[choices[link.b]]
         opt = (storage or {}).get(gid, StorageOption(0))

@@ -81,7 +81,13 @@ import numpy as np
 from memshard.baselines import zero
 from memshard.cost import comm
 from memshard.errors import MemshardError
-from memshard.evaluate import evaluate, peak_lower_bound, step_time, zero_redundancy_bound
+from memshard.evaluate import (
+    Evaluation,
+    evaluate,
+    peak_lower_bound,
+    step_time,
+    zero_redundancy_bound,
+)
 from memshard.placement import Layout, Partial
 from memshard.problem import (
     BACKWARD_PRICES,
@@ -189,11 +195,12 @@ class IlpBuilder:
         keeps = tuple(int(round(values[self.kappa[e]])) if e in self.kappa else 0 for e in range(len(self.p.edges)))
         return Selection(choices, keeps)
 
-    def over_m(self, values: np.ndarray) -> set[int]:
+    def over_m(self, values: np.ndarray, ev: Evaluation | None = None) -> set[int]:
         """The reshard points where the plan of a solution, priced by the evaluator (its
-        reshards included), holds more than the solution's M: the lazy reshard rows it
-        violates. Empty: the plan meets every row, those not in the model too."""
-        live = evaluate(self.p, self.selection(values)).live_bytes
+        reshards included; ``ev`` if already priced), holds more than the solution's M: the
+        lazy reshard rows it violates. Empty: the plan meets every row, those not in the
+        model too."""
+        live = (ev or evaluate(self.p, self.selection(values))).live_bytes
         m = values[self.peak] * self.bytes_unit * (1 + HIGHS_TOLERANCE) + 1.0
         return {rp.point for rp in self.p.reshard_points if live[rp.point] > m}
 
@@ -745,9 +752,8 @@ def solve(
         b.add_reshard_rows(points)
         hs.extend(m, cols, rows)
 
-    def evaluated(vals) -> float:
-        """The primary objective of a solution's plan as the evaluator prices it (ILP units)."""
-        ev = evaluate(problem, b.selection(vals))
+    def primary_of(ev: Evaluation) -> float:
+        """The primary objective of a plan as the evaluator prices it (ILP units)."""
         return ev.peak_bytes / b.bytes_unit if objective == "memory" else ev.step_time_s / b.time_unit
 
     previous = None  # an earlier round's plan (over M at some reshard) and its evaluated objective
@@ -765,9 +771,10 @@ def solve(
             gap = _relative_gap(best, lower)
             break
         lower = max(lower, best * (1 - gap))
-        over = b.over_m(values) if lazy else set()
+        ev = evaluate(problem, b.selection(values)) if lazy else None
+        over = b.over_m(values, ev) if lazy else set()
         if over and (timed_out or hs.expired()):  # out of time: the better plan, priced as it is
-            best = evaluated(values)
+            best = primary_of(ev)
             if previous is not None and previous[1] < best:
                 values, best = previous
             gap = _relative_gap(best, lower)
@@ -775,7 +782,7 @@ def solve(
         if not over:
             break
         # Reshards the plan runs hold more than M allows: again with their rows, from it.
-        previous = (values, evaluated(values))
+        previous = (values, primary_of(ev))
         add_reshard_rows(over)
         fallback = b.selection_start(b.selection(values))
     if fixed is None and not ties_resolved and not hs.expired():
