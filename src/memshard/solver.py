@@ -51,6 +51,14 @@ optimal for the primary one alone, as a plan-independent bound on the peak
 (``evaluate.peak_lower_bound``) often shows at once, and then needs no second pass
 (``_Highs.first_pass``).
 
+Every minimisation starts with a dive (``_Highs._dive``): the LP relaxation by simplex, which
+on memshard's ILPs is often integral already (LLaMA-3 8B on 8x8, GPT-3 1.3B on 2x4: the plan,
+proved optimal by its own relaxation), else one level of branching on its most fractional
+disjunctions (a group's choices, a keep flag's two values) from the relaxation's basis, which
+proves the plan where the relaxation split a single decision (GPT-3 6.7B at batch 16: a tied
+embedding's storage between two choices, both branches integral). HiGHS's branch and bound
+runs only where the dive leaves the gap open, from the dive's plan if it had no start.
+
 The reshard rows are lazy (without a memory budget): most plans' peak is not at a reshard,
 and without those rows (a quarter of them, and their ρ) HiGHS takes a third less time. The
 first pass runs without them; where the plan, priced by the evaluator, holds more than its M
@@ -111,6 +119,13 @@ from memshard.problem import (
 TIE_BREAK = 0.03
 TIE_RESOLUTION = 1e-5  # relative slack on the primary objective in the second pass
 HIGHS_TOLERANCE = 1e-6  # HiGHS's integrality and MIP feasibility tolerances (defaults)
+INTEGRALITY = 1e-6  # a relaxation's choice columns this close to 0 or 1 count as integral
+# A set of branches one of which every integral solution takes: (column, value it is fixed at).
+Disjunction = tuple[tuple[int, float], ...]
+DIVE_DEPTH = 3  # a dive branches at most this many levels deep
+DIVE_BRANCHES = 24  # and solves at most this many branches (each costs a refactorisation)
+DIVE_EFFORT = 1.0  # and spends at most this many times the relaxation's simplex iterations
+DIVE_CUTOFF = 0.25  # a dive's branch stops this fraction of the gap below the best plan
 
 
 @dataclass(frozen=True)
@@ -188,6 +203,11 @@ class IlpBuilder:
         any does without a memory budget, given as the choice columns only."""
         return self.selection_start(
             complete_selection(self.p, {g: 0 for g, grp in enumerate(self.p.groups) if grp.kind == "op"}))
+
+    def disjunctions(self) -> list[Disjunction]:
+        """Each group's choices and each keep flag's two values, as branches of the ILP."""
+        return ([tuple((int(c), 1.0) for c in cols) for cols in self.x]
+                + [((int(col), 1.0), (int(col), 0.0)) for _, col in sorted(self.kappa.items())])
 
     def selection(self, values: np.ndarray) -> Selection:
         """The plan a solution's columns say."""
@@ -735,7 +755,7 @@ def solve(
                 m.lower[col] = m.upper[col] = float(c == fixed.choices[g])
         for e, col in b.kappa.items():
             m.lower[col] = m.upper[col] = float(fixed.keeps[e])
-    hs = _Highs(m, started + time_limit_s)
+    hs = _Highs(m, started + time_limit_s, b.disjunctions())
     peak_obj = (np.array([b.peak]), np.array([1.0]))
     memory_floor = b.reference.memory_floor_bytes / b.bytes_unit
     time_estimate = b.reference.time_estimate_s / b.time_unit
@@ -786,19 +806,25 @@ def solve(
         add_reshard_rows(over)
         fallback = b.selection_start(b.selection(values))
     if fixed is None and not ties_resolved and not hs.expired():
-        # Second pass: hold the primary objective at its optimum, minimise the other one.
-        # The slack covers the gap, and at least the rows' feasibility tolerance accumulated
+        # Second pass: hold the primary objective within the gap of the best bound, minimise
+        # the other one. The slack is at least the rows' feasibility tolerance accumulated
         # along the chain of live-byte variables (≈1e-6 of the peak); ties finer than 1e-5
         # of the primary objective are broken by the secondary one. (The first pass's plan
         # meets every row, so its optimum holds with the reshard rows too.)
-        hs.add_row(primary, best + abs(best) * max(mip_gap, TIE_RESOLUTION) + 1e-9)
+        tolerance = max(mip_gap, TIE_RESOLUTION)
+        cap = best + abs(best) * TIE_RESOLUTION
+        if lower > 0:
+            cap = max(cap, lower / (1 - tolerance))
+        hs.add_row(primary, cap + 1e-9)
         second_start = values
         with contextlib.suppress(SolverTimeLimit):  # else keep the first pass's plan
             while True:
-                second, _, _, second_timed_out = hs.run(secondary, max(mip_gap, TIE_RESOLUTION), start=second_start)
+                second, _, _, second_timed_out = hs.run(secondary, tolerance, start=second_start)
                 over = b.over_m(second) if lazy else set()
                 if not over:
                     values, timed_out = second, timed_out or second_timed_out
+                    if lower > 0:  # the gap of the plan returned, not of the first pass's
+                        gap = max(gap, _relative_gap(float(second[primary[0]] @ primary[1]), lower))
                     break
                 if second_timed_out or hs.expired():
                     break  # the first pass's plan stands
@@ -818,13 +844,40 @@ def solve(
     )
 
 
+@dataclass
+class _Search:
+    """A dive's state: its gap, its budget (simplex iterations) and what it spent, the best
+    integral solution met and its objective."""
+
+    gap: float
+    effort: float
+    best: np.ndarray | None
+    value: float
+    branches: int = 0
+    iterations: int = 0
+
+    def cutoff(self) -> float:
+        return self.value - DIVE_CUTOFF * self.gap * abs(self.value) if self.best is not None else math.inf
+
+    def affordable(self) -> bool:
+        return self.branches < DIVE_BRANCHES and self.iterations < self.effort
+
+    def proved(self, bound: float) -> bool:
+        return self.value - bound <= self.gap * abs(self.value)
+
+
 class _Highs:
     """One HiGHS model solved several times with different objectives and extra rows, each
-    branch and bound warm-started from a given or freshly found solution."""
+    branch and bound warm-started from a given or freshly found solution, and preceded, when
+    ``disjunctions`` are given, by a dive (``_dive``) until one leaves its gap open."""
 
-    def __init__(self, m: _Model, deadline: float):
+    def __init__(self, m: _Model, deadline: float, disjunctions: list[Disjunction] | None = None):
         self.deadline = deadline
         self.n = len(m.lower)
+        self.disjunctions = disjunctions or []
+        self.dive = bool(self.disjunctions)  # until a dive fails to prove its plan
+        self.lower, self.upper = np.array(m.lower), np.array(m.upper)  # the integer columns' bounds
+        self.integer_cols = np.flatnonzero(np.array(m.integer, dtype=bool))
         log = bool(os.environ.get("MEMSHARD_HIGHS_LOG"))
         with contextlib.nullcontext() if log else _silenced_stdout():
             h = self.h = highspy.Highs()  # prints a banner from C++ on construction
@@ -879,10 +932,25 @@ class _Highs:
         self.h.changeColsCost(self.n, np.arange(self.n, dtype=np.int32), cost)
 
     def run(self, expr, gap: float, start=None):
-        """Branch and bound on ``expr`` to relative ``gap`` from ``start`` (a full or partial
+        """Minimise ``expr`` to relative ``gap``: the dive, and where it does not prove its
+        plan, branch and bound from that plan, else from ``start`` (a full or partial
         solution): (values, objective, gap, timed_out)."""
         h = self.h
         self._set_cost(expr)
+        if self.dive:
+            incumbent = None
+            if isinstance(start, np.ndarray):
+                incumbent = (start, float(start[expr[0]] @ expr[1]))
+            dived = self._dive(gap, incumbent)
+            if dived is not None:
+                values, value, bound = dived
+                if value - bound <= gap * abs(value) + 1e-9:
+                    return values, value, _relative_gap(value, bound), False
+                if start is None:
+                    start = values
+            # A model whose relaxation a dive did not settle seldom changes in the next runs
+            # (the same rows and a few more, another objective): no more dives, each an LP.
+            self.dive = False
         h.setOptionValue("mip_rel_gap", gap)
         h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
         if isinstance(start, tuple):  # partial: HiGHS completes it
@@ -904,6 +972,118 @@ class _Highs:
         values = np.array(h.getSolution().col_value)
         gap = float(info.mip_gap) if np.isfinite(info.mip_gap) else 0.0
         return values, float(info.objective_function_value), gap, status == highspy.HighsModelStatus.kTimeLimit
+
+    def _dive(self, gap: float, incumbent: tuple[np.ndarray, float] | None):
+        """The LP relaxation of the set objective, by simplex; where it is fractional, a
+        branching DIVE_DEPTH levels deep on its most fractional disjunctions, each branch
+        warm-started from its parent's basis: (the best integral solution met, or the
+        ``incumbent`` (values, objective) if none is better, its objective, a lower bound on
+        the ILP's), or None where neither exists.
+
+        On memshard's ILPs the relaxation is often integral already, or splits one or two
+        decisions (a tied weight's storage, a keep flag) whose branches are integral:
+        HiGHS's branch and bound would spend most of its time in root cuts and heuristics to
+        prove what the branches show. A branch's bound is its LP optimum (or, not solved, its
+        parent's plus what the reduced cost says moving its column costs: a dual bound), or
+        where it branches further, the least of its own branches' bounds if larger. Once a
+        plan is known, a branch stops where its dual simplex passes a cutoff DIVE_CUTOFF of
+        the gap below that plan (HiGHS's ``objective_bound``, the node cutoff of its own
+        search). The root's bound is, for each disjunction branched on, the least of its
+        branches' bounds (one of them holds for every plan); the largest over them. At most
+        DIVE_BRANCHES branches are solved, in at most DIVE_EFFORT times the relaxation's
+        simplex iterations: counts, not times, so that the same input gives the same plan.
+        The dive gives up where the relaxation's own branches, explored first, yield no plan."""
+        h = self.h
+        h.setOptionValue("solve_relaxation", True)
+        h.setOptionValue("solver", "simplex")
+        h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
+        try:
+            h.run()
+            if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+                return None
+            info, solution = h.getInfo(), h.getSolution()
+            relaxed = float(info.objective_function_value)
+            x = np.array(solution.col_value)
+            if self._integral(x):
+                return x, relaxed, relaxed
+            self._search = _Search(gap, DIVE_EFFORT * max(info.simplex_iteration_count, 1), *(
+                incumbent if incumbent is not None else (None, math.inf)))
+            bound = self._subtree(x, np.array(solution.col_dual), relaxed, h.getBasis(), 0)
+            search = self._search
+            if bound is None or search.best is None:
+                return None
+            return search.best, search.value, min(bound, search.value)
+        finally:
+            h.setOptionValue("solve_relaxation", False)
+            h.setOptionValue("solver", "choose")
+            h.setOptionValue("objective_bound", highspy.kHighsInf)
+
+    def _subtree(self, x: np.ndarray, reduced: np.ndarray, relaxed: float, basis, depth: int) -> float | None:
+        """A lower bound on the ILP below a node whose relaxation is ``x`` (objective
+        ``relaxed``, reduced costs, ``basis``), branching on its most fractional disjunctions
+        (all at the root, one below); None at the root if its own branches found no plan."""
+        h, search = self.h, self._search
+
+        def share(branch):  # how much of the relaxation takes the branch
+            col, at = branch
+            return x[col] if at else 1 - x[col]
+
+        fractional = sorted((d for d in self.disjunctions if max(map(share, d)) < 1 - INTEGRALITY),
+                            key=lambda d: (max(map(share, d)), d[0]))
+        bound = relaxed
+        for disjunction in fractional if depth == 0 else fractional[:1]:
+            least = math.inf
+            # the relaxation's own branches first, then the least reduced cost
+            for col, at in sorted(disjunction, key=lambda b: (-share(b), reduced[b[0]] * (b[1] - x[b[0]]), b)):
+                if depth == 0 and search.best is None and share((col, at)) <= INTEGRALITY:
+                    return None  # the relaxation's own branches gave no plan: not this dive's kind
+                cutoff = search.cutoff()
+                branch = relaxed + max(float(reduced[col]) * (at - x[col]), 0.0)
+                if branch < cutoff and search.affordable() and not self.expired():
+                    h.changeColBounds(col, at, at)
+                    try:
+                        branch = self._branch(basis, cutoff, branch, depth)
+                    finally:
+                        h.changeColBounds(col, self.lower[col], self.upper[col])
+                least = min(least, branch)
+            bound = max(bound, least)
+            if search.proved(bound) or not search.affordable():
+                break
+        return bound
+
+    def _branch(self, basis, cutoff: float, fallback: float, depth: int) -> float:
+        """Solve the relaxation as fixed now, from ``basis``, stopped at ``cutoff``; keep its
+        solution if integral and better, else branch on below DIVE_DEPTH: a lower bound on
+        the branch (``fallback`` if none was found)."""
+        h, search = self.h, self._search
+        h.setBasis(basis)
+        h.setOptionValue("objective_bound", cutoff)
+        h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
+        h.run()
+        status, info = h.getModelStatus(), h.getInfo()
+        search.branches += 1
+        search.iterations += max(info.simplex_iteration_count, 1)
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return math.inf
+        if status == highspy.HighsModelStatus.kObjectiveBound:
+            return cutoff
+        if status != highspy.HighsModelStatus.kOptimal:
+            return fallback
+        value = float(info.objective_function_value)
+        solution = h.getSolution()
+        x = np.array(solution.col_value)
+        if self._integral(x):
+            if value < search.value:
+                search.best, search.value = x, value
+            return value
+        if depth + 1 < DIVE_DEPTH and search.affordable():
+            below = self._subtree(x, np.array(solution.col_dual), value, h.getBasis(), depth + 1)
+            return max(value, below)
+        return value
+
+    def _integral(self, x: np.ndarray) -> bool:
+        v = x[self.integer_cols]
+        return bool(np.all(np.abs(v - np.round(v)) <= INTEGRALITY))
 
     def relaxation(self, expr) -> float | None:
         """The LP relaxation's minimum of ``expr`` (None if not found in time): interior point
