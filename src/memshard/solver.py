@@ -53,10 +53,11 @@ optimal for the primary one alone, as a plan-independent bound on the peak
 
 Every minimisation starts with a dive (``_Highs._dive``): the LP relaxation by simplex, which
 on memshard's ILPs is often integral already (LLaMA-3 8B on 8x8, GPT-3 1.3B on 2x4: the plan,
-proved optimal by its own relaxation), else one level of branching on its most fractional
-disjunctions (a group's choices, a keep flag's two values) from the relaxation's basis, which
-proves the plan where the relaxation split a single decision (GPT-3 6.7B at batch 16: a tied
-embedding's storage between two choices, both branches integral). HiGHS's branch and bound
+proved optimal by its own relaxation), else up to DIVE_DEPTH levels of branching on its most
+fractional disjunctions (a group's choices, a keep flag's two values), each branch
+warm-started from its parent's basis, which proves the plan where the relaxation split one or
+two decisions (GPT-3 6.7B on 2x4: at batch 16 a tied embedding's storage between two choices,
+both branches integral; at batch 8 a keep flag, then the final norm's strategy). HiGHS's branch and bound
 runs only where the dive leaves the gap open, from the dive's plan if it had no start.
 
 The reshard rows are lazy (without a memory budget): most plans' peak is not at a reshard,
@@ -876,6 +877,7 @@ class _Highs:
         self.n = len(m.lower)
         self.disjunctions = disjunctions or []
         self.dive = bool(self.disjunctions)  # until a dive fails to prove its plan
+        self._search: _Search | None = None  # the dive under way
         self.lower, self.upper = np.array(m.lower), np.array(m.upper)  # the integer columns' bounds
         self.integer_cols = np.flatnonzero(np.array(m.integer, dtype=bool))
         log = bool(os.environ.get("MEMSHARD_HIGHS_LOG"))
