@@ -42,6 +42,7 @@ from memshard.solver import (
     _Model,
     _reference,
     blend_objective,
+    second_pass_cap,
 )
 
 
@@ -134,7 +135,7 @@ def solve_highs(problem, b: IlpBuilder, gap: float, limit: float) -> tuple[float
         max(gap, TIE_RESOLUTION), b.replicated_start())
     if not ties_resolved:  # as solver.solve: the step time, the peak held within the gap
         tolerance = max(gap, TIE_RESOLUTION)
-        hs.add_row(peak, max(obj * (1 + TIE_RESOLUTION), obj * (1 - gap_found) / (1 - tolerance)) + 1e-9)
+        hs.add_row(peak, second_pass_cap(obj, obj * (1 - gap_found), tolerance))
         values = hs.run(step_time, tolerance, start=values)[0]
     return time.perf_counter() - started, obj, not b.over_m(values), not ties_resolved
 

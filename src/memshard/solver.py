@@ -813,10 +813,7 @@ def solve(
         # of the primary objective are broken by the secondary one. (The first pass's plan
         # meets every row, so its optimum holds with the reshard rows too.)
         tolerance = max(mip_gap, TIE_RESOLUTION)
-        cap = best + abs(best) * TIE_RESOLUTION
-        if lower > 0:
-            cap = max(cap, lower / (1 - tolerance))
-        hs.add_row(primary, cap + 1e-9)
+        hs.add_row(primary, second_pass_cap(best, lower, tolerance))
         second_start = values
         with contextlib.suppress(SolverTimeLimit):  # else keep the first pass's plan
             while True:
@@ -1143,6 +1140,15 @@ class _Highs:
         if best_value >= value - abs(value) * TIE_RESOLUTION:  # the blend's plan stands
             return values, value, best_gap, timed_out, ties_resolved and not timed_out
         return best, best_value, best_gap, timed_out, False
+
+
+def second_pass_cap(best: float, lower: float, tolerance: float) -> float:
+    """The most the tie-break pass lets the primary objective reach: within ``tolerance`` of
+    the best bound ``lower``, and at least ``best`` (the first pass's) plus TIE_RESOLUTION."""
+    cap = best + abs(best) * TIE_RESOLUTION
+    if lower > 0:
+        cap = max(cap, lower / (1 - tolerance))
+    return cap + 1e-9
 
 
 def blend_objective(expr, tie_break, scales: tuple[float, float]):
