@@ -874,7 +874,6 @@ class _Highs:
         self.n = len(m.lower)
         self.disjunctions = disjunctions or []
         self.dive = bool(self.disjunctions)  # until a dive fails to prove its plan
-        self._search: _Search | None = None  # the dive under way
         self.lower, self.upper = np.array(m.lower), np.array(m.upper)  # the integer columns' bounds
         self.integer_cols = np.flatnonzero(np.array(m.integer, dtype=bool))
         log = bool(os.environ.get("MEMSHARD_HIGHS_LOG"))
@@ -921,6 +920,24 @@ class _Highs:
     def expired(self) -> bool:
         return time.perf_counter() >= self.deadline
 
+    def _limit_time(self) -> None:
+        """HiGHS's time limit: what is left until the deadline."""
+        self.h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
+
+    @contextlib.contextmanager
+    def _relaxing(self, solver: str):
+        """Within: solve the LP relaxation with ``solver``, in the time left; after: branch and
+        bound again."""
+        h = self.h
+        h.setOptionValue("solve_relaxation", True)
+        h.setOptionValue("solver", solver)
+        self._limit_time()
+        try:
+            yield h
+        finally:
+            h.setOptionValue("solve_relaxation", False)
+            h.setOptionValue("solver", "choose")
+
     def add_row(self, expr, upper: float) -> None:
         cols, vals = expr
         self.h.addRow(-highspy.kHighsInf, upper, len(cols), cols.astype(np.int32), vals)
@@ -951,7 +968,7 @@ class _Highs:
             # (the same rows and a few more, another objective): no more dives, each an LP.
             self.dive = False
         h.setOptionValue("mip_rel_gap", gap)
-        h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
+        self._limit_time()
         if isinstance(start, tuple):  # partial: HiGHS completes it
             h.setSolution(len(start[0]), start[0].astype(np.int32), start[1].astype(np.float64))
         elif start is not None:
@@ -992,11 +1009,7 @@ class _Highs:
         DIVE_BRANCHES branches are solved, in at most DIVE_EFFORT times the relaxation's
         simplex iterations: counts, not times, so that the same input gives the same plan.
         The dive gives up where the relaxation's own branches, explored first, yield no plan."""
-        h = self.h
-        h.setOptionValue("solve_relaxation", True)
-        h.setOptionValue("solver", "simplex")
-        h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
-        try:
+        with self._relaxing("simplex") as h:
             h.run()
             if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
                 return None
@@ -1005,23 +1018,22 @@ class _Highs:
             x = np.array(solution.col_value)
             if self._integral(x):
                 return x, relaxed, relaxed
-            self._search = _Search(gap, DIVE_EFFORT * max(info.simplex_iteration_count, 1), *(
+            search = _Search(gap, DIVE_EFFORT * max(info.simplex_iteration_count, 1), *(
                 incumbent if incumbent is not None else (None, math.inf)))
-            bound = self._subtree(x, np.array(solution.col_dual), relaxed, h.getBasis(), 0)
-            search = self._search
+            try:
+                bound = self._subtree(search, x, np.array(solution.col_dual), relaxed, h.getBasis(), 0)
+            finally:
+                h.setOptionValue("objective_bound", highspy.kHighsInf)
             if bound is None or search.best is None:
                 return None
             return search.best, search.value, min(bound, search.value)
-        finally:
-            h.setOptionValue("solve_relaxation", False)
-            h.setOptionValue("solver", "choose")
-            h.setOptionValue("objective_bound", highspy.kHighsInf)
 
-    def _subtree(self, x: np.ndarray, reduced: np.ndarray, relaxed: float, basis, depth: int) -> float | None:
+    def _subtree(self, search: _Search, x: np.ndarray, reduced: np.ndarray, relaxed: float, basis,
+                 depth: int) -> float | None:
         """A lower bound on the ILP below a node whose relaxation is ``x`` (objective
         ``relaxed``, reduced costs, ``basis``), branching on its most fractional disjunctions
         (all at the root, one below); None at the root if its own branches found no plan."""
-        h, search = self.h, self._search
+        h = self.h
 
         def share(branch):  # how much of the relaxation takes the branch
             col, at = branch
@@ -1041,7 +1053,7 @@ class _Highs:
                 if branch < cutoff and search.affordable() and not self.expired():
                     h.changeColBounds(col, at, at)
                     try:
-                        branch = self._branch(basis, cutoff, branch, depth)
+                        branch = self._branch(search, basis, cutoff, branch, depth)
                     finally:
                         h.changeColBounds(col, self.lower[col], self.upper[col])
                 least = min(least, branch)
@@ -1050,14 +1062,14 @@ class _Highs:
                 break
         return bound
 
-    def _branch(self, basis, cutoff: float, fallback: float, depth: int) -> float:
+    def _branch(self, search: _Search, basis, cutoff: float, fallback: float, depth: int) -> float:
         """Solve the relaxation as fixed now, from ``basis``, stopped at ``cutoff``; keep its
         solution if integral and better, else branch on below DIVE_DEPTH: a lower bound on
         the branch (``fallback`` if none was found)."""
-        h, search = self.h, self._search
+        h = self.h
         h.setBasis(basis)
         h.setOptionValue("objective_bound", cutoff)
-        h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
+        self._limit_time()
         h.run()
         status, info = h.getModelStatus(), h.getInfo()
         search.branches += 1
@@ -1076,7 +1088,7 @@ class _Highs:
                 search.best, search.value = x, value
             return value
         if depth + 1 < DIVE_DEPTH and search.affordable():
-            below = self._subtree(x, np.array(solution.col_dual), value, h.getBasis(), depth + 1)
+            below = self._subtree(search, x, np.array(solution.col_dual), value, h.getBasis(), depth + 1)
             return max(value, below)
         return value
 
@@ -1087,20 +1099,13 @@ class _Highs:
     def relaxation(self, expr) -> float | None:
         """The LP relaxation's minimum of ``expr`` (None if not found in time): interior point
         without crossover, a bound is all that is needed."""
-        h = self.h
         self._set_cost(expr)
-        h.setOptionValue("solve_relaxation", True)
-        h.setOptionValue("solver", "ipm")
-        h.setOptionValue("run_crossover", "off")
-        h.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
-        try:
+        with self._relaxing("ipm") as h:
+            h.setOptionValue("run_crossover", "off")
             h.run()
             if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
                 return None
             return float(h.getInfo().objective_function_value)
-        finally:
-            h.setOptionValue("solve_relaxation", False)
-            h.setOptionValue("solver", "choose")
 
     def first_pass(self, expr, tie_break, floor: float, scales: tuple[float, float], gap: float, fallback):
         """Minimise ``expr`` (≥ ``floor``), ties broken by ``tie_break``: (values, value of
