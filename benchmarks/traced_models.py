@@ -57,7 +57,7 @@ def full_size_rows() -> list[str]:
         plan = memshard.plan(graph, mesh)
         planned = time.time() - t
         built = memshard.plan(preset, mesh, batch=batch, seq=seq).peak_bytes if preset else None
-        unknown = ", ".join(f"{k} ×{v}" for k, v in graph.meta["unknown_ops"].items()) or "none"
+        unknown = ", ".join(f"{k} ×{v}" for k, v in graph.unknown_ops.items()) or "none"
         rows.append(f"| {label} | {mesh}, {batch} × {seq} | {graph.num_parameters / 1e9:.2f}B | {traced:.1f} | "
                     f"{planned:.1f} | {len(graph.ops)} | {unknown} | {gib(plan.peak_bytes)} | "
                     f"{gib(plan.lower_bound_bytes)} | {gib(built) if built else '–'} |")

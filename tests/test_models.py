@@ -7,7 +7,7 @@ from functools import cache
 import pytest
 
 from memshard.errors import MemshardError
-from memshard.graph import FP32, Graph, TensorKind
+from memshard.graph import FP32, Graph, Origin, TensorKind
 from memshard.models import PRESETS, build_graph, get_config
 from memshard.models.bert import build_bert
 
@@ -209,7 +209,7 @@ def test_llama_has_no_bias_dropout_or_tied_head():
     head = graph.ops[graph.roles["#lm_head"][0]]
     assert head.inputs[1].tensor == "lm_head.weight" != "embed_tokens.weight"
     assert graph.tensors["lm_head.weight"].shape == (4096, 32000)
-    assert graph.meta == {"family": "llama", "config": "llama2-7b"}
+    assert graph.origin is Origin.BUILT and graph.name == "llama2-7b" and graph.seq == SMALL["seq"]
     assert graph.ops[-1].kind == "cross_entropy" and graph.loss == "loss.out"
 
 
@@ -232,7 +232,7 @@ def test_bert_is_post_ln_with_tied_decoder():
     assert types.inputs[1].tensor == "token_type_ids"
     assert graph.tensors["token_type_embeddings.weight"].shape == (2, 1024)
     assert graph.flops(dense) == 2 * SMALL["batch"] * SMALL["seq"] * 1024 * 1024
-    assert graph.meta == {"family": "bert", "config": "bert-large"}
+    assert graph.origin is Origin.BUILT and graph.name == "bert-large" and graph.seq == SMALL["seq"]
 
 
 def test_dropout_off_removes_dropout_ops():

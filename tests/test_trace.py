@@ -44,7 +44,7 @@ def test_gpt2_124m_traced_has_the_builders_and_hfs_parameter_count():
     traced = trace_hf("gpt2", batch=1, seq=64)
     assert traced.num_parameters == build_graph("gpt2", batch=1, seq=64).num_parameters == 124_439_808
     assert traced.num_parameters == hf_parameter_count("gpt2")
-    assert traced.meta["unknown_ops"] == {}
+    assert traced.unknown_ops == {}
 
 
 def test_gpt2_traced_layer_saves_what_the_builder_says():
@@ -62,7 +62,7 @@ def test_gpt2_traced_layer_saves_what_the_builder_says():
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_traces_without_unknown_ops_and_plans(family):
     graph = trace_hf(family, batch=4, seq=32, precision="fp32", **FAMILIES[family])
-    assert graph.meta["unknown_ops"] == {}
+    assert graph.unknown_ops == {}
     assert graph.num_parameters == hf_parameter_count(family, **FAMILIES[family])
     # one mesh axis: tiny traced graphs on two axes make the ILP slow (README, "Limits")
     plan = memshard.plan(graph, "4", time_limit_s=30)
@@ -86,7 +86,7 @@ def test_identical_layers_share_solver_variables_and_dims():
 
 def test_gqa_projection_weights_are_split_by_kv_head():
     graph = trace_hf("llama", batch=2, seq=32, **FAMILIES["llama"])
-    axes = graph.meta["parameter_axes"]
+    axes = graph.traced["parameter_axes"]
     q = axes["model.layers.0.self_attn.q_proj.weight"]
     k = axes["model.layers.0.self_attn.k_proj.weight"]
     assert q[1] == k[1]  # both read the hidden dim
@@ -103,7 +103,7 @@ def test_an_unknown_op_is_planned_replicated_and_listed():
     module = CumsumNet()
     plan = memshard.plan(module, (torch.randn(8, 16, 32),), mesh="2")
     graph = plan.problem.graph
-    assert graph.meta["unknown_ops"] == {"aten.cumsum": 1}
+    assert graph.unknown_ops == {"aten.cumsum": 1}
     op = next(op for op in graph.ops if op.kind == "aten.cumsum")
     assert set(op.unsplittable_dims) == set(op.dims)
     assert plan.data["model"]["unknown_ops"] == {"aten.cumsum": 1}

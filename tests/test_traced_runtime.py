@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import memshard  # noqa: E402
 from memshard.runtime import traced  # noqa: E402
 from memshard.runtime.simulate import simulate  # noqa: E402
-from memshard.trace.hf import module_of_job  # noqa: E402
+from memshard.trace.hf import seeded_model  # noqa: E402
 from tests.runtime_harness import INSPECT_STEP, run_plans  # noqa: E402
 
 STEPS = 3
@@ -41,7 +41,7 @@ def reference(graph, module_factory, dtype):
         (args, kwargs), = traced.make_batch(graph, 1, step)
         args = [_cast(t, dtype) for t in args]
         kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
-        out = module(*args, **kwargs, **graph.meta.get("fixed_kwargs", {}))
+        out = module(*args, **kwargs, **graph.traced["fixed_kwargs"])
         loss = getattr(out, "loss", out)
         loss.backward()
         losses.append(loss.item())
@@ -80,8 +80,9 @@ def hf_runs():
 def test_hf_model_under_its_plan_equals_the_model(family, hf_runs):
     plans, runs = hf_runs
     plan = plans[family]
-    assert plan.problem.graph.meta["unknown_ops"] == {}
-    check_run(plan, runs[family], lambda: module_of_job(plan.data["model"], "cpu", 0))
+    assert plan.problem.graph.unknown_ops == {}
+    check_run(plan, runs[family], lambda: seeded_model(
+        plan.job.model.source, plan.job.precision, plan.job.model.attn_implementation, plan.job.hf_overrides()))
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -118,7 +119,7 @@ def test_a_module_with_an_unknown_op_plans_and_runs(op, mesh):
         meta = UnknownOpNet(op)
     plan = memshard.plan(meta, (torch.empty(8, 16, 32, device="meta"),), mesh=mesh)
     graph = plan.problem.graph
-    assert graph.meta["unknown_ops"] == {f"aten.{op}": 1}
+    assert graph.unknown_ops == {f"aten.{op}": 1}
     unknown = [o for o in graph.ops if o.kind == f"aten.{op}"]
     assert unknown and all(set(o.unsplittable_dims) == set(o.dims) for o in unknown)
     reports = run_plans([plan], STEPS, module_factory=lambda: UnknownOpNet(op))[0]

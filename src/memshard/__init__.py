@@ -18,7 +18,8 @@ _LAZY = {
     "get_config": ("memshard.models", "get_config"),
     "MemshardError": ("memshard.errors", "MemshardError"),
     "load_plan": ("memshard.plans", "load_plan"),
-    "HFModel": ("memshard.api", "HFModel"),
+    "HFModel": ("memshard.job", "HFModel"),
+    "Job": ("memshard.job", "Job"),
     "parallelize": ("memshard.runtime.executor", "parallelize"),  # needs torch
 }
 
@@ -28,10 +29,10 @@ __all__ = sorted([*_LAZY, "plan"])
 def plan(model, *args, **kwargs):
     """Plan ``model`` on a mesh: ``plan("llama3-8b", "8x8", batch=64)``, or for an
     ``nn.Module`` ``plan(module, example_inputs, mesh="2x4")``; see :func:`memshard.api.plan`."""
-    from memshard.api import _is_module
     from memshard.api import plan as _plan
+    from memshard.job import is_module
 
-    if _is_module(model) and args:
+    if is_module(model) and args:
         kwargs["example_inputs"], args = args[0], args[1:]
     return _plan(model, *args, **kwargs)
 

@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memshard.coarsen import merge_groups, merged_mesh, solve_merged
 from memshard.errors import MemshardError
 from memshard.graph import Graph
+from memshard.job import HFModel, Job, TracedModule, is_module
 from memshard.mesh import Mesh, parse_mesh
-from memshard.models import ModelConfig, build_graph
+from memshard.models import ModelConfig
 from memshard.plans import Plan, build_plan
 from memshard.problem import build_problem
 from memshard.solver import Infeasible, solve
 from memshard.units import format_bytes, format_seconds, parse_bytes
-
-
-@dataclass(frozen=True)
-class HFModel:
-    """A Hugging Face ``transformers`` model to trace: a config.json path, a config dict, or
-    a model type whose default config ships with transformers (``gpt2``, ``llama``…).
-    ``attn_implementation`` picks the attention kernel (default: the model's, usually sdpa)."""
-
-    source: str | dict
-    attn_implementation: str | None = None
-
-
-# memshard's knob names → transformers' config names
-HF_KNOBS = {"num_layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
-            "kv_heads": "num_key_value_heads", "ffn": "intermediate_size", "vocab": "vocab_size"}
 
 
 def plan(
@@ -77,16 +61,8 @@ def plan(
         raise MemshardError(f"the optimality gap must be in [0, 1), got {mip_gap}")
     if micro_batches < 1:
         raise MemshardError("the number of micro-batches must be positive")
-    if isinstance(model, Graph):
-        graph = model
-        model_info = {}
-    elif _is_module(model):
-        if batch is not None or seq is not None:
-            raise MemshardError("the example inputs fix a module's batch and sequence: give no batch or seq")
-        graph = _module_graph(model, example_inputs, model_overrides.get("precision"))
-        model_info = {"traced_module": type(model).__name__, "micro_batches": micro_batches}
-    else:
-        graph, model_info = _job_graph(model, mesh, batch, seq, micro_batches, model_overrides)
+    job = make_job(model, mesh, example_inputs, batch, seq, micro_batches, model_overrides)
+    graph = job.graph
     problem = build_problem(graph, mesh, shared_layers=not exact, micro_batches=micro_batches,
                             zero3_unit=zero3_unit)
     constraints = {"max_step_time_s": max_step_time_s, "memory_budget_bytes": memory_budget}
@@ -110,53 +86,19 @@ def plan(
                                   start=initial)
     except Infeasible:
         raise _explain_infeasible(searched, objective, max_step_time_s, memory_budget, time_limit_s) from None
-    return build_plan(problem, result, model=model_info, constraints=constraints)
+    return build_plan(problem, result, job=job, constraints=constraints)
 
 
-def _is_module(model) -> bool:
-    """An ``nn.Module``, recognised without importing torch."""
-    return any(c.__module__ == "torch.nn.modules.module" and c.__name__ == "Module" for c in type(model).__mro__)
-
-
-def _module_graph(module, example_inputs, precision: str | None) -> Graph:
-    from memshard.graph import PRECISIONS
-    from memshard.trace import trace_module
-
-    if example_inputs is None:
-        raise MemshardError("planning an nn.Module needs example inputs: memshard.plan(model, example_inputs, mesh=...)")
-    if isinstance(example_inputs, dict):
-        args, kwargs = (), dict(example_inputs)
-    elif isinstance(example_inputs, (tuple, list)):
-        args, kwargs = tuple(example_inputs), {}
-    else:
-        args, kwargs = (example_inputs,), {}
-    if precision is not None and precision not in PRECISIONS:
-        raise MemshardError(f"unknown precision {precision!r}; use mixed or fp32")
-    return trace_module(module, args, kwargs, precision=PRECISIONS.get(precision))
-
-
-def _job_graph(model, mesh: Mesh, batch, seq, micro_batches: int, overrides: dict) -> tuple[Graph, dict]:
-    """The graph of one micro-batch of the job, and the job as the plan JSON records it."""
-    batch = mesh.num_devices if batch is None else batch
-    if batch % micro_batches:
-        raise MemshardError(f"a batch of {batch} does not split into {micro_batches} equal micro-batches")
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    if isinstance(model, HFModel):
-        from memshard.trace.hf import read_source, trace_hf
-
-        unknown = sorted(set(overrides) - {*HF_KNOBS, "precision"})
-        if unknown:
-            raise MemshardError(f"Hugging Face models take no {', '.join(unknown)} override")
-        knobs = {HF_KNOBS[k]: v for k, v in overrides.items() if k in HF_KNOBS}
-        graph = trace_hf(model.source, batch // micro_batches, seq, overrides.get("precision", "mixed"),
-                         model.attn_implementation, **knobs)
-        source = {"hf": read_source(model.source), "attn_implementation": model.attn_implementation}
-    else:
-        graph = build_graph(model, batch=batch // micro_batches, seq=seq, **overrides)
-        source = {}
-    seq = graph.meta["seq"] if "seq" in graph.meta else graph.tensors["input_ids"].shape[1]
-    info = {**source, "batch": batch, "micro_batches": micro_batches, "seq": seq, "overrides": overrides}
-    return graph, info
+def make_job(model, mesh, example_inputs, batch, seq, micro_batches: int, overrides: dict) -> Job:
+    """The job ``plan``'s arguments describe."""
+    overrides = dict(overrides)
+    precision = overrides.pop("precision", None)
+    if is_module(model):
+        model = TracedModule(model, example_inputs)
+    elif example_inputs is not None:
+        raise MemshardError("example inputs are for planning an nn.Module")
+    return Job(model, mesh, batch=batch, seq=seq, micro_batches=micro_batches, overrides=overrides,
+               precision=precision)
 
 
 def _explain_infeasible(problem, objective, max_step_time_s, memory_budget, time_limit_s) -> MemshardError:
@@ -196,7 +138,7 @@ def compare(
                 time_limit_s=time_limit_s, mip_gap=mip_gap, **model_overrides)
     problem = best.problem
     fixed, skipped = baselines(problem)
-    base_plans = [build_plan(b.problem, None, b.selection, model=best.data["model"], strategy_name=b.name)
+    base_plans = [build_plan(b.problem, None, b.selection, job=best.job, strategy_name=b.name)
                   for b in fixed]
     rows = [best]
     if base_plans:
@@ -244,11 +186,12 @@ def strategy_plan(
     from memshard.baselines import baselines
 
     mesh = parse_mesh(mesh) if isinstance(mesh, str) else mesh
-    graph, model_info = _job_graph(model, mesh, batch, seq, micro_batches, model_overrides)
-    fixed, skipped = baselines(build_problem(graph, mesh, micro_batches=micro_batches, zero3_unit=zero3_unit))
+    job = make_job(model, mesh, None, batch, seq, micro_batches, model_overrides)
+    graph = job.graph
+    fixed, skipped = baselines(build_problem(graph, job.mesh, micro_batches=micro_batches, zero3_unit=zero3_unit))
     for b in fixed:
         if b.name == strategy:
-            return build_plan(b.problem, None, b.selection, model=model_info, strategy_name=b.name)
+            return build_plan(b.problem, None, b.selection, job=job, strategy_name=b.name)
     reason = dict(skipped).get(strategy)
     if reason:
         raise MemshardError(f"strategy {strategy} does not fit {graph.name} on {mesh}: {reason}")

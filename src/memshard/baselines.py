@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, replace
 
 from memshard.cost.memory import StorageOption
+from memshard.graph import Origin
 from memshard.mesh import Mesh
 from memshard.placement import local_numel
 from memshard.problem import Problem, Selection, build_problem, complete_selection
@@ -156,7 +157,7 @@ def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
     add("ddp", ddp)
     for stage in (1, 2, 3):
         add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, s=stage: zero(p, s))
-    if problem.graph.meta.get("family") == "traced":
+    if problem.graph.origin is Origin.TRACED:
         # Megatron's layouts are written for the built-in models' dims (heads, MLP width,
         # vocabulary); a traced graph's dims are anonymous, so they are not laid out.
         skipped.append(("megatron-*, tp*-fsdp*", "tensor-parallel baselines need a built-in model (--model)"))

@@ -18,6 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
+from typing import Any
 
 from memshard.errors import MemshardError
 
@@ -120,6 +121,13 @@ FP32 = Precision("fp32", 4, 4, 8, 4)
 PRECISIONS = {p.name: p for p in (MIXED, FP32)}
 
 
+class Origin(str, Enum):
+    """Where a graph comes from: memshard's builders (or by hand), or a traced module."""
+
+    BUILT = "built"
+    TRACED = "traced"
+
+
 @dataclass(frozen=True)
 class Graph:
     name: str
@@ -128,10 +136,19 @@ class Graph:
     loss: str
     precision: Precision = MIXED
     num_layers: int = 0
-    meta: dict = field(default_factory=dict, compare=False, hash=False)
+    seq: int | None = None  # the sequence length it was built or traced for
+    # A traced module: the ATen ops memshard has no rule for (op → count, planned replicated)
+    unknown_ops: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
+    # A traced module: its ``memshard.trace.TracedProgram`` (the exported program and each
+    # op's ATen call), which the runtime runs; None for a built graph.
+    traced: Any = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def origin(self) -> Origin:
+        return Origin.BUILT if self.traced is None else Origin.TRACED
 
     # -- structure --------------------------------------------------------------------------
     @cached_property

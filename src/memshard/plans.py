@@ -17,10 +17,11 @@ from memshard.cost.memory import CATEGORIES, StorageOption, param_layout
 from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, evaluate
 from memshard.files import read_json, write_text_atomically
-from memshard.graph import Graph
+from memshard.graph import Graph, Origin
+from memshard.job import Job, mesh_to_dict
 from memshard.mesh import Mesh
 from memshard.placement import format_layout
-from memshard.problem import DURING_RESHARDS, Problem, Selection, storage_links
+from memshard.problem import DURING_RESHARDS, Problem, Selection, build_problem, storage_links
 from memshard.solver import SolveResult
 
 SCHEMA = "memshard.plan/1"
@@ -32,6 +33,7 @@ class Plan:
     problem: Problem = field(repr=False, compare=False)
     selection: Selection = field(repr=False, compare=False)
     evaluation: Evaluation = field(repr=False, compare=False)
+    job: Job | None = field(default=None, repr=False, compare=False)
 
     # Convenience accessors for the figures people ask for most.
     @property
@@ -63,19 +65,6 @@ class Plan:
         from memshard.report import render_plan_text
 
         return render_plan_text(self, top=top)
-
-
-def _mesh_dict(mesh: Mesh) -> dict:
-    return {
-        "shape": list(mesh.shape),
-        "axis_names": list(mesh.axis_names),
-        "num_devices": mesh.num_devices,
-        "bandwidth_bytes_per_s": [a.bandwidth_bytes_per_s for a in mesh.axes],
-        "latency_s": [a.latency_s for a in mesh.axes],
-        "device_memory_bytes": mesh.device_memory_bytes,
-        "peak_flops": mesh.peak_flops,
-        "compute_efficiency": mesh.compute_efficiency,
-    }
 
 
 def _assignment_dict(assignment, mesh: Mesh) -> dict:
@@ -119,7 +108,7 @@ def build_plan(
     result: SolveResult | None,
     selection: Selection | None = None,
     *,
-    model: dict | None = None,
+    job: Job | None = None,
     constraints: dict | None = None,
     top: int = 10,
     strategy_name: str = "memshard",
@@ -188,8 +177,9 @@ def build_plan(
         "schema": SCHEMA,
         "strategy": strategy_name,
         "model": {"name": graph.name, "num_parameters": graph.num_parameters, "num_layers": graph.num_layers,
-                  "precision": graph.precision.name, **_traced_info(graph), **(model or {})},
-        "mesh": _mesh_dict(mesh),
+                  "precision": graph.precision.name, **_traced_info(graph),
+                  **(job.to_dict()["model"] if job is not None else {})},
+        "mesh": mesh_to_dict(mesh),
         "objective": result.objective if result else None,
         "constraints": constraints or {},
         "memory": {
@@ -225,7 +215,7 @@ def build_plan(
         "parameters": params,
         "reshards": edges,
     }
-    return Plan(_plain(data), problem, selection, ev)
+    return Plan(_plain(data), problem, selection, ev, job)
 
 
 def _plain(obj):
@@ -253,22 +243,10 @@ def load_plan(source: str | dict) -> Plan:
 
 
 def _rebuild(data: dict) -> Plan:
-    from memshard.api import HFModel, _job_graph
-    from memshard.mesh import make_mesh
-    from memshard.problem import build_problem
-
-    m, md = data["model"], data["mesh"]
-    if "traced_module" in m:
-        raise MemshardError(f"this plan was made from the module {m['traced_module']}: plan it again from the "
-                            "module (memshard.plan(module, example_inputs, mesh=...))")
-    k = int(m.get("micro_batches", 1))
-    model = HFModel(m["hf"], m.get("attn_implementation")) if "hf" in m else m["name"]
-    mesh = make_mesh(tuple(md["shape"]), tuple(md["axis_names"]), device_memory_bytes=md["device_memory_bytes"],
-                     peak_flops=md["peak_flops"], compute_efficiency=md["compute_efficiency"])
-    mesh = mesh.with_links(tuple(md["bandwidth_bytes_per_s"]), tuple(md["latency_s"]))
-    graph, _ = _job_graph(model, mesh, int(m["batch"]), int(m["seq"]), k, m.get("overrides", {}))
-    problem = build_problem(graph, mesh, shared_layers=data["solver"]["shared_layers"], micro_batches=k,
-                            zero3_unit=data["solver"].get("zero3_unit", "op"))
+    job = Job.from_dict(data)
+    mesh = job.mesh
+    problem = build_problem(job.graph, mesh, shared_layers=data["solver"]["shared_layers"],
+                            micro_batches=job.micro_batches, zero3_unit=data["solver"].get("zero3_unit", "op"))
     choices = [0] * len(problem.groups)
     by_key = {grp.key: gid for gid, grp in enumerate(problem.groups) if grp.kind == "op"}
     for entry in data["ops"]:
@@ -287,7 +265,7 @@ def _rebuild(data: dict) -> Plan:
     for entry in data["reshards"]:
         keeps[by_edge[entry["name"]]] = int(entry["saved_in_producer_layout"])
     selection = Selection(tuple(choices), tuple(keeps))
-    rebuilt = build_plan(problem, None, selection, model=m, constraints=data.get("constraints"),
+    rebuilt = build_plan(problem, None, selection, job=job, constraints=data.get("constraints"),
                          strategy_name=data.get("strategy", "memshard"))
     rebuilt.data["objective"] = data.get("objective")
     rebuilt.data["solver"] = data["solver"]
@@ -296,9 +274,9 @@ def _rebuild(data: dict) -> Plan:
 
 def _traced_info(graph: Graph) -> dict:
     """For a traced module: the ATen ops memshard has no description for (planned replicated)."""
-    if "unknown_ops" not in graph.meta:
+    if graph.origin is not Origin.TRACED:
         return {}
-    return {"unknown_ops": graph.meta["unknown_ops"]}
+    return {"unknown_ops": graph.unknown_ops}
 
 
 def _grad_text(G: tuple[str, ...]) -> str:

@@ -41,6 +41,9 @@ import numpy as np
 
 from memshard.cost import comm
 from memshard.cost.memory import (
+    CROSS_ENTROPY_CHUNKS,
+    STATS_BYTES,
+    STATS_IN_BACKWARD,
     StorageOption,
     buffer_bytes,
     buffer_global_bytes,
@@ -65,15 +68,6 @@ from memshard.strategies import (
     input_grad_layout,
     parameter_inputs,
 )
-
-STATS_BYTES = 4  # fp32 statistics
-# fp32 statistics per row that backward all-reduces when the reduced dim is split: LayerNorm
-# Σg·w and Σg·w·x̂, RMSNorm Σg·w·x̂, softmax Σg·y; cross-entropy's backward needs none.
-STATS_IN_BACKWARD = {"layernorm": 2, "rmsnorm": 1, "softmax": 1}
-
-# Cross-entropy's forward sums the exponentials of its logits in this many row chunks
-# (``runtime.ops.SplitCrossEntropy``): it holds one chunk's buffer while it runs.
-CROSS_ENTROPY_CHUNKS = 8
 
 # Holder kinds
 PRODUCER = "producer"  # the producer's output until its last forward use (or its backward if saved)

@@ -31,6 +31,15 @@ from memshard.strategies import Strategy
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "transients")
 
+# Constants the runtime's kernels share with the cost model, so both price the same bytes.
+STATS_BYTES = 4  # fp32 statistics
+# fp32 statistics per row that backward all-reduces when the reduced dim is split: LayerNorm
+# Σg·w and Σg·w·x̂, RMSNorm Σg·w·x̂, softmax Σg·y; cross-entropy's backward needs none.
+STATS_IN_BACKWARD = {"layernorm": 2, "rmsnorm": 1, "softmax": 1}
+# Cross-entropy's forward sums the exponentials of its logits in this many row chunks
+# (``runtime.ops.SplitCrossEntropy``): it holds one chunk's buffer while it runs.
+CROSS_ENTROPY_CHUNKS = 8
+
 
 def tensor_bytes(spec: TensorSpec, layout: Layout, mesh: Mesh) -> int:
     return local_numel(spec.shape, layout, mesh.shape) * spec.dtype_bytes

@@ -89,4 +89,4 @@ def build_bert(cfg: ModelConfig, batch: int, seq: int) -> Graph:
     y = g.norm("mlm.ln", y, bsh, "h", bias=True)
     logits = g.linear("mlm.decoder", y, bsh, ("v", "h"), ("b", "s", "v"), bias=True, weight=word)
     loss = g.cross_entropy("loss", logits, ("b", "s", "v"), labels, ("b", "s"), "v")
-    return g.build(loss, cfg.num_layers, family="bert", config=cfg.name)
+    return g.build(loss, cfg.num_layers, seq)

@@ -77,7 +77,7 @@ class GraphBuilder:
         )
         return output[0]
 
-    def build(self, loss: str, num_layers: int, **meta) -> Graph:
+    def build(self, loss: str, num_layers: int, seq: int) -> Graph:
         return Graph(
             name=self.name,
             tensors=dict(self.tensors),
@@ -85,7 +85,7 @@ class GraphBuilder:
             loss=loss,
             precision=self.precision,
             num_layers=num_layers,
-            meta=meta,
+            seq=seq,
         )
 
     # -- layers --------------------------------------------------------------------------------

@@ -45,4 +45,4 @@ def build_gpt(cfg: ModelConfig, batch: int, seq: int):
     y = g.norm("ln_f", x, bsh, "h", bias=True)
     logits = g.linear("lm_head", y, bsh, ("v", "h"), ("b", "s", "v"), bias=False, weight=wte)
     loss = g.cross_entropy("loss", logits, ("b", "s", "v"), labels, ("b", "s"), "v")
-    return g.build(loss, cfg.num_layers, family="gpt", config=cfg.name)
+    return g.build(loss, cfg.num_layers, seq)

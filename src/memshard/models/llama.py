@@ -107,4 +107,4 @@ def build_llama(cfg: ModelConfig, batch: int, seq: int) -> Graph:
     y = g.norm("norm", x, bsh, "h", bias=False)
     logits = g.linear("lm_head", y, bsh, ("h", "v"), ("b", "s", "v"), bias=False)
     loss = g.cross_entropy("loss", logits, ("b", "s", "v"), labels, ("b", "s"), "v")
-    return g.build(loss, cfg.num_layers, family="llama", config=cfg.name)
+    return g.build(loss, cfg.num_layers, seq)

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from memshard.cost.memory import param_layout
-from memshard.graph import Graph, TensorKind
+from memshard.graph import Graph, Origin, TensorKind
 from memshard.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
 from memshard.problem import Problem, Selection, layer_units
 from memshard.runtime import ops
@@ -102,7 +102,7 @@ def _run_graph(
     """
     last_use = {t: uses[-1][0] for t, uses in graph.consumers.items()}
     env: dict[str, torch.Tensor] = {}
-    if graph.meta.get("family") == "traced":  # a traced module: each op calls its ATen op
+    if graph.origin is Origin.TRACED:  # a traced module: each op calls its ATen op
         from memshard.runtime.traced import kernel as kernel_of
     else:
         kernel_of = ops.KERNELS.__getitem__

@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
+from memshard.cost.memory import CROSS_ENTROPY_CHUNKS
 from memshard.graph import Graph, Op
-from memshard.problem import CROSS_ENTROPY_CHUNKS
 from memshard.strategies import Strategy
 
 DROPOUT_P = 0.1

@@ -1,7 +1,7 @@
 """Running a traced module under a plan: each IR op calls its own ATen op on local shards.
 
 A traced graph (``memshard.trace``) keeps, per op, the ATen call it came from and the dims of
-every torch axis of its arguments (``graph.meta["aten"]``). The executor of
+every torch axis of its arguments (``graph.traced["aten"]``). The executor of
 ``executor.py`` runs it like a built-in model (same parameter stores, reshards at op
 boundaries, ZeRO stages); only the kernels differ: a local IR tensor (one axis per dim) is
 viewed as the op's torch argument (dims permuted, broadcast dims expanded, neighbours merged),
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from memshard.graph import Graph, TensorKind
+from memshard.graph import Graph, Origin, TensorKind
 from memshard.runtime import ops
 from memshard.runtime.executor import ShardedGraphModel
 from memshard.trace.export import WRAPPER_PREFIX
@@ -68,7 +68,7 @@ def _fill(x, args: list[torch.Tensor], device):
 
 
 def _call(ctx: ops.OpContext, xs, target=None, **overrides):
-    spec = ctx.graph.meta["aten"][ctx.op.name]
+    spec = ctx.graph.traced["aten"][ctx.op.name]
     size_of = _size_of(ctx, spec)
     args = [to_arg(x, ctx.op.inputs[j].dims, spec["in_axes"][j], size_of) for j, x in enumerate(xs)
             if j < len(spec["in_axes"])]
@@ -89,7 +89,7 @@ def generic(ctx, *xs):
 def linear(ctx, *xs):
     """A contraction with a parameter: a split contracted dim leaves a partial sum, so the
     bias is added on one rank of those axes (zero elsewhere, keeping it in every autograd graph)."""
-    spec = ctx.graph.meta["aten"][ctx.op.name]
+    spec = ctx.graph.traced["aten"][ctx.op.name]
     root = float(ctx.is_root_of(ctx.op.contracted_dims))
     name = str(spec["target"])
     if name.startswith("aten.addmm"):
@@ -120,7 +120,7 @@ def embedding(ctx, weight, ids):
 
 
 def layer_norm(ctx, x, weight=None, bias=None):
-    spec = ctx.graph.meta["aten"][ctx.op.name]
+    spec = ctx.graph.traced["aten"][ctx.op.name]
     h = ctx.op.reduced_dims
     axes = ctx.split_axes(h)
     k = len(spec["args"][1])
@@ -141,7 +141,7 @@ def layer_norm(ctx, x, weight=None, bias=None):
 def _arg(ctx, x, j):
     if x is None:
         return None
-    spec = ctx.graph.meta["aten"][ctx.op.name]
+    spec = ctx.graph.traced["aten"][ctx.op.name]
     return to_arg(x, ctx.op.inputs[j].dims, spec["in_axes"][j], _size_of(ctx, spec))
 
 
@@ -149,7 +149,7 @@ def softmax(ctx, x):
     axes = ctx.split_axes(ctx.op.reduced_dims)
     if not axes:
         return _call(ctx, (x,))
-    spec = ctx.graph.meta["aten"][ctx.op.name]
+    spec = ctx.graph.traced["aten"][ctx.op.name]
     size_of = _size_of(ctx, spec)
     y = ops.SplitSoftmax.apply(to_arg(x, ctx.op.inputs[0].dims, spec["in_axes"][0], size_of),
                                tuple(ctx.groups[a] for a in axes))
@@ -158,7 +158,7 @@ def softmax(ctx, x):
 
 def mean(ctx, x):
     """A sum divided by the global count: with the reduced dims split, a partial sum."""
-    spec = ctx.graph.meta["aten"][ctx.op.name]
+    spec = ctx.graph.traced["aten"][ctx.op.name]
     axes = spec["in_axes"][0]
     over = spec["args"][1] if len(spec["args"]) > 1 and spec["args"][1] is not None else range(len(axes))
     over = [over] if isinstance(over, int) else list(over)
@@ -170,7 +170,7 @@ def mean(ctx, x):
 
 
 def cross_entropy(ctx, logits, labels, tokens):
-    spec = ctx.graph.meta["aten"][ctx.op.name]
+    spec = ctx.graph.traced["aten"][ctx.op.name]
     if "unsupported" in spec:
         raise NotImplementedError(f"cross-entropy with {spec['unsupported']}")
     size_of = _size_of(ctx, spec)
@@ -187,7 +187,7 @@ def cross_entropy(ctx, logits, labels, tokens):
 
 
 def dropout(ctx, x):
-    spec = ctx.graph.meta["aten"][ctx.op.name]
+    spec = ctx.graph.traced["aten"][ctx.op.name]
     p = float(spec["args"][1]) if len(spec["args"]) > 1 else 0.5
     train = bool(spec["args"][2]) if len(spec["args"]) > 2 else True
     size_of = _size_of(ctx, spec)
@@ -197,7 +197,7 @@ def dropout(ctx, x):
 
 def select(ctx, x):
     """One piece of a split / slice, as a new tensor (the IR prices it as one)."""
-    spec = ctx.graph.meta["aten"][ctx.op.name]
+    spec = ctx.graph.traced["aten"][ctx.op.name]
     dims = ctx.op.inputs[0].dims
     piece = spec["pieces"][0]
     y = x.select(dims.index(piece), spec["index"])
@@ -207,7 +207,7 @@ def select(ctx, x):
 
 
 def cat(ctx, *xs):
-    spec = ctx.graph.meta["aten"][ctx.op.name]
+    spec = ctx.graph.traced["aten"][ctx.op.name]
     out = ctx.op.output.dims
     piece = spec["pieces"][0]
     rest = [(d,) for d in out if d != piece]
@@ -218,7 +218,7 @@ def cat(ctx, *xs):
 
 def copy(ctx, x):
     """A materialised view (contiguous, reshape of an expanded tensor, dtype cast)."""
-    spec = ctx.graph.meta["aten"][ctx.op.name]
+    spec = ctx.graph.traced["aten"][ctx.op.name]
     view = to_arg(x, ctx.op.inputs[0].dims, [(d,) for d in ctx.op.output.dims], _size_of(ctx, spec))
     out = torch.empty(view.shape, dtype=spec["dtype"], device=view.device)
     return out.copy_(view)
@@ -273,7 +273,7 @@ def _flatten_inputs(ep, args: tuple, kwargs: dict) -> list:
 def constant_inputs(graph: Graph, buffers: dict, args: tuple, kwargs: dict, device) -> dict[str, torch.Tensor]:
     """The graph's INPUT tensors for one call, computed in full by the exported program's
     parameter-free nodes (on ``device``) from the call's arguments and the module's buffers."""
-    ep = graph.meta["program"]
+    ep = graph.traced["program"]
     sig = ep.graph_signature
     params = set(sig.inputs_to_parameters)
     user = iter(_flatten_inputs(ep, args, kwargs))
@@ -304,8 +304,8 @@ def constant_inputs(graph: Graph, buffers: dict, args: tuple, kwargs: dict, devi
     for name, spec in graph.tensors.items():
         if spec.kind is not TensorKind.INPUT:
             continue
-        if name in graph.meta["synthetic"]:
-            target, ignore = graph.meta["synthetic"][name]
+        if name in graph.traced["synthetic"]:
+            target, ignore = graph.traced["synthetic"][name]
             out[name] = (by_name[target] != ignore).sum()
         else:
             out[name] = by_name[name].reshape(spec.shape)
@@ -327,7 +327,7 @@ class ShardedTracedModel(ShardedGraphModel):
 
 
 def parallelize_module(module: nn.Module, plan, device_mesh, seed: int = 0) -> ShardedTracedModel:
-    if plan.problem.graph.meta.get("family") != "traced":
+    if plan.problem.graph.origin is not Origin.TRACED:
         raise ValueError("this plan is not of a traced module")
     return ShardedTracedModel(TracedReference(plan.problem.graph, module, seed), plan.problem, plan.selection,
                               device_mesh)
@@ -336,7 +336,7 @@ def parallelize_module(module: nn.Module, plan, device_mesh, seed: int = 0) -> S
 def make_batch(graph: Graph, micro_batches: int, seed: int, device="cpu") -> list[tuple[tuple, dict]]:
     """Random arguments for the traced module, per micro-batch: integer inputs (token ids,
     labels) below the first embedding's row count, floats standard normal; same on every rank."""
-    ep = graph.meta["program"]
+    ep = graph.traced["program"]
     sig = ep.graph_signature
     vocab = next((graph.tensors[op.inputs[0].tensor].shape[0] for op in graph.ops if op.kind == "embedding"), 2)
     vals = [n.meta["val"] for n in ep.graph.nodes if n.op == "placeholder" and n.name in sig.user_inputs]

@@ -32,6 +32,7 @@ from memshard.cost.comm import KINDS
 from memshard.cost.memory import CATEGORIES
 from memshard.errors import MemshardError
 from memshard.files import write_text_atomically
+from memshard.graph import Origin
 from memshard.runtime.executor import GraphModel, make_batch, parallelize
 from memshard.runtime.measure import CommCounter, MemoryMeter
 from memshard.runtime.optim import LeanAdam
@@ -70,13 +71,15 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
         raise MemshardError("run at least 2 steps: the last one is measured with optimizer states in place")
     graph = plan.problem.graph
     k = plan.problem.micro_batches
-    if graph.meta.get("family") == "traced":
+    if graph.origin is Origin.TRACED:
         from memshard.runtime import traced
 
         if module is None:
-            from memshard.trace.hf import module_of_job
+            from memshard.trace.hf import seeded_model
 
-            module = module_of_job(plan.data["model"], device_mesh.device_type, seed)
+            job = plan.job
+            module = seeded_model(job.model.source, job.precision or "mixed", job.model.attn_implementation,
+                                  job.hf_overrides(), device_mesh.device_type, seed)
         model = parallelize(module, plan, device_mesh)
         del module  # the shards are the model now
         make_inputs = traced.make_batch

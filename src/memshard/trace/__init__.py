@@ -39,5 +39,5 @@ def trace_module(
 
     ep = export_training_forward(module, tuple(args), kwargs)
     graph = lower(ep, name or type(module).__name__, precision or _precision_of(module))
-    graph.meta["fixed_kwargs"] = split_kwargs(kwargs)[1]  # e.g. use_cache=False: part of the trace
+    graph.traced["fixed_kwargs"] = split_kwargs(kwargs)[1]  # e.g. use_cache=False: part of the trace
     return graph

@@ -9,6 +9,7 @@ the model returns its loss. ``transformers`` is optional: ``pip install memshard
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from memshard.errors import MemshardError
 from memshard.files import read_json
@@ -118,18 +119,15 @@ def trace_hf(source: str | dict, batch: int, seq: int | None = None, precision: 
     model = build_model(cfg, precision, attn_implementation)
     args, kwargs = example_inputs(cfg, batch, seq)
     graph = trace_module(model, args, kwargs, name=f"hf:{config_label(source)}", precision=PRECISIONS[precision])
-    graph.meta["seq"] = seq
-    return graph
+    return replace(graph, seq=seq)
 
 
-def module_of_job(model_info: dict, device="cpu", seed: int = 0):
-    """The real (randomly initialised, seeded) module a plan of an HF model was made for."""
+def seeded_model(source: str | dict, precision: str, attn_implementation: str | None, overrides: dict,
+                 device="cpu", seed: int = 0):
+    """The real module (randomly initialised with ``seed``) of a config; ``overrides`` by their
+    transformers names."""
     import torch
 
-    from memshard.api import HF_KNOBS
-
-    overrides = dict(model_info.get("overrides", {}))
-    precision = overrides.pop("precision", "mixed")
-    cfg = load_config(model_info["hf"], **{HF_KNOBS[k]: v for k, v in overrides.items()})
+    cfg = load_config(source, **overrides)
     torch.manual_seed(seed)
-    return build_model(cfg, precision, model_info.get("attn_implementation"), device=device)
+    return build_model(cfg, precision, attn_implementation, device=device)

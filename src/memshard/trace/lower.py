@@ -495,9 +495,9 @@ class _Lowering:
         graph = Graph(
             name=self.name, tensors=tensors, ops=tuple(ops), loss=ir_name[loss_node],
             precision=self.precision, num_layers=num_layers,
-            meta={"family": "traced", "unknown_ops": dict(sorted(self.unknown.items())),
-                  "program": self.ep, "aten": specs, "synthetic": synthetic,
-                  "parameter_axes": {self.param_fqn[n.name]: self._torch_axes(n, names) for n in self._param_nodes()}},
+            unknown_ops=dict(sorted(self.unknown.items())),
+            traced={"program": self.ep, "aten": specs, "synthetic": synthetic,
+                    "parameter_axes": {self.param_fqn[n.name]: self._torch_axes(n, names) for n in self._param_nodes()}},
         )
         return graph
 

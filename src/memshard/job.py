@@ -1,0 +1,226 @@
+"""The training job: which model, on which mesh, with what batch, sequence and precision.
+
+A :class:`Job` is what every command shares — ``plan``, ``compare``, ``pareto``, ``simulate``,
+``run`` and a saved plan all describe one — and the one place a model source becomes a graph
+(``Job.graph``): a preset name or :class:`~memshard.models.ModelConfig` (built by
+``memshard.models``), a hand-built :class:`~memshard.graph.Graph`, a Hugging Face config
+(:class:`HFModel`, traced) or an ``nn.Module`` with example inputs (:class:`TracedModule`).
+``to_dict`` / ``from_dict`` are its part of the plan JSON (``model`` and ``mesh``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any
+
+from memshard.errors import MemshardError
+from memshard.graph import PRECISIONS, Graph
+from memshard.mesh import Mesh, make_mesh, parse_mesh
+from memshard.models import ModelConfig, build_graph
+
+# memshard's model knobs, in the order they are recorded, with the name transformers gives
+# each in a config (None: a knob of the built-in models only).
+MODEL_KNOBS: dict[str, str | None] = {
+    "num_layers": "num_hidden_layers",
+    "hidden": "hidden_size",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "ffn": "intermediate_size",
+    "vocab": "vocab_size",
+    "dropout": None,
+}
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """A Hugging Face ``transformers`` model to trace: a config.json path, a config dict, or
+    a model type whose default config ships with transformers (``gpt2``, ``llama``…).
+    ``attn_implementation`` picks the attention kernel (default: the model's, usually sdpa)."""
+
+    source: str | dict
+    attn_implementation: str | None = None
+
+
+@dataclass(frozen=True)
+class TracedModule:
+    """An ``nn.Module`` that returns its loss, traced on ``example_inputs`` (a tuple of
+    positional arguments, a dict of keyword arguments, or one tensor: one micro-batch)."""
+
+    module: Any
+    example_inputs: Any
+
+
+ModelSource = str | ModelConfig | Graph | HFModel | TracedModule
+
+
+def is_module(model) -> bool:
+    """An ``nn.Module``, recognised without importing torch."""
+    return any(c.__module__ == "torch.nn.modules.module" and c.__name__ == "Module" for c in type(model).__mro__)
+
+
+def _positive_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MemshardError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training step: ``batch`` sequences of ``seq`` tokens (``None``: one sequence per
+    device; the model's default length), run as ``micro_batches`` accumulated micro-batches,
+    of ``model`` with its knobs ``overrides`` (``num_layers=4``…) at ``precision`` (``mixed``
+    or ``fp32``; None: the model's own), on ``mesh``."""
+
+    model: ModelSource
+    mesh: Mesh
+    batch: int | None = None
+    seq: int | None = None
+    micro_batches: int = 1
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    precision: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mesh, str):
+            object.__setattr__(self, "mesh", parse_mesh(self.mesh))
+        if not isinstance(self.mesh, Mesh):
+            raise MemshardError(f"a mesh is a string like '2x4' or a memshard Mesh, got {self.mesh!r}")
+        _positive_int(self.micro_batches, "the number of micro-batches")
+        for value, what in ((self.batch, "the batch"), (self.seq, "the sequence length")):
+            if value is not None:
+                _positive_int(value, what)
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise MemshardError(f"unknown precision {self.precision!r}; use mixed or fp32")
+        knobs = {k: v for k, v in self.overrides.items() if v is not None}
+        unknown = sorted(set(knobs) - set(MODEL_KNOBS))
+        if unknown:
+            raise MemshardError(f"unknown model option {', '.join(unknown)}; known: {', '.join(MODEL_KNOBS)}")
+        object.__setattr__(self, "overrides", {k: knobs[k] for k in MODEL_KNOBS if k in knobs})
+        self._check_source()
+
+    def _check_source(self) -> None:
+        model = self.model
+        if isinstance(model, (Graph, TracedModule)):
+            if self.batch is not None or self.seq is not None:
+                raise MemshardError("the graph or example inputs fix the batch and sequence: give no batch or seq")
+            if self.overrides:
+                raise MemshardError(f"a graph or module takes no {', '.join(self.overrides)} option")
+        elif isinstance(model, HFModel):
+            fixed = [k for k in self.overrides if MODEL_KNOBS[k] is None]
+            if fixed:
+                raise MemshardError(f"Hugging Face models take no {', '.join(fixed)} option")
+        elif not isinstance(model, (str, ModelConfig)):
+            raise MemshardError(f"a model is a preset name, a ModelConfig, a Graph, an HFModel or an nn.Module, "
+                                f"got {type(model).__name__}")
+        if self.global_batch % self.micro_batches:
+            raise MemshardError(f"a batch of {self.global_batch} does not split into {self.micro_batches} "
+                                "equal micro-batches")
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per step over all devices (a graph or module: its own batch)."""
+        if self.batch is not None:
+            return self.batch
+        if isinstance(self.model, (Graph, TracedModule)):
+            return self.micro_batches
+        return self.mesh.num_devices
+
+    @cached_property
+    def graph(self) -> Graph:
+        """The graph of one micro-batch (built or traced once per job)."""
+        micro = self.global_batch // self.micro_batches
+        model = self.model
+        if isinstance(model, Graph):
+            return model
+        if isinstance(model, TracedModule):
+            from memshard.trace import trace_module
+
+            args, kwargs = _call_arguments(model.example_inputs)
+            return trace_module(model.module, args, kwargs, precision=PRECISIONS.get(self.precision))
+        if isinstance(model, HFModel):
+            from memshard.trace.hf import trace_hf
+
+            return trace_hf(model.source, micro, self.seq, self.precision or "mixed", model.attn_implementation,
+                            **self.hf_overrides())
+        if isinstance(model, ModelConfig):
+            knobs = {**self.overrides, **({"precision": PRECISIONS[self.precision]} if self.precision else {})}
+            return build_graph(replace(model, **knobs) if knobs else model, batch=micro, seq=self.seq)
+        return build_graph(model, batch=micro, seq=self.seq, precision=self.precision, **self.overrides)
+
+    def hf_overrides(self) -> dict[str, Any]:
+        """The knobs as a transformers config names them."""
+        return {MODEL_KNOBS[k]: v for k, v in self.overrides.items()}
+
+    @property
+    def seq_length(self) -> int | None:
+        """The sequence length the graph is built for (the model's default if none was given)."""
+        return self.graph.seq
+
+    # -- the plan JSON's "model" (the job's part) and "mesh" -----------------------------------
+    def to_dict(self) -> dict[str, dict]:
+        model = self.model
+        if isinstance(model, TracedModule):
+            job = {"traced_module": type(model.module).__name__, "micro_batches": self.micro_batches}
+        elif isinstance(model, Graph):
+            job = {}
+        else:
+            source = {}
+            if isinstance(model, HFModel):
+                from memshard.trace.hf import read_source
+
+                source = {"hf": read_source(model.source), "attn_implementation": model.attn_implementation}
+            overrides = dict(self.overrides)
+            if self.precision is not None:  # recorded among the knobs, before dropout
+                overrides = {k: v for k, v in overrides.items() if k != "dropout"}
+                overrides["precision"] = self.precision
+                if "dropout" in self.overrides:
+                    overrides["dropout"] = self.overrides["dropout"]
+            job = {**source, "batch": self.global_batch, "micro_batches": self.micro_batches,
+                   "seq": self.seq_length, "overrides": overrides}
+        return {"model": job, "mesh": mesh_to_dict(self.mesh)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Job:
+        """The job a plan JSON records (its ``model`` and ``mesh``)."""
+        model, mesh = data["model"], mesh_from_dict(data["mesh"])
+        if "traced_module" in model:
+            raise MemshardError(f"this plan was made from the module {model['traced_module']}: plan it again from "
+                                "the module (memshard.plan(module, example_inputs, mesh=...))")
+        overrides = dict(model.get("overrides", {}))
+        precision = overrides.pop("precision", None)
+        source = HFModel(model["hf"], model.get("attn_implementation")) if "hf" in model else model["name"]
+        return cls(source, mesh, batch=int(model["batch"]), seq=int(model["seq"]),
+                   micro_batches=int(model.get("micro_batches", 1)), overrides=overrides, precision=precision)
+
+
+def _call_arguments(example_inputs) -> tuple[tuple, dict]:
+    if example_inputs is None:
+        raise MemshardError("planning an nn.Module needs example inputs: memshard.plan(model, example_inputs, mesh=...)")
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def mesh_to_dict(mesh: Mesh) -> dict[str, Any]:
+    return {
+        "shape": list(mesh.shape),
+        "axis_names": list(mesh.axis_names),
+        "num_devices": mesh.num_devices,
+        "bandwidth_bytes_per_s": [a.bandwidth_bytes_per_s for a in mesh.axes],
+        "latency_s": [a.latency_s for a in mesh.axes],
+        "device_memory_bytes": mesh.device_memory_bytes,
+        "peak_flops": mesh.peak_flops,
+        "compute_efficiency": mesh.compute_efficiency,
+    }
+
+
+def mesh_from_dict(data: Mapping[str, Any]) -> Mesh:
+    mesh = make_mesh(tuple(data["shape"]), tuple(data["axis_names"]), device_memory_bytes=data["device_memory_bytes"],
+                     peak_flops=data["peak_flops"], compute_efficiency=data["compute_efficiency"])
+    if math.prod(mesh.shape) != data.get("num_devices", mesh.num_devices):
+        raise MemshardError("the mesh's shape and device count disagree")
+    return mesh.with_links(tuple(data["bandwidth_bytes_per_s"]), tuple(data["latency_s"]))
