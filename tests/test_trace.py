@@ -86,7 +86,7 @@ def test_identical_layers_share_solver_variables_and_dims():
 
 def test_gqa_projection_weights_are_split_by_kv_head():
     graph = trace_hf("llama", batch=2, seq=32, **FAMILIES["llama"])
-    axes = graph.traced["parameter_axes"]
+    axes = graph.traced.parameter_axes
     q = axes["model.layers.0.self_attn.q_proj.weight"]
     k = axes["model.layers.0.self_attn.k_proj.weight"]
     assert q[1] == k[1]  # both read the hidden dim

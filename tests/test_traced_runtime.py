@@ -41,7 +41,7 @@ def reference(graph, module_factory, dtype):
         (args, kwargs), = traced.make_batch(graph, 1, step)
         args = [_cast(t, dtype) for t in args]
         kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
-        out = module(*args, **kwargs, **graph.traced["fixed_kwargs"])
+        out = module(*args, **kwargs, **graph.traced.fixed_kwargs)
         loss = getattr(out, "loss", out)
         loss.backward()
         losses.append(loss.item())

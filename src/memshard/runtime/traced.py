@@ -1,7 +1,7 @@
 """Running a traced module under a plan: each IR op calls its own ATen op on local shards.
 
 A traced graph (``memshard.trace``) keeps, per op, the ATen call it came from and the dims of
-every torch axis of its arguments (``graph.traced["aten"]``). The executor of
+every torch axis of its arguments (``graph.traced.aten``, ``memshard.trace.program``). The executor of
 ``executor.py`` runs it like a built-in model (same parameter stores, reshards at op
 boundaries, ZeRO stages); only the kernels differ: a local IR tensor (one axis per dim) is
 viewed as the op's torch argument (dims permuted, broadcast dims expanded, neighbours merged),
@@ -28,13 +28,13 @@ from memshard.graph import Graph, Origin, TensorKind
 from memshard.runtime import ops
 from memshard.runtime.executor import ShardedGraphModel
 from memshard.trace.export import WRAPPER_PREFIX
-from memshard.trace.lower import InputSlot
+from memshard.trace.program import AtenCall, InputSlot
 
 
 # -- local tensors ⇄ ATen arguments --------------------------------------------------------------
-def _size_of(ctx: ops.OpContext, spec: dict):
+def _size_of(ctx: ops.OpContext, spec: AtenCall):
     local = ctx.strategy.local_sizes
-    return lambda d: local.get(d, spec["sizes"].get(d, ctx.sizes.get(d)))
+    return lambda d: local.get(d, spec.sizes.get(d, ctx.sizes.get(d)))
 
 
 def to_arg(x: torch.Tensor, dims: tuple[str, ...], axes, size_of) -> torch.Tensor:
@@ -68,17 +68,17 @@ def _fill(x, args: list[torch.Tensor], device):
 
 
 def _call(ctx: ops.OpContext, xs, target=None, **overrides):
-    spec = ctx.graph.traced["aten"][ctx.op.name]
+    spec = ctx.graph.traced.aten[ctx.op.name]
     size_of = _size_of(ctx, spec)
-    args = [to_arg(x, ctx.op.inputs[j].dims, spec["in_axes"][j], size_of) for j, x in enumerate(xs)
-            if j < len(spec["in_axes"])]
-    call_args = _fill(spec["args"], args, ctx.device)
-    call_kwargs = {k: _fill(v, args, ctx.device) for k, v in spec["kwargs"].items()}
+    args = [to_arg(x, ctx.op.inputs[j].dims, spec.in_axes[j], size_of) for j, x in enumerate(xs)
+            if j < len(spec.in_axes)]
+    call_args = _fill(spec.args, args, ctx.device)
+    call_kwargs = {k: _fill(v, args, ctx.device) for k, v in spec.kwargs.items()}
     call_kwargs.update(overrides)
-    out = (target or spec["target"])(*call_args, **call_kwargs)
-    if spec["item"] is not None:  # one output of a multi-output op
-        out = out[spec["item"]]
-    return from_out(out, spec["out_axes"], size_of)
+    out = (target or spec.target)(*call_args, **call_kwargs)
+    if spec.item is not None:  # one output of a multi-output op
+        out = out[spec.item]
+    return from_out(out, spec.out_axes, size_of)
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -89,9 +89,9 @@ def generic(ctx, *xs):
 def linear(ctx, *xs):
     """A contraction with a parameter: a split contracted dim leaves a partial sum, so the
     bias is added on one rank of those axes (zero elsewhere, keeping it in every autograd graph)."""
-    spec = ctx.graph.traced["aten"][ctx.op.name]
+    spec = ctx.graph.traced.aten[ctx.op.name]
     root = float(ctx.is_root_of(ctx.op.contracted_dims))
-    name = str(spec["target"])
+    name = str(spec.target)
     if name.startswith("aten.addmm"):
         # scale the (small) bias, not addmm's beta (or add's alpha below): for a factor ≠ 1
         # their backward makes a scaled copy of the whole output gradient
@@ -120,13 +120,13 @@ def embedding(ctx, weight, ids):
 
 
 def layer_norm(ctx, x, weight=None, bias=None):
-    spec = ctx.graph.traced["aten"][ctx.op.name]
+    spec = ctx.graph.traced.aten[ctx.op.name]
     h = ctx.op.reduced_dims
     axes = ctx.split_axes(h)
-    k = len(spec["args"][1])
-    eps = spec["args"][4] if len(spec["args"]) > 4 else 1e-5
+    k = len(spec.args[1])
+    eps = spec.args[4] if len(spec.args) > 4 else 1e-5
     size_of = _size_of(ctx, spec)
-    xa = to_arg(x, ctx.op.inputs[0].dims, spec["in_axes"][0], size_of)
+    xa = to_arg(x, ctx.op.inputs[0].dims, spec.in_axes[0], size_of)
     if not axes:
         y = F.layer_norm(xa, xa.shape[-k:], _arg(ctx, weight, 1), _arg(ctx, bias, 2), eps)
     else:
@@ -135,61 +135,61 @@ def layer_norm(ctx, x, weight=None, bias=None):
         n = math.prod(ctx.sizes[d] for d in h)
         y = ops.SplitNorm.apply(xa, _arg(ctx, weight, 1), _arg(ctx, bias, 2), n,
                                 tuple(ctx.groups[a] for a in axes), False, eps)
-    return from_out(y, spec["out_axes"], size_of)
+    return from_out(y, spec.out_axes, size_of)
 
 
 def _arg(ctx, x, j):
     if x is None:
         return None
-    spec = ctx.graph.traced["aten"][ctx.op.name]
-    return to_arg(x, ctx.op.inputs[j].dims, spec["in_axes"][j], _size_of(ctx, spec))
+    spec = ctx.graph.traced.aten[ctx.op.name]
+    return to_arg(x, ctx.op.inputs[j].dims, spec.in_axes[j], _size_of(ctx, spec))
 
 
 def softmax(ctx, x):
     axes = ctx.split_axes(ctx.op.reduced_dims)
     if not axes:
         return _call(ctx, (x,))
-    spec = ctx.graph.traced["aten"][ctx.op.name]
+    spec = ctx.graph.traced.aten[ctx.op.name]
     size_of = _size_of(ctx, spec)
-    y = ops.SplitSoftmax.apply(to_arg(x, ctx.op.inputs[0].dims, spec["in_axes"][0], size_of),
+    y = ops.SplitSoftmax.apply(to_arg(x, ctx.op.inputs[0].dims, spec.in_axes[0], size_of),
                                tuple(ctx.groups[a] for a in axes))
-    return from_out(y, spec["out_axes"], size_of)
+    return from_out(y, spec.out_axes, size_of)
 
 
 def mean(ctx, x):
     """A sum divided by the global count: with the reduced dims split, a partial sum."""
-    spec = ctx.graph.traced["aten"][ctx.op.name]
-    axes = spec["in_axes"][0]
-    over = spec["args"][1] if len(spec["args"]) > 1 and spec["args"][1] is not None else range(len(axes))
+    spec = ctx.graph.traced.aten[ctx.op.name]
+    axes = spec.in_axes[0]
+    over = spec.args[1] if len(spec.args) > 1 and spec.args[1] is not None else range(len(axes))
     over = [over] if isinstance(over, int) else list(over)
-    keep = bool(spec["args"][2]) if len(spec["args"]) > 2 else False
-    count = math.prod(spec["sizes"][d] for i in over for d in axes[i])
+    keep = bool(spec.args[2]) if len(spec.args) > 2 else False
+    count = math.prod(spec.sizes[d] for i in over for d in axes[i])
     size_of = _size_of(ctx, spec)
     y = to_arg(x, ctx.op.inputs[0].dims, axes, size_of).sum([i % len(axes) for i in over], keepdim=keep) / count
-    return from_out(y, spec["out_axes"], size_of)
+    return from_out(y, spec.out_axes, size_of)
 
 
 def cross_entropy(ctx, logits, labels, tokens):
-    spec = ctx.graph.traced["aten"][ctx.op.name]
-    if "unsupported" in spec:
-        raise NotImplementedError(f"cross-entropy with {spec['unsupported']}")
+    spec = ctx.graph.traced.aten[ctx.op.name]
+    if spec.unsupported is not None:
+        raise NotImplementedError(f"cross-entropy with {spec.unsupported}")
     size_of = _size_of(ctx, spec)
-    la = to_arg(logits, ctx.op.inputs[0].dims, spec["in_axes"][0], size_of)
-    ta = to_arg(labels, ctx.op.inputs[1].dims, spec["in_axes"][1], size_of)
+    la = to_arg(logits, ctx.op.inputs[0].dims, spec.in_axes[0], size_of)
+    ta = to_arg(labels, ctx.op.inputs[1].dims, spec.in_axes[1], size_of)
     if la.dim() > 2:  # [N, C, d…] → rows last
         la = la.movedim(1, -1).reshape(-1, la.shape[1])
         ta = ta.reshape(-1)
-    scale = 1.0 / tokens.clamp(min=1).to(la.dtype) if spec["reduction"] == 1 else 1.0
+    scale = 1.0 / tokens.clamp(min=1).to(la.dtype) if spec.reduction == 1 else 1.0
     v = ctx.op.reduced_dims
     axes = ctx.split_axes(v)
     v0, _ = ctx.dim_range(v[0])
-    return ops.SplitCrossEntropy.apply(la, ta, v0, tuple(ctx.groups[a] for a in axes), scale, spec["ignore_index"])
+    return ops.SplitCrossEntropy.apply(la, ta, v0, tuple(ctx.groups[a] for a in axes), scale, spec.ignore_index)
 
 
 def dropout(ctx, x):
-    spec = ctx.graph.traced["aten"][ctx.op.name]
-    p = float(spec["args"][1]) if len(spec["args"]) > 1 else 0.5
-    train = bool(spec["args"][2]) if len(spec["args"]) > 2 else True
+    spec = ctx.graph.traced.aten[ctx.op.name]
+    p = float(spec.args[1]) if len(spec.args) > 1 else 0.5
+    train = bool(spec.args[2]) if len(spec.args) > 2 else True
     size_of = _size_of(ctx, spec)
     x = to_arg(x, ctx.op.inputs[0].dims, [(d,) for d in ctx.op.output.dims], size_of)
     return ops.dropout(ctx, x, p if train else 0.0)
@@ -197,19 +197,19 @@ def dropout(ctx, x):
 
 def select(ctx, x):
     """One piece of a split / slice, as a new tensor (the IR prices it as one)."""
-    spec = ctx.graph.traced["aten"][ctx.op.name]
+    spec = ctx.graph.traced.aten[ctx.op.name]
     dims = ctx.op.inputs[0].dims
-    piece = spec["pieces"][0]
-    y = x.select(dims.index(piece), spec["index"])
+    piece = spec.pieces[0]
+    y = x.select(dims.index(piece), spec.index)
     rest = [d for d in dims if d != piece]
     return to_arg(y, tuple(rest), [(d,) for d in ctx.op.output.dims], _size_of(ctx, spec)).clone(
         memory_format=torch.contiguous_format)
 
 
 def cat(ctx, *xs):
-    spec = ctx.graph.traced["aten"][ctx.op.name]
+    spec = ctx.graph.traced.aten[ctx.op.name]
     out = ctx.op.output.dims
-    piece = spec["pieces"][0]
+    piece = spec.pieces[0]
     rest = [(d,) for d in out if d != piece]
     size_of = _size_of(ctx, spec)
     parts = [to_arg(x, ctx.op.inputs[j].dims, rest, size_of) for j, x in enumerate(xs)]
@@ -218,9 +218,9 @@ def cat(ctx, *xs):
 
 def copy(ctx, x):
     """A materialised view (contiguous, reshape of an expanded tensor, dtype cast)."""
-    spec = ctx.graph.traced["aten"][ctx.op.name]
+    spec = ctx.graph.traced.aten[ctx.op.name]
     view = to_arg(x, ctx.op.inputs[0].dims, [(d,) for d in ctx.op.output.dims], _size_of(ctx, spec))
-    out = torch.empty(view.shape, dtype=spec["dtype"], device=view.device)
+    out = torch.empty(view.shape, dtype=spec.dtype, device=view.device)
     return out.copy_(view)
 
 
@@ -273,7 +273,7 @@ def _flatten_inputs(ep, args: tuple, kwargs: dict) -> list:
 def constant_inputs(graph: Graph, buffers: dict, args: tuple, kwargs: dict, device) -> dict[str, torch.Tensor]:
     """The graph's INPUT tensors for one call, computed in full by the exported program's
     parameter-free nodes (on ``device``) from the call's arguments and the module's buffers."""
-    ep = graph.traced["program"]
+    ep = graph.traced.program
     sig = ep.graph_signature
     params = set(sig.inputs_to_parameters)
     user = iter(_flatten_inputs(ep, args, kwargs))
@@ -304,9 +304,9 @@ def constant_inputs(graph: Graph, buffers: dict, args: tuple, kwargs: dict, devi
     for name, spec in graph.tensors.items():
         if spec.kind is not TensorKind.INPUT:
             continue
-        if name in graph.traced["synthetic"]:
-            target, ignore = graph.traced["synthetic"][name]
-            out[name] = (by_name[target] != ignore).sum()
+        count = graph.traced.synthetic.get(name)
+        if count is not None:
+            out[name] = (by_name[count.labels] != count.ignore_index).sum()
         else:
             out[name] = by_name[name].reshape(spec.shape)
     return out
@@ -336,7 +336,7 @@ def parallelize_module(module: nn.Module, plan, device_mesh, seed: int = 0) -> S
 def make_batch(graph: Graph, micro_batches: int, seed: int, device="cpu") -> list[tuple[tuple, dict]]:
     """Random arguments for the traced module, per micro-batch: integer inputs (token ids,
     labels) below the first embedding's row count, floats standard normal; same on every rank."""
-    ep = graph.traced["program"]
+    ep = graph.traced.program
     sig = ep.graph_signature
     vocab = next((graph.tensors[op.inputs[0].tensor].shape[0] for op in graph.ops if op.kind == "embedding"), 2)
     vals = [n.meta["val"] for n in ep.graph.nodes if n.op == "placeholder" and n.name in sig.user_inputs]

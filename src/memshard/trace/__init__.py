@@ -2,7 +2,9 @@
 
 ``trace_module(module, args, kwargs)`` exports the module's training forward with
 ``torch.export`` on the meta device (``export.py``) and lowers the ATen graph to the IR
-(``lower.py``, dims algebra in ``dims.py``, saved tensors from ``probe.py``). ``hf.py`` builds
+(``lower.py``: one dims rule per ATen op family in ``rules.py``, the dims algebra in
+``dims.py``, saved tensors from ``probe.py``) into a graph whose ``traced`` is a
+``program.TracedProgram``, what the runtime needs to run it. ``hf.py`` builds
 Hugging Face ``transformers`` models from configs, without downloading weights.
 """
 
@@ -29,15 +31,15 @@ def trace_module(
     """The training graph of ``module(*args, **kwargs)`` (which returns the loss).
 
     Model states are priced at ``precision`` (default: fp32 for fp32 parameters, else mixed
-    precision); activations at the dtypes the module really computes in. ``graph.meta`` holds
-    ``unknown_ops`` (ATen op → count, planned replicated), ``parameter_axes`` (parameter
-    FQN → the IR dims of each of its torch axes, outermost first), and what the runtime needs
-    (``program``, ``aten``: each op's ATen call, ``fixed_kwargs``).
+    precision); activations at the dtypes the module really computes in. ``graph.unknown_ops``
+    counts the ATen ops without a rule (planned replicated); ``graph.traced`` is the
+    :class:`~memshard.trace.program.TracedProgram` the runtime runs (the exported program,
+    each op's ATen call, ``parameter_axes``: parameter FQN → the IR dims of each of its torch
+    axes, outermost first).
     """
     from memshard.trace.export import export_training_forward, split_kwargs
     from memshard.trace.lower import lower
 
     ep = export_training_forward(module, tuple(args), kwargs)
-    graph = lower(ep, name or type(module).__name__, precision or _precision_of(module))
-    graph.traced["fixed_kwargs"] = split_kwargs(kwargs)[1]  # e.g. use_cache=False: part of the trace
-    return graph
+    fixed = split_kwargs(kwargs)[1]  # e.g. use_cache=False: part of the trace
+    return lower(ep, name or type(module).__name__, precision or _precision_of(module), fixed)
