@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 
 from memshard.evaluate import InconsistentPlan, evaluate
-from memshard.problem import Problem, Selection
+from memshard.problem import OpGroup, Problem, Selection, StorageGroup
 
 
 def all_selections(problem: Problem):
-    op_groups = [g for g, grp in enumerate(problem.groups) if grp.kind == "op"]
-    storage = [g for g, grp in enumerate(problem.groups) if grp.kind == "storage"]
-    storage_link = {link.a: link for link in problem.links if problem.groups[link.a].kind == "storage"}
+    op_groups = [g for g, grp in enumerate(problem.groups) if isinstance(grp, OpGroup)]
+    storage = [g for g, grp in enumerate(problem.groups) if isinstance(grp, StorageGroup)]
+    storage_link = {link.a: link for link in problem.links if isinstance(problem.groups[link.a], StorageGroup)}
     for combo in itertools.product(*(range(len(problem.groups[g].choices)) for g in op_groups)):
         choices = [0] * len(problem.groups)
         for g, k in zip(op_groups, combo):
@@ -27,7 +27,7 @@ def all_selections(problem: Problem):
             base = Selection(tuple(choices), tuple(0 for _ in problem.edges))
             keep_options = []
             for e, edge in enumerate(problem.edges):
-                lp, lc, _, _, _ = problem.edge_layouts(base, e)
+                lp, lc = problem.edge_layouts(base, e)[:2]
                 keep_options.append([0, 1] if edge.can_keep(lp, lc) else [0])
             for keeps in itertools.product(*keep_options):
                 yield Selection(tuple(choices), tuple(keeps))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from memshard.evaluate import evaluate
 from memshard.mesh import parse_mesh
 from memshard.models import build_graph
-from memshard.problem import Selection, build_problem
+from memshard.problem import OpGroup, Selection, build_problem
 from memshard.solver import solve
 
 
@@ -31,7 +31,7 @@ def random_plan(problem, rng: random.Random) -> Selection:
     choices: dict[int, int] = {}
     links = [(lk.a, lk.a_labels, lk.b, lk.b_labels) for lk in problem.links]
     links += [(b, bl, a, al) for a, al, b, bl in links]
-    for g in sorted(range(len(problem.groups)), key=lambda g: problem.groups[g].kind != "op"):
+    for g in sorted(range(len(problem.groups)), key=lambda g: not isinstance(problem.groups[g], OpGroup)):
         allowed = range(len(problem.groups[g].choices))
         for a, a_labels, b, b_labels in links:
             if b == g and a in choices:

@@ -14,20 +14,20 @@ from memshard.mesh import make_mesh, parse_mesh
 from memshard.models import build_graph
 from memshard.placement import PARTIAL, REPLICATE, Shard
 from memshard.plans import build_plan
-from memshard.problem import build_problem, complete_selection
+from memshard.problem import OpGroup, build_problem, complete_selection
 
 R, P = REPLICATE, PARTIAL
 
 
 def op_groups(problem):
-    return [g for g, grp in enumerate(problem.groups) if grp.kind == "op"]
+    return [g for g, grp in enumerate(problem.groups) if isinstance(grp, OpGroup)]
 
 
 def pick(problem, choices: dict[int, tuple]):
     """Strategy index of each op group from its assignment tuple."""
     out = {}
     for gid in op_groups(problem):
-        assignments = [s.assignment for s in problem.groups[gid].meta["strategies"]]
+        assignments = [s.assignment for s in problem.groups[gid].strategies]
         out[gid] = assignments.index(choices.get(gid, (None,) * problem.mesh.ndim))
     return out
 

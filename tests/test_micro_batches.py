@@ -9,11 +9,11 @@ from memshard.errors import MemshardError
 from memshard.evaluate import evaluate
 from memshard.mesh import make_mesh
 from memshard.models import build_graph
-from memshard.problem import build_problem, complete_selection
+from memshard.problem import OpGroup, build_problem, complete_selection
 
 
 def _replicated(problem):
-    return complete_selection(problem, {g: 0 for g, grp in enumerate(problem.groups) if grp.kind == "op"})
+    return complete_selection(problem, {g: 0 for g, grp in enumerate(problem.groups) if isinstance(grp, OpGroup)})
 
 
 def test_accumulated_gradients_are_live_from_the_first_forward_and_compute_scales():
@@ -38,8 +38,8 @@ def test_data_parallel_gradients_are_reduced_once_per_step():
         problem = build_problem(graph, make_mesh((4,)), shared_layers=False, micro_batches=k)
         strategies = {}
         for g, grp in enumerate(problem.groups):
-            if grp.kind == "op":
-                strategies[g] = next(i for i, s in enumerate(grp.meta["strategies"]) if s.assignment == ("b",))
+            if isinstance(grp, OpGroup):
+                strategies[g] = next(i for i, s in enumerate(grp.strategies) if s.assignment == ("b",))
         ev = evaluate(problem, complete_selection(problem, strategies))
         reduce = ev.communication_by_kind["all_reduce"]
         grad_wire = 2 * 3 / 4 * graph.num_parameters * graph.precision.grad_bytes

@@ -246,7 +246,7 @@ def test_a_layer_unit_is_all_or_nothing():
     problem, choices = base.problem, list(base.selection.choices)
     for name in ("layers.0.ln_1.weight", "layers.0.mlp.proj.weight"):
         gid = problem.storage_group[name]
-        options = problem.groups[gid].meta["options"]
+        options = problem.groups[gid].options
         grad_layout = options[choices[gid]][0]
         choices[gid] = next(k for k, (G, opt) in enumerate(options) if G == grad_layout and opt.stage == 0)
     with pytest.raises(InconsistentPlan, match="disagree"):
@@ -259,7 +259,7 @@ def test_a_layer_unit_is_all_or_nothing():
         kinds = set()
         for name in (n for n, u in units.items() if u is unit):
             gid = problem.storage_group[name]
-            G, opt = problem.groups[gid].meta["options"][found.selection.choices[gid]]
+            G, opt = problem.groups[gid].options[found.selection.choices[gid]]
             kinds.add((opt.axes, tuple(G[a] for a in opt.axes)) if opt.stage == 3 else "apart")
         assert len(kinds) == 1, kinds
 

@@ -28,7 +28,7 @@ def reselect(problem: Problem, selection: Selection, gid: int, choice: int) -> S
     for link in storage_links(problem):
         if link.b != gid:
             continue
-        options = problem.groups[link.a].meta["options"]
+        options = problem.groups[link.a].options
         _, old = options[selection.choices[link.a]]
         new_g = link.b_labels[choice]
         free = {a for a, g in enumerate(new_g) if not g.startswith("S")}
@@ -42,7 +42,7 @@ def reselect(problem: Problem, selection: Selection, gid: int, choice: int) -> S
 def shard_alternative(problem: Problem, selection: Selection, gid: int, base: Evaluation) -> Alternative | None:
     """The cheapest (in step time) strategy that splits the op over one more mesh axis."""
     grp = problem.groups[gid]
-    strategies = grp.meta["strategies"]
+    strategies = grp.strategies
     current = strategies[selection.choices[gid]].assignment
     best = None
     for k, s in enumerate(strategies):

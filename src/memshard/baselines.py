@@ -28,7 +28,14 @@ from memshard.cost.memory import StorageOption
 from memshard.graph import Origin
 from memshard.mesh import Mesh
 from memshard.placement import local_numel
-from memshard.problem import Problem, Selection, build_problem, complete_selection
+from memshard.problem import (
+    OpGroup,
+    Problem,
+    Selection,
+    StorageGroup,
+    build_problem,
+    complete_selection,
+)
 
 TP_DIMS = ("v", "f", "e", "n")  # the dim tensor parallelism splits, first found in the op
 
@@ -49,11 +56,11 @@ def _assign(problem: Problem, per_op) -> dict[int, int]:
     out = {}
     graph = problem.graph
     for gid, grp in enumerate(problem.groups):
-        if grp.kind != "op":
+        if not isinstance(grp, OpGroup):
             continue
-        op = graph.ops[grp.meta["ops"][0]]
+        op = graph.ops[grp.ops[0]]
         want = per_op(op)
-        index = {s.assignment: i for i, s in enumerate(grp.meta["strategies"])}
+        index = {s.assignment: i for i, s in enumerate(grp.strategies)}
         if want not in index:
             raise BaselineUnavailable(f"{grp.key} cannot be split as {want} on mesh {problem.mesh}")
         out[gid] = index[want]
@@ -63,7 +70,7 @@ def _assign(problem: Problem, per_op) -> dict[int, int]:
 def _storage(problem: Problem, stage: int, axes: tuple[int, ...]) -> dict[int, StorageOption]:
     axes = tuple(a for a in axes if problem.mesh.shape[a] > 1)
     option = StorageOption(stage if axes else 0, axes if stage else ())
-    return {gid: option for gid, grp in enumerate(problem.groups) if grp.kind == "storage"}
+    return {gid: option for gid, grp in enumerate(problem.groups) if isinstance(grp, StorageGroup)}
 
 
 def data_parallel(problem: Problem, zero_stage: int = 0) -> Selection:
@@ -103,7 +110,8 @@ def megatron_tp(
     # (Korthikanti et al. 2022): keep wherever the producer's layout is the smaller one.
     keeps = {}
     for e, edge in enumerate(problem.edges):
-        lp, lc, _, _, _ = problem.edge_layouts(selection, e)
+        layouts = problem.edge_layouts(selection, e)
+        lp, lc = layouts.producer, layouts.consumer
         shape = edge.tensor.shape
         if edge.can_keep(lp, lc) and local_numel(shape, lp, mesh.shape) < local_numel(shape, lc, mesh.shape):
             keeps[e] = 1

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from memshard.cost.memory import StorageOption
 from memshard.mesh import Mesh, MeshAxis
-from memshard.problem import Problem, Selection
+from memshard.problem import OpGroup, Problem, Selection
 from memshard.solver import SolveResult, solve
 
 
@@ -55,7 +55,7 @@ def lift_selection(coarse: Problem, fine: Problem, selection: Selection, groups:
     coarse_axis = {a: k for k, g in enumerate(groups) for a in g}
     choices = []
     for gid, (cg, fg) in enumerate(zip(coarse.groups, fine.groups)):
-        if cg.key != fg.key or cg.kind != fg.kind:
+        if cg.key != fg.key or type(cg) is not type(fg):
             raise ValueError(f"group {gid} differs between the meshes: {cg.key} vs {fg.key}")
         want = _lifted_choice(cg, selection.choices[gid], coarse_axis, fine.mesh)
         index = _choice_index(fg)
@@ -83,9 +83,9 @@ def lower_selection(coarse: Problem, fine: Problem, selection: Selection,
 def _lifted_choice(cg, k: int, coarse_axis: dict[int, int], mesh: Mesh):
     """Coarse group ``cg``'s choice ``k`` as its fine group's choice key (``_choice_key``)."""
     fine_axes = range(mesh.ndim)
-    if cg.kind == "op":
-        return tuple(cg.meta["strategies"][k].assignment[coarse_axis[a]] for a in fine_axes)
-    g, opt = cg.meta["options"][k]
+    if isinstance(cg, OpGroup):
+        return tuple(cg.strategies[k].assignment[coarse_axis[a]] for a in fine_axes)
+    g, opt = cg.options[k]
     axes = tuple(a for a in fine_axes if coarse_axis[a] in opt.axes and mesh.shape[a] > 1)
     return tuple(g[coarse_axis[a]] for a in fine_axes), StorageOption(opt.stage if axes else 0, axes)
 
@@ -93,7 +93,7 @@ def _lifted_choice(cg, k: int, coarse_axis: dict[int, int], mesh: Mesh):
 def _choice_key(group, k: int):
     """What choice ``k`` of ``group`` is: an op's assignment of dims to mesh axes, or a
     parameter's gradient layout and storage option."""
-    return group.meta["strategies"][k].assignment if group.kind == "op" else group.meta["options"][k]
+    return group.strategies[k].assignment if isinstance(group, OpGroup) else group.options[k]
 
 
 def _choice_index(group) -> dict:

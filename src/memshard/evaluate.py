@@ -129,9 +129,9 @@ def step_time(problem: Problem, selection: Selection) -> float:
 def evaluate(problem: Problem, selection: Selection) -> Evaluation:
     check_links(problem, selection)
     for e, edge in enumerate(problem.edges):
-        lp, lc, _, _, keep = problem.edge_layouts(selection, e)
-        if keep and not edge.can_keep(lp, lc):
-            raise InconsistentPlan(f"edge {edge.key} cannot keep its copy in layout {lp}")
+        layouts = problem.edge_layouts(selection, e)
+        if layouts.kept and not edge.can_keep(layouts.producer, layouts.consumer):
+            raise InconsistentPlan(f"edge {edge.key} cannot keep its copy in layout {layouts.producer}")
     n_points = problem.schedule.num_points
     cat_index = {c: k for k, c in enumerate(CATEGORIES)}
     live = np.zeros((len(CATEGORIES), n_points + 1))

@@ -21,7 +21,15 @@ from memshard.graph import Graph, Origin
 from memshard.job import Job, mesh_to_dict
 from memshard.mesh import Mesh
 from memshard.placement import format_layout
-from memshard.problem import DURING_RESHARDS, Problem, Selection, build_problem, storage_links
+from memshard.problem import (
+    DURING_RESHARDS,
+    OpGroup,
+    Problem,
+    Selection,
+    StorageGroup,
+    build_problem,
+    storage_links,
+)
 from memshard.solver import SolveResult
 
 SCHEMA = "memshard.plan/1"
@@ -76,7 +84,7 @@ def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict
     the weights it uses, and the activations it produces or keeps."""
     owner: dict[int, str] = {}
     for gid, grp in enumerate(problem.groups):
-        if grp.kind == "op":
+        if isinstance(grp, OpGroup):
             owner[gid] = grp.key
     for link in storage_links(problem):
         owner[link.a] = problem.groups[link.b].key
@@ -121,10 +129,10 @@ def build_plan(
 
     ops = []
     for gid, grp in enumerate(problem.groups):
-        if grp.kind != "op":
+        if not isinstance(grp, OpGroup):
             continue
-        s = grp.meta["strategies"][selection.choices[gid]]
-        first = graph.ops[grp.meta["ops"][0]]
+        s = grp.strategies[selection.choices[gid]]
+        first = graph.ops[grp.ops[0]]
         choice = grp.choices[selection.choices[gid]]
         ops.append({
             "name": grp.key,
@@ -139,14 +147,14 @@ def build_plan(
         })
     params = []
     for gid, grp in enumerate(problem.groups):
-        if grp.kind != "storage":
+        if not isinstance(grp, StorageGroup):
             continue
-        G, opt = grp.meta["options"][selection.choices[gid]]
-        mem = grp.meta["memory"][selection.choices[gid]]
+        G, opt = grp.options[selection.choices[gid]]
+        mem = grp.memory[selection.choices[gid]]
         params.append({
-            "names": grp.meta["params"] if len(grp.meta["params"]) <= 4 else grp.meta["params"][:2] + ["…"] + grp.meta["params"][-1:],
+            "names": grp.params if len(grp.params) <= 4 else grp.params[:2] + ["…"] + grp.params[-1:],
             "instances": grp.instances,
-            "shape": list(graph.tensors[grp.meta["params"][0]].shape),
+            "shape": list(graph.tensors[grp.params[0]].shape),
             "layout": format_layout(param_layout(G)),
             "gradient_layout": _grad_text(G),
             "storage": StorageOption(opt.stage, opt.axes).name(mesh),
@@ -248,16 +256,16 @@ def _rebuild(data: dict) -> Plan:
     problem = build_problem(job.graph, mesh, shared_layers=data["solver"]["shared_layers"],
                             micro_batches=job.micro_batches, zero3_unit=data["solver"].get("zero3_unit", "op"))
     choices = [0] * len(problem.groups)
-    by_key = {grp.key: gid for gid, grp in enumerate(problem.groups) if grp.kind == "op"}
+    by_key = {grp.key: gid for gid, grp in enumerate(problem.groups) if isinstance(grp, OpGroup)}
     for entry in data["ops"]:
         gid = by_key[entry["name"]]
-        names = [s.assignment for s in problem.groups[gid].meta["strategies"]]
+        names = [s.assignment for s in problem.groups[gid].strategies]
         choices[gid] = [_assignment_dict(a, mesh) for a in names].index(entry["split"])
     for entry in data["parameters"]:
         gid = problem.storage_group[entry["names"][0]]
         axes = tuple(mesh.axis_names.index(a) for a in entry["storage_axes"])
-        labels = [(format_layout(param_layout(G)), opt.stage, opt.axes) for G, opt in problem.groups[gid].meta["options"]]
-        grads = [_grad_text(G) for G, _ in problem.groups[gid].meta["options"]]
+        labels = [(format_layout(param_layout(G)), opt.stage, opt.axes) for G, opt in problem.groups[gid].options]
+        grads = [_grad_text(G) for G, _ in problem.groups[gid].options]
         choices[gid] = next(i for i, (lab, g) in enumerate(zip(labels, grads))
                             if lab == (entry["layout"], entry["zero_stage"], axes) and g == entry["gradient_layout"])
     keeps = [0] * len(problem.edges)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -44,6 +45,7 @@ from memshard.cost.memory import (
     CROSS_ENTROPY_CHUNKS,
     STATS_BYTES,
     STATS_IN_BACKWARD,
+    StorageMemory,
     StorageOption,
     buffer_bytes,
     buffer_global_bytes,
@@ -85,12 +87,32 @@ class Choice:
 
 
 @dataclass
-class Group:
-    kind: str  # "op" or "storage"
+class OpGroup:
+    """The ops of one role (one per layer when layers share variables): choice k is the
+    strategy ``strategies[k]``."""
+
     key: str
     choices: list[Choice]
+    strategies: list[Strategy]
+    input_grads: list[list[Layout]]  # per input, per strategy: the layout of the input's gradient
+    ops: list[int] = field(default_factory=list)  # op indices, one per instance
     instances: int = 0
-    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class StorageGroup:
+    """A parameter (one per layer when layers share variables): choice k is ``options[k]``,
+    its gradient layout and ZeRO storage, costing ``memory[k]``."""
+
+    key: str
+    choices: list[Choice]
+    options: list[tuple[tuple[str, ...], StorageOption]]
+    memory: list[StorageMemory]
+    params: list[str] = field(default_factory=list)  # parameter names, one per instance
+    instances: int = 0
+
+
+Group = OpGroup | StorageGroup
 
 
 @dataclass(frozen=True)
@@ -187,6 +209,18 @@ class ReshardPoint:
     regather: bool = False
 
 
+class EdgeLayouts(NamedTuple):
+    """An edge's layouts under a plan: the producer's output and the consumer's input, the
+    consumer's input gradient and the producer's output gradient (its output without
+    partial sums), and whether the consumer keeps its saved copy in the producer's layout."""
+
+    producer: Layout
+    consumer: Layout
+    consumer_grad: Layout
+    producer_grad: Layout
+    kept: bool
+
+
 @dataclass(frozen=True)
 class Selection:
     """A complete plan: one choice per group and the keep flag of every edge."""
@@ -217,32 +251,32 @@ class Problem:
     zero3_unit: str = "op"  # one of ZERO3_UNITS
 
     def strategy(self, selection: Selection, group: int) -> Strategy:
-        return self.groups[group].meta["strategies"][selection.choices[group]]
+        return self.groups[group].strategies[selection.choices[group]]
 
-    def edge_layouts(self, selection: Selection, e: int) -> tuple[Layout, Layout, Layout, Layout, bool]:
-        """(producer layout, consumer layout, consumer's input-gradient layout,
-        producer's output-gradient layout, kept) of edge ``e`` under ``selection``."""
+    def edge_layouts(self, selection: Selection, e: int) -> EdgeLayouts:
+        """The layouts of edge ``e`` under ``selection``."""
         edge = self.edges[e]
-        sp = self.strategy(selection, edge.producer)
-        sc = self.strategy(selection, edge.consumer)
-        lp = sp.output_layout
-        lc = sc.input_layouts[edge.input_index]
-        gc = self.groups[edge.consumer].meta["input_grads"][edge.input_index][selection.choices[edge.consumer]]
-        return lp, lc, gc, without_partial(lp), bool(selection.keeps[e])
+        producer = self.strategy(selection, edge.producer).output_layout
+        return EdgeLayouts(
+            producer=producer,
+            consumer=self.strategy(selection, edge.consumer).input_layouts[edge.input_index],
+            consumer_grad=self.groups[edge.consumer].input_grads[edge.input_index][selection.choices[edge.consumer]],
+            producer_grad=without_partial(producer),
+            kept=bool(selection.keeps[e]),
+        )
 
     def edge_calls(self, selection: Selection, e: int) -> tuple[comm.Collective, ...]:
-        lp, lc, gc, gp, keep = self.edge_layouts(selection, e)
-        return edge_calls(self.edges[e].tensor, lp, lc, gc, gp, keep, self.mesh)
+        return edge_calls(self.edges[e].tensor, self.edge_layouts(selection, e), self.mesh)
 
     def holder_layout(self, selection: Selection, h: Holder) -> Layout | None:
         if h.kind == PRODUCER:
             return self.strategy(selection, h.source).output_layout
-        lp, lc, _, _, keep = self.edge_layouts(selection, h.source)
+        edge = self.edge_layouts(selection, h.source)
         if h.kind == SAVED:
-            return lp if keep else lc
+            return edge.producer if edge.kept else edge.consumer
         if h.kind == INPUT_COPY:
-            return lc
-        return lc if keep else None
+            return edge.consumer
+        return edge.consumer if edge.kept else None
 
     def holder_identity(self, selection: Selection, h: Holder) -> int:
         """Which tensor a holder holds: −1 for the producer's own (its holder, a copy kept in
@@ -250,8 +284,8 @@ class Problem:
         its own copy (consumers never share one: each reshards for itself)."""
         if h.kind == PRODUCER:
             return -1
-        lp, lc, _, _, keep = self.edge_layouts(selection, h.source)
-        if lp == lc or (h.kind == SAVED and keep):
+        edge = self.edge_layouts(selection, h.source)
+        if edge.producer == edge.consumer or (h.kind == SAVED and edge.kept):
             return -1
         return h.source
 
@@ -261,11 +295,12 @@ class Problem:
         for terms in reshard_terms(rp):
             total = 0.0
             for e, kind, last in terms:
-                lp, lc, gc, gp, keep = self.edge_layouts(selection, e)
-                if kind in KEPT_PRICES and not keep:
+                layouts = self.edge_layouts(selection, e)
+                if kind in KEPT_PRICES and not layouts.kept:
                     continue
-                total += reshard_price(self.edges[e].tensor, kind, *((gp, gc) if kind in BACKWARD_PRICES else (lp, lc)),
-                                       self.mesh, last)
+                sides = ((layouts.producer_grad, layouts.consumer_grad) if kind in BACKWARD_PRICES
+                         else (layouts.producer, layouts.consumer))
+                total += reshard_price(self.edges[e].tensor, kind, *sides, self.mesh, last)
             rows.append(total)
         return rows
 
@@ -323,11 +358,13 @@ def _copy_bytes(spec: TensorSpec, kind: str, consumer_side: Layout, mesh: Mesh) 
     return float(tensor_bytes(spec, without_partial(consumer_side) if kind == "held" else consumer_side, mesh))
 
 
-def edge_calls(spec: TensorSpec, lp: Layout, lc: Layout, gc: Layout, gp: Layout, keep: bool, mesh: Mesh):
-    calls = comm.reshard(spec.shape, spec.dtype_bytes, lp, lc, mesh)
-    calls += comm.reshard(spec.shape, spec.dtype_bytes, gc, gp, mesh, reverse=True)
-    if keep:
-        calls += comm.reshard(spec.shape, spec.dtype_bytes, lp, lc, mesh)
+def edge_calls(spec: TensorSpec, layouts: EdgeLayouts, mesh: Mesh) -> tuple[comm.Collective, ...]:
+    """The forward reshard, the backward reshard of the gradient, and a kept copy's re-gather."""
+    calls = comm.reshard(spec.shape, spec.dtype_bytes, layouts.producer, layouts.consumer, mesh)
+    calls += comm.reshard(spec.shape, spec.dtype_bytes, layouts.consumer_grad, layouts.producer_grad, mesh,
+                          reverse=True)
+    if layouts.kept:
+        calls += comm.reshard(spec.shape, spec.dtype_bytes, layouts.producer, layouts.consumer, mesh)
     return calls
 
 
@@ -478,14 +515,11 @@ class _Builder:
             if key not in self.index:
                 strategies = list(enumerate_strategies(self.g, op, self.mesh))
                 self.index[key] = len(self.groups)
-                self.groups.append(Group("op", key[1], self.op_choices(op, strategies), meta={
-                    "strategies": strategies,
-                    "ops": [],
-                    "input_grads": [[input_grad_layout(s, op, j) for s in strategies] for j in range(len(op.inputs))],
-                }))
+                self.groups.append(OpGroup(key[1], self.op_choices(op, strategies), strategies, [
+                    [input_grad_layout(s, op, j) for s in strategies] for j in range(len(op.inputs))]))
             gid = self.index[key]
             self.groups[gid].instances += 1
-            self.groups[gid].meta["ops"].append(i)
+            self.groups[gid].ops.append(i)
             op_group.append(gid)
         return op_group
 
@@ -493,7 +527,7 @@ class _Builder:
         S, mesh = self.sched, self.mesh
         for i, op in enumerate(self.g.ops):
             gid = op_group[i]
-            strategies = self.groups[gid].meta["strategies"]
+            strategies = self.groups[gid].strategies
             buffers = self.cached((gid, "buffers"), lambda op=op, strategies=strategies: (
                 [buffer_bytes(op, s) for s in strategies],
                 [buffer_redundant_bytes(op, s, mesh) for s in strategies]))
@@ -513,7 +547,7 @@ class _Builder:
             for j in activation_inputs(self.g, op):
                 t = op.inputs[j].tensor
                 prices = self.cached((gid, "input_grad", j), lambda t=t, gid=gid, j=j: self.layout_prices(
-                    self.g.tensors[t], [without_partial(L) for L in self.groups[gid].meta["input_grads"][j]]))
+                    self.g.tensors[t], [without_partial(L) for L in self.groups[gid].input_grads[j]]))
                 # The last consumer's is the tensor's whole gradient until it is resharded.
                 unique = self.g.tensors[t].nbytes if self.last_consumer[t] == i else 0.0
                 self.slot(gid, S.backward(i), S.backward(i), "transients", *prices, unique)
@@ -569,10 +603,10 @@ class _Builder:
             edges = tuple(sorted({e for _, e, _, _ in edge_holders.get(t, [])}))
 
             def prices(pg=pg, edges=edges, spec=spec):
-                layouts = [s.output_layout for s in self.groups[pg].meta["strategies"]]
+                layouts = [s.output_layout for s in self.groups[pg].strategies]
                 for e in edges:
                     edge = self.edges[e]
-                    layouts += [s.input_layouts[edge.input_index] for s in self.groups[edge.consumer].meta["strategies"]]
+                    layouts += [s.input_layouts[edge.input_index] for s in self.groups[edge.consumer].strategies]
                 layouts = list(dict.fromkeys(without_partial(L) for L in layouts))
                 return (layouts, *self.layout_prices(spec, layouts))
 
@@ -600,7 +634,7 @@ class _Builder:
             og = op_group[i0]
             key = ("storage", self.groups[og].key, j0)
             if key not in self.index:
-                g_labels = [grad_layout(self.g.ops[i0], j0, s) for s in self.groups[og].meta["strategies"]]
+                g_labels = [grad_layout(self.g.ops[i0], j0, s) for s in self.groups[og].strategies]
                 options = [(G, opt) for G in dict.fromkeys(g_labels) for opt in storage_options(G, mesh)]
                 choices = []
                 for G, opt in options:
@@ -611,17 +645,17 @@ class _Builder:
                     choices.append(Choice((G, opt.stage, opt.axes), 0.0, calls, self.time(calls)))
                 self.index[key] = len(self.groups)
                 mems = [storage_memory(spec, G, opt, prec, mesh) for G, opt in options]
-                self.groups.append(Group("storage", name, choices, meta={"options": options, "params": [], "memory": mems}))
+                self.groups.append(StorageGroup(name, choices, options, mems))
                 gid = self.index[key]
                 self.links.append(Link(gid, tuple(G for G, _ in options), og, tuple(g_labels)))
                 for i, j in uses[1:]:  # tied weights: every use agrees on the layout
                     other = op_group[i]
                     self.links.append(Link(og, tuple(g_labels), other, tuple(
-                        grad_layout(self.g.ops[i], j, s) for s in self.groups[other].meta["strategies"])))
+                        grad_layout(self.g.ops[i], j, s) for s in self.groups[other].strategies)))
             gid = self.index[key]
             grp = self.groups[gid]
             grp.instances += 1
-            grp.meta["params"].append(name)
+            grp.params.append(name)
             storage_group[name] = gid
             v = self.cached((gid, "storage"), lambda grp=grp: self.storage_prices(grp))
             self.slot(gid, 0, S.optimizer, "parameters", *v["parameters"], spec.numel * prec.param_bytes)
@@ -639,7 +673,7 @@ class _Builder:
             summed_at = S.backward(last)
             grad_bytes = spec.numel * prec.grad_bytes
             if reduced_at > grads_from:
-                whole = np.array([opt.stage < 2 for _, opt in grp.meta["options"]], float)
+                whole = np.array([opt.stage < 2 for _, opt in grp.options], float)
                 nbytes, red = v["gradients"]
                 self.slot(gid, grads_from, summed_at - 1, "transients", nbytes * whole, red * whole, grad_bytes)
                 self.slot(gid, summed_at, reduced_at - 1, "gradients", nbytes * whole, red * whole, grad_bytes)
@@ -648,7 +682,7 @@ class _Builder:
                 # gradient contributions into a new buffer while both are still alive.
                 self.slot(gid, S.backward(i), S.backward(i), "transients", *v["contributions"])
             unit = self.units.get(name)
-            stages = np.array([opt.stage for _, opt in grp.meta["options"]])
+            stages = np.array([opt.stage for _, opt in grp.options])
             # A layer unit's member under ZeRO-3: gathered for the unit's spans, its gradient
             # reduced with the unit's (after a copy into the unit's flat buffer); every other
             # option reduces its own gradient after the first use's backward.
@@ -700,7 +734,7 @@ class _Builder:
             if len(gids) < 2 or tuple(gids) in linked:
                 continue
             linked.add(tuple(gids))
-            labels = {g: tuple(label(G, opt) for G, opt in self.groups[g].meta["options"]) for g in gids}
+            labels = {g: tuple(label(G, opt) for G, opt in self.groups[g].options) for g in gids}
             for g in gids[1:]:
                 self.links.append(Link(gids[0], labels[gids[0]], g, labels[g]))
 
@@ -730,9 +764,9 @@ class _Builder:
             return sum(len(_gather_points(self.sched, self.g, i)) for i, _ in uses)
         return 1 + (unit.backward_span is not None)
 
-    def storage_prices(self, grp: Group) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        mems = grp.meta["memory"]
-        layouts = [param_layout(G) for G, _ in grp.meta["options"]]
+    def storage_prices(self, grp: StorageGroup) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        mems = grp.memory
+        layouts = [param_layout(G) for G, _ in grp.options]
 
         def vec(field: str, red_field: str | None = None):
             nbytes = np.array([getattr(m, field) for m in mems], float)
@@ -741,12 +775,12 @@ class _Builder:
             return nbytes, red
 
         gathering, scattering = [], []
-        for G, opt in grp.meta["options"]:
+        for G, opt in grp.options:
             if opt.stage < 3 or not self.units:
                 gathering.append(0.0)
                 scattering.append(0.0)
                 continue
-            numel = local_numel(self.g.tensors[grp.meta["params"][0]].shape, param_layout(G), self.mesh.shape)
+            numel = local_numel(self.g.tensors[grp.params[0]].shape, param_layout(G), self.mesh.shape)
             flat = tuple(Shard(0) if a in opt.axes else REPLICATE for a in range(self.mesh.ndim))
             whole = tuple(REPLICATE for _ in flat)
             partial = tuple(PARTIAL if a in opt.axes and g == "P" else REPLICATE for a, g in enumerate(G))
@@ -824,7 +858,7 @@ def storage_links(problem: Problem) -> list[Link]:
     gradient layout is the one the op's strategy gives. (The other links tie a tied weight's
     uses, or a layer unit's members.)"""
     return [link for link in problem.links
-            if problem.groups[link.a].kind == "storage" and problem.groups[link.b].kind == "op"]
+            if isinstance(problem.groups[link.a], StorageGroup) and isinstance(problem.groups[link.b], OpGroup)]
 
 
 def complete_selection(
@@ -843,7 +877,7 @@ def complete_selection(
         gid = link.a
         want_g = link.b_labels[choices[link.b]]
         opt = (storage or {}).get(gid, StorageOption(0))
-        options = problem.groups[gid].meta["options"]
+        options = problem.groups[gid].options
         try:
             choices[gid] = options.index((want_g, opt))
         except ValueError:

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from memshard.advice import shard_alternative
 from memshard.plans import Plan
+from memshard.problem import OpGroup
 from memshard.units import format_bytes, format_seconds
 
 CATEGORY_LABELS = {
@@ -85,7 +86,7 @@ def render_plan(plan: Plan, console: Console, top: int = 10, show_strategy: bool
         r.add_column("Δ peak", justify="right")
         r.add_column("Δ step time", justify="right")
         base = plan.evaluation
-        group_of = {g.key: i for i, g in enumerate(plan.problem.groups) if g.kind == "op"}
+        group_of = {g.key: i for i, g in enumerate(plan.problem.groups) if isinstance(g, OpGroup)}
         for row in red:
             alt = shard_alternative(plan.problem, plan.selection, group_of[row["op"]], base)
             if alt is None:

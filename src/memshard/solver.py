@@ -107,6 +107,7 @@ from memshard.problem import (
     REGATHER,
     SAVED,
     Holder,
+    OpGroup,
     Problem,
     Selection,
     complete_selection,
@@ -203,7 +204,7 @@ class IlpBuilder:
         """Every op unsplit, nothing stored sharded, nothing kept: a plan that exists whenever
         any does without a memory budget, given as the choice columns only."""
         return self.selection_start(
-            complete_selection(self.p, {g: 0 for g, grp in enumerate(self.p.groups) if grp.kind == "op"}))
+            complete_selection(self.p, {g: 0 for g, grp in enumerate(self.p.groups) if isinstance(grp, OpGroup)}))
 
     def disjunctions(self) -> list[Disjunction]:
         """Each group's choices and each keep flag's two values, as branches of the ILP."""
@@ -261,9 +262,9 @@ class IlpBuilder:
         edge = p.edges[e]
         spec = edge.tensor
         A = mesh.ndim
-        prod_strats = p.groups[edge.producer].meta["strategies"]
-        cons_strats = p.groups[edge.consumer].meta["strategies"]
-        grads = p.groups[edge.consumer].meta["input_grads"][edge.input_index]
+        prod_strats = p.groups[edge.producer].strategies
+        cons_strats = p.groups[edge.consumer].strategies
+        grads = p.groups[edge.consumer].input_grads[edge.input_index]
         prod_layouts = sorted({s.output_layout for s in prod_strats}, key=repr)
         # consumer key per axis: (input placement, gradient placement)
         cons_keys = sorted({tuple(zip(s.input_layouts[edge.input_index], g)) for s, g in zip(cons_strats, grads)}, key=repr)
@@ -370,11 +371,11 @@ class IlpBuilder:
         ``part`` "copy" is the consumer's own copy (not kept), "kept" the producer's tensor."""
         p = self.p
         if h.kind == PRODUCER:
-            strats = p.groups[h.source].meta["strategies"]
+            strats = p.groups[h.source].strategies
             return {int(self.x[h.source][c]): 1.0 for c, s in enumerate(strats) if without_partial(s.output_layout) == layout}
         edge = p.edges[h.source]
         if h.kind == INPUT_COPY:
-            strats = p.groups[edge.consumer].meta["strategies"]
+            strats = p.groups[edge.consumer].strategies
             return {int(self.x[edge.consumer][c]): 1.0 for c, s in enumerate(strats) if s.input_layouts[edge.input_index] == layout}
         ev = self.edge_vars[h.source]
         out: dict[int, float] = {}
@@ -390,7 +391,7 @@ class IlpBuilder:
     def producer_in(self, group: int, layout: Layout) -> dict[int, float]:
         """Π: the producer's output is exactly ``layout`` (a consumer reading it in that
         layout holds the producer's own tensor, no copy)."""
-        strats = self.p.groups[group].meta["strategies"]
+        strats = self.p.groups[group].strategies
         return {int(self.x[group][c]): 1.0 for c, s in enumerate(strats) if s.output_layout == layout}
 
     def add_memory_rows(self, points: list[int]) -> list[int]:
@@ -558,13 +559,13 @@ class IlpBuilder:
             return self.rho[key]
         p, mesh = self.p, self.p.mesh
         edge = p.edges[e]
-        prod = p.groups[edge.producer].meta["strategies"]
+        prod = p.groups[edge.producer].strategies
         if kind in BACKWARD_PRICES:
             a_of = [without_partial(s.output_layout) for s in prod]
-            c_of = p.groups[edge.consumer].meta["input_grads"][edge.input_index]
+            c_of = p.groups[edge.consumer].input_grads[edge.input_index]
         else:
             a_of = [s.output_layout for s in prod]
-            c_of = [s.input_layouts[edge.input_index] for s in p.groups[edge.consumer].meta["strategies"]]
+            c_of = [s.input_layouts[edge.input_index] for s in p.groups[edge.consumer].strategies]
         a_set = sorted(set(a_of), key=repr)
         c_set = sorted(set(c_of), key=repr)
         spec = edge.tensor
