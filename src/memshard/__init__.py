@@ -20,7 +20,7 @@ _LAZY = {
     "load_plan": ("memshard.plans", "load_plan"),
     "HFModel": ("memshard.job", "HFModel"),
     "Job": ("memshard.job", "Job"),
-    "parallelize": ("memshard.runtime.executor", "parallelize"),  # needs torch
+    "parallelize": ("memshard.runtime.parallel", "parallelize"),  # needs torch
 }
 
 __all__ = sorted([*_LAZY, "plan"])

@@ -4,8 +4,9 @@
 parameters of a :class:`~memshard.graph.Graph` whose forward runs the graph's ops in order
 with the kernels of ``ops.py``, so every op of the plan is one piece of code.
 
-:func:`parallelize` turns it into a :class:`ShardedGraphModel` for a plan on a
-``DeviceMesh``:
+:class:`ShardedGraphModel` runs a reference model's graph for a plan on a ``DeviceMesh``
+(``parallel.parallelize`` makes it); the reference gives the full parameters and the kernel
+table (``ops.KERNELS``, or a traced module's in ``traced.py``), the executor the rest:
 
 - every parameter becomes a DTensor in the layout its op's strategy needs; with ZeRO storage
   (``ParamStore``) the optimizer sees only this rank's flat shard of it: stage 1 shards the
@@ -36,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from memshard.cost.memory import param_layout
-from memshard.graph import Graph, Origin, TensorKind
+from memshard.graph import Graph, TensorKind
 from memshard.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
 from memshard.problem import Problem, Selection, layer_units
 from memshard.runtime import ops
@@ -89,6 +90,7 @@ class _Boundary:
 def _run_graph(
     graph: Graph,
     inputs: dict[str, torch.Tensor],
+    kernels: ops.KernelTable,
     context: Callable[[int], ops.OpContext],
     weight: Callable[[int, int], tuple[torch.Tensor, Callable | None]],
     feed: Callable[[int, int, torch.Tensor], tuple[torch.Tensor, Callable | None]],
@@ -96,16 +98,12 @@ def _run_graph(
 ) -> torch.Tensor:
     """Forward of the whole graph; returns the (local) loss.
 
-    ``weight(i, j)`` gives op i's parameter input j and ``feed(i, j, x)`` its activation
+    ``kernels(op.kind)`` runs each op; ``weight(i, j)`` gives op i's parameter input j and ``feed(i, j, x)`` its activation
     input j, each with a function that makes it again when the op should not save it (a
     ZeRO-3 weight, a kept edge); ``input_for`` slices a model input to op i's layout.
     """
     last_use = {t: uses[-1][0] for t, uses in graph.consumers.items()}
     env: dict[str, torch.Tensor] = {}
-    if graph.origin is Origin.TRACED:  # a traced module: each op calls its ATen op
-        from memshard.runtime.traced import kernel as kernel_of
-    else:
-        kernel_of = ops.KERNELS.__getitem__
     for i, op in enumerate(graph.ops):
         args = []
         again: dict[int, Callable] = {}
@@ -121,7 +119,7 @@ def _run_graph(
             if make is not None:
                 again[_storage_id(x)] = make
             args.append(x)
-        kernel = kernel_of(op.kind)
+        kernel = kernels(op.kind)
         if again:
             with torch.autograd.graph.saved_tensors_hooks(*_make_again_hooks(again)):
                 out = kernel(context(i), *args)
@@ -161,7 +159,12 @@ def _make_again_hooks(recipes: dict[int, Callable[[], torch.Tensor]]):
 
 
 class GraphModel(nn.Module):
-    """The single-device reference model of ``graph`` (full parameters, plain tensors)."""
+    """The single-device reference model of ``graph`` (full parameters, plain tensors).
+
+    A reference model, for :class:`ShardedGraphModel`, has ``graph``, ``seed``,
+    ``parameter(name)`` (the full tensor) and ``kernels`` (its :class:`ops.KernelTable`)."""
+
+    kernels = ops.KERNELS
 
     def __init__(self, graph: Graph, seed: int = 0, device: str | torch.device = "cpu"):
         super().__init__()
@@ -188,7 +191,7 @@ class GraphModel(nn.Module):
                                  next(self.parameters()).device)
 
         return _run_graph(
-            g, inputs, context,
+            g, inputs, self.kernels, context,
             weight=lambda i, j: (self.parameter(g.ops[i].inputs[j].tensor), None),
             feed=lambda i, j, x: (x, None),
             input_for=lambda i, j, x: x,
@@ -429,15 +432,17 @@ class _UnitUse(torch.autograd.Function):
 
 
 class ShardedGraphModel(nn.Module):
-    """The graph of a :class:`GraphModel` run on one rank of ``device_mesh`` under a plan."""
+    """The graph of a reference model (a :class:`GraphModel`, or ``traced.TracedReference``)
+    run on one rank of ``device_mesh`` under a plan, with the reference's kernels."""
 
-    def __init__(self, model: GraphModel, problem: Problem, selection: Selection, device_mesh: DeviceMesh):
+    def __init__(self, model, problem: Problem, selection: Selection, device_mesh: DeviceMesh):
         super().__init__()
         graph = problem.graph
         if tuple(device_mesh.shape) != problem.mesh.shape:
             raise ValueError(f"device mesh {tuple(device_mesh.shape)} ≠ plan mesh {problem.mesh.shape}")
         self.graph, self.problem, self.selection, self.mesh = graph, problem, selection, device_mesh
         self.seed = model.seed
+        self.kernels: ops.KernelTable = model.kernels
         self.step = 0
         self.coords = tuple(device_mesh.get_coordinate() or [0] * device_mesh.ndim)
         self.device = torch.device(device_mesh.device_type)
@@ -453,7 +458,7 @@ class ShardedGraphModel(nn.Module):
         members: dict[tuple, list[ParamStore]] = {}
         for name in graph.parameters:
             gid = problem.storage_group[name]
-            G, opt = problem.groups[gid].meta["options"][selection.choices[gid]]
+            G, opt = problem.groups[gid].options[selection.choices[gid]]
             grad = tuple(PARTIAL if g == "P" else (REPLICATE if g == "R" else Shard(int(g[1:]))) for g in G)
             full = model.parameter(name).detach().to(self.device)
             in_unit = opt.stage == 3 and name in units
@@ -522,7 +527,7 @@ class ShardedGraphModel(nn.Module):
             return cache[name]
 
         return _run_graph(
-            g, inputs, context,
+            g, inputs, self.kernels, context,
             weight=weight,
             feed=self._feed,
             input_for=self._input,
@@ -572,14 +577,3 @@ class ShardedGraphModel(nn.Module):
             return math.nan
         return float(t)
 
-
-def parallelize(model: nn.Module, plan, device_mesh: DeviceMesh) -> ShardedGraphModel:
-    """``model`` laid out on ``device_mesh`` as ``plan`` (a :class:`~memshard.plans.Plan`) says.
-
-    ``model`` is a :class:`GraphModel` of the plan's graph, or the module the plan traced (its
-    parameters are read by name; call the result like the module, it returns the loss)."""
-    if isinstance(model, GraphModel):
-        return ShardedGraphModel(model, plan.problem, plan.selection, device_mesh)
-    from memshard.runtime.traced import parallelize_module
-
-    return parallelize_module(model, plan, device_mesh)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,21 @@ class OpContext:
     def is_root_of(self, dims) -> bool:
         """True on the one rank, per axis splitting ``dims``, that adds terms without them."""
         return all(self.coords[a] == 0 for a in self.split_axes(dims))
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """The kernel of each op kind, ``kernel(ctx, *inputs) → output``: the executor runs each
+    op with ``table(op.kind)``; kinds not listed take ``default`` (an error without one)."""
+
+    kernels: Mapping[str, Callable]
+    default: Callable | None = None
+
+    def __call__(self, kind: str) -> Callable:
+        kernel = self.kernels.get(kind, self.default)
+        if kernel is None:
+            raise KeyError(kind)
+        return kernel
 
 
 def len_of(group) -> int:
@@ -450,7 +466,7 @@ def sdpa(ctx: OpContext, q, k, v):
     return o.transpose(1, 2).unflatten(2, (e, g))  # a view: the saved output is the output
 
 
-KERNELS = {
+KERNELS = KernelTable({  # memshard's own op kinds (the built-in models)
     "linear": linear,
     "matmul": matmul,
     "embedding": embedding,
@@ -466,4 +482,4 @@ KERNELS = {
     "silu": lambda ctx, x: F.silu(x),
     "rotary": rotary,
     "sdpa": sdpa,
-}
+})

@@ -1,9 +1,10 @@
 """Running a traced module under a plan: each IR op calls its own ATen op on local shards.
 
 A traced graph (``memshard.trace``) keeps, per op, the ATen call it came from and the dims of
-every torch axis of its arguments (``graph.traced.aten``, ``memshard.trace.program``). The executor of
-``executor.py`` runs it like a built-in model (same parameter stores, reshards at op
-boundaries, ZeRO stages); only the kernels differ: a local IR tensor (one axis per dim) is
+every torch axis of its arguments (``graph.traced.aten``: ``memshard.trace.program.AtenCall``).
+The executor of ``executor.py`` runs it like a built-in model (same parameter stores, reshards
+at op boundaries, ZeRO stages) with this module's kernel table (``KERNELS``, which
+``TracedReference`` hands it): a local IR tensor (one axis per dim) is
 viewed as the op's torch argument (dims permuted, broadcast dims expanded, neighbours merged),
 the ATen op runs, and its result is viewed back. That is a rewritten GraphModule, one op per
 IR op, so the plan maps to code one to one. Ops whose result is not a local function of local
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from memshard.graph import Graph, Origin, TensorKind
+from memshard.graph import Graph, TensorKind
 from memshard.runtime import ops
 from memshard.runtime.executor import ShardedGraphModel
 from memshard.trace.export import WRAPPER_PREFIX
@@ -224,7 +225,7 @@ def copy(ctx, x):
     return out.copy_(view)
 
 
-KERNELS = {
+KERNELS = ops.KernelTable({  # every other kind, unknown ones included, calls its ATen op
     "linear": linear,
     "embedding": embedding,
     "layernorm": layer_norm,
@@ -235,17 +236,16 @@ KERNELS = {
     "select": select,
     "cat": cat,
     "copy": copy,
-}
-
-
-def kernel(kind: str):
-    return KERNELS.get(kind, generic)
+}, default=generic)
 
 
 # -- the module's parameters, buffers and parameter-free inputs ----------------------------------
 class TracedReference:
     """What :class:`ShardedGraphModel` reads from a reference model: each parameter of the
-    module (by FQN) viewed in its IR shape, and the seed (for dropout masks)."""
+    module (by FQN) viewed in its IR shape, the seed (for dropout masks) and this module's
+    kernels."""
+
+    kernels = KERNELS
 
     def __init__(self, graph: Graph, module: nn.Module, seed: int = 0):
         self.graph = graph
@@ -324,13 +324,6 @@ class ShardedTracedModel(ShardedGraphModel):
     def forward(self, *args, **kwargs):
         inputs = constant_inputs(self.graph, self.module_buffers, args, kwargs, self.device)
         return super().forward(inputs)
-
-
-def parallelize_module(module: nn.Module, plan, device_mesh, seed: int = 0) -> ShardedTracedModel:
-    if plan.problem.graph.origin is not Origin.TRACED:
-        raise ValueError("this plan is not of a traced module")
-    return ShardedTracedModel(TracedReference(plan.problem.graph, module, seed), plan.problem, plan.selection,
-                              device_mesh)
 
 
 def make_batch(graph: Graph, micro_batches: int, seed: int, device="cpu") -> list[tuple[tuple, dict]]:

@@ -27,15 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from memshard.api import runtime_plan
 from memshard.cost.comm import KINDS
 from memshard.cost.memory import CATEGORIES
 from memshard.errors import MemshardError
 from memshard.files import write_text_atomically
-from memshard.graph import Origin
-from memshard.runtime.executor import GraphModel, make_batch, parallelize
+from memshard.plans import load_plan
 from memshard.runtime.measure import CommCounter, MemoryMeter
 from memshard.runtime.optim import LeanAdam
+from memshard.runtime.parallel import sharded_model
 
 KILL_ENV = "MEMSHARD_TEST_KILL"  # "rank:step": that rank dies mid-step (the fault test)
 
@@ -69,44 +68,21 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
     before the optimizer uses them, outside the measured region (tests read gradients)."""
     if steps < 2:
         raise MemshardError("run at least 2 steps: the last one is measured with optimizer states in place")
-    graph = plan.problem.graph
-    k = plan.problem.micro_batches
-    if graph.origin is Origin.TRACED:
-        from memshard.runtime import traced
-
-        if module is None:
-            from memshard.trace.hf import seeded_model
-
-            job = plan.job
-            module = seeded_model(job.model.source, job.precision or "mixed", job.model.attn_implementation,
-                                  job.hf_overrides(), device_mesh.device_type, seed)
-        model = parallelize(module, plan, device_mesh)
-        del module  # the shards are the model now
-        make_inputs = traced.make_batch
-    else:
-        model = parallelize(GraphModel(graph, seed), plan, device_mesh)
-        make_inputs = make_batch
+    model, make_inputs = sharded_model(plan, device_mesh, seed, module)
+    del module  # the shards are the model now
     optimizer = LeanAdam(model.optimizer_parameters(), lr=lr)
     losses, times = [], []
-    measured = {}
     for step in range(steps):
         last = step == steps - 1
         meter = MemoryMeter(model, optimizer)
         counter = CommCounter()
         start = time.perf_counter()
         with meter if last else nullcontext(), counter if last else nullcontext():
-            batches = make_inputs(graph, k, seed + step, model.device)  # inside: counts as activations
+            # the batches are made inside the measured region: they count as activations
+            batches = make_inputs(plan.problem.graph, plan.problem.micro_batches, seed + step, model.device)
             model.step = step
             model.watch_gradients(meter.mark_gradient if last else None)
-            total = 0.0
-            for i, batch in enumerate(batches):
-                loss = model(*batch[0], **batch[1]) if isinstance(batch, tuple) else model(batch)
-                loss.backward()
-                if i == k // 2:
-                    _maybe_die(step)
-                with counter.paused():
-                    total += model.loss_value(loss)
-                del loss
+            losses.append(_forward_backward(model, batches, counter, step) / len(batches))
             model.finish_gradients()
             if inspect is not None and not last:
                 with counter.paused():
@@ -115,16 +91,6 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
             model.after_step()
             optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-        losses.append(total / k)
-        if last:
-            measured = {
-                "peak_bytes": meter.peak_bytes,
-                "breakdown": {c: meter.breakdown.get(c, 0) for c in CATEGORIES},
-                "communication_bytes": counter.total_wire_bytes,
-                "communication_by_kind": {kind: counter.wire_bytes_by_kind.get(kind, 0.0) for kind in KINDS},
-                "collective_calls": counter.calls_by_kind,
-                "cuda_peak_bytes": meter.cuda_peak_bytes,
-            }
     return {
         "rank": dist.get_rank(),
         "coordinate": list(device_mesh.get_coordinate() or []),
@@ -132,22 +98,41 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
         "losses": losses,
         "step_times_s": times,
         "predicted": predicted(plan),
-        "measured": measured,
+        "measured": _measured(meter, counter),
+    }
+
+
+def _forward_backward(model, batches: list[tuple[tuple, dict]], counter: CommCounter, step: int) -> float:
+    """Every micro-batch's forward and backward; the sum of their losses."""
+    total = 0.0
+    for i, (args, kwargs) in enumerate(batches):
+        loss = model(*args, **kwargs)
+        loss.backward()
+        if i == len(batches) // 2:
+            _maybe_die(step)
+        with counter.paused():
+            total += model.loss_value(loss)
+        del loss
+    return total
+
+
+def _measured(meter: MemoryMeter, counter: CommCounter) -> dict:
+    """The last step's measurement, in the shape of :func:`predicted`."""
+    return {
+        "peak_bytes": meter.peak_bytes,
+        "breakdown": {c: meter.breakdown.get(c, 0) for c in CATEGORIES},
+        "communication_bytes": counter.total_wire_bytes,
+        "communication_by_kind": {kind: counter.wire_bytes_by_kind.get(kind, 0.0) for kind in KINDS},
+        "collective_calls": counter.calls_by_kind,
+        "cuda_peak_bytes": meter.cuda_peak_bytes,
     }
 
 
 # -- the worker command ---------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memshard.runtime.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--plan", help="a plan written by `memshard plan --json` (or `memshard run`)")
-    p.add_argument("--model", help="preset name, when no --plan is given")
-    p.add_argument("--mesh", help="mesh shape, when no --plan is given")
-    p.add_argument("--batch", type=int)
-    p.add_argument("--seq", type=int)
-    p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--strategy", default="memshard", help="memshard (default) or a baseline name")
-    p.add_argument("--objective", choices=("memory", "time"), default="memory")
-    p.add_argument("--zero3-unit", choices=("op", "layer"), default="op")
+    p.add_argument("--plan", required=True,
+                   help="a plan written by `memshard plan --json --precision fp32` (or `memshard run`)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -158,9 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        plan = runtime_plan(args.plan, args.model, args.mesh, strategy=args.strategy,
-                            objective=args.objective, batch=args.batch, seq=args.seq,
-                            micro_batches=args.micro_batches, zero3_unit=args.zero3_unit)
+        plan = load_plan(args.plan)
+        if plan.problem.graph.precision.name != "fp32":
+            raise MemshardError("the runtime executes fp32 plans; plan with --precision fp32")
         backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         timeout = float(os.environ.get("MEMSHARD_COLLECTIVE_TIMEOUT_S", "300"))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))

@@ -13,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from memshard.graph import FP32, MIXED, Graph, Precision
+from memshard.trace.program import AtenCall, TracedProgram
+
+__all__ = ["AtenCall", "TracedProgram", "trace_module"]
 
 
 def _precision_of(module) -> Precision:
