@@ -3,7 +3,7 @@
 Builds memshard's ILP once (the peak-memory objective) and times, with the same relative gap,
 one thread each:
 
-- HiGHS as ``memshard plan`` runs it (``solver._Highs.first_pass``: the cheap bounds; the
+- HiGHS as ``memshard plan`` runs it (``ilp.highs.HighsSearch.first_pass``: the cheap bounds; the
   dive, then, where it leaves the gap open, branch and bound, on peak + 3% step time; the
   plan-independent or LP bound as proof);
 - PuLP + CBC on the identical model, minimising the peak (PuLP's model building included);
@@ -11,7 +11,7 @@ one thread each:
   producer-layout × consumer-layout pair of each edge, as Alpa and autoparallel build it).
 
 ``--lazy``: the ILP without its reshard rows, as ``memshard plan`` solves first
-(``solver.solve``); the plan HiGHS finds is then checked to meet M with its reshards (else
+(``ilp.solve.solve``); the plan HiGHS finds is then checked to meet M with its reshards (else
 that ILP is not the one memshard ends up solving, and the script says so).
 ``--same-objective``: one branch and bound each on the identical model, objective
 (memshard's first-pass blend of peak and step time), gap and start; HiGHS without memshard's
@@ -31,35 +31,29 @@ import highspy
 import numpy as np
 import pulp
 
+from memshard.ilp.formulation import Formulation
+from memshard.ilp.highs import TIE_BREAK, TIE_RESOLUTION, HighsSearch, blend_objective
+from memshard.ilp.model import LinearModel
+from memshard.ilp.solve import second_pass_cap
 from memshard.mesh import parse_mesh
 from memshard.models import build_graph
 from memshard.problem import build_problem
-from memshard.solver import (
-    TIE_BREAK,
-    TIE_RESOLUTION,
-    IlpBuilder,
-    _Highs,
-    _Model,
-    _reference,
-    blend_objective,
-    second_pass_cap,
-)
 
 
 def build(args):
     graph = build_graph(args.model, batch=args.batch, seq=args.seq, num_layers=args.layers)
     problem = build_problem(graph, parse_mesh(args.mesh))
-    b = IlpBuilder(problem)
-    b.add_choice_rows()
-    b.add_link_rows()
-    b.add_edge_rows()
-    b.add_memory_rows(problem.candidate_points)
+    f = Formulation(problem)
+    f.add_choice_constraints()
+    f.add_link_constraints()
+    f.add_edge_constraints()
+    f.add_memory_constraints(problem.candidate_points)
     if not args.lazy:
-        b.add_reshard_rows()
-    return problem, b
+        f.add_reshard_constraints()
+    return problem, f
 
 
-def pair_formulation(b: IlpBuilder):
+def pair_formulation(f: Formulation):
     """The same ILP with Alpa's edge linearisation (also autoparallel's): one variable per
     (keep, producer layout, consumer layout) pair of each edge instead of memshard's flow
     over per-axis states. Each flow column z[e,k,a,σ] is the sum of the pair columns whose
@@ -70,26 +64,26 @@ def pair_formulation(b: IlpBuilder):
 
     Returns (model, substitute): ``substitute(cols, vals)`` maps an expression over the
     original columns to one over the new."""
-    m = b.m
-    A = b.p.mesh.ndim
+    m = f.model
+    A = f.problem.mesh.ndim
     mapping: dict[int, list[int]] = {}  # original flow column → its pair columns (new indices)
     pair_count = 0
     pairs_of_edge = []
-    for ev in b.edge_vars:
+    for flow in f.flows:
         pairs = []
-        for k in ev["keeps"]:
-            first, _ = ev["steps"][(k, 0)]
-            last, _ = ev["steps"][(k, A - 1)]
+        for k in flow.keeps:
+            first, _ = flow.steps[(k, 0)]
+            last, _ = flow.steps[(k, A - 1)]
             prods = sorted({psuf for _, psuf, _ in first}, key=repr)
             conss = sorted({cpre + (cv,) for cpre, _, cv in last}, key=repr)
-            index = {a: dict(zip(*ev["steps"][(k, a)])) for a in range(A)}
+            index = {a: dict(zip(*flow.steps[(k, a)])) for a in range(A)}
             for L in prods:
                 for K in conss:
                     path = [int(index[a][(K[:a], L[a:], K[a])]) for a in range(A)]
                     pairs.append(path)
         pairs_of_edge.append(pairs)
         pair_count += len(pairs)
-    flow_cols = {int(c) for ev in b.edge_vars for _, cols in ev["steps"].values() for c in cols}
+    flow_cols = {int(c) for flow in f.flows for _, cols in flow.steps.values() for c in cols}
     kept = [c for c in range(len(m.lower)) if c not in flow_cols]
     new_of = {c: i for i, c in enumerate(kept)}
     nxt = len(kept)
@@ -107,54 +101,55 @@ def pair_formulation(b: IlpBuilder):
         keys = np.array(sorted(k for k, v in out.items() if abs(v) > 1e-12), dtype=np.int64)
         return keys, np.array([out[int(k)] for k in keys])
 
-    pm = _Model()
+    pm = LinearModel()
     pm.lower = [m.lower[c] for c in kept] + [0.0] * pair_count
     pm.upper = [m.upper[c] for c in kept] + [1.0] * pair_count
     pm.integer = [m.integer[c] for c in kept] + [0] * pair_count
-    for cols, vals, lo, hi in zip(m.row_cols, m.row_vals, m.rows_lo, m.rows_hi):
+    for cols, vals, lo, hi, tag in zip(m.row_columns, m.row_values, m.rows_lower, m.rows_upper, m.tags):
         cols2, vals2 = substitute(cols, vals)
         if len(cols2):  # a conservation row sums to nothing
-            pm.row((cols2, vals2), lo, hi)
+            pm.row((cols2, vals2), lo, hi, tag)
         elif lo > 0 or hi < 0:
             raise AssertionError("an emptied row that is not 0 = 0")
     return pm, substitute
 
 
-def solve_highs(problem, b: IlpBuilder, gap: float, limit: float) -> tuple[float, float, bool, bool]:
-    """memshard's search for the least peak (``solver._Highs.first_pass``), the cheap bounds
-    it starts from included, and the tie-breaking second pass where ``solver.solve`` would run
-    one: (seconds, peak, whether the plan's evaluated peak is within its M, whether the second
-    pass ran)."""
+def solve_highs(problem, f: Formulation, gap: float, limit: float) -> tuple[float, float, bool, bool]:
+    """memshard's search for the least peak (``HighsSearch.first_pass``), the cheap bounds
+    it starts from included, and the tie-breaking second pass where ``ilp.solve.solve`` would
+    run one: (seconds, peak, whether the plan's evaluated peak is within its M, whether the
+    second pass ran)."""
     started = time.perf_counter()
-    ref = _reference(problem)
-    floor = ref.memory_floor_bytes / b.bytes_unit
-    hs = _Highs(b.m, started + limit, b.disjunctions())
-    peak, step_time = (np.array([b.peak]), np.array([1.0])), b.time_expression()
-    values, obj, gap_found, _, ties_resolved = hs.first_pass(
-        peak, step_time, ref.least_peak_bytes / b.bytes_unit, (floor, ref.time_estimate_s / b.time_unit),
-        max(gap, TIE_RESOLUTION), b.replicated_start())
-    if not ties_resolved:  # as solver.solve: the step time, the peak held within the gap
+    ref = f.reference
+    floor = ref.memory_floor_bytes / f.bytes_unit
+    search = HighsSearch(f.model, started + limit, f.disjunctions())
+    peak, step_time = f.peak_expression(), f.time_expression()
+    found = search.first_pass(peak, step_time, ref.least_peak_bytes / f.bytes_unit,
+                              (floor, ref.time_estimate_s / f.time_unit), max(gap, TIE_RESOLUTION),
+                              f.replicated_start())
+    values = found.values
+    if not found.ties_resolved:  # as ilp.solve.solve: the step time, the peak held within the gap
         tolerance = max(gap, TIE_RESOLUTION)
-        hs.add_row(peak, second_pass_cap(obj, obj * (1 - gap_found), tolerance))
-        values = hs.run(step_time, tolerance, start=values)[0]
-    return time.perf_counter() - started, obj, not b.over_m(values), not ties_resolved
+        search.add_row(peak, second_pass_cap(found.objective, found.objective * (1 - found.gap), tolerance))
+        values = search.minimise(step_time, tolerance, start=values).values
+    return time.perf_counter() - started, found.objective, not f.over_peak(values), not found.ties_resolved
 
 
-def blend(b: IlpBuilder):
+def blend(f: Formulation):
     """memshard's first-pass objective: the peak plus TIE_BREAK-weighted step time."""
-    ref = b.reference
-    scales = (ref.memory_floor_bytes / b.bytes_unit, ref.time_estimate_s / b.time_unit)
-    return blend_objective((np.array([b.peak]), np.array([1.0])), b.time_expression(), scales)[0]
+    ref = f.reference
+    scales = (ref.memory_floor_bytes / f.bytes_unit, ref.time_estimate_s / f.time_unit)
+    return blend_objective(f.peak_expression(), f.time_expression(), scales)[0]
 
 
-def solve_highs_alone(b: IlpBuilder, objective, gap: float, limit: float) -> tuple[float, float]:
+def solve_highs_alone(f: Formulation, objective, gap: float, limit: float) -> tuple[float, float]:
     """One HiGHS branch and bound on ``objective`` from the replicated start, nothing around it."""
     started = time.perf_counter()
-    _, obj, _, _ = _Highs(b.m, started + limit).run(objective, gap, start=b.replicated_start())
-    return time.perf_counter() - started, obj
+    found = HighsSearch(f.model, started + limit).minimise(objective, gap, start=f.replicated_start())
+    return time.perf_counter() - started, found.objective
 
 
-def solve_cbc(m: _Model, objective, gap: float, limit: float, start=None) -> tuple[float, float, float | None, str]:
+def solve_cbc(m: LinearModel, objective, gap: float, limit: float, start=None) -> tuple[float, float, float | None, str]:
     """PuLP + CBC on model ``m`` and ``objective`` (columns, coefficients), from ``start``
     (columns, values) if given: (time building the PuLP model, total time, objective, status)."""
     started = time.perf_counter()
@@ -169,7 +164,7 @@ def solve_cbc(m: _Model, objective, gap: float, limit: float, start=None) -> tup
     if start is not None:
         for c, v in zip(*start):
             xs[int(c)].setInitialValue(float(v))
-    for k, (cols, vals, lo, hi) in enumerate(zip(m.row_cols, m.row_vals, m.rows_lo, m.rows_hi)):
+    for k, (cols, vals, lo, hi) in enumerate(zip(m.row_columns, m.row_values, m.rows_lower, m.rows_upper)):
         expr = pulp.LpAffineExpression([(xs[int(c)], float(v)) for c, v in zip(cols, vals)])
         if lo == hi:
             prob += (expr == lo), f"r{k}"
@@ -185,9 +180,9 @@ def solve_cbc(m: _Model, objective, gap: float, limit: float, start=None) -> tup
     return built, elapsed, pulp.value(prob.objective), pulp.LpStatus[status]
 
 
-def sizes(m: _Model) -> str:
-    return (f"{len(m.lower):,} variables ({sum(m.integer):,} integer), {len(m.rows_lo):,} constraints, "
-            f"{sum(len(c) for c in m.row_cols):,} nonzeros")
+def sizes(m: LinearModel) -> str:
+    return (f"{m.num_columns:,} variables ({sum(m.integer):,} integer), {m.num_rows:,} constraints, "
+            f"{sum(len(c) for c in m.row_columns):,} nonzeros")
 
 
 def main() -> None:
@@ -203,30 +198,30 @@ def main() -> None:
     ap.add_argument("--same-objective", action="store_true",
                     help="both solvers minimise memshard's first-pass blend to its gap from the same start")
     args = ap.parse_args()
-    problem, b = build(args)
+    problem, f = build(args)
     print(f"{args.model} ({args.layers} layers) on {args.mesh}, machine {platform.processor() or platform.machine()}, "
           f"Python {platform.python_version()}, highspy {metadata.version('highspy')}, "
           f"PuLP {pulp.__version__} + CBC")
-    print(f"memshard's ILP: {sizes(b.m)}")
+    print(f"memshard's ILP: {sizes(f.model)}")
     if args.same_objective:
-        objective, gap = blend(b), args.gap * TIE_BREAK
-        t_h, obj_h = solve_highs_alone(b, objective, gap, args.limit)
+        objective, gap = blend(f), args.gap * TIE_BREAK
+        t_h, obj_h = solve_highs_alone(f, objective, gap, args.limit)
         print(f"blend objective (peak + {TIE_BREAK:g} weight of step time), gap {gap:.1e}, replicated start")
         print(f"HiGHS: {t_h:.2f} s, objective {obj_h:.6f}")
-        _, t_c, obj_c, status = solve_cbc(b.m, objective, gap, args.limit, b.replicated_start())
+        _, t_c, obj_c, status = solve_cbc(f.model, objective, gap, args.limit, f.replicated_start())
         print(f"PuLP + CBC: {t_c:.2f} s ({status}), objective {obj_c if obj_c is None else f'{obj_c:.6f}'}")
         print(f"ratio CBC/HiGHS: {t_c / t_h:.1f}x")
         return
-    gib = b.bytes_unit / 2**30
-    t_h, obj_h, meets_m, second_pass = solve_highs(problem, b, args.gap, args.limit)
+    gib = f.bytes_unit / 2**30
+    t_h, obj_h, meets_m, second_pass = solve_highs(problem, f, args.gap, args.limit)
     passes = "both passes" if second_pass else "one pass: ties resolved"
     print(f"HiGHS, memshard's search: {t_h:.2f} s ({passes}), peak {obj_h * gib:.4f} GiB")
     if not meets_m:
         print("the plan's reshards exceed M: memshard adds the reshard rows and solves again")
-    peak = (np.array([b.peak]), np.array([1.0]))
-    pm, substitute = pair_formulation(b)
+    peak = f.peak_expression()
+    pm, substitute = pair_formulation(f)
     print(f"Alpa's edge formulation of the same ILP: {sizes(pm)}")
-    for name, m, objective in (("memshard's ILP", b.m, peak), ("Alpa's formulation", pm, substitute(*peak))):
+    for name, m, objective in (("memshard's ILP", f.model, peak), ("Alpa's formulation", pm, substitute(*peak))):
         built, t_c, obj_c, status = solve_cbc(m, objective, args.gap, args.limit)
         peak_c = f"{obj_c * gib:.4f} GiB" if obj_c is not None else "none"
         print(f"PuLP + CBC on {name}: {t_c:.2f} s ({built:.2f} s building the PuLP model; {status}), "

@@ -8,12 +8,12 @@ import pytest
 import memshard
 from memshard.baselines import baselines, data_parallel, megatron_tp
 from memshard.evaluate import evaluate
+from memshard.ilp.solve import solve
 from memshard.mesh import make_mesh, parse_mesh
 from memshard.models import build_graph
 from memshard.plans import build_plan
 from memshard.problem import build_problem
 from memshard.schedule import Schedule
-from memshard.solver import solve
 
 SMALL = dict(num_layers=2, hidden=128, heads=8, vocab=512, ffn=512)
 

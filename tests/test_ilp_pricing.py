@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memshard.evaluate import evaluate
+from memshard.ilp.solve import solve
 from memshard.mesh import parse_mesh
 from memshard.models import build_graph
 from memshard.problem import OpGroup, Selection, build_problem
-from memshard.solver import solve
 
 
 @functools.cache

@@ -10,11 +10,14 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from memshard.evaluate import evaluate, least_choice_bound, peak_lower_bound, zero_redundancy_bound
+from memshard.bounds import least_choice_bound, peak_lower_bound, zero_redundancy_bound
+from memshard.evaluate import evaluate
 from memshard.graph import FP32, MIXED, Graph, Op, Operand, SavedBuffer, TensorKind, TensorSpec
+from memshard.ilp.formulation import Formulation
+from memshard.ilp.highs import TIE_RESOLUTION, HighsSearch
+from memshard.ilp.solve import solve
 from memshard.mesh import make_mesh
 from memshard.problem import build_problem
-from memshard.solver import TIE_RESOLUTION, IlpBuilder, _Highs, solve
 from tests.bruteforce import count_selections, evaluate_all
 
 SIZES = st.sampled_from([2, 3, 4, 6, 8])
@@ -125,20 +128,19 @@ def test_ilp_matches_brute_force(graph, shape, budget_quantile):
 
 
 def dive(problem):
-    """``_Highs._dive`` on the peak with every row: (its plan's evaluated peak, its bound), in
-    bytes, after checking the ILP's M for that plan is its evaluated peak; None if no plan."""
-    b = IlpBuilder(problem)
-    b.add_choice_rows()
-    b.add_link_rows()
-    b.add_edge_rows()
-    b.add_memory_rows(problem.candidate_points)
-    b.add_reshard_rows()
-    hs = _Highs(b.m, time.perf_counter() + 60, b.disjunctions())
-    hs._set_cost((np.array([b.peak]), np.array([1.0])))
-    dived = hs._dive(0.0, None)
+    """``HighsSearch.dive`` on the peak with every row: (its plan's evaluated peak, its bound),
+    in bytes, after checking the ILP's M for that plan is its evaluated peak; None if no plan."""
+    f = Formulation(problem)
+    f.add_choice_constraints()
+    f.add_link_constraints()
+    f.add_edge_constraints()
+    f.add_memory_constraints(problem.candidate_points)
+    f.add_reshard_constraints()
+    search = HighsSearch(f.model, time.perf_counter() + 60, f.disjunctions())
+    search.set_objective(f.peak_expression())
+    dived = search.dive(0.0, None)
     if dived is None:
         return None
-    values, value, bound = dived
-    peak = evaluate(problem, b.selection(values)).peak_bytes
-    assert value * b.bytes_unit == pytest.approx(peak, rel=1e-6)
-    return peak, bound * b.bytes_unit
+    peak = evaluate(problem, f.selection(dived.values)).peak_bytes
+    assert dived.objective * f.bytes_unit == pytest.approx(peak, rel=1e-6)
+    return peak, dived.bound * f.bytes_unit

@@ -5,12 +5,13 @@ from __future__ import annotations
 from memshard.coarsen import merge_groups, merged_mesh, solve_merged
 from memshard.errors import MemshardError
 from memshard.graph import Graph
+from memshard.ilp.highs import Infeasible
+from memshard.ilp.solve import solve
 from memshard.job import HFModel, Job, TracedModule, is_module
 from memshard.mesh import Mesh, parse_mesh
 from memshard.models import ModelConfig
 from memshard.plans import Plan, build_plan
 from memshard.problem import build_problem
-from memshard.solver import Infeasible, solve
 from memshard.units import format_bytes, format_seconds, parse_bytes
 
 

@@ -24,24 +24,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from memshard.cost.memory import StorageOption
 from memshard.graph import Origin
 from memshard.mesh import Mesh
 from memshard.placement import local_numel
 from memshard.problem import (
-    OpGroup,
     Problem,
     Selection,
-    StorageGroup,
     build_problem,
     complete_selection,
 )
+from memshard.selections import SplitUnavailable, assign_strategies, data_parallel, uniform_storage
 
 TP_DIMS = ("v", "f", "e", "n")  # the dim tensor parallelism splits, first found in the op
-
-
-class BaselineUnavailable(ValueError):
-    """The baseline cannot be laid out on this model and mesh (e.g. heads not divisible)."""
 
 
 @dataclass(frozen=True)
@@ -49,35 +43,6 @@ class Baseline:
     name: str
     selection: Selection
     problem: Problem  # the problem it is a plan of (a finer logical mesh for TP < a node)
-
-
-def _assign(problem: Problem, per_op) -> dict[int, int]:
-    """Strategy index per op group from ``per_op(op) -> assignment tuple``."""
-    out = {}
-    graph = problem.graph
-    for gid, grp in enumerate(problem.groups):
-        if not isinstance(grp, OpGroup):
-            continue
-        op = graph.ops[grp.ops[0]]
-        want = per_op(op)
-        index = {s.assignment: i for i, s in enumerate(grp.strategies)}
-        if want not in index:
-            raise BaselineUnavailable(f"{grp.key} cannot be split as {want} on mesh {problem.mesh}")
-        out[gid] = index[want]
-    return out
-
-
-def _storage(problem: Problem, stage: int, axes: tuple[int, ...]) -> dict[int, StorageOption]:
-    axes = tuple(a for a in axes if problem.mesh.shape[a] > 1)
-    option = StorageOption(stage if axes else 0, axes if stage else ())
-    return {gid: option for gid, grp in enumerate(problem.groups) if isinstance(grp, StorageGroup)}
-
-
-def data_parallel(problem: Problem, zero_stage: int = 0) -> Selection:
-    axes = tuple(range(problem.mesh.ndim))
-    split = tuple("b" if m > 1 else None for m in problem.mesh.shape)
-    strategies = _assign(problem, lambda op: split if "b" in op.dims else (None,) * len(split))
-    return complete_selection(problem, strategies, _storage(problem, zero_stage, axes))
 
 
 def megatron_tp(
@@ -101,9 +66,9 @@ def megatron_tp(
             for a in range(n)
         )
 
-    strategies = _assign(problem, per_op)
+    strategies = assign_strategies(problem, per_op)
     stage = 3 if fsdp else (1 if distributed_optimizer else 0)
-    selection = complete_selection(problem, strategies, _storage(problem, stage, dp))
+    selection = complete_selection(problem, strategies, uniform_storage(problem, stage, dp))
     if not sequence_parallel:
         return selection
     # Sequence parallelism keeps the split activations for backward and gathers them again
@@ -115,7 +80,7 @@ def megatron_tp(
         shape = edge.tensor.shape
         if edge.can_keep(lp, lc) and local_numel(shape, lp, mesh.shape) < local_numel(shape, lc, mesh.shape):
             keeps[e] = 1
-    return complete_selection(problem, strategies, _storage(problem, stage, dp), keeps)
+    return complete_selection(problem, strategies, uniform_storage(problem, stage, dp), keeps)
 
 
 def ddp(problem: Problem) -> Selection:
@@ -159,7 +124,7 @@ def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
     def add(name, make, on=problem):
         try:
             out.append(Baseline(name, make(on), on))
-        except BaselineUnavailable as e:
+        except SplitUnavailable as e:
             skipped.append((name, str(e)))
 
     add("ddp", ddp)

@@ -21,9 +21,9 @@ import math
 from dataclasses import replace
 
 from memshard.cost.memory import StorageOption
+from memshard.ilp.solve import SolveResult, solve
 from memshard.mesh import Mesh, MeshAxis
 from memshard.problem import OpGroup, Problem, Selection
-from memshard.solver import SolveResult, solve
 
 
 def merge_groups(mesh: Mesh) -> list[tuple[int, ...]]:

@@ -18,6 +18,7 @@ from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, evaluate
 from memshard.files import read_json, write_text_atomically
 from memshard.graph import Graph, Origin
+from memshard.ilp.solve import SolveResult
 from memshard.job import Job, mesh_to_dict
 from memshard.mesh import Mesh
 from memshard.placement import format_layout
@@ -30,7 +31,6 @@ from memshard.problem import (
     build_problem,
     storage_links,
 )
-from memshard.solver import SolveResult
 
 SCHEMA = "memshard.plan/1"
 

@@ -1,0 +1,171 @@
+"""The edge flow: how an activation gets from its producer's layout to its consumer's.
+
+Alpa's edge linearisation, factored by mesh axis: resharding runs axis by axis (forward in
+axis order, gradients in reverse), so the cost of step ``a`` depends only on its state
+σ = (consumer placements on axes < a, producer placements on axes ≥ a, consumer placement on
+axis a), and an edge needs Σ_a |σ_a| columns instead of |producer layouts| × |consumer
+layouts|. With the choices integral the flow is integral (each state has one way in and
+out), so its columns are continuous. Rows (family ``edge-flow``)::
+
+  Σ_k Σ_{σ at a=0 with producer part L} z = Σ_{s: out(s)=L} x[p,s]
+  Σ_k Σ_{σ at a=A−1 with consumer part K} z = Σ_{s: in(s)=K} x[c,s]
+  flow into each state of step a+1 = flow out of step a
+  Σ_σ z[e,1,0,σ] = κ[e]                      (κ: the edge keeps its copy, family ``keep``)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from memshard.cost import comm
+from memshard.ilp.model import LinearModel, RowTag
+from memshard.placement import Layout, Partial
+from memshard.problem import Problem, without_partial
+
+
+@dataclass
+class EdgeFlow:
+    """One edge's flow columns and what reads them."""
+
+    keeps: tuple[int, ...]  # (0,) or (0, 1): whether the edge may keep its saved copy
+    steps: dict[tuple[int, int], tuple[list, np.ndarray]]  # (keep, axis) → (states, columns)
+    consumer_layout_columns: dict[int, dict[Layout, list[int]]]  # keep → consumer layout → last step's
+    producer_layout_columns: dict[int, dict[Layout, list[int]]]  # keep → producer layout → first step's
+    time_columns: np.ndarray
+    time_values: np.ndarray  # seconds (in the model's unit) per column
+    keep_column: int | None = None
+
+
+class EdgeFlows:
+    """Adds each edge's flow to ``model``; edges of one shape and layouts share their states."""
+
+    def __init__(self, problem: Problem, model: LinearModel, choice_columns: list[np.ndarray], time_unit: float):
+        self.problem = problem
+        self.model = model
+        self.choice_columns = choice_columns
+        self.time_unit = time_unit
+        self.states: dict[tuple, dict] = {}
+
+    def add(self, e: int) -> EdgeFlow:
+        problem = self.problem
+        edge = problem.edges[e]
+        spec = edge.tensor
+        producer = problem.groups[edge.producer].strategies
+        consumer = problem.groups[edge.consumer].strategies
+        grads = problem.groups[edge.consumer].input_grads[edge.input_index]
+        producer_layouts = sorted({s.output_layout for s in producer}, key=repr)
+        # consumer key per axis: (input placement, gradient placement)
+        consumer_keys = sorted({tuple(zip(s.input_layouts[edge.input_index], g)) for s, g in zip(consumer, grads)},
+                               key=repr)
+        keeps = (0, 1) if edge.saves else (0,)
+        key = (spec.shape, spec.dtype_bytes, tuple(producer_layouts), tuple(consumer_keys), keeps)
+        if key not in self.states:
+            self.states[key] = self.step_states(spec, producer_layouts, consumer_keys, keeps)
+        steps, cost_cols, cost_vals = {}, [], []
+        for step, (states, times) in self.states[key].items():
+            cols = self.model.columns(len(states), integer=False)
+            steps[step] = (states, cols)
+            paid = times != 0
+            cost_cols.append(cols[paid])
+            cost_vals.append(times[paid] * (edge.executions / self.time_unit))
+        flow = EdgeFlow(keeps, steps, {}, {}, np.concatenate(cost_cols), np.concatenate(cost_vals))
+        self.add_end_rows(e, flow, producer_layouts, consumer_keys)
+        self.add_conservation_rows(e, flow)
+        flow.consumer_layout_columns, flow.producer_layout_columns = self.layout_columns(flow)
+        if edge.saves:
+            flow.keep_column = int(self.model.columns(1, integer=True)[0])
+            coefs = {int(c): 1.0 for c in steps[(1, 0)][1]}
+            coefs[flow.keep_column] = -1.0
+            self.model.row(coefs, 0.0, 0.0, RowTag("keep", item=edge.key))
+        return flow
+
+    def add_end_rows(self, e: int, flow: EdgeFlow, producer_layouts: list[Layout], consumer_keys: list[tuple]) -> None:
+        """The first step's producer side equals the producer's choice, the last step's
+        consumer side the consumer's."""
+        problem = self.problem
+        edge = problem.edges[e]
+        last = problem.mesh.ndim - 1
+        producer_rows: dict[Layout, dict[int, float]] = {L: {} for L in producer_layouts}
+        consumer_rows: dict[tuple, dict[int, float]] = {K: {} for K in consumer_keys}
+        for k in flow.keeps:
+            states, cols = flow.steps[(k, 0)]
+            for (_, suffix, _), col in zip(states, cols):
+                producer_rows[suffix][int(col)] = 1.0
+            states, cols = flow.steps[(k, last)]
+            for (prefix, _, placement), col in zip(states, cols):
+                consumer_rows[prefix + (placement,)][int(col)] = 1.0
+        for c, s in enumerate(problem.groups[edge.producer].strategies):
+            producer_rows[s.output_layout][int(self.choice_columns[edge.producer][c])] = -1.0
+        grads = problem.groups[edge.consumer].input_grads[edge.input_index]
+        for c, (s, g) in enumerate(zip(problem.groups[edge.consumer].strategies, grads)):
+            consumer_rows[tuple(zip(s.input_layouts[edge.input_index], g))][int(self.choice_columns[edge.consumer][c])] = -1.0
+        for coefs in (*producer_rows.values(), *consumer_rows.values()):
+            self.model.row(coefs, 0.0, 0.0, RowTag("edge-flow", item=edge.key))
+
+    def add_conservation_rows(self, e: int, flow: EdgeFlow) -> None:
+        """What leaves step a enters step a+1, state by state."""
+        for k in flow.keeps:
+            for a in range(self.problem.mesh.ndim - 1):
+                through: dict[tuple, dict[int, float]] = defaultdict(dict)
+                states, cols = flow.steps[(k, a)]
+                for (prefix, suffix, placement), col in zip(states, cols):
+                    through[(prefix + (placement,), suffix[1:])][int(col)] = 1.0
+                states, cols = flow.steps[(k, a + 1)]
+                for (prefix, suffix, _), col in zip(states, cols):
+                    through[(prefix, suffix)][int(col)] = -1.0
+                for key in sorted(through, key=repr):
+                    self.model.row(through[key], 0.0, 0.0, RowTag("edge-flow", item=self.problem.edges[e].key))
+
+    def layout_columns(self, flow: EdgeFlow) -> tuple[dict, dict]:
+        """Per keep flag: which flow columns say "consumer layout L" (last step) and which
+        "producer layout L" (first step)."""
+        last = self.problem.mesh.ndim - 1
+        consumer, producer = {}, {}
+        for k in flow.keeps:
+            by_layout: dict[Layout, list[int]] = defaultdict(list)
+            states, cols = flow.steps[(k, last)]
+            for (prefix, _, placement), col in zip(states, cols):
+                by_layout[tuple(pl for pl, _ in prefix + (placement,))].append(int(col))
+            consumer[k] = by_layout
+        for k in flow.keeps:
+            by_layout = defaultdict(list)
+            states, cols = flow.steps[(k, 0)]
+            for (_, suffix, _), col in zip(states, cols):
+                by_layout[suffix].append(int(col))
+            producer[k] = by_layout
+        return consumer, producer
+
+    def step_states(self, spec, producer_layouts: list[Layout], consumer_keys: list[tuple],
+                    keeps: tuple[int, ...]) -> dict:
+        """Per (keep, step a): the flow states σ and each one's time."""
+        mesh = self.problem.mesh
+        axes = mesh.ndim
+        suffixes = [{L[a:] for L in producer_layouts} for a in range(axes + 1)]
+        prefixes = [{K[:a] for K in consumer_keys} for a in range(axes + 1)]
+        placements = [sorted({K[a] for K in consumer_keys}, key=repr) for a in range(axes)]
+        out = {}
+        for k in keeps:
+            for a in range(axes):
+                states = [(prefix, suffix, placement)
+                          for prefix in prefixes[a]
+                          for suffix in suffixes[a] if not (k and any(isinstance(x, Partial) for x in suffix))
+                          for placement in placements[a] if prefix + (placement,) in prefixes[a + 1]]
+                times = np.array([step_time(spec, a, *state, k, mesh) for state in states], dtype=float)
+                out[(k, a)] = (states, times)
+        return out
+
+
+def step_time(spec, a: int, prefix, suffix, placement, keep: int, mesh) -> float:
+    """Seconds of resharding step ``a`` in one state: the forward step (twice if the copy is
+    kept and gathered again) and the gradient's step back."""
+    consumer_prefix = tuple(pl for pl, _ in prefix)
+    grad_prefix = tuple(g for _, g in prefix)
+    grad_suffix = tuple(without_partial(suffix))
+    calls = comm.reshard_step(spec.shape, spec.dtype_bytes, consumer_prefix + suffix, a, placement[0], mesh)
+    calls = calls * (2 if keep else 1)
+    backward = grad_prefix + (placement[1],) + grad_suffix[1:]
+    calls += comm.reshard_step(spec.shape, spec.dtype_bytes, backward, a, grad_suffix[0], mesh, reverse=True)
+    return comm.total_time(calls, mesh)

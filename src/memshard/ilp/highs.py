@@ -1,0 +1,421 @@
+"""The search on one HiGHS model: a dive, then branch and bound.
+
+Every minimisation starts with a dive (:meth:`HighsSearch.dive`): the LP relaxation by
+simplex, which on memshard's ILPs is often integral already (the plan, proved optimal by its
+own relaxation), else up to DIVE_DEPTH levels of branching on its most fractional
+disjunctions (a group's choices, a keep flag's two values), each branch warm-started from
+its parent's basis, which proves the plan where the relaxation split one or two decisions (a
+tied embedding's storage between two choices, a keep flag, a norm's strategy). HiGHS's
+branch and bound runs only where the dive leaves the gap open, from the dive's plan if it had
+no start.
+
+Branch and bound on the primary objective alone stalls on its many exact ties (which axis
+splits the batch, …): HiGHS's primal heuristics find no plan for long. So the first pass
+(:meth:`HighsSearch.first_pass`) minimises the primary objective plus a small multiple of
+the other one (the blend), which is usually optimal for the primary one alone, as a
+plan-independent bound on it often shows at once.
+
+Solver options are fixed (one thread, seed 0, counts rather than times bound the dive) so the
+same input gives the same plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from memshard.errors import MemshardError
+from memshard.ilp.formulation import HIGHS_TOLERANCE, Disjunction, Expression
+from memshard.ilp.model import LinearModel
+
+# In the first branch and bound, the secondary objective weighs TIE_BREAK of the primary one
+# (at their typical values: the zero-redundancy bound, ZeRO-3's step time).
+TIE_BREAK = 0.03
+TIE_RESOLUTION = 1e-5  # relative slack on the primary objective in the second pass
+INTEGRALITY = 1e-6  # a relaxation's choice columns this close to 0 or 1 count as integral
+DIVE_DEPTH = 3  # a dive branches at most this many levels deep
+DIVE_BRANCHES = 24  # and solves at most this many branches (each costs a refactorisation)
+DIVE_EFFORT = 1.0  # and spends at most this many times the relaxation's simplex iterations
+DIVE_CUTOFF = 0.25  # a dive's branch stops this fraction of the gap below the best plan
+
+
+class SolverTimeLimit(MemshardError):
+    def __init__(self, limit_s: float | None = None):
+        within = f" ({limit_s:g} s)" if limit_s is not None else ""
+        super().__init__(f"solver time limit{within} hit before any plan was found; raise --time-limit")
+
+
+class Infeasible(MemshardError):
+    def __init__(self, objective: str):
+        super().__init__(f"no plan satisfies the {objective} constraints")
+        self.objective = objective
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A solution of one minimisation: its columns, objective, relative gap to the best bound,
+    and whether the time limit stopped the search."""
+
+    values: np.ndarray
+    objective: float
+    gap: float
+    timed_out: bool
+
+
+@dataclass(frozen=True)
+class FirstPass(Solution):
+    ties_resolved: bool = False  # the secondary objective is within the gap of its best too
+
+
+@dataclass(frozen=True)
+class Dive:
+    """A dive's best integral solution, its objective, and a lower bound on the ILP's."""
+
+    values: np.ndarray
+    objective: float
+    bound: float
+
+
+@dataclass
+class DiveState:
+    """A dive's gap, its budget (simplex iterations) and what it spent, the best integral
+    solution met and its objective."""
+
+    gap: float
+    effort: float
+    best: np.ndarray | None
+    value: float
+    branches: int = 0
+    iterations: int = 0
+
+    def cutoff(self) -> float:
+        return self.value - DIVE_CUTOFF * self.gap * abs(self.value) if self.best is not None else math.inf
+
+    def affordable(self) -> bool:
+        return self.branches < DIVE_BRANCHES and self.iterations < self.effort
+
+    def proved(self, bound: float) -> bool:
+        return self.value - bound <= self.gap * abs(self.value)
+
+
+def relative_gap(value: float, bound: float) -> float:
+    """How far ``value`` may be above the optimum, given a lower ``bound`` on it."""
+    return max(0.0, (value - bound) / abs(value)) if value else 0.0
+
+
+def blend_objective(expr: Expression, tie_break: Expression, scales: tuple[float, float]) -> tuple[Expression, float]:
+    """``expr`` + w·``tie_break``, w such that ``tie_break`` weighs TIE_BREAK of ``expr`` at
+    their typical ``scales``: ((columns, coefficients), w)."""
+    w = TIE_BREAK * scales[0] / scales[1] if scales[0] > 0 and scales[1] > 0 else TIE_BREAK
+    return (np.concatenate([expr[0], tie_break[0]]), np.concatenate([expr[1], tie_break[1] * w])), w
+
+
+def value_of(expr: Expression, values: np.ndarray) -> float:
+    return float(values[expr[0]] @ expr[1])
+
+
+@contextlib.contextmanager
+def _silenced_stdout():
+    """Send the process's C-level stdout to /dev/null for a moment (HiGHS's banner)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _highs_lp(m: LinearModel) -> highspy.HighsLp:
+    lp = highspy.HighsLp()
+    lp.num_col_ = m.num_columns
+    lp.num_row_ = m.num_rows
+    lp.col_cost_ = np.zeros(m.num_columns)
+    lp.col_lower_ = np.array(m.lower)
+    lp.col_upper_ = np.array(m.upper)
+    lp.row_lower_ = np.array(m.rows_lower)
+    lp.row_upper_ = np.array(m.rows_upper)
+    starts = np.zeros(m.num_rows + 1, dtype=np.int64)
+    starts[1:] = np.cumsum([len(c) for c in m.row_columns])
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = starts
+    lp.a_matrix_.index_ = np.concatenate(m.row_columns) if m.row_columns else np.zeros(0, dtype=np.int64)
+    lp.a_matrix_.value_ = np.concatenate(m.row_values) if m.row_values else np.zeros(0)
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in m.integer]
+    return lp
+
+
+class HighsSearch:
+    """One HiGHS model solved several times with different objectives and extra rows, each
+    branch and bound warm-started from a given or freshly found solution, and preceded, when
+    ``disjunctions`` are given, by a dive until one leaves its gap open."""
+
+    def __init__(self, model: LinearModel, deadline: float, disjunctions: list[Disjunction] | None = None):
+        self.deadline = deadline
+        self.num_columns = model.num_columns
+        self.disjunctions = disjunctions or []
+        self.diving = bool(self.disjunctions)  # until a dive fails to prove its plan
+        self.lower, self.upper = np.array(model.lower), np.array(model.upper)  # the integer columns' bounds
+        self.integer_columns = np.flatnonzero(np.array(model.integer, dtype=bool))
+        log = bool(os.environ.get("MEMSHARD_HIGHS_LOG"))
+        with contextlib.nullcontext() if log else _silenced_stdout():
+            highs = self.highs = highspy.Highs()  # prints a banner from C++ on construction
+        highs.setOptionValue("output_flag", log)
+        highs.setOptionValue("random_seed", 0)
+        highs.setOptionValue("threads", 1)
+        highs.setOptionValue("mip_abs_gap", 1e-9)
+        highs.setOptionValue("presolve", "off")  # its probing costs more than it saves here
+        highs.passModel(_highs_lp(model))
+
+    def extend(self, model: LinearModel, columns: int, rows: int) -> None:
+        """Pass the continuous columns and the rows ``model`` gained since it had ``columns``
+        and ``rows`` of them."""
+        highs, n = self.highs, model.num_columns
+        if any(model.integer[columns:]):
+            raise ValueError("only continuous columns can be added")
+        if n > columns:
+            highs.addVars(n - columns, np.array(model.lower[columns:]), np.array(model.upper[columns:]))
+            self.num_columns = n
+        lengths = [len(c) for c in model.row_columns[rows:]]
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32) if lengths else np.zeros(0, np.int32)
+        highs.addRows(len(lengths), np.array(model.rows_lower[rows:]), np.array(model.rows_upper[rows:]),
+                      int(sum(lengths)), starts,
+                      np.concatenate(model.row_columns[rows:]).astype(np.int32) if lengths else np.zeros(0, np.int32),
+                      np.concatenate(model.row_values[rows:]) if lengths else np.zeros(0))
+
+    def expired(self) -> bool:
+        return time.perf_counter() >= self.deadline
+
+    def limit_time(self) -> None:
+        """HiGHS's time limit: what is left until the deadline."""
+        self.highs.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
+
+    @contextlib.contextmanager
+    def relaxing(self, solver: str):
+        """Within: solve the LP relaxation with ``solver``, in the time left; after: branch and
+        bound again."""
+        highs = self.highs
+        highs.setOptionValue("solve_relaxation", True)
+        highs.setOptionValue("solver", solver)
+        self.limit_time()
+        try:
+            yield highs
+        finally:
+            highs.setOptionValue("solve_relaxation", False)
+            highs.setOptionValue("solver", "choose")
+
+    def add_row(self, expr: Expression, upper: float) -> None:
+        cols, vals = expr
+        self.highs.addRow(-highspy.kHighsInf, upper, len(cols), cols.astype(np.int32), vals)
+
+    def set_objective(self, expr: Expression) -> None:
+        cost = np.zeros(self.num_columns)
+        np.add.at(cost, expr[0], expr[1])
+        self.highs.changeColsCost(self.num_columns, np.arange(self.num_columns, dtype=np.int32), cost)
+
+    def minimise(self, expr: Expression, gap: float, start=None) -> Solution:
+        """Minimise ``expr`` to relative ``gap``: the dive, and where it does not prove its
+        plan, branch and bound from that plan, else from ``start`` (a full solution, or a
+        partial one as (columns, values))."""
+        self.set_objective(expr)
+        if self.diving:
+            incumbent = None
+            if isinstance(start, np.ndarray):
+                incumbent = (start, value_of(expr, start))
+            dived = self.dive(gap, incumbent)
+            if dived is not None:
+                if dived.objective - dived.bound <= gap * abs(dived.objective) + 1e-9:
+                    return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), False)
+                if start is None:
+                    start = dived.values
+            # A model whose relaxation a dive did not settle seldom changes in the next runs
+            # (the same rows and a few more, another objective): no more dives, each an LP.
+            self.diving = False
+        return self.branch_and_bound(gap, start)
+
+    def branch_and_bound(self, gap: float, start=None) -> Solution:
+        """HiGHS's branch and bound on the objective set, from ``start``."""
+        highs = self.highs
+        highs.setOptionValue("mip_rel_gap", gap)
+        self.limit_time()
+        if isinstance(start, tuple):  # partial: HiGHS completes it
+            highs.setSolution(len(start[0]), start[0].astype(np.int32), start[1].astype(np.float64))
+        elif start is not None:
+            solution = highspy.HighsSolution()
+            solution.col_value = list(start)
+            solution.value_valid = True
+            highs.setSolution(solution)
+        highs.run()
+        status = highs.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            raise Infeasible("")
+        info = highs.getInfo()
+        if info.primal_solution_status != 2:
+            if status == highspy.HighsModelStatus.kTimeLimit:
+                raise SolverTimeLimit()
+            raise MemshardError(f"solver stopped without a plan: {highs.modelStatusToString(status)}")
+        values = np.array(highs.getSolution().col_value)
+        found_gap = float(info.mip_gap) if np.isfinite(info.mip_gap) else 0.0
+        return Solution(values, float(info.objective_function_value), found_gap,
+                        status == highspy.HighsModelStatus.kTimeLimit)
+
+    def dive(self, gap: float, incumbent: tuple[np.ndarray, float] | None) -> Dive | None:
+        """The LP relaxation of the objective set, by simplex; where it is fractional, a
+        branching DIVE_DEPTH levels deep on its most fractional disjunctions, each branch
+        warm-started from its parent's basis: the best integral solution met (or the
+        ``incumbent`` (values, objective) if none is better), or None where neither exists.
+
+        A branch's bound is its LP optimum (or, not solved, its parent's plus what the
+        reduced cost says moving its column costs: a dual bound), or where it branches
+        further, the least of its own branches' bounds if larger. Once a plan is known, a
+        branch stops where its dual simplex passes a cutoff DIVE_CUTOFF of the gap below that
+        plan (HiGHS's ``objective_bound``, the node cutoff of its own search). The root's
+        bound is, for each disjunction branched on, the least of its branches' bounds (one of
+        them holds for every plan); the largest over them. At most DIVE_BRANCHES branches are
+        solved, in at most DIVE_EFFORT times the relaxation's simplex iterations: counts, not
+        times, so that the same input gives the same plan. The dive gives up where the
+        relaxation's own branches, explored first, yield no plan."""
+        with self.relaxing("simplex") as highs:
+            highs.run()
+            if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+                return None
+            info, solution = highs.getInfo(), highs.getSolution()
+            relaxed = float(info.objective_function_value)
+            x = np.array(solution.col_value)
+            if self.integral(x):
+                return Dive(x, relaxed, relaxed)
+            state = DiveState(gap, DIVE_EFFORT * max(info.simplex_iteration_count, 1), *(
+                incumbent if incumbent is not None else (None, math.inf)))
+            try:
+                bound = self.subtree(state, x, np.array(solution.col_dual), relaxed, highs.getBasis(), 0)
+            finally:
+                highs.setOptionValue("objective_bound", highspy.kHighsInf)
+            if bound is None or state.best is None:
+                return None
+            return Dive(state.best, state.value, min(bound, state.value))
+
+    def subtree(self, state: DiveState, x: np.ndarray, reduced: np.ndarray, relaxed: float, basis,
+                depth: int) -> float | None:
+        """A lower bound on the ILP below a node whose relaxation is ``x`` (objective
+        ``relaxed``, reduced costs, ``basis``), branching on its most fractional disjunctions
+        (all at the root, one below); None at the root if its own branches found no plan."""
+        highs = self.highs
+
+        def share(branch):  # how much of the relaxation takes the branch
+            col, at = branch
+            return x[col] if at else 1 - x[col]
+
+        fractional = sorted((d for d in self.disjunctions if max(map(share, d)) < 1 - INTEGRALITY),
+                            key=lambda d: (max(map(share, d)), d[0]))
+        bound = relaxed
+        for disjunction in fractional if depth == 0 else fractional[:1]:
+            least = math.inf
+            # the relaxation's own branches first, then the least reduced cost
+            for col, at in sorted(disjunction, key=lambda b: (-share(b), reduced[b[0]] * (b[1] - x[b[0]]), b)):
+                if depth == 0 and state.best is None and share((col, at)) <= INTEGRALITY:
+                    return None  # the relaxation's own branches gave no plan: not this dive's kind
+                cutoff = state.cutoff()
+                branch = relaxed + max(float(reduced[col]) * (at - x[col]), 0.0)
+                if branch < cutoff and state.affordable() and not self.expired():
+                    highs.changeColBounds(col, at, at)
+                    try:
+                        branch = self.branch(state, basis, cutoff, branch, depth)
+                    finally:
+                        highs.changeColBounds(col, self.lower[col], self.upper[col])
+                least = min(least, branch)
+            bound = max(bound, least)
+            if state.proved(bound) or not state.affordable():
+                break
+        return bound
+
+    def branch(self, state: DiveState, basis, cutoff: float, fallback: float, depth: int) -> float:
+        """Solve the relaxation as fixed now, from ``basis``, stopped at ``cutoff``; keep its
+        solution if integral and better, else branch on below DIVE_DEPTH: a lower bound on
+        the branch (``fallback`` if none was found)."""
+        highs = self.highs
+        highs.setBasis(basis)
+        highs.setOptionValue("objective_bound", cutoff)
+        self.limit_time()
+        highs.run()
+        status, info = highs.getModelStatus(), highs.getInfo()
+        state.branches += 1
+        state.iterations += max(info.simplex_iteration_count, 1)
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return math.inf
+        if status == highspy.HighsModelStatus.kObjectiveBound:
+            return cutoff
+        if status != highspy.HighsModelStatus.kOptimal:
+            return fallback
+        value = float(info.objective_function_value)
+        solution = highs.getSolution()
+        x = np.array(solution.col_value)
+        if self.integral(x):
+            if value < state.value:
+                state.best, state.value = x, value
+            return value
+        if depth + 1 < DIVE_DEPTH and state.affordable():
+            below = self.subtree(state, x, np.array(solution.col_dual), value, highs.getBasis(), depth + 1)
+            return max(value, below)
+        return value
+
+    def integral(self, x: np.ndarray) -> bool:
+        v = x[self.integer_columns]
+        return bool(np.all(np.abs(v - np.round(v)) <= INTEGRALITY))
+
+    def relaxation(self, expr: Expression) -> float | None:
+        """The LP relaxation's minimum of ``expr`` (None if not found in time): interior point
+        without crossover, a bound is all that is needed."""
+        self.set_objective(expr)
+        with self.relaxing("ipm") as highs:
+            highs.setOptionValue("run_crossover", "off")
+            highs.run()
+            if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+                return None
+            return float(highs.getInfo().objective_function_value)
+
+    def first_pass(self, expr: Expression, tie_break: Expression, floor: float, scales: tuple[float, float],
+                   gap: float, fallback: Expression) -> FirstPass:
+        """Minimise ``expr`` (≥ ``floor``), ties broken by ``tie_break``.
+
+        Branch and bound first minimises the blend ``expr`` + w·``tie_break`` from
+        ``fallback`` (a partial solution), w such that ``tie_break`` weighs TIE_BREAK of
+        ``expr`` at their typical ``scales``, to a gap TIE_BREAK times finer. Usually that plan
+        is optimal for ``expr``, as ``floor`` often shows at once, or else the LP relaxation
+        of ``expr`` alone. Its ties are resolved to within ``gap`` of ``tie_break`` when the
+        blend's remaining gap and HiGHS's tolerances, divided by w, are that small. Otherwise
+        branch and bound on ``expr`` alone continues from it, and where it finds nothing
+        better the blend's plan (and its tie-breaking) stands."""
+        blend, w = blend_objective(expr, tie_break, scales)
+        blended = self.minimise(blend, gap * TIE_BREAK, start=fallback)
+        values = blended.values
+        value = value_of(expr, values)
+        # what the blend may be off by: its gap, and the integrality and feasibility tolerances
+        blend_error = (blended.gap + HIGHS_TOLERANCE) * max(abs(blended.objective), 1.0)
+        ties_resolved = blend_error <= w * gap * abs(value_of(tie_break, values))
+        floor_gap = relative_gap(value, floor)
+        if blended.timed_out or self.expired():
+            return FirstPass(values, value, floor_gap, True, False)
+        if floor_gap <= gap:
+            return FirstPass(values, value, floor_gap, False, ties_resolved)
+        bound = self.relaxation(expr)
+        if bound is not None and bound > floor:
+            floor_gap = relative_gap(value, bound)
+            if floor_gap <= gap:
+                return FirstPass(values, value, floor_gap, False, ties_resolved)
+        try:
+            best = self.minimise(expr, gap, start=values)
+        except SolverTimeLimit:
+            return FirstPass(values, value, floor_gap, True, False)
+        if best.objective >= value - abs(value) * TIE_RESOLUTION:  # the blend's plan stands
+            return FirstPass(values, value, best.gap, best.timed_out, ties_resolved and not best.timed_out)
+        return FirstPass(best.values, best.objective, best.gap, best.timed_out, False)

@@ -1,0 +1,313 @@
+"""The live bytes at each candidate schedule point, and the peak (row family ``memory``).
+
+  L_t = L_prev + Δ_t          live bytes, chained so rows stay sparse   (family ``live-bytes``)
+  L_t + const_t ≤ M           for every candidate point t               (family ``memory``)
+
+Δ_t is what changed since the previous point: the slots (memory priced per choice of one
+group) and the held activations. An activation may be held at once by its producer, by
+consumers' input copies, saved copies and re-gathered copies; the producer's tensor counts
+once however many hold it, a consumer reading another layout holds its own copy:
+
+  c[e,L,R] ≥ [a holder of R holds L] − [producer's output is L]      (family ``copy``)
+      edge e's consumer holds its own copy in layout L (R: which of its copy holders —
+      input, saved, re-gathered — are live); for a saved or re-gathered copy the second
+      term is the flow's "producer layout L" under the same keep flag, tighter in the LP
+      relaxation
+  y ≥ each kept copy's indicator,  y + c ≥ [e holds L]               (family ``held``)
+      once the producer's own holder has ended, y counts the producer's tensor in L
+
+Tensors of shared layers have the same producer group and holders, so a (tensor kind, live
+holders) signature is one expression, counted once per tensor that has it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import highspy
+import numpy as np
+
+from memshard.ilp.edges import EdgeFlow
+from memshard.ilp.model import LinearModel, RowTag
+from memshard.placement import Layout
+from memshard.problem import (
+    DURING_RESHARDS,
+    INPUT_COPY,
+    PRODUCER,
+    REGATHER,
+    SAVED,
+    Holder,
+    Problem,
+    without_partial,
+)
+
+Copies = dict[int, list[tuple[str, dict, dict]]]  # edge → (holder kind, own-copy indicator, any indicator)
+
+
+class LiveBytes:
+    """Builds the memory rows; keeps each point's live-bytes column and constant bytes."""
+
+    def __init__(self, problem: Problem, model: LinearModel, choice_columns: list[np.ndarray],
+                 flows: list[EdgeFlow], peak: int, bytes_unit: float):
+        self.problem = problem
+        self.model = model
+        self.choice_columns = choice_columns
+        self.flows = flows
+        self.peak = peak
+        self.bytes_unit = bytes_unit
+        self.held_columns: dict[tuple, list[int]] = {}
+        self.copy_columns: dict[tuple, int | None] = {}
+        self.live_column: dict[int, int] = {}  # schedule point → its live-bytes column
+        self.constants_at: dict[int, float] = {}  # schedule point → its constant bytes
+        self.indicators: dict[tuple, dict[int, float]] = {}
+        self.expressions: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    # -- "holder h holds its tensor in layout L" ---------------------------------------------
+    def indicator(self, h: Holder, layout: Layout, part: str = "all") -> dict[int, float]:
+        """Linear expression of "holder h holds its tensor in ``layout``"; for a saved copy,
+        ``part`` "copy" is the consumer's own copy (not kept), "kept" the producer's tensor."""
+        key = (h.kind, h.source, layout, part)
+        if key not in self.indicators:
+            self.indicators[key] = self._indicator(h, layout, part)
+        return self.indicators[key]
+
+    def _indicator(self, h: Holder, layout: Layout, part: str) -> dict[int, float]:
+        problem, x = self.problem, self.choice_columns
+        if h.kind == PRODUCER:
+            strategies = problem.groups[h.source].strategies
+            return {int(x[h.source][c]): 1.0 for c, s in enumerate(strategies)
+                    if without_partial(s.output_layout) == layout}
+        edge = problem.edges[h.source]
+        if h.kind == INPUT_COPY:
+            strategies = problem.groups[edge.consumer].strategies
+            return {int(x[edge.consumer][c]): 1.0 for c, s in enumerate(strategies)
+                    if s.input_layouts[edge.input_index] == layout}
+        flow = self.flows[h.source]
+        out: dict[int, float] = {}
+        if h.kind == SAVED:  # kept in the consumer's layout, or (kept) in the producer's
+            if part != "kept":
+                out.update(dict.fromkeys(flow.consumer_layout_columns[0].get(layout, ()), 1.0))
+            if part != "copy":
+                out.update(dict.fromkeys(flow.producer_layout_columns.get(1, {}).get(layout, ()), 1.0))
+        elif h.kind == REGATHER and 1 in flow.keeps:
+            out.update(dict.fromkeys(flow.consumer_layout_columns[1].get(layout, ()), 1.0))
+        return out
+
+    def producer_in(self, group: int, layout: Layout) -> dict[int, float]:
+        """Π: the producer's output is exactly ``layout`` (a consumer reading it in that
+        layout holds the producer's own tensor, no copy)."""
+        strategies = self.problem.groups[group].strategies
+        return {int(self.choice_columns[group][c]): 1.0 for c, s in enumerate(strategies) if s.output_layout == layout}
+
+    # -- the rows ------------------------------------------------------------------------------
+    def add(self, points: list[int]) -> list[int]:
+        """One ``memory`` row per candidate point (returned), over a chain of live-byte columns."""
+        slot_keys, slot_vectors, slot_start, slot_end = self.merged_slots()
+        holders = _HolderIndex(self.problem)
+        terms = []
+        for t in points:
+            live_slots = np.nonzero((slot_start <= t) & (t <= slot_end))[0]
+            signatures = []
+            for signature, tensor, count in holders.live_at(t):
+                if signature not in self.expressions:
+                    self.expressions[signature] = self.expression(holders, *signature, tensor)
+                signatures.append((signature, count))
+            const = sum(c.nbytes for c in self.problem.constants if c.start <= t <= c.end) / self.bytes_unit
+            terms.append((live_slots, signatures, const))
+        rows = self.chain_rows(points, terms, slot_keys, slot_vectors)
+        self.constants_at = {t: terms[k][2] for k, t in enumerate(points)}
+        return rows
+
+    def merged_slots(self):
+        """Slots of one group and interval merged (e.g. the layers' weights): their keys, price
+        vectors (model units) and intervals."""
+        vectors: dict[tuple, np.ndarray] = {}
+        for s in self.problem.slots:
+            if s.phase == DURING_RESHARDS:  # in the reshard rows only
+                continue
+            key = (s.group, s.start, s.end)
+            vectors[key] = vectors.get(key, 0) + s.nbytes / self.bytes_unit
+        keys = list(vectors)
+        return keys, vectors, np.array([k[1] for k in keys]), np.array([k[2] for k in keys])
+
+    def chain_rows(self, points: list[int], terms: list, slot_keys: list, slot_vectors: dict) -> list[int]:
+        model = self.model
+        live = model.columns(len(points), integer=False, lo=-highspy.kHighsInf, hi=highspy.kHighsInf)
+        n = model.num_columns
+        previous = np.zeros(n)
+        rows = []
+        for k, (live_slots, signatures, const) in enumerate(terms):
+            dense = np.zeros(n)
+            for idx in live_slots:
+                key = slot_keys[idx]
+                dense[self.choice_columns[key[0]]] += slot_vectors[key]
+            for signature, count in signatures:
+                cols, vals = self.expressions[signature]
+                dense[cols] += vals * count
+            diff = dense - previous
+            changed = np.nonzero(np.abs(diff) > 1e-12 * max(1.0, float(np.abs(dense).max())))[0]
+            cols = np.concatenate([changed, [live[k]], [live[k - 1]] if k else []]).astype(np.int64)
+            vals = np.concatenate([diff[changed], [-1.0], [1.0] if k else []])
+            model.row((cols, vals), 0.0, 0.0, RowTag("live-bytes", points[k]))
+            rows.append(model.row({int(live[k]): 1.0, self.peak: -1.0}, -highspy.kHighsInf, -const,
+                                  RowTag("memory", points[k])))
+            self.live_column[points[k]] = int(live[k])
+            previous = dense
+        return rows
+
+    def expression(self, holders: _HolderIndex, key: int, mask: int, tensor: int) -> tuple[np.ndarray, np.ndarray]:
+        """Bytes held of ``tensor`` (and every tensor of its kind) while the holders in ``mask`` live."""
+        held = self.problem.held[tensor]
+        active = [h for k, h in enumerate(holders.by_tensor[tensor]) if mask >> k & 1]
+        expr: dict[int, float] = defaultdict(float)
+        for lid, layout in enumerate(held.layouts):
+            nbytes = held.nbytes[lid] / self.bytes_unit
+            if nbytes == 0:
+                continue
+            for col, value in self.layout_terms(active, layout, (key, mask, lid), held.key).items():
+                expr[col] += value * nbytes
+        return (np.fromiter(expr.keys(), dtype=np.int64, count=len(expr)),
+                np.fromiter(expr.values(), dtype=float, count=len(expr)))
+
+    def layout_terms(self, active: list[Holder], layout: Layout, key: tuple, producer: int) -> dict[int, float]:
+        """Columns (with weights) counting the distinct tensors the ``active`` holders keep in
+        ``layout``: the producer's tensor (its own holder, a copy kept in its layout) and, per
+        edge, the consumer's copy (its input copy, its saved copy not kept, or the re-gathered
+        one; the same copy written with different columns, each a row)."""
+        producer_active = any(h.kind == PRODUCER for h in active)
+        own = [ind for h in active if h.kind in (PRODUCER, SAVED) if (ind := self.indicator(h, layout, "kept"))]
+        copies = self.copies(active, layout)
+        terms: dict[int, float] = defaultdict(float)
+        base = None
+        if producer_active:
+            # Every kept copy is in the producer's layout, so while the producer's holder is
+            # live "its tensor is held in L" is the producer's indicator.
+            base = next(self.indicator(h, layout, "kept") for h in active if h.kind == PRODUCER)
+        elif not copies and len(own) == 1:
+            base = own[0]
+        elif len(copies) == 1 and [k for k, _, _ in next(iter(copies.values()))] in (["saved"], ["saved", "regather"]):
+            # One consumer's saved tensor (a copy, or the producer's tensor kept): one tensor,
+            # held in L iff "any" says so; a re-gathered copy beside it.
+            (e, reps), = copies.items()
+            base = reps[0][2]
+            copies = {e: reps[1:]} if len(reps) > 1 else {}
+        cols: list[int] = []
+        if base is not None:
+            for col, v in base.items():
+                terms[col] += v
+            cols = [c for e, reps in sorted(copies.items()) if (c := self.copy_column(e, layout, reps, producer)) is not None]
+        elif own or copies:
+            cols = self.held_columns_for(key, own, copies, producer, layout)
+        for col in cols:
+            terms[col] += 1.0
+        return terms
+
+    def copies(self, active: list[Holder], layout: Layout) -> Copies:
+        """Per edge, the live representations of its consumer's copy in ``layout``."""
+        copies: Copies = defaultdict(list)
+        for h in active:
+            if h.kind == INPUT_COPY:
+                ind = self.indicator(h, layout, "all")
+                copies[h.source].append((h.kind, ind, ind))
+            elif h.kind == SAVED:
+                copies[h.source].append((h.kind, self.indicator(h, layout, "copy"), self.indicator(h, layout, "all")))
+            elif h.kind == REGATHER:
+                ind = self.indicator(h, layout, "copy")
+                copies[h.source].append((h.kind, ind, ind))
+        copies = {e: [r for r in reps if r[2]] for e, reps in copies.items()}
+        return {e: reps for e, reps in copies.items() if reps}
+
+    def copy_column(self, e: int, layout: Layout, reps: list[tuple[str, dict, dict]], producer: int) -> int | None:
+        """c ≥ A − Π: edge ``e``'s consumer holds its own copy in ``layout`` (A: input copy,
+        saved copy not kept or re-gathered copy, one row per representation ``reps`` of the
+        copy; Π: the producer's output is exactly ``layout``, so the consumer holds the
+        producer's tensor instead). Shared by every point where the same representations
+        are live.
+
+        For a saved or re-gathered copy Π is the edge flow's "producer layout L" under the
+        same keep flag as A (not kept, kept): equal to the producer's indicator when the
+        choices are integral, but in the LP relaxation a fractional plan can no longer
+        cancel a kept edge's copy with the weight of another plan whose producer is in L
+        and keeps nothing."""
+        key = (e, layout, tuple(kind for kind, _, _ in reps))
+        if key not in self.copy_columns:
+            if not any(copy for _, copy, _ in reps):
+                self.copy_columns[key] = None
+                return None
+            col = int(self.model.columns(1, integer=False)[0])
+            by_keep = self.flows[e].producer_layout_columns
+            for kind, copy, _ in reps:
+                if copy:
+                    if kind == INPUT_COPY:
+                        prod = self.producer_in(producer, layout)
+                    else:
+                        prod = dict.fromkeys(by_keep[int(kind == REGATHER)].get(layout, ()), 1.0)
+                    r = dict(copy)
+                    for c, v in prod.items():
+                        r[c] = r.get(c, 0.0) - v
+                    r[col] = r.get(col, 0.0) - 1.0
+                    self.model.row(r, -highspy.kHighsInf, 0.0, RowTag("copy", item=self.problem.edges[e].key))
+            self.copy_columns[key] = col
+        return self.copy_columns[key]
+
+    def held_columns_for(self, key: tuple, own: list[dict], copies: Copies, producer: int, layout: Layout) -> list[int]:
+        """Columns whose sum counts the distinct tensors held in ``layout`` once the producer's
+        own holder has ended: y for the producer's tensor, c_e for edge e's consumer copy
+        (``copy_column``). With K_e "edge e's consumer holds a copy in ``layout`` or keeps the
+        producer's tensor in it":  y ≥ each indicator of the producer's tensor (kept copies),
+        y + c_e ≥ K_e. With the choices integral the sum is exact (a consumer holding the
+        producer's tensor may be counted in c_e instead of y, never twice)."""
+        if key not in self.held_columns:
+            inf = highspy.kHighsInf
+            y = int(self.model.columns(1, integer=False)[0])
+            cols = [y]
+            tag = RowTag("held", item=self.problem.groups[producer].key)
+            for ind in own:
+                r = dict(ind)
+                r[y] = r.get(y, 0.0) - 1.0
+                self.model.row(r, -inf, 0.0, tag)
+            for e in sorted(copies):
+                c = self.copy_column(e, layout, copies[e], producer)
+                if c is not None:
+                    cols.append(c)
+                for _, _, anyone in copies[e]:
+                    r = dict(anyone)
+                    r[y] = r.get(y, 0.0) - 1.0
+                    if c is not None:
+                        r[c] = r.get(c, 0.0) - 1.0
+                    self.model.row(r, -inf, 0.0, tag)
+            self.held_columns[key] = cols
+        return self.held_columns[key]
+
+
+class _HolderIndex:
+    """A tensor's live holders at a point as a bit mask over its holder list; (tensor kind,
+    mask) — the kind being its producer group and holders (kinds, edges) — is a signature."""
+
+    def __init__(self, problem: Problem):
+        self.by_tensor: dict[int, list[Holder]] = defaultdict(list)
+        position = []
+        for h in problem.holders:
+            position.append(len(self.by_tensor[h.tensor]))
+            self.by_tensor[h.tensor].append(h)
+        if position and max(position) >= 31:
+            raise ValueError("a tensor with more than 31 holders")
+        self.start = np.array([h.start for h in problem.holders])
+        self.end = np.array([h.end for h in problem.holders])
+        self.tensor = np.array([h.tensor for h in problem.holders])
+        self.bit = np.left_shift(1, np.array(position, dtype=np.int64))
+        kinds: dict[tuple, int] = {}
+        self.kind = np.array([kinds.setdefault((held.key, tuple((h.kind, h.source) for h in self.by_tensor[t])),
+                                               len(kinds)) for t, held in enumerate(problem.held)], dtype=np.int64)
+        self.num_tensors = len(problem.held)
+
+    def live_at(self, t: int) -> list[tuple[tuple[int, int], int, int]]:
+        """(signature, a tensor that has it, how many have it) of the tensors held at ``t``."""
+        act = np.nonzero((self.start <= t) & (t <= self.end))[0]
+        masks = np.zeros(self.num_tensors, dtype=np.int64)
+        np.bitwise_or.at(masks, self.tensor[act], self.bit[act])
+        tensors = np.nonzero(masks)[0]
+        combined = (self.kind[tensors] << 32) | masks[tensors]
+        uniq, first, counts = np.unique(combined, return_index=True, return_counts=True)
+        return [((u >> 32, u & 0xFFFFFFFF), int(tensors[f]), c)
+                for u, f, c in zip(uniq.tolist(), first.tolist(), counts.tolist())]

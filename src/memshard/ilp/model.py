@@ -1,0 +1,89 @@
+"""Columns and rows of the ILP, collected in Python and handed to HiGHS once.
+
+Every row carries a :class:`RowTag`: the family that built it (``formulation.py`` documents
+each) and, where it has one, the schedule point or the item (group, link, edge) it is about,
+so that a binding or violated row can be named (:meth:`LinearModel.binding`,
+:meth:`LinearModel.violated`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RowTag:
+    family: str  # e.g. "memory", "reshard", "edge-flow" (see formulation.py)
+    point: int | None = None  # the schedule point it prices, if any
+    item: str = ""  # the group, link or edge it is about, if any
+
+    def __str__(self) -> str:
+        where = f" at point {self.point}" if self.point is not None else ""
+        return f"{self.family}{where}{f' ({self.item})' if self.item else ''}"
+
+
+class LinearModel:
+    """Columns (bounds, integrality) and rows (bounds, sparse coefficients, tag)."""
+
+    def __init__(self) -> None:
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[int] = []
+        self.rows_lower: list[float] = []
+        self.rows_upper: list[float] = []
+        self.row_columns: list[np.ndarray] = []
+        self.row_values: list[np.ndarray] = []
+        self.tags: list[RowTag] = []
+
+    @property
+    def num_columns(self) -> int:
+        return len(self.lower)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows_lower)
+
+    def columns(self, n: int, integer: bool, lo: float = 0.0, hi: float = 1.0) -> np.ndarray:
+        start = len(self.lower)
+        self.lower += [lo] * n
+        self.upper += [hi] * n
+        self.integer += [1 if integer else 0] * n
+        return np.arange(start, start + n)
+
+    def row(self, coefs: dict[int, float] | tuple[np.ndarray, np.ndarray], lo: float, hi: float,
+            tag: RowTag) -> int:
+        """Add ``lo ≤ Σ coefs·x ≤ hi``; coefficients of one column given twice are summed."""
+        if isinstance(coefs, dict):
+            cols = np.fromiter(coefs.keys(), dtype=np.int64, count=len(coefs))
+            vals = np.fromiter(coefs.values(), dtype=float, count=len(coefs))
+        else:
+            cols, vals = coefs
+            cols, inverse = np.unique(cols, return_inverse=True)
+            vals = np.bincount(inverse, weights=vals)
+        keep = vals != 0
+        self.row_columns.append(cols[keep].astype(np.int64))
+        self.row_values.append(vals[keep])
+        self.rows_lower.append(lo)
+        self.rows_upper.append(hi)
+        self.tags.append(tag)
+        return len(self.rows_lower) - 1
+
+    def activity(self, values: np.ndarray, row: int) -> float:
+        return float(values[self.row_columns[row]] @ self.row_values[row])
+
+    def violated(self, values: np.ndarray, tolerance: float = 1e-6) -> list[RowTag]:
+        """The rows a solution breaks by more than ``tolerance`` (relative to the bound)."""
+        return [self.tags[r] for r in range(self.num_rows) if self._slack(values, r, tolerance) < 0]
+
+    def binding(self, values: np.ndarray, family: str, tolerance: float = 1e-6) -> list[RowTag]:
+        """The rows of ``family`` a solution meets with (relative) slack at most ``tolerance``."""
+        return [self.tags[r] for r in range(self.num_rows)
+                if self.tags[r].family == family and self._slack(values, r, tolerance) <= 0]
+
+    def _slack(self, values: np.ndarray, row: int, tolerance: float) -> float:
+        a = self.activity(values, row)
+        lo, hi = self.rows_lower[row], self.rows_upper[row]
+        scale = max(1.0, abs(lo) if np.isfinite(lo) else 0.0, abs(hi) if np.isfinite(hi) else 0.0)
+        return min(a - lo, hi - a) + tolerance * scale

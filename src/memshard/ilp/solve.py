@@ -1,0 +1,230 @@
+"""Solving a problem: the formulation searched with HiGHS, lazy reshard rows, the tie-break pass.
+
+Objectives: ``memory`` minimises M, then, with M held within the gap of its optimum, the step
+time (ties broken by time); ``time`` minimises T subject to M ≤ budget, then M. The first
+pass (``HighsSearch.first_pass``) minimises the primary objective with the secondary one as a
+small tie-break, which is usually optimal for the primary one alone and then needs no second
+pass.
+
+The reshard rows are lazy (without a memory budget): most plans' peak is not at a reshard,
+and without those rows (a quarter of them) HiGHS takes a third less time. The first pass runs
+without them; where the plan, priced by the evaluator, holds more than its M at a reshard
+point, that point's rows are added and the first pass runs again, from that plan, until none
+is over (``Formulation.over_peak``); the second pass likewise. A plan that meets M is optimal
+with every row too: dropping rows only enlarges the feasible set. (Adding every row at the
+first violation made one job's search 10× slower: a plan over M at a handful of its hundreds
+of reshards.) Every round's bound holds for the whole ILP. Out of time in a later round, the
+plan kept is the better of that round's and the one before it, as the evaluator prices them,
+with its gap to the best bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from memshard.errors import MemshardError
+from memshard.evaluate import Evaluation, evaluate
+from memshard.ilp.formulation import Expression, Formulation
+from memshard.ilp.highs import (
+    TIE_RESOLUTION,
+    HighsSearch,
+    Infeasible,
+    SolverTimeLimit,
+    relative_gap,
+    value_of,
+)
+from memshard.problem import Problem, Selection
+
+OBJECTIVES = ("memory", "time")
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    selection: Selection
+    status: str  # "optimal", "time_limit" (feasible, with gap)
+    objective: str
+    gap: float
+    time_s: float
+    variables: int
+    constraints: int
+    ilp_peak_bytes: float = 0.0  # the ILP's own M (≥ the evaluated peak; equal at optimum)
+    search_space: str = "full"
+    evaluation: Evaluation | None = None  # the plan priced by the evaluator
+
+
+@dataclass
+class Outcome:
+    """Where the search stands: a solution, its primary objective (model units), its gap,
+    whether time ran out, whether its ties are resolved, and the best bound of all rounds."""
+
+    values: np.ndarray
+    best: float
+    gap: float
+    timed_out: bool
+    ties_resolved: bool
+    lower: float
+    evaluation: Evaluation | None = None
+
+
+def second_pass_cap(best: float, lower: float, tolerance: float) -> float:
+    """The most the tie-break pass lets the primary objective reach: within ``tolerance`` of
+    the best bound ``lower``, and at least ``best`` (the first pass's) plus TIE_RESOLUTION."""
+    cap = best + abs(best) * TIE_RESOLUTION
+    if lower > 0:
+        cap = max(cap, lower / (1 - tolerance))
+    return cap + 1e-9
+
+
+class Solver:
+    """One solve of ``problem``: its formulation, the HiGHS search on it, and the objectives."""
+
+    def __init__(self, problem: Problem, objective: str, max_step_time_s: float | None,
+                 memory_budget_bytes: float | None, deadline: float, fixed: Selection | None = None):
+        self.problem = problem
+        self.objective = objective
+        formulation = self.formulation = Formulation(problem)
+        formulation.add_choice_constraints()
+        formulation.add_link_constraints()
+        formulation.add_edge_constraints()
+        formulation.add_memory_constraints(problem.candidate_points)
+        # Lazy reshard rows, but not when pricing a given plan, nor under a memory budget: a
+        # plan found without them may exceed it, and one found out of time would then be no
+        # plan at all.
+        self.lazy = fixed is None and (memory_budget_bytes is None or math.isinf(memory_budget_bytes))
+        if not self.lazy:
+            formulation.add_reshard_constraints()
+        time_expr = formulation.time_expression()
+        formulation.add_budget_constraints(objective, time_expr, max_step_time_s, memory_budget_bytes)
+        if fixed is not None:
+            formulation.fix(fixed)
+        self.search = HighsSearch(formulation.model, deadline, formulation.disjunctions())
+        ref = formulation.reference
+        memory_floor = ref.memory_floor_bytes / formulation.bytes_unit
+        time_estimate = ref.time_estimate_s / formulation.time_unit
+        peak = formulation.peak_expression()
+        if objective == "memory":
+            self.primary, self.secondary = peak, time_expr
+            self.floor, self.scales = ref.least_peak_bytes / formulation.bytes_unit, (memory_floor, time_estimate)
+        else:
+            self.primary, self.secondary = time_expr, peak
+            self.floor, self.scales = ref.time_floor_s / formulation.time_unit, (time_estimate, memory_floor)
+
+    def add_reshard_rows(self, points: set[int]) -> None:
+        model = self.formulation.model
+        columns, rows = model.num_columns, model.num_rows
+        self.formulation.add_reshard_constraints(points)
+        self.search.extend(model, columns, rows)
+
+    def primary_of(self, evaluation: Evaluation) -> float:
+        """The primary objective of a plan as the evaluator prices it (model units)."""
+        f = self.formulation
+        return evaluation.peak_bytes / f.bytes_unit if self.objective == "memory" else evaluation.step_time_s / f.time_unit
+
+    def first_pass(self, mip_gap: float, fallback: Expression, time_limit_s: float) -> Outcome:
+        """The first pass, round after round until its plan meets every lazy row."""
+        f = self.formulation
+        previous = None  # an earlier round's plan (over M at some reshard) and its evaluated objective
+        lower = -math.inf  # every round's bound holds for the whole ILP: it has fewer rows
+        while True:
+            try:
+                found = self.search.first_pass(self.primary, self.secondary, self.floor, self.scales,
+                                               max(mip_gap, TIE_RESOLUTION), fallback)
+            except Infeasible:
+                raise Infeasible(self.objective) from None
+            except SolverTimeLimit:
+                if previous is None:
+                    raise SolverTimeLimit(time_limit_s) from None
+                values, best = previous
+                return Outcome(values, best, relative_gap(best, lower), True, False, lower)
+            lower = max(lower, found.objective * (1 - found.gap))
+            outcome = Outcome(found.values, found.objective, found.gap, found.timed_out, found.ties_resolved, lower)
+            if not self.lazy:
+                return outcome
+            outcome.evaluation = evaluate(self.problem, f.selection(found.values))
+            over = f.over_peak(found.values, outcome.evaluation)
+            if not over:
+                return outcome
+            if found.timed_out or self.search.expired():  # out of time: the better plan, priced as it is
+                outcome.best = self.primary_of(outcome.evaluation)
+                if previous is not None and previous[1] < outcome.best:
+                    (outcome.values, outcome.best), outcome.evaluation = previous, None
+                outcome.gap = relative_gap(outcome.best, lower)
+                return outcome
+            # Reshards the plan runs hold more than M allows: again with their rows, from it.
+            previous = (found.values, self.primary_of(outcome.evaluation))
+            self.add_reshard_rows(over)
+            fallback = f.selection_start(f.selection(found.values))
+
+    def second_pass(self, outcome: Outcome, mip_gap: float) -> Outcome:
+        """Hold the primary objective within the gap of the best bound, minimise the other one.
+        The slack is at least the rows' feasibility tolerance accumulated along the chain of
+        live-byte variables (≈1e-6 of the peak); ties finer than TIE_RESOLUTION of the primary
+        objective are broken by the secondary one. (The first pass's plan meets every row, so
+        its optimum holds with the reshard rows too.)"""
+        f = self.formulation
+        tolerance = max(mip_gap, TIE_RESOLUTION)
+        self.search.add_row(self.primary, second_pass_cap(outcome.best, outcome.lower, tolerance))
+        start = outcome.values
+        with contextlib.suppress(SolverTimeLimit):  # else keep the first pass's plan
+            while True:
+                second = self.search.minimise(self.secondary, tolerance, start=start)
+                over = f.over_peak(second.values) if self.lazy else set()
+                if not over:
+                    outcome.values, outcome.evaluation = second.values, None
+                    outcome.timed_out = outcome.timed_out or second.timed_out
+                    if outcome.lower > 0:  # the gap of the plan returned, not of the first pass's
+                        outcome.gap = max(outcome.gap, relative_gap(value_of(self.primary, second.values),
+                                                                    outcome.lower))
+                    break
+                if second.timed_out or self.search.expired():
+                    break  # the first pass's plan stands
+                self.add_reshard_rows(over)
+                start = f.selection_start(f.selection(outcome.values))
+        return outcome
+
+    def result(self, outcome: Outcome, started: float) -> SolveResult:
+        f = self.formulation
+        selection = f.selection(outcome.values)
+        return SolveResult(
+            selection=selection,
+            status="time_limit" if outcome.timed_out else "optimal",
+            objective=self.objective,
+            gap=outcome.gap,
+            time_s=time.perf_counter() - started,
+            variables=f.model.num_columns,
+            constraints=f.model.num_rows,
+            # The first pass's optimum: the tie-break pass may leave M anywhere in its slack.
+            ilp_peak_bytes=outcome.best * f.bytes_unit if self.objective == "memory" else f.peak_bytes(outcome.values),
+            evaluation=outcome.evaluation,
+        )
+
+
+def solve(
+    problem: Problem,
+    objective: str = "memory",
+    max_step_time_s: float | None = None,
+    memory_budget_bytes: float | None = None,
+    time_limit_s: float = 60.0,
+    mip_gap: float = 2e-3,
+    fixed: Selection | None = None,
+    start: Selection | None = None,
+) -> SolveResult:
+    """Solve ``problem`` for ``objective``; with ``fixed``, price that complete plan through
+    the ILP instead (every choice pinned), which checks the linearisation against the
+    evaluator. ``start``: a plan of ``problem`` branch and bound starts from (default: every
+    op unsplit); one within the budget guarantees an answer under a time limit."""
+    if objective not in OBJECTIVES:
+        raise MemshardError(f"unknown objective {objective!r}; use memory or time")
+    started = time.perf_counter()
+    solver = Solver(problem, objective, max_step_time_s, memory_budget_bytes, started + time_limit_s, fixed)
+    f = solver.formulation
+    fallback = f.selection_start(start) if start is not None else f.replicated_start()
+    outcome = solver.first_pass(mip_gap, fallback, time_limit_s)
+    if fixed is None and not outcome.ties_resolved and not solver.search.expired():
+        outcome = solver.second_pass(outcome, mip_gap)
+    return solver.result(outcome, started)
