@@ -16,7 +16,7 @@ import memshard  # noqa: E402
 from memshard.errors import MemshardError  # noqa: E402
 from memshard.graph import TensorKind  # noqa: E402
 from memshard.models import build_graph  # noqa: E402
-from memshard.problem import build_problem  # noqa: E402
+from memshard.problem import OpGroup, build_problem  # noqa: E402
 from memshard.report import render_plan_text  # noqa: E402
 from memshard.trace import trace_module  # noqa: E402
 from memshard.trace.hf import build_model, load_config, trace_hf  # noqa: E402
@@ -79,7 +79,7 @@ def test_identical_layers_share_solver_variables_and_dims():
         assert len({op.role for op in ops}) == 1
         assert len({tuple(o.dims for o in op.operands) for op in ops}) == 1
     problem = build_problem(graph, memshard.parse_mesh("2x2"))
-    op_groups = [g for g in problem.groups if g.kind == "op"]
+    op_groups = [g for g in problem.groups if isinstance(g, OpGroup)]
     outside = sum(op.layer is None for op in graph.ops)
     assert len(op_groups) == len(per_layer[0]) + outside
 

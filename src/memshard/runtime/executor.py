@@ -458,7 +458,7 @@ class ShardedGraphModel(nn.Module):
         members: dict[tuple, list[ParamStore]] = {}
         for name in graph.parameters:
             gid = problem.storage_group[name]
-            G, opt = problem.groups[gid].meta["options"][selection.choices[gid]]
+            G, opt = problem.groups[gid].options[selection.choices[gid]]
             grad = tuple(PARTIAL if g == "P" else (REPLICATE if g == "R" else Shard(int(g[1:]))) for g in G)
             full = model.parameter(name).detach().to(self.device)
             in_unit = opt.stage == 3 and name in units
