@@ -17,8 +17,7 @@ import time
 
 import memshard
 from benchmarks_md import write_section
-from memshard.baselines import baselines
-from memshard.plans import build_plan
+from memshard.planner import baseline_plans
 
 MODELS = ("gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "llama3-8b")
 MESHES = ("1x8", "2x4", "2x8", "4x8", "8x8")
@@ -33,16 +32,15 @@ def row(model: str, mesh: str) -> str:
     n = memshard.parse_mesh(mesh).num_devices
     batch = 2 * n
     best = memshard.plan(model, mesh, batch=batch, seq=SEQ)
-    megatron = [build_plan(b.problem, None, b.selection, strategy_name=b.name)
-                for b in baselines(best.problem)[0] if b.name.startswith("megatron")]
+    megatron = [p for p in baseline_plans(best.job, best.problem)[0] if p.strategy.startswith("megatron")]
     if not megatron:
         return f"| {model} | {mesh} | no Megatron layout fits the head count | | | | | |"
     by_mem = min(megatron, key=lambda p: (p.peak_bytes, p.step_time_s))
     by_time = min(megatron, key=lambda p: (p.step_time_s, p.peak_bytes))
     timed = memshard.plan(model, mesh, batch=batch, seq=SEQ, max_step_time_s=by_time.step_time_s * 1.1)
     return (
-        f"| {model} | {mesh} | {by_mem.data['strategy']}: {gib(by_mem.peak_bytes)} GiB, {by_mem.step_time_s:.2f} s "
-        f"| {by_time.data['strategy']}: {gib(by_time.peak_bytes)} GiB, {by_time.step_time_s:.2f} s "
+        f"| {model} | {mesh} | {by_mem.strategy}: {gib(by_mem.peak_bytes)} GiB, {by_mem.step_time_s:.2f} s "
+        f"| {by_time.strategy}: {gib(by_time.peak_bytes)} GiB, {by_time.step_time_s:.2f} s "
         f"| {gib(best.peak_bytes)} GiB, {best.step_time_s:.2f} s "
         f"| {gib(timed.peak_bytes)} GiB, {timed.step_time_s:.2f} s "
         f"| {1 - best.peak_bytes / by_mem.peak_bytes:.0%} / {1 - best.peak_bytes / by_time.peak_bytes:.0%} "

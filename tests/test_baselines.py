@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import memshard
-from memshard.baselines import baselines, data_parallel, megatron_tp
+from memshard.baselines import baselines, megatron_tp
 from memshard.evaluate import evaluate
 from memshard.ilp.solve import solve
 from memshard.mesh import make_mesh, parse_mesh
@@ -14,12 +14,13 @@ from memshard.models import build_graph
 from memshard.plans import build_plan
 from memshard.problem import build_problem
 from memshard.schedule import Schedule
+from memshard.selections import data_parallel
 
 SMALL = dict(num_layers=2, hidden=128, heads=8, vocab=512, ffn=512)
 
 
 def _model_state_bytes(plan) -> float:
-    return sum(p["instances"] * sum(p["bytes_per_device"].values()) for p in plan.data["parameters"])
+    return sum(p["instances"] * sum(p["bytes_per_device"].values()) for p in plan.to_dict()["parameters"])
 
 
 @pytest.mark.parametrize("stage, formula", [
@@ -31,7 +32,7 @@ def _model_state_bytes(plan) -> float:
 def test_zero_stages_match_the_zero_paper(stage, formula):
     graph = build_graph("gpt2", batch=8, seq=64, **SMALL)
     problem = build_problem(graph, parse_mesh("8"))
-    plan = build_plan(problem, None, data_parallel(problem, stage))
+    plan = build_plan(problem, data_parallel(problem, stage))
     psi, n = graph.num_parameters, 8
     # every tensor here divides by 8 except the 50257-free vocab (512) and positions (1024): exact
     assert _model_state_bytes(plan) == pytest.approx(formula(psi, n), rel=1e-9)

@@ -38,11 +38,11 @@ def test_lifted_plan_is_priced_on_the_real_mesh_and_full_search_is_no_worse():
     mesh = memshard.make_mesh((2, 2, 1)).with_links(bandwidths=(25e9, 25e9, 150e9), latencies=(2e-5, 2e-5, 5e-6))
     merged = memshard.plan("gpt2", mesh, **TINY)
     full = memshard.plan("gpt2", mesh, full_mesh=True, **TINY)
-    assert merged.data["mesh"]["shape"] == [2, 2, 1]
-    assert merged.data["solver"]["search_space"] == "axes inter0×inter1 planned as one"
-    assert full.data["solver"]["search_space"] == "full"
+    assert merged.to_dict()["mesh"]["shape"] == [2, 2, 1]
+    assert merged.to_dict()["solver"]["search_space"] == "axes inter0×inter1 planned as one"
+    assert full.to_dict()["solver"]["search_space"] == "full"
     # Whatever the merged plan splits over the merged axis, it splits over both real axes.
-    for op in merged.data["ops"]:
+    for op in merged.to_dict()["ops"]:
         split = op["split"]
         assert split.get("inter0") == split.get("inter1"), op
     # The full search contains every lifted plan.
@@ -111,7 +111,7 @@ def test_budgets_hold_on_the_real_mesh():
     least = memshard.plan("gpt2", mesh, **TINY)
     budget = int(1.6 * least.peak_bytes)
     fast = memshard.plan("gpt2", mesh, objective="time", memory_budget=budget, **TINY)
-    assert fast.data["solver"]["search_space"] == "axes inter0×inter1 planned as one"
+    assert fast.to_dict()["solver"]["search_space"] == "axes inter0×inter1 planned as one"
     assert least.peak_bytes < fast.peak_bytes <= budget
     assert fast.step_time_s < least.step_time_s
     within = memshard.plan("gpt2", mesh, max_step_time_s=0.8 * least.step_time_s, **TINY)

@@ -259,10 +259,10 @@ def test_zero_redundancy_bound_gpt2_two_layers():
     b, s, L = 4, 128, 2
     graph = build_graph("gpt2", batch=b, seq=s, num_layers=L)
     problem = build_problem(graph, parse_mesh("2x2"))
-    plan = build_plan(problem, None, complete_selection(problem, pick(problem, {})))
+    plan = build_plan(problem, complete_selection(problem, pick(problem, {})))
     h, a, f, V, P = 768, 12, 3072, 50257, 1024
     psi = gpt_parameters(L, h, f, V, P)
-    assert plan.data["model"]["num_parameters"] == psi
+    assert plan.to_dict()["model"]["num_parameters"] == psi
     n = 4
     inputs = 2 * b * s * 8  # input ids and labels, int64
     # model states alone, at the optimizer step

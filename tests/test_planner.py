@@ -47,22 +47,22 @@ def tiny_time_plan(tiny_memory_plan):
 def test_memory_objective_is_within_3_percent_of_the_bound(model, mesh, batch, seq, psi):
     plan = memshard.plan(model, mesh, batch=batch, seq=seq)
     n = math.prod(int(x) for x in mesh.split("x"))
-    assert plan.data["model"]["num_parameters"] == psi
+    assert plan.to_dict()["model"]["num_parameters"] == psi
     # no plan holds less than the model states spread evenly: 16Ψ/N in mixed precision
     assert plan.lower_bound_bytes >= 16 * psi / n
     assert plan.peak_bytes >= plan.lower_bound_bytes
     assert plan.peak_bytes <= 1.03 * plan.lower_bound_bytes
-    assert plan.data["solver"]["status"] == "optimal"
+    assert plan.to_dict()["solver"]["status"] == "optimal"
 
 
 # -- shared layers vs exact -----------------------------------------------------------------------
 def test_exact_and_shared_layers_agree(tiny_memory_plan):
     exact = memshard.plan("gpt2", TINY_MESH, exact=True, **TINY)
     shared = tiny_memory_plan
-    assert shared.data["solver"]["shared_layers"] is True
-    assert exact.data["solver"]["shared_layers"] is False
+    assert shared.to_dict()["solver"]["shared_layers"] is True
+    assert exact.to_dict()["solver"]["shared_layers"] is False
     # exact mode has one set of variables per layer: more variables for 4 layers
-    assert exact.data["solver"]["variables"] > shared.data["solver"]["variables"]
+    assert exact.to_dict()["solver"]["variables"] > shared.to_dict()["solver"]["variables"]
     assert exact.peak_bytes == pytest.approx(shared.peak_bytes, rel=1e-3)
     for p in (exact, shared):
         assert p.peak_bytes >= p.lower_bound_bytes
@@ -72,7 +72,7 @@ def test_exact_and_shared_layers_agree(tiny_memory_plan):
 def test_time_objective_respects_the_memory_budget(tiny_memory_plan, tiny_time_plan):
     budget, fast = tiny_time_plan
     least = tiny_memory_plan
-    assert fast.data["objective"] == "time"
+    assert fast.to_dict()["objective"] == "time"
     assert fast.peak_bytes <= budget
     # the least-memory plan uses no more memory than the fastest plan within the budget …
     assert least.peak_bytes <= fast.peak_bytes * (1 + MIP_SLACK)
@@ -86,7 +86,7 @@ def test_time_objective_budget_string(tiny_memory_plan):
     budget_mib = math.ceil(tiny_memory_plan.peak_bytes * 1.3 / 2**20)
     fast = memshard.plan("gpt2", TINY_MESH, objective="time", memory_budget=f"{budget_mib}MiB", **TINY)
     assert fast.peak_bytes <= budget_mib * 2**20
-    assert fast.data["constraints"]["memory_budget_bytes"] == budget_mib * 2**20
+    assert fast.to_dict()["constraints"]["memory_budget_bytes"] == budget_mib * 2**20
 
 
 def test_max_step_time_is_respected(tiny_memory_plan, tiny_time_plan):
@@ -98,7 +98,7 @@ def test_max_step_time_is_respected(tiny_memory_plan, tiny_time_plan):
     assert bounded.step_time_s <= limit * (1 + 1e-9)
     # a constrained minimum cannot beat the unconstrained one
     assert bounded.peak_bytes >= least.peak_bytes * (1 - MIP_SLACK)
-    assert bounded.data["constraints"]["max_step_time_s"] == limit
+    assert bounded.to_dict()["constraints"]["max_step_time_s"] == limit
 
 
 def test_budgets_must_be_positive():
@@ -223,8 +223,8 @@ def test_layer_unit_holds_a_layers_gathered_weights_across_it(tmp_path):
     assert b[point] - a[point] == layer_weights
     assert (b >= a).all()
     assert per_layer.peak_bytes > per_op.peak_bytes
-    assert per_layer.data["communication"]["bytes_per_step_per_device"] == pytest.approx(
-        per_op.data["communication"]["bytes_per_step_per_device"])
+    assert per_layer.to_dict()["communication"]["bytes_per_step_per_device"] == pytest.approx(
+        per_op.to_dict()["communication"]["bytes_per_step_per_device"])
     path = tmp_path / "plan.json"
     per_layer.save(str(path))
     again = load_plan(str(path))

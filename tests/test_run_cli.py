@@ -23,7 +23,7 @@ def test_a_saved_plan_loads_back_to_the_same_choices(tmp_path):
     loaded = load_plan(str(path))
     assert loaded.selection == plan.selection
     assert loaded.peak_bytes == plan.peak_bytes
-    assert loaded.data["communication"] == plan.data["communication"]
+    assert loaded.to_dict()["communication"] == plan.to_dict()["communication"]
 
 
 def test_a_baseline_on_a_finer_logical_mesh_loads_back(tmp_path):

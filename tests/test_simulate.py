@@ -102,7 +102,7 @@ def test_zero3_per_layer_on_a_big_model_matches_the_plan() -> None:
     for category in CATEGORIES:
         assert _close(m["breakdown"][category], p["breakdown"][category], 0.001), category
     assert _close(m["communication_bytes"], p["communication_bytes"], 0.001)
-    calls = plan.data["communication"]["by_kind"]
+    calls = plan.to_dict()["communication"]["by_kind"]
     for kind in ("all_gather", "reduce_scatter"):
         assert m["collective_calls"][kind] == calls[kind]["calls"], kind
 

@@ -17,7 +17,7 @@ from memshard.errors import MemshardError  # noqa: E402
 from memshard.graph import TensorKind  # noqa: E402
 from memshard.models import build_graph  # noqa: E402
 from memshard.problem import OpGroup, build_problem  # noqa: E402
-from memshard.report import render_plan_text  # noqa: E402
+from memshard.report import format_plan  # noqa: E402
 from memshard.trace import trace_module  # noqa: E402
 from memshard.trace.hf import build_model, load_config, trace_hf  # noqa: E402
 from tests.test_cli import assert_one_line_error, run  # noqa: E402
@@ -66,7 +66,7 @@ def test_every_family_traces_without_unknown_ops_and_plans(family):
     assert graph.num_parameters == hf_parameter_count(family, **FAMILIES[family])
     # one mesh axis: tiny traced graphs on two axes make the ILP slow (README, "Limits")
     plan = memshard.plan(graph, "4", time_limit_s=30)
-    assert plan.data["solver"]["status"] == "optimal"
+    assert plan.to_dict()["solver"]["status"] == "optimal"
     assert plan.peak_bytes >= plan.lower_bound_bytes
     assert plan.peak_bytes <= 1.1 * plan.lower_bound_bytes
 
@@ -106,8 +106,8 @@ def test_an_unknown_op_is_planned_replicated_and_listed():
     assert graph.unknown_ops == {"aten.cumsum": 1}
     op = next(op for op in graph.ops if op.kind == "aten.cumsum")
     assert set(op.unsplittable_dims) == set(op.dims)
-    assert plan.data["model"]["unknown_ops"] == {"aten.cumsum": 1}
-    assert "aten.cumsum ×1" in render_plan_text(plan)
+    assert plan.to_dict()["model"]["unknown_ops"] == {"aten.cumsum": 1}
+    assert "aten.cumsum ×1" in format_plan(plan)
 
 
 def test_module_api_traces_on_meta_and_prices_fp32_states():

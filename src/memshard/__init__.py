@@ -20,6 +20,10 @@ _LAZY = {
     "load_plan": ("memshard.plans", "load_plan"),
     "HFModel": ("memshard.job", "HFModel"),
     "Job": ("memshard.job", "Job"),
+    "SearchOptions": ("memshard.planner", "SearchOptions"),
+    "plan_job": ("memshard.planner", "plan_job"),
+    "strategy_plan": ("memshard.api", "strategy_plan"),
+    "format_plan": ("memshard.report", "format_plan"),
     "parallelize": ("memshard.runtime.parallel", "parallelize"),  # needs torch
 }
 

@@ -100,15 +100,9 @@ def _choice_index(group) -> dict:
     return {_choice_key(group, k): k for k in range(len(group.choices))}
 
 
-def solve_merged(fine: Problem, coarse: Problem, groups: list[tuple[int, ...]], objective: str, *,
-                 max_step_time_s: float | None, memory_budget_bytes: float | None, time_limit_s: float,
-                 mip_gap: float, start: Selection | None = None) -> SolveResult:
-    """Solve ``coarse`` (``fine``'s mesh with ``groups`` merged) and lift its plan to ``fine``
-    (priced alike on both, so it meets the same budgets there). ``start``: a plan of ``fine``
-    to start from (used where it treats merged axes alike)."""
-    coarse_start = lower_selection(coarse, fine, start, groups) if start is not None else None
-    result = solve(coarse, objective, max_step_time_s=max_step_time_s, memory_budget_bytes=memory_budget_bytes,
-                   time_limit_s=time_limit_s, mip_gap=mip_gap, start=coarse_start)
-    lifted = lift_selection(coarse, fine, result.selection, groups)
-    merged = " and ".join("×".join(fine.mesh.axis_names[a] for a in g) for g in groups if len(g) > 1)
-    return replace(result, selection=lifted, search_space=f"axes {merged} planned as one")
+def solve_merged(coarse: Problem, objective: str, **kwargs) -> SolveResult:
+    """Solve ``coarse``, a problem on merged axes (``merged_mesh``): priced as the real mesh
+    runs it, so its plan meets the same budgets there (``kwargs``: as ``solve``'s)."""
+    result = solve(coarse, objective, **kwargs)
+    merged = " and ".join("×".join(p.name for p in axis.parts) for axis in coarse.mesh.axes if axis.parts)
+    return replace(result, search_space=f"axes {merged} planned as one")

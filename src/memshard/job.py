@@ -149,6 +149,18 @@ class Job:
             return build_graph(replace(model, **knobs) if knobs else model, batch=micro, seq=self.seq)
         return build_graph(model, batch=micro, seq=self.seq, precision=self.precision, **self.overrides)
 
+    def on_mesh(self, mesh: Mesh) -> Job:
+        """The same job on another view of its devices (a baseline's finer logical mesh); the
+        graph, which depends on the device count only, is kept."""
+        if mesh.num_devices != self.mesh.num_devices:
+            raise ValueError(f"{mesh} is not a view of the job's {self.mesh.num_devices} devices")
+        if mesh == self.mesh:
+            return self
+        job = replace(self, mesh=mesh)
+        if "graph" in self.__dict__:
+            job.__dict__["graph"] = self.__dict__["graph"]
+        return job
+
     def hf_overrides(self) -> dict[str, Any]:
         """The knobs as a transformers config names them."""
         return {MODEL_KNOBS[k]: v for k, v in self.overrides.items()}

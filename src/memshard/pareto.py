@@ -8,11 +8,15 @@ step-time budgets in between; each point's plan is feasible under its budget.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
-from memshard.api import plan
-from memshard.baselines import baselines
-from memshard.plans import build_plan
+from memshard.api import Model, job_and_options
+from memshard.errors import MemshardError
+from memshard.job import Job
+from memshard.mesh import Mesh
+from memshard.planner import baseline_plans, plan_job, searched_problem
+from memshard.units import format_bytes, format_seconds
 
 
 @dataclass(frozen=True)
@@ -23,23 +27,29 @@ class FrontierPoint:
     redundant_bytes: float
 
 
-def frontier(model, mesh, points: int = 8, **kwargs) -> tuple[list[FrontierPoint], list[dict]]:
-    """(frontier points ordered by budget, baseline points)."""
-    least = plan(model, mesh, **kwargs)
-    fastest = plan(model, least.problem.mesh, objective="time", memory_budget=float("inf"), **kwargs)
+def frontier(model: Model | Job, mesh: str | Mesh | None = None, points: int = 8,
+             **arguments) -> tuple[list[FrontierPoint], list[dict]]:
+    """(frontier points ordered by budget, baseline points) for ``model`` on ``mesh`` with the
+    keyword ``arguments`` :func:`memshard.plan` takes (or a :class:`Job`); no objective or
+    budget: the sweep sets them."""
+    given = sorted(set(arguments) & {"objective", "max_step_time_s", "memory_budget", "start"})
+    if given:
+        raise MemshardError(f"the frontier sweeps the step-time budget itself: give no {', '.join(given)}")
+    if points < 2:
+        raise MemshardError(f"a frontier needs at least 2 points, got {points}")
+    job, options = job_and_options(model, mesh, arguments)
+    problem = searched_problem(job, options)
+    least = plan_job(job, options, problem=problem)
+    fastest = plan_job(job, replace(options, objective="time", memory_budget=math.inf), problem=problem)
     t_lo, t_hi = fastest.step_time_s, least.step_time_s
     out = [FrontierPoint(t_lo, fastest.step_time_s, fastest.peak_bytes, fastest.redundant_bytes)]
     for k in range(1, points - 1):
         budget = t_lo + (t_hi - t_lo) * k / (points - 1)
-        p = plan(model, least.problem.mesh, max_step_time_s=budget, **kwargs)
+        p = plan_job(job, replace(options, max_step_time_s=budget), problem=problem)
         out.append(FrontierPoint(budget, p.step_time_s, p.peak_bytes, p.redundant_bytes))
     out.append(FrontierPoint(None, least.step_time_s, least.peak_bytes, least.redundant_bytes))
-    found, _ = baselines(least.problem)
-    base = []
-    for b in found:
-        p = build_plan(b.problem, None, b.selection, strategy_name=b.name)
-        base.append({"strategy": b.name, "step_time_s": p.step_time_s, "peak_bytes": p.peak_bytes})
-    return out, base
+    base, _ = baseline_plans(job, least.problem)
+    return out, [{"strategy": b.strategy, "step_time_s": b.step_time_s, "peak_bytes": b.peak_bytes} for b in base]
 
 
 def draw(points: list[FrontierPoint], base: list[dict], title: str, capacity: float, path: str) -> None:
@@ -74,3 +84,16 @@ def draw(points: list[FrontierPoint], base: list[dict], title: str, capacity: fl
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def frontier_table(points: list[FrontierPoint]):
+    """The frontier as a table (rich)."""
+    from rich.table import Table
+
+    t = Table(title="memshard frontier: least peak memory per step-time budget", title_justify="left")
+    for col in ("budget", "step time", "peak / device", "redundant"):
+        t.add_column(col, justify="right")
+    for p in points:
+        t.add_row("none" if p.budget_s is None else format_seconds(p.budget_s), format_seconds(p.step_time_s),
+                  format_bytes(p.peak_bytes), format_bytes(p.redundant_bytes))
+    return t

@@ -1,229 +1,220 @@
-"""The result of planning: chosen strategies and storage, predicted figures, versioned JSON.
+"""The result of planning, as data: the job, the chosen strategies and storage, the predicted
+figures, the advice, and the versioned JSON (``memshard.plan/1``: sizes in bytes per device,
+times in seconds).
 
-``build_plan`` reads the solver's selection and the evaluator's figures; ``Plan.to_dict``
-writes the ``memshard.plan/1`` schema (all sizes in bytes per device, times in seconds).
+``build_plan`` reads a selection of the problem the search priced and its evaluation;
+``Plan.to_dict`` / ``save`` write the JSON and ``plan_from_dict`` / ``load_plan`` read it
+back. Where the search planned merged mesh axes (``coarsen.py``), the plan's records are
+written on the real mesh, and its real-mesh problem (``Plan.problem``, what the runtime
+executes) is built only when asked for.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
+from memshard.advice import RedundantOp, advise
+from memshard.coarsen import lift_selection
 from memshard.cost import comm
 from memshard.cost.memory import CATEGORIES, StorageOption, param_layout
 from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, evaluate
 from memshard.files import read_json, write_text_atomically
-from memshard.graph import Graph, Origin
+from memshard.graph import Origin
 from memshard.ilp.solve import SolveResult
 from memshard.job import Job, mesh_to_dict
 from memshard.mesh import Mesh
 from memshard.placement import format_layout
-from memshard.problem import (
-    DURING_RESHARDS,
-    OpGroup,
-    Problem,
-    Selection,
-    StorageGroup,
-    build_problem,
-    storage_links,
-)
+from memshard.problem import OpGroup, Problem, Selection, StorageGroup, build_problem
 
 SCHEMA = "memshard.plan/1"
 
 
 @dataclass(frozen=True)
-class Plan:
-    data: dict[str, Any]
-    problem: Problem = field(repr=False, compare=False)
-    selection: Selection = field(repr=False, compare=False)
-    evaluation: Evaluation = field(repr=False, compare=False)
-    job: Job | None = field(default=None, repr=False, compare=False)
+class ModelSummary:
+    name: str
+    num_parameters: int
+    num_layers: int
+    precision: str
+    unknown_ops: dict[str, int] | None  # a traced module: ATen ops planned replicated
 
-    # Convenience accessors for the figures people ask for most.
+
+@dataclass(frozen=True)
+class Budgets:
+    max_step_time_s: float | None = None
+    memory_budget_bytes: float | None = None
+
+
+@dataclass(frozen=True)
+class MemoryFigures:
+    peak_bytes: float
+    peak_at: str
+    breakdown: dict[str, float]  # per category (``CATEGORIES``) at the peak
+    redundant_bytes: float
+    lower_bound_bytes: float  # the zero-redundancy bound
+    lower_bound_at: str
+    above_lower_bound: float  # relative
+    device_memory_bytes: int
+    fits: bool
+
+
+@dataclass(frozen=True)
+class CommunicationFigures:
+    bytes_per_step: float
+    by_kind: dict[str, dict[str, float]]  # kind → calls, buffer_bytes, wire_bytes
+
+
+@dataclass(frozen=True)
+class SolverSummary:
+    status: str  # "optimal", "time_limit", or "fixed" for a plan not searched
+    time_s: float
+    gap: float
+    variables: int
+    constraints: int
+    shared_layers: bool
+    zero3_unit: str
+    search_space: str
+
+
+@dataclass(frozen=True)
+class OpChoice:
+    name: str
+    kind: str
+    instances: int
+    einsum: str
+    split: dict[str, str]  # mesh axis → op dim
+    input_layouts: dict[str, str]
+    output_layout: str
+    compute_time_s: float
+
+
+@dataclass(frozen=True)
+class ParameterStorage:
+    names: list[str]
+    instances: int
+    shape: list[int]
+    layout: str
+    gradient_layout: str
+    storage: str
+    zero_stage: int
+    storage_axes: list[str]
+    bytes_per_device: dict[str, float]
+
+
+@dataclass(frozen=True)
+class ReshardChoice:
+    name: str
+    instances: int
+    producer_layout: str
+    consumer_layout: str
+    saved_in_producer_layout: bool
+    collectives: list[str]
+    bytes_per_step: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str  # "memshard", or a baseline's name
+    job: Job
+    model: ModelSummary
+    objective: str | None
+    budgets: Budgets | None
+    memory: MemoryFigures
+    communication: CommunicationFigures
+    step_time_s: float
+    compute_time_s: float
+    communication_time_s: float
+    solver: SolverSummary
+    most_redundant_ops: tuple[RedundantOp, ...]
+    ops: tuple[OpChoice, ...]
+    parameters: tuple[ParameterStorage, ...]
+    reshards: tuple[ReshardChoice, ...]
+    searched: Problem = field(repr=False, compare=False)  # the problem priced (axes merged, maybe)
+    searched_selection: Selection = field(repr=False, compare=False)
+    evaluation: Evaluation = field(repr=False, compare=False)
+
     @property
     def peak_bytes(self) -> float:
-        return self.data["memory"]["peak_bytes_per_device"]
+        return self.memory.peak_bytes
 
     @property
     def lower_bound_bytes(self) -> float:
-        return self.data["memory"]["lower_bound_bytes_per_device"]
+        return self.memory.lower_bound_bytes
 
     @property
     def redundant_bytes(self) -> float:
-        return self.data["memory"]["redundant_bytes_per_device"]
+        return self.memory.redundant_bytes
 
-    @property
-    def step_time_s(self) -> float:
-        return self.data["estimated_step_time_s"]
+    @cached_property
+    def problem(self) -> Problem:
+        """The problem on the real mesh (the searched one, unless it merged axes)."""
+        mesh = self.searched.mesh
+        if mesh.real is mesh:
+            return self.searched
+        s = self.searched
+        return build_problem(s.graph, mesh.real, s.shared_layers, s.micro_batches, s.zero3_unit)
+
+    @cached_property
+    def selection(self) -> Selection:
+        """The plan as a selection of :attr:`problem`."""
+        if self.problem is self.searched:
+            return self.searched_selection
+        return lift_selection(self.searched, self.problem, self.searched_selection, list(self.searched.mesh.real_axes))
 
     def to_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self.data))
+        return _plain(_plan_dict(self))
 
     def to_json(self) -> str:
-        return json.dumps(self.data, indent=2, sort_keys=False) + "\n"
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
 
     def save(self, path: str) -> None:
         write_text_atomically(path, self.to_json())
 
-    def report(self, top: int = 10) -> str:
-        from memshard.report import render_plan_text
 
-        return render_plan_text(self, top=top)
-
-
-def _assignment_dict(assignment, mesh: Mesh) -> dict:
-    return {mesh.axis_names[a]: d for a, d in enumerate(assignment) if d is not None}
-
-
-def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict[str, float]:
-    """Redundant bytes live at ``point`` per op role: an op owns its buffers and gradients,
-    the weights it uses, and the activations it produces or keeps."""
-    owner: dict[int, str] = {}
-    for gid, grp in enumerate(problem.groups):
-        if isinstance(grp, OpGroup):
-            owner[gid] = grp.key
-    for link in storage_links(problem):
-        owner[link.a] = problem.groups[link.b].key
-    out: dict[str, float] = {}
-    for s in problem.slots:
-        if s.start <= point <= s.end and s.phase != DURING_RESHARDS:  # (the moment before the reshards)
-            key = owner[s.group]
-            out[key] = out.get(key, 0.0) + float(s.redundant[selection.choices[s.group]])
-    seen: dict[int, set] = {}
-    for h in problem.holders:
-        if not (h.start <= point <= h.end):
-            continue
-        layout = problem.holder_layout(selection, h)
-        if layout is None:
-            continue
-        held = problem.held[h.tensor]
-        lid = held.layout_id(layout)
-        if lid in seen.setdefault(h.tensor, set()):
-            continue
-        seen[h.tensor].add(lid)
-        gid = h.source if h.kind == "producer" else problem.edges[h.source].consumer
-        key = problem.groups[gid].key
-        out[key] = out.get(key, 0.0) + float(held.redundant[lid])
-    return out
-
-
-def build_plan(
-    problem: Problem,
-    result: SolveResult | None,
-    selection: Selection | None = None,
-    *,
-    job: Job | None = None,
-    constraints: dict | None = None,
-    top: int = 10,
-    strategy_name: str = "memshard",
-) -> Plan:
-    selection = selection or result.selection
-    ev = evaluate(problem, selection)
-    mesh = problem.mesh
-    graph = problem.graph
-    sched = problem.schedule
-
-    ops = []
-    for gid, grp in enumerate(problem.groups):
-        if not isinstance(grp, OpGroup):
-            continue
-        s = grp.strategies[selection.choices[gid]]
-        first = graph.ops[grp.ops[0]]
-        choice = grp.choices[selection.choices[gid]]
-        ops.append({
-            "name": grp.key,
-            "kind": first.kind,
-            "instances": grp.instances,
-            "einsum": ",".join("".join(x.dims) for x in first.inputs) + "->" + "".join(first.output.dims),
-            "split": _assignment_dict(s.assignment, mesh),
-            "input_layouts": {x.tensor.split(".", 2)[-1] if first.layer is not None else x.tensor: format_layout(L)
-                              for x, L in zip(first.inputs, s.input_layouts)},
-            "output_layout": format_layout(s.output_layout),
-            "compute_time_s": choice.compute_s * grp.instances,
-        })
-    params = []
-    for gid, grp in enumerate(problem.groups):
-        if not isinstance(grp, StorageGroup):
-            continue
-        G, opt = grp.options[selection.choices[gid]]
-        mem = grp.memory[selection.choices[gid]]
-        params.append({
-            "names": grp.params if len(grp.params) <= 4 else grp.params[:2] + ["…"] + grp.params[-1:],
-            "instances": grp.instances,
-            "shape": list(graph.tensors[grp.params[0]].shape),
-            "layout": format_layout(param_layout(G)),
-            "gradient_layout": _grad_text(G),
-            "storage": StorageOption(opt.stage, opt.axes).name(mesh),
-            "zero_stage": opt.stage,
-            "storage_axes": [mesh.axis_names[a] for a in opt.axes],
-            "bytes_per_device": {"parameters": mem.parameters, "gradients": mem.gradients,
-                                 "optimizer_states": mem.optimizer_states},
-        })
-    edges = []
-    for e, edge in enumerate(problem.edges):
-        lp, lc, _, _, keep = problem.edge_layouts(selection, e)
-        calls = problem.edge_calls(selection, e)
-        if not calls and not keep:
-            continue
-        edges.append({
-            "name": edge.key,
-            "instances": edge.instances,
-            "producer_layout": format_layout(lp),
-            "consumer_layout": format_layout(lc),
-            "saved_in_producer_layout": keep,
-            "collectives": [c.kind for c in calls],
-            "bytes_per_step": comm.total_wire_bytes(calls, mesh) * edge.executions,
-        })
-
-    red_by_op = redundancy_by_op(problem, selection, ev.peak_point)
-    top_ops = sorted(red_by_op.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
-    data = {
+def _plan_dict(plan: Plan) -> dict[str, Any]:
+    m, s = plan.memory, plan.solver
+    model = {"name": plan.model.name, "num_parameters": plan.model.num_parameters, "num_layers": plan.model.num_layers,
+             "precision": plan.model.precision,
+             **({"unknown_ops": plan.model.unknown_ops} if plan.model.unknown_ops is not None else {}),
+             **plan.job.to_dict()["model"]}
+    return {
         "schema": SCHEMA,
-        "strategy": strategy_name,
-        "model": {"name": graph.name, "num_parameters": graph.num_parameters, "num_layers": graph.num_layers,
-                  "precision": graph.precision.name, **_traced_info(graph),
-                  **(job.to_dict()["model"] if job is not None else {})},
-        "mesh": mesh_to_dict(mesh),
-        "objective": result.objective if result else None,
-        "constraints": constraints or {},
+        "strategy": plan.strategy,
+        "model": model,
+        "mesh": mesh_to_dict(plan.job.mesh),
+        "objective": plan.objective,
+        "constraints": _constraints_dict(plan.budgets),
         "memory": {
-            "peak_bytes_per_device": ev.peak_bytes,
-            "peak_at": sched.describe(ev.peak_point, graph),
-            "breakdown": {c: ev.breakdown[c] for c in CATEGORIES},
-            "redundant_bytes_per_device": ev.redundant_bytes,
-            "lower_bound_bytes_per_device": ev.lower_bound_bytes,
-            "lower_bound_at": sched.describe(ev.lower_bound_point, graph),
-            "above_lower_bound": ev.peak_bytes / ev.lower_bound_bytes - 1 if ev.lower_bound_bytes else 0.0,
-            "device_memory_bytes": mesh.device_memory_bytes,
-            "fits": bool(ev.peak_bytes <= mesh.device_memory_bytes),
+            "peak_bytes_per_device": m.peak_bytes, "peak_at": m.peak_at, "breakdown": m.breakdown,
+            "redundant_bytes_per_device": m.redundant_bytes, "lower_bound_bytes_per_device": m.lower_bound_bytes,
+            "lower_bound_at": m.lower_bound_at, "above_lower_bound": m.above_lower_bound,
+            "device_memory_bytes": m.device_memory_bytes, "fits": m.fits,
         },
-        "communication": {
-            "bytes_per_step_per_device": ev.communication_bytes,
-            "by_kind": ev.communication_by_kind,
-        },
-        "estimated_step_time_s": ev.step_time_s,
-        "compute_time_s": ev.compute_time_s,
-        "communication_time_s": ev.communication_time_s,
-        "solver": {
-            "status": result.status if result else "fixed",
-            "time_s": result.time_s if result else 0.0,
-            "gap": result.gap if result else 0.0,
-            "variables": result.variables if result else 0,
-            "constraints": result.constraints if result else 0,
-            "shared_layers": problem.shared_layers,
-            "zero3_unit": problem.zero3_unit,
-            "search_space": result.search_space if result else "fixed plan",
-        },
-        "most_redundant_ops": [{"op": k, "redundant_bytes_per_device": v} for k, v in top_ops],
-        "ops": ops,
-        "parameters": params,
-        "reshards": edges,
+        "communication": {"bytes_per_step_per_device": plan.communication.bytes_per_step,
+                          "by_kind": plan.communication.by_kind},
+        "estimated_step_time_s": plan.step_time_s,
+        "compute_time_s": plan.compute_time_s,
+        "communication_time_s": plan.communication_time_s,
+        "solver": {"status": s.status, "time_s": s.time_s, "gap": s.gap, "variables": s.variables,
+                   "constraints": s.constraints, "shared_layers": s.shared_layers, "zero3_unit": s.zero3_unit,
+                   "search_space": s.search_space},
+        "most_redundant_ops": [{"op": r.op, "redundant_bytes_per_device": r.redundant_bytes}
+                               for r in plan.most_redundant_ops],
+        "ops": [vars(o) for o in plan.ops],
+        "parameters": [vars(p) for p in plan.parameters],
+        "reshards": [vars(r) for r in plan.reshards],
     }
-    return Plan(_plain(data), problem, selection, ev, job)
+
+
+def _constraints_dict(budgets: Budgets | None) -> dict:
+    if budgets is None:
+        return {}
+    return {"max_step_time_s": budgets.max_step_time_s, "memory_budget_bytes": budgets.memory_budget_bytes}
 
 
 def _plain(obj):
@@ -237,11 +228,154 @@ def _plain(obj):
     return obj
 
 
-def load_plan(source: str | dict) -> Plan:
-    """A plan from its JSON (a path or the parsed dict): the job is rebuilt from the recorded
-    model, mesh and batch, and every op, parameter and edge takes the recorded choice."""
+# -- building a plan -------------------------------------------------------------------------------
+def build_plan(
+    problem: Problem,
+    selection: Selection,
+    job: Job | None = None,
+    *,
+    result: SolveResult | None = None,
+    evaluation: Evaluation | None = None,
+    budgets: Budgets | None = None,
+    strategy: str = "memshard",
+    top: int = 10,
+    advice: bool = True,
+) -> Plan:
+    """The plan ``selection`` of ``problem`` (the searched problem: its mesh may merge axes),
+    priced by ``evaluation`` (evaluated here if not given), found by ``result`` (None: a fixed
+    plan) for ``job`` (default: the problem's graph on its mesh); the ``top`` most redundant
+    ops are listed, each with its ``advice``."""
+    ev = evaluation or (result.evaluation if result is not None else None) or evaluate(problem, selection)
+    graph, sched, mesh = problem.graph, problem.schedule, problem.mesh
+    return Plan(
+        strategy=strategy,
+        job=job.on_mesh(mesh.real) if job is not None else Job(graph, mesh.real),
+        model=ModelSummary(graph.name, graph.num_parameters, graph.num_layers, graph.precision.name,
+                           dict(graph.unknown_ops) if graph.origin is Origin.TRACED else None),
+        objective=result.objective if result else None,
+        budgets=budgets,
+        memory=MemoryFigures(
+            peak_bytes=ev.peak_bytes, peak_at=sched.describe(ev.peak_point, graph),
+            breakdown={c: ev.breakdown[c] for c in CATEGORIES}, redundant_bytes=ev.redundant_bytes,
+            lower_bound_bytes=ev.lower_bound_bytes, lower_bound_at=sched.describe(ev.lower_bound_point, graph),
+            above_lower_bound=ev.peak_bytes / ev.lower_bound_bytes - 1 if ev.lower_bound_bytes else 0.0,
+            device_memory_bytes=mesh.device_memory_bytes, fits=bool(ev.peak_bytes <= mesh.device_memory_bytes)),
+        communication=CommunicationFigures(ev.communication_bytes, ev.communication_by_kind),
+        step_time_s=ev.step_time_s,
+        compute_time_s=ev.compute_time_s,
+        communication_time_s=ev.communication_time_s,
+        solver=_solver_summary(problem, result),
+        most_redundant_ops=advise(problem, selection, ev, top, alternatives=advice),
+        ops=_op_choices(problem, selection),
+        parameters=_parameter_storage(problem, selection),
+        reshards=_reshard_choices(problem, selection),
+        searched=problem,
+        searched_selection=selection,
+        evaluation=ev,
+    )
 
-    data = read_json(source, "plan") if isinstance(source, str) else source
+
+def _solver_summary(problem: Problem, result: SolveResult | None) -> SolverSummary:
+    if result is None:
+        return SolverSummary("fixed", 0.0, 0.0, 0, 0, problem.shared_layers, problem.zero3_unit, "fixed plan")
+    return SolverSummary(result.status, result.time_s, result.gap, result.variables, result.constraints,
+                         problem.shared_layers, problem.zero3_unit, result.search_space)
+
+
+def _split(assignment: tuple, mesh: Mesh) -> dict[str, str]:
+    """Mesh axis → the dim it splits, on the real mesh (a merged axis splits each of its parts)."""
+    return {mesh.real.axis_names[r]: d for a, d in enumerate(assignment) if d is not None for r in mesh.real_axes[a]}
+
+
+def _layout(layout: tuple, mesh: Mesh) -> str:
+    return format_layout(mesh.on_real_axes(layout))
+
+
+def _op_choices(problem: Problem, selection: Selection) -> tuple[OpChoice, ...]:
+    mesh, graph = problem.mesh, problem.graph
+    out = []
+    for gid, grp in enumerate(problem.groups):
+        if not isinstance(grp, OpGroup):
+            continue
+        s = grp.strategies[selection.choices[gid]]
+        first = graph.ops[grp.ops[0]]
+        out.append(OpChoice(
+            name=grp.key,
+            kind=first.kind,
+            instances=grp.instances,
+            einsum=",".join("".join(x.dims) for x in first.inputs) + "->" + "".join(first.output.dims),
+            split=_split(s.assignment, mesh),
+            input_layouts={x.tensor.split(".", 2)[-1] if first.layer is not None else x.tensor: _layout(L, mesh)
+                           for x, L in zip(first.inputs, s.input_layouts)},
+            output_layout=_layout(s.output_layout, mesh),
+            compute_time_s=grp.choices[selection.choices[gid]].compute_s * grp.instances,
+        ))
+    return tuple(out)
+
+
+def _parameter_storage(problem: Problem, selection: Selection) -> tuple[ParameterStorage, ...]:
+    mesh, graph = problem.mesh, problem.graph
+    out = []
+    for gid, grp in enumerate(problem.groups):
+        if not isinstance(grp, StorageGroup):
+            continue
+        grad, option = grp.options[selection.choices[gid]]
+        mem = grp.memory[selection.choices[gid]]
+        grad, option = mesh.on_real_axes(grad), _real_storage(option, mesh)
+        out.append(ParameterStorage(
+            names=grp.params if len(grp.params) <= 4 else grp.params[:2] + ["…"] + grp.params[-1:],
+            instances=grp.instances,
+            shape=list(graph.tensors[grp.params[0]].shape),
+            layout=format_layout(param_layout(grad)),
+            gradient_layout=_grad_text(grad),
+            storage=option.name(mesh.real),
+            zero_stage=option.stage,
+            storage_axes=[mesh.real.axis_names[a] for a in option.axes],
+            bytes_per_device={"parameters": mem.parameters, "gradients": mem.gradients,
+                              "optimizer_states": mem.optimizer_states},
+        ))
+    return tuple(out)
+
+
+def _real_storage(option: StorageOption, mesh: Mesh) -> StorageOption:
+    """A storage option of ``mesh`` on ``mesh.real`` (a merged axis stores over each part)."""
+    axes = tuple(r for r in mesh.to_real_axes(option.axes) if mesh.real.shape[r] > 1)
+    return StorageOption(option.stage if axes else 0, axes)
+
+
+def _reshard_choices(problem: Problem, selection: Selection) -> tuple[ReshardChoice, ...]:
+    mesh = problem.mesh
+    out = []
+    for e, edge in enumerate(problem.edges):
+        layouts = problem.edge_layouts(selection, e)
+        calls = problem.edge_calls(selection, e)
+        if not calls and not layouts.kept:
+            continue
+        out.append(ReshardChoice(
+            name=edge.key,
+            instances=edge.instances,
+            producer_layout=_layout(layouts.producer, mesh),
+            consumer_layout=_layout(layouts.consumer, mesh),
+            saved_in_producer_layout=layouts.kept,
+            collectives=[c.kind for c in calls],
+            bytes_per_step=comm.total_wire_bytes(calls, mesh) * edge.executions,
+        ))
+    return tuple(out)
+
+
+def _grad_text(grad: tuple[str, ...]) -> str:
+    return "".join("P" if g == "P" else ("R" if g == "R" else f"S({g[1:]})") for g in grad)
+
+
+# -- reading a plan back ---------------------------------------------------------------------------
+def load_plan(path: str) -> Plan:
+    """The plan saved at ``path`` (:meth:`Plan.save`)."""
+    return plan_from_dict(read_json(path, "plan"))
+
+
+def plan_from_dict(data: dict) -> Plan:
+    """A plan from its JSON: the job is rebuilt from the recorded model, mesh and batch, and
+    every op, parameter and edge takes the recorded choice."""
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise MemshardError(f"not a memshard plan (expected schema {SCHEMA!r})")
     try:
@@ -252,40 +386,33 @@ def load_plan(source: str | dict) -> Plan:
 
 def _rebuild(data: dict) -> Plan:
     job = Job.from_dict(data)
-    mesh = job.mesh
-    problem = build_problem(job.graph, mesh, shared_layers=data["solver"]["shared_layers"],
-                            micro_batches=job.micro_batches, zero3_unit=data["solver"].get("zero3_unit", "op"))
+    solver = data["solver"]
+    problem = build_problem(job.graph, job.mesh, shared_layers=solver["shared_layers"],
+                            micro_batches=job.micro_batches, zero3_unit=solver.get("zero3_unit", "op"))
+    rebuilt = build_plan(problem, _recorded_selection(problem, data), job,
+                         budgets=Budgets(**data["constraints"]) if data.get("constraints") else None,
+                         strategy=data.get("strategy", "memshard"), advice=False)
+    # as the search reported it when the plan was made
+    return replace(rebuilt, objective=data.get("objective"), solver=SolverSummary(**solver))
+
+
+def _recorded_selection(problem: Problem, data: dict) -> Selection:
+    mesh = problem.mesh
     choices = [0] * len(problem.groups)
     by_key = {grp.key: gid for gid, grp in enumerate(problem.groups) if isinstance(grp, OpGroup)}
     for entry in data["ops"]:
         gid = by_key[entry["name"]]
-        names = [s.assignment for s in problem.groups[gid].strategies]
-        choices[gid] = [_assignment_dict(a, mesh) for a in names].index(entry["split"])
+        splits = [_split(s.assignment, mesh) for s in problem.groups[gid].strategies]
+        choices[gid] = splits.index(entry["split"])
     for entry in data["parameters"]:
         gid = problem.storage_group[entry["names"][0]]
         axes = tuple(mesh.axis_names.index(a) for a in entry["storage_axes"])
-        labels = [(format_layout(param_layout(G)), opt.stage, opt.axes) for G, opt in problem.groups[gid].options]
-        grads = [_grad_text(G) for G, _ in problem.groups[gid].options]
-        choices[gid] = next(i for i, (lab, g) in enumerate(zip(labels, grads))
-                            if lab == (entry["layout"], entry["zero_stage"], axes) and g == entry["gradient_layout"])
+        options = problem.groups[gid].options
+        choices[gid] = next(i for i, (grad, opt) in enumerate(options)
+                            if (format_layout(param_layout(grad)), opt.stage, opt.axes, _grad_text(grad))
+                            == (entry["layout"], entry["zero_stage"], axes, entry["gradient_layout"]))
     keeps = [0] * len(problem.edges)
     by_edge = {e.key: i for i, e in enumerate(problem.edges)}
     for entry in data["reshards"]:
         keeps[by_edge[entry["name"]]] = int(entry["saved_in_producer_layout"])
-    selection = Selection(tuple(choices), tuple(keeps))
-    rebuilt = build_plan(problem, None, selection, job=job, constraints=data.get("constraints"),
-                         strategy_name=data.get("strategy", "memshard"))
-    rebuilt.data["objective"] = data.get("objective")
-    rebuilt.data["solver"] = data["solver"]
-    return rebuilt
-
-
-def _traced_info(graph: Graph) -> dict:
-    """For a traced module: the ATen ops memshard has no description for (planned replicated)."""
-    if graph.origin is not Origin.TRACED:
-        return {}
-    return {"unknown_ops": graph.unknown_ops}
-
-
-def _grad_text(G: tuple[str, ...]) -> str:
-    return "".join("P" if g == "P" else ("R" if g == "R" else f"S({g[1:]})") for g in G)
+    return Selection(tuple(choices), tuple(keeps))

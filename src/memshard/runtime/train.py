@@ -41,12 +41,12 @@ KILL_ENV = "MEMSHARD_TEST_KILL"  # "rank:step": that rank dies mid-step (the fau
 
 def predicted(plan) -> dict:
     """The plan's figures for one device, in the shape of :func:`train`'s measurement."""
-    mem, comm = plan.data["memory"], plan.data["communication"]
+    mem, comm = plan.memory, plan.communication
     return {
-        "peak_bytes": mem["peak_bytes_per_device"],
-        "breakdown": dict(mem["breakdown"]),
-        "communication_bytes": comm["bytes_per_step_per_device"],
-        "communication_by_kind": {k: comm["by_kind"].get(k, {}).get("wire_bytes", 0.0) for k in KINDS},
+        "peak_bytes": mem.peak_bytes,
+        "breakdown": dict(mem.breakdown),
+        "communication_bytes": comm.bytes_per_step,
+        "communication_by_kind": {k: comm.by_kind.get(k, {}).get("wire_bytes", 0.0) for k in KINDS},
     }
 
 
@@ -94,7 +94,7 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
     return {
         "rank": dist.get_rank(),
         "coordinate": list(device_mesh.get_coordinate() or []),
-        "strategy": plan.data["strategy"],
+        "strategy": plan.strategy,
         "losses": losses,
         "step_times_s": times,
         "predicted": predicted(plan),

@@ -1,0 +1,136 @@
+"""Planning a job: the problem to search, the search, and the plan.
+
+``plan_job(job, options)`` is the one path from a :class:`~memshard.job.Job` to a
+:class:`~memshard.plans.Plan`: on meshes of three or more axes, adjacent axes with identical
+links are planned as one (``coarsen.py``) unless ``full_mesh``, and only that problem is
+built; a request no plan meets is explained with the least achievable figure.
+``baseline_plans`` prices the hand-made strategies (``baselines.py``) of the same job.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from memshard.baselines import baselines
+from memshard.coarsen import lower_selection, merge_groups, merged_mesh, solve_merged
+from memshard.errors import MemshardError
+from memshard.evaluate import Evaluation, evaluate
+from memshard.ilp.highs import Infeasible
+from memshard.ilp.solve import OBJECTIVES, SolveResult, solve
+from memshard.job import Job
+from memshard.plans import Budgets, Plan, build_plan
+from memshard.problem import ZERO3_UNITS, Problem, Selection, build_problem
+from memshard.units import format_bytes, format_seconds, parse_bytes
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What to search for and how: the objective and its budget (``max_step_time_s`` with
+    ``memory``, ``memory_budget`` with ``time``: bytes or a string like ``80GiB``), the search
+    space (``exact``: no variable sharing across identical layers; ``full_mesh``: no merged
+    axes; ``zero3_unit``: ZeRO-3 weights gathered per ``op`` or per ``layer``), the solver's
+    limit and gap, and how many of the most redundant ops the plan lists with advice."""
+
+    objective: str = "memory"
+    max_step_time_s: float | None = None
+    memory_budget: int | float | str | None = None
+    exact: bool = False
+    full_mesh: bool = False
+    zero3_unit: str = "op"
+    time_limit_s: float = 60.0
+    mip_gap: float = 2e-3
+    top: int = 10
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise MemshardError(f"unknown objective {self.objective!r}; use memory or time")
+        if isinstance(self.memory_budget, str):
+            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
+        for value, what in ((self.memory_budget, "the memory budget"), (self.max_step_time_s, "the step-time budget"),
+                            (self.time_limit_s, "the solver time limit")):
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise MemshardError(f"{what} must be a positive number, got {value!r}")
+        if not (isinstance(self.mip_gap, (int, float)) and 0 <= self.mip_gap < 1):
+            raise MemshardError(f"the optimality gap must be in [0, 1), got {self.mip_gap}")
+        if self.objective == "memory" and self.memory_budget is not None:
+            raise MemshardError("a memory budget bounds the fastest plan (objective time); the least-memory plan "
+                                "takes a step-time budget")
+        if self.objective == "time" and self.max_step_time_s is not None:
+            raise MemshardError("a step-time budget bounds the least-memory plan (objective memory); the fastest "
+                                "plan takes a memory budget")
+        if self.zero3_unit not in ZERO3_UNITS:
+            raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, "
+                                f"got {self.zero3_unit!r}")
+
+    @property
+    def budgets(self) -> Budgets:
+        return Budgets(self.max_step_time_s, self.memory_budget)
+
+
+def searched_problem(job: Job, options: SearchOptions) -> Problem:
+    """The problem the search solves: the job's mesh, or it with alike axes merged."""
+    mesh, groups = job.mesh, merge_groups(job.mesh)
+    if mesh.ndim >= 3 and len(groups) < mesh.ndim and not options.full_mesh:
+        mesh = merged_mesh(mesh, groups)
+    return build_problem(job.graph, mesh, shared_layers=not options.exact, micro_batches=job.micro_batches,
+                         zero3_unit=options.zero3_unit)
+
+
+def plan_job(job: Job, options: SearchOptions, start: Plan | None = None, problem: Problem | None = None) -> Plan:
+    """The plan ``options`` ask for (``start``: a plan of the same job the search starts
+    from; ``problem``: the searched problem, if already built)."""
+    problem = problem or searched_problem(job, options)
+    initial = _start_selection(start, problem) if start is not None else None
+    o = options
+    try:
+        if problem.mesh.real is problem.mesh:
+            result = solve(problem, o.objective, max_step_time_s=o.max_step_time_s,
+                           memory_budget_bytes=o.memory_budget, time_limit_s=o.time_limit_s, mip_gap=o.mip_gap,
+                           start=initial)
+        else:
+            result = solve_merged(problem, o.objective, max_step_time_s=o.max_step_time_s,
+                                  memory_budget_bytes=o.memory_budget, time_limit_s=o.time_limit_s,
+                                  mip_gap=o.mip_gap, start=initial)
+    except Infeasible:
+        raise explain_infeasible(problem, options) from None
+    return build_plan(problem, result.selection, job, result=result, budgets=options.budgets, top=options.top)
+
+
+def _start_selection(start: Plan, problem: Problem) -> Selection | None:
+    """``start`` as a selection of the searched ``problem`` (None where it treats merged axes
+    differently)."""
+    searched = start.searched
+    if searched.mesh == problem.mesh and len(searched.groups) == len(problem.groups):
+        return start.searched_selection
+    if len(start.problem.groups) != len(problem.groups):
+        raise MemshardError("the start plan is of another job")
+    if problem.mesh.real is problem.mesh:
+        return start.selection
+    return lower_selection(problem, start.problem, start.selection, list(problem.mesh.real_axes))
+
+
+def explain_infeasible(problem: Problem, options: SearchOptions) -> MemshardError:
+    """Say what the least achievable figure is, so the user knows what to ask for."""
+    if options.objective == "time":
+        budget = options.memory_budget if options.memory_budget is not None else problem.mesh.device_memory_bytes
+        least = _evaluation(problem, solve(problem, "memory", time_limit_s=options.time_limit_s))
+        return MemshardError(
+            f"no plan fits in {format_bytes(budget)} per device: the least any plan needs is "
+            f"{format_bytes(least.peak_bytes)} (zero-redundancy bound {format_bytes(least.lower_bound_bytes)})"
+        )
+    fastest = solve(problem, "time", memory_budget_bytes=math.inf, time_limit_s=options.time_limit_s)
+    return MemshardError(f"no plan runs a step within {format_seconds(options.max_step_time_s)}: "
+                         f"the fastest plan takes {format_seconds(_evaluation(problem, fastest).step_time_s)}")
+
+
+def _evaluation(problem: Problem, result: SolveResult) -> Evaluation:
+    return result.evaluation or evaluate(problem, result.selection)
+
+
+def baseline_plans(job: Job, problem: Problem) -> tuple[list[Plan], list[tuple[str, str]]]:
+    """Every hand-made strategy of ``job`` that ``problem`` (on the job's real mesh) can lay
+    out, priced like memshard's plans (no advice), and (name, reason) for the others."""
+    fixed, skipped = baselines(problem)
+    plans = [build_plan(b.problem, b.selection, job, strategy=b.name, advice=False) for b in fixed]
+    return plans, skipped
