@@ -181,7 +181,7 @@ def dropout(s: RuleState, node: Node, packet: str):
 @rule(*MATMULS)
 def matmul(s: RuleState, node: Node, packet: str):
     """A contraction: ``linear`` when it reads a parameter, else ``matmul``."""
-    out = _linear(s, node) if packet == "linear" else _addmm(s, node) if packet == "addmm" else _batched(s, node)
+    out = {"linear": _linear, "addmm": _addmm}.get(packet, _batched)(s, node)
     kind = "linear" if any(a.name in s.parameters for a in tensor_args(node)) else "matmul"
     return out, Desc(kind, flops_per_point=2.0, backward_flops_ratio=2.0)
 
