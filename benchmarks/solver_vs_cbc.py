@@ -37,7 +37,7 @@ from memshard.ilp.model import LinearModel
 from memshard.ilp.solve import second_pass_cap
 from memshard.mesh import parse_mesh
 from memshard.models import build_graph
-from memshard.problem import build_problem
+from memshard.pricing import build_problem
 
 
 def build(args):

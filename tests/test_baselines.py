@@ -12,7 +12,7 @@ from memshard.ilp.solve import solve
 from memshard.mesh import make_mesh, parse_mesh
 from memshard.models import build_graph
 from memshard.plans import build_plan
-from memshard.problem import build_problem
+from memshard.pricing import build_problem
 from memshard.schedule import Schedule
 from memshard.selections import data_parallel
 

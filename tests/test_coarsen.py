@@ -16,7 +16,7 @@ from memshard.evaluate import evaluate
 from memshard.ilp.solve import solve
 from memshard.mesh import parse_mesh
 from memshard.models import build_graph
-from memshard.problem import build_problem
+from memshard.pricing import build_problem
 from tests.test_ilp_pricing import random_plan
 
 TINY = dict(batch=8, seq=32, num_layers=2, hidden=64, heads=4, vocab=256, ffn=128, mip_gap=1e-2)

@@ -16,7 +16,8 @@ from memshard.evaluate import evaluate
 from memshard.ilp.solve import solve
 from memshard.mesh import parse_mesh
 from memshard.models import build_graph
-from memshard.problem import OpGroup, Selection, build_problem
+from memshard.pricing import build_problem
+from memshard.problem import OpGroup, Selection
 
 
 @functools.cache

@@ -14,7 +14,8 @@ from memshard.mesh import make_mesh, parse_mesh
 from memshard.models import build_graph
 from memshard.placement import PARTIAL, REPLICATE, Shard
 from memshard.plans import build_plan
-from memshard.problem import OpGroup, build_problem, complete_selection
+from memshard.pricing import build_problem
+from memshard.problem import OpGroup, complete_selection
 
 R, P = REPLICATE, PARTIAL
 

@@ -9,7 +9,8 @@ from memshard.errors import MemshardError
 from memshard.evaluate import evaluate
 from memshard.mesh import make_mesh
 from memshard.models import build_graph
-from memshard.problem import OpGroup, build_problem, complete_selection
+from memshard.pricing import build_problem
+from memshard.problem import OpGroup, complete_selection
 
 
 def _replicated(problem):

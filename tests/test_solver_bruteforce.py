@@ -17,7 +17,7 @@ from memshard.ilp.formulation import Formulation
 from memshard.ilp.highs import TIE_RESOLUTION, HighsSearch
 from memshard.ilp.solve import solve
 from memshard.mesh import make_mesh
-from memshard.problem import build_problem
+from memshard.pricing import build_problem
 from tests.bruteforce import count_selections, evaluate_all
 
 SIZES = st.sampled_from([2, 3, 4, 6, 8])

@@ -16,7 +16,7 @@ from memshard.mesh import Mesh
 from memshard.models import ModelConfig
 from memshard.planner import SearchOptions, baseline_plans, plan_job, searched_problem
 from memshard.plans import Plan
-from memshard.problem import build_problem
+from memshard.pricing import build_problem
 
 Model = str | ModelConfig | Graph | HFModel
 SEARCH_FIELDS = frozenset(f.name for f in fields(SearchOptions))

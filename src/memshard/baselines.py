@@ -27,12 +27,8 @@ from dataclasses import dataclass, replace
 from memshard.graph import Origin
 from memshard.mesh import Mesh
 from memshard.placement import local_numel
-from memshard.problem import (
-    Problem,
-    Selection,
-    build_problem,
-    complete_selection,
-)
+from memshard.pricing import build_problem
+from memshard.problem import Problem, Selection, complete_selection
 from memshard.selections import SplitUnavailable, assign_strategies, data_parallel, uniform_storage
 
 TP_DIMS = ("v", "f", "e", "n")  # the dim tensor parallelism splits, first found in the op

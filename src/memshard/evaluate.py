@@ -66,35 +66,52 @@ def step_time(problem: Problem, selection: Selection) -> float:
                for n, compute_s, calls in _priced(problem, selection))
 
 
-def evaluate(problem: Problem, selection: Selection) -> Evaluation:
+class _Ledger:
+    """Bytes per category and redundant bytes over schedule points, as differences: an item
+    live on [start, end] adds at start and subtracts after end (summed up at the end)."""
+
+    def __init__(self, num_points: int):
+        self.num_points = num_points
+        self.live = np.zeros((len(CATEGORIES), num_points + 1))
+        self.redundant = np.zeros(num_points + 1)
+
+    def add(self, start: int, end: int, category: str, nbytes: float, redundant: float) -> None:
+        k = CATEGORY_INDEX[category]
+        self.live[k, start] += nbytes
+        self.live[k, end + 1] -= nbytes
+        self.redundant[start] += redundant
+        self.redundant[end + 1] -= redundant
+
+
+CATEGORY_INDEX = {c: k for k, c in enumerate(CATEGORIES)}
+
+
+def _check(problem: Problem, selection: Selection) -> None:
     check_links(problem, selection)
     for e, edge in enumerate(problem.edges):
         layouts = problem.edge_layouts(selection, e)
         if layouts.kept and not edge.can_keep(layouts.producer, layouts.consumer):
             raise InconsistentPlan(f"edge {edge.key} cannot keep its copy in layout {layouts.producer}")
-    n_points = problem.schedule.num_points
-    cat_index = {c: k for k, c in enumerate(CATEGORIES)}
-    live = np.zeros((len(CATEGORIES), n_points + 1))
-    redundant = np.zeros(n_points + 1)
 
-    def add(start, end, category, nbytes, red):
-        live[cat_index[category], start] += nbytes
-        live[cat_index[category], end + 1] -= nbytes
-        redundant[start] += red
-        redundant[end + 1] -= red
 
+def _add_slots(problem: Problem, selection: Selection, ledger: _Ledger) -> dict[int, np.ndarray]:
+    """The constants and the chosen slots; returns what changes at each point while its
+    reshards run (``Slot.phase``): point → per category, then redundant."""
     for c in problem.constants:
-        add(c.start, c.end, c.category, c.nbytes, c.redundant)
-    # What changes at a slot's last point while the reshards there run (Slot.phase).
-    swap = defaultdict(lambda: np.zeros(len(CATEGORIES) + 1))  # point → per category, redundant
+        ledger.add(c.start, c.end, c.category, c.nbytes, c.redundant)
+    swap = defaultdict(lambda: np.zeros(len(CATEGORIES) + 1))
     for s in problem.slots:
         k = selection.choices[s.group]
         if s.phase != DURING_RESHARDS:
-            add(s.start, s.end, s.category, s.nbytes[k], s.redundant[k])
+            ledger.add(s.start, s.end, s.category, s.nbytes[k], s.redundant[k])
         if s.reshard_change:
-            swap[s.end][cat_index[s.category]] += s.reshard_change * s.nbytes[k]
+            swap[s.end][CATEGORY_INDEX[s.category]] += s.reshard_change * s.nbytes[k]
             swap[s.end][-1] += s.reshard_change * s.redundant[k]
+    return swap
 
+
+def _add_held(problem: Problem, selection: Selection, ledger: _Ledger) -> None:
+    """Each activation, once per distinct tensor held (``Problem.holder_identity``)."""
     by_tensor = defaultdict(list)
     for h in problem.holders:
         layout = problem.holder_layout(selection, h)
@@ -113,29 +130,28 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
             for category, only_regathered in (("activations", False), ("transients", True)):
                 mine = [i for (_, i), r in ids.items() if r == only_regathered]
                 if mine:
-                    add(lo, hi - 1, category, sum(held.nbytes[i] for i in mine),
-                        sum(held.redundant[i] for i in mine))
+                    ledger.add(lo, hi - 1, category, sum(held.nbytes[i] for i in mine),
+                               sum(held.redundant[i] for i in mine))
 
-    extra: dict[int, float] = defaultdict(float)  # one reshard at a time: the largest counts
+
+def _add_reshards(problem: Problem, selection: Selection, ledger: _Ledger, swap: dict[int, np.ndarray]) -> None:
+    """A point holds the larger of its two moments: before its reshards, and while the
+    largest runs (one reshard at a time), with what changed in between."""
+    extra: dict[int, float] = defaultdict(float)
     for rp in problem.reshard_points:
         extra[rp.point] = max(extra[rp.point], *problem.reshard_rows(selection, rp))
-    # A point holds the larger of its two moments: before its reshards, and while the largest
-    # runs (with what changed in between).
     for point, nbytes in extra.items():
         change = swap[point].copy()
-        change[cat_index["transients"]] += nbytes
+        change[CATEGORY_INDEX["transients"]] += nbytes
         if change[:-1].sum() > 0:
             for k, c in enumerate(CATEGORIES):
-                add(point, point, c, change[k], 0.0)
-            redundant[point] += change[-1]
-            redundant[point + 1] -= change[-1]
+                ledger.add(point, point, c, change[k], 0.0)
+            ledger.redundant[point] += change[-1]
+            ledger.redundant[point + 1] -= change[-1]
 
-    live = np.cumsum(live, axis=1)[:, :n_points]
-    total = live.sum(axis=0)
-    peak_point = int(np.argmax(total))
-    bound = zero_redundancy_bound(problem)
-    bound_point = int(np.argmax(bound))
 
+def _communication(problem: Problem, selection: Selection) -> tuple[float, float, float, dict]:
+    """(compute seconds, communication seconds, bytes sent, per collective kind)."""
     compute = communication = wire = 0.0
     by_kind: dict[str, dict[str, float]] = {k: {"calls": 0, "buffer_bytes": 0.0, "wire_bytes": 0.0} for k in comm.KINDS}
     for instances, compute_s, calls in _priced(problem, selection):
@@ -150,11 +166,27 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
             entry["wire_bytes"] += instances * w
     for entry in by_kind.values():  # unit members each count a share of their unit's calls
         entry["calls"] = round(entry["calls"])
+    return compute, communication, wire, by_kind
+
+
+def evaluate(problem: Problem, selection: Selection) -> Evaluation:
+    _check(problem, selection)
+    n_points = problem.schedule.num_points
+    ledger = _Ledger(n_points)
+    swap = _add_slots(problem, selection, ledger)
+    _add_held(problem, selection, ledger)
+    _add_reshards(problem, selection, ledger, swap)
+    live = np.cumsum(ledger.live, axis=1)[:, :n_points]
+    total = live.sum(axis=0)
+    peak_point = int(np.argmax(total))
+    bound = zero_redundancy_bound(problem)
+    bound_point = int(np.argmax(bound))
+    compute, communication, wire, by_kind = _communication(problem, selection)
     return Evaluation(
         peak_bytes=float(total[peak_point]),
         peak_point=peak_point,
         breakdown={c: float(live[k, peak_point]) for k, c in enumerate(CATEGORIES)},
-        redundant_bytes=float(np.cumsum(redundant)[peak_point]),
+        redundant_bytes=float(np.cumsum(ledger.redundant)[peak_point]),
         lower_bound_bytes=float(bound[bound_point]),
         lower_bound_point=bound_point,
         step_time_s=compute + communication,

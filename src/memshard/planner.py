@@ -20,7 +20,8 @@ from memshard.ilp.highs import Infeasible
 from memshard.ilp.solve import OBJECTIVES, SolveResult, solve
 from memshard.job import Job
 from memshard.plans import Budgets, Plan, build_plan
-from memshard.problem import ZERO3_UNITS, Problem, Selection, build_problem
+from memshard.pricing import build_problem
+from memshard.problem import ZERO3_UNITS, Problem, Selection
 from memshard.units import format_bytes, format_seconds, parse_bytes
 
 

@@ -30,7 +30,8 @@ from memshard.ilp.solve import SolveResult
 from memshard.job import Job, mesh_to_dict
 from memshard.mesh import Mesh
 from memshard.placement import format_layout
-from memshard.problem import OpGroup, Problem, Selection, StorageGroup, build_problem
+from memshard.pricing import build_problem
+from memshard.problem import OpGroup, Problem, Selection, StorageGroup
 
 SCHEMA = "memshard.plan/1"
 

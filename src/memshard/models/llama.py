@@ -59,27 +59,8 @@ def build_llama(cfg: ModelConfig, batch: int, seq: int) -> Graph:
         q = g.linear("attn.q", y, bsh, ("h", "e", "g", "d"), q_dims, bias=False)
         k = g.linear("attn.k", y, bsh, ("h", "e", "d"), kv_dims, bias=False)
         v = g.linear("attn.v", y, bsh, ("h", "e", "d"), kv_dims, bias=False)
-        # Rotary embedding: backward needs only its cos/sin tables (d/2 each per position, in
-        # the activations' dtype), no activation. It mixes the two halves of each head, so it
-        # cannot split the head dim.
-        q = g.op(
-            "attn.rope_q",
-            "rotary",
-            [(q, q_dims)],
-            (g.activation("attn.rope_q.out", q_dims), q_dims),
-            unsplittable_dims=("d",),
-            buffers=(SavedBuffer(g.prefix + "attn.rope_q.cos_sin", ("s", "d"), g.precision.activation_bytes),),
-            flops_per_point=3.0,
-        )
-        k = g.op(
-            "attn.rope_k",
-            "rotary",
-            [(k, kv_dims)],
-            (g.activation("attn.rope_k.out", kv_dims), kv_dims),
-            unsplittable_dims=("d",),
-            buffers=(SavedBuffer(g.prefix + "attn.rope_k.cos_sin", ("s", "d"), g.precision.activation_bytes),),
-            flops_per_point=3.0,
-        )
+        q = _rotary(g, "attn.rope_q", q, q_dims)
+        k = _rotary(g, "attn.rope_k", k, kv_dims)
         o = g.op(
             "attn.sdpa",
             "sdpa",
@@ -108,3 +89,18 @@ def build_llama(cfg: ModelConfig, batch: int, seq: int) -> Graph:
     logits = g.linear("lm_head", y, bsh, ("h", "v"), ("b", "s", "v"), bias=False)
     loss = g.cross_entropy("loss", logits, ("b", "s", "v"), labels, ("b", "s"), "v")
     return g.build(loss, cfg.num_layers, seq)
+
+
+def _rotary(g: GraphBuilder, name: str, x: str, dims: tuple[str, ...]) -> str:
+    """Rotary embedding: backward needs only its cos/sin tables (d/2 each per position, in
+    the activations' dtype), no activation. It mixes the two halves of each head, so it cannot
+    split the head dim."""
+    return g.op(
+        name,
+        "rotary",
+        [(x, dims)],
+        (g.activation(f"{name}.out", dims), dims),
+        unsplittable_dims=("d",),
+        buffers=(SavedBuffer(g.prefix + f"{name}.cos_sin", ("s", "d"), g.precision.activation_bytes),),
+        flops_per_point=3.0,
+    )

@@ -39,7 +39,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from memshard.cost.memory import param_layout
 from memshard.graph import Graph, TensorKind
 from memshard.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
-from memshard.problem import Problem, Selection, layer_units
+from memshard.pricing import layer_units
+from memshard.problem import Problem, Selection
 from memshard.runtime import ops
 from memshard.runtime.reshard import Reshard, reshard_local, to_torch, without_partial
 from memshard.strategies import Strategy, input_grad_layout

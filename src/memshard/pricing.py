@@ -1,0 +1,567 @@
+"""Pricing a job into a :class:`~memshard.problem.Problem`.
+
+``build_problem`` turns a graph and a mesh into the data both the ILP (``ilp/``) and the plan
+evaluator (``evaluate.py``) read, so the two price every plan identically: for every op its
+strategies (compute time, statistics all-reduces, buffers, gradients), for every activation
+its edges and holders, for every parameter its storage options (weight, gradient, optimizer
+states, the ZeRO-3 gathers and the gradients' reductions, alone or by layer unit), and the
+reshard points. The records are described in ``problem.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from memshard.cost import comm
+from memshard.cost.memory import (
+    CROSS_ENTROPY_CHUNKS,
+    STATS_BYTES,
+    STATS_IN_BACKWARD,
+    StorageOption,
+    buffer_bytes,
+    buffer_global_bytes,
+    buffer_redundant_bytes,
+    param_layout,
+    redundant_bytes,
+    storage_memory,
+    storage_options,
+    tensor_bytes,
+)
+from memshard.cost.reshard_memory import reshard_peak_bytes
+from memshard.errors import MemshardError
+from memshard.graph import Graph, Op, TensorKind, TensorSpec
+from memshard.mesh import Mesh
+from memshard.placement import PARTIAL, REPLICATE, Layout, Shard, local_numel, local_shape
+from memshard.problem import (
+    ALWAYS,
+    BEFORE_RESHARDS,
+    DURING_RESHARDS,
+    INPUT_COPY,
+    PRODUCER,
+    REGATHER,
+    SAVED,
+    ZERO3_UNITS,
+    Choice,
+    Constant,
+    Edge,
+    Group,
+    HeldTensor,
+    Holder,
+    Link,
+    OpGroup,
+    Problem,
+    ReshardPoint,
+    Slot,
+    StorageGroup,
+    without_partial,
+)
+from memshard.schedule import Schedule, candidate_points
+from memshard.strategies import (
+    Strategy,
+    activation_inputs,
+    enumerate_strategies,
+    grad_layout,
+    input_grad_layout,
+    parameter_inputs,
+)
+
+# Ops whose backward does not read their weight (a lookup's gradient is a scatter of the
+# output gradient): under ZeRO-3 their weight is gathered for forward only.
+NO_WEIGHT_IN_BACKWARD = frozenset({"embedding", "embedding_add"})
+
+
+def _gather_points(S: Schedule, graph: Graph, i: int) -> tuple[int, ...]:
+    """The schedule points where ZeRO-3 holds op ``i``'s gathered weight: backward needs it
+    only for the gradient of an activation input (a first layer on the raw input has none)."""
+    op = graph.ops[i]
+    if op.kind in NO_WEIGHT_IN_BACKWARD or not activation_inputs(graph, op):
+        return (S.forward(i),)
+    return (S.forward(i), S.backward(i))
+
+
+@dataclass(frozen=True)
+class LayerUnit:
+    """The schedule of one layer's ZeRO-3 weights gathered as one unit (``zero3_unit="layer"``).
+
+    Members are the parameters whose every use is an op of the layer. The gathered weights
+    are held from the forward of the first op using a member to that of the last; again in
+    backward from the backward of the last op that reads a member to that of the first; the
+    members' gradients wait unsharded until the first op's backward, are copied into one flat
+    buffer there and reduce-scattered together (at that op's gradient reshard point). The
+    members are all ZeRO-3 alike or none is (``_Builder.link_layer_units``): the runtime
+    gathers the members it holds from the first use of one to the last, so a unit of only
+    some of them would span less than priced."""
+
+    forward_span: tuple[int, int]
+    backward_span: tuple[int, int] | None
+    reduce_point: int
+    members: int
+
+
+def layer_units(graph: Graph, S: Schedule) -> dict[str, LayerUnit]:
+    """Parameter name → its layer's unit, for the parameters all of whose uses are in one layer."""
+    uses: dict[str, set[int]] = {}
+    for i, op in enumerate(graph.ops):
+        for j in parameter_inputs(graph, op):
+            uses.setdefault(op.inputs[j].tensor, set()).add(i)
+    members: dict[int, list[str]] = {}
+    for name, ops_ in uses.items():
+        layers = {graph.ops[i].layer for i in ops_}
+        if len(layers) == 1 and None not in layers:
+            members.setdefault(layers.pop(), []).append(name)
+    units = {}
+    for names in members.values():
+        ops_ = sorted(set().union(*(uses[n] for n in names)))
+        back = [i for i in ops_ if len(_gather_points(S, graph, i)) > 1]
+        unit = LayerUnit(
+            forward_span=(S.forward(ops_[0]), S.forward(ops_[-1])),
+            backward_span=(S.backward(back[-1]), S.backward(back[0])) if back else None,
+            reduce_point=S.reshard_out(ops_[0]),
+            members=len(names),
+        )
+        units.update(dict.fromkeys(names, unit))
+    return units
+
+
+def _role_key(op: Op, shared: bool) -> str:
+    return op.role if shared and op.role is not None else op.name
+
+
+class _Builder:
+    def __init__(self, graph: Graph, mesh: Mesh, shared: bool, micro_batches: int, zero3_unit: str = "op"):
+        self.graph = graph
+        self.mesh = mesh
+        self.shared = shared
+        self.micro_batches = micro_batches
+        self.sched = Schedule(len(graph.ops))
+        self.units = layer_units(graph, self.sched) if zero3_unit == "layer" else {}
+        self.groups: list[Group] = []
+        self.index: dict[tuple, int] = {}
+        self.links: list[Link] = []
+        self.edges: list[Edge] = []
+        self.edge_index: dict[tuple, int] = {}
+        self.slots: list[Slot] = []
+        self.held: list[HeldTensor] = []
+        self.holders: list[Holder] = []
+        self.constants: list[Constant] = []
+        self.last_consumer = {t: c[-1][0] for t, c in graph.consumers.items()}
+        self.cache: dict[tuple, object] = {}
+
+    def time(self, calls) -> float:
+        return comm.total_time(calls, self.mesh)
+
+    def slot(self, group, start, end, category, nbytes, redundant=None, global_bytes=0.0, phase=ALWAYS) -> None:
+        nbytes = np.asarray(nbytes, float)
+        if (nbytes.any() or global_bytes) and start <= end:
+            red = np.zeros_like(nbytes) if redundant is None else np.asarray(redundant, float)
+            self.slots.append(Slot(group, start, end, category, nbytes, red, float(global_bytes), phase))
+
+    def redundant(self, nbytes, layouts) -> list[float]:
+        return [redundant_bytes(b, L, self.mesh) for b, L in zip(nbytes, layouts)]
+
+    def cached(self, key: tuple, make):
+        """Per-group price vectors: every instance of a shared group has the same shapes."""
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
+
+    def layout_prices(self, spec: TensorSpec, layouts: list[Layout]) -> tuple[np.ndarray, np.ndarray]:
+        nbytes = np.array([tensor_bytes(spec, L, self.mesh) for L in layouts], float)
+        return nbytes, np.array(self.redundant(nbytes, layouts))
+
+    def chunk_prices(self, spec: TensorSpec, layouts: list[Layout]) -> tuple[np.ndarray, np.ndarray]:
+        """One row chunk of the local logits (see CROSS_ENTROPY_CHUNKS) in each layout."""
+        nbytes = []
+        for L in layouts:
+            shape = local_shape(spec.shape, L, self.mesh.shape)
+            rows = math.prod(shape[:-1])
+            nbytes.append(-(-rows // CROSS_ENTROPY_CHUNKS) * shape[-1] * spec.dtype_bytes)
+        nbytes = np.array(nbytes, float)
+        return nbytes, np.array(self.redundant(nbytes, layouts))
+
+    # -- ops ---------------------------------------------------------------------------------
+    def op_choices(self, op: Op, strategies: list[Strategy]) -> list[Choice]:
+        rate = self.mesh.peak_flops * self.mesh.compute_efficiency
+        out = []
+        for s in strategies:
+            local = s.local_sizes
+            flops = op.flops_per_point * math.prod(local.values()) * (1 + op.backward_flops_ratio)
+            calls: tuple[comm.Collective, ...] = ()
+            if op.stats_per_row:
+                rows = math.prod(n for d, n in local.items() if d not in op.reduced_dims)
+                axes = tuple(a for a, d in enumerate(s.assignment) if d in op.reduced_dims)
+                calls = comm.all_reduce_over(rows * op.stats_per_row * STATS_BYTES, axes, self.mesh)
+                if op.kind in STATS_IN_BACKWARD:
+                    calls += comm.all_reduce_over(rows * STATS_IN_BACKWARD[op.kind] * STATS_BYTES, axes, self.mesh)
+            compute = flops / rate * self.micro_batches
+            calls *= self.micro_batches
+            out.append(Choice(s.name(), compute, calls, compute + self.time(calls)))
+        return out
+
+    def add_ops(self) -> list[int]:
+        op_group = []
+        for i, op in enumerate(self.graph.ops):
+            key = ("op", _role_key(op, self.shared))
+            if key not in self.index:
+                strategies = list(enumerate_strategies(self.graph, op, self.mesh))
+                self.index[key] = len(self.groups)
+                self.groups.append(OpGroup(key[1], self.op_choices(op, strategies), strategies, [
+                    [input_grad_layout(s, op, j) for s in strategies] for j in range(len(op.inputs))]))
+            gid = self.index[key]
+            self.groups[gid].instances += 1
+            self.groups[gid].ops.append(i)
+            op_group.append(gid)
+        return op_group
+
+    def op_slots(self, op_group: list[int]) -> None:
+        S, mesh = self.sched, self.mesh
+        for i, op in enumerate(self.graph.ops):
+            gid = op_group[i]
+            strategies = self.groups[gid].strategies
+            buffers = self.cached((gid, "buffers"), lambda op=op, strategies=strategies: (
+                [buffer_bytes(op, s) for s in strategies],
+                [buffer_redundant_bytes(op, s, mesh) for s in strategies]))
+            self.slot(gid, S.forward(i), S.backward(i), "activations", *buffers, buffer_global_bytes(self.graph, op))
+            if op.kind == "cross_entropy":
+                chunk = self.cached((gid, "workspace"), lambda op=op, strategies=strategies: self.chunk_prices(
+                    self.graph.tensors[op.inputs[0].tensor], [s.input_layouts[0] for s in strategies]))
+                self.slot(gid, S.forward(i), S.forward(i), "transients", *chunk)
+            out = self.graph.tensors[op.output.tensor]
+            if op.output.tensor in self.last_consumer:
+                # The gradient of the output in our layout, from its last consumer's reshard of
+                # it (the consumers' own layouts before: their input-gradient slots) to ours.
+                prices = self.cached((gid, "output_grad"), lambda out=out, strategies=strategies: self.layout_prices(
+                    out, [without_partial(s.output_layout) for s in strategies]))
+                self.slot(gid, S.reshard_out(self.last_consumer[op.output.tensor]), S.backward(i),
+                          "transients", *prices, out.nbytes)
+            for j in activation_inputs(self.graph, op):
+                t = op.inputs[j].tensor
+                prices = self.cached((gid, "input_grad", j), lambda t=t, gid=gid, j=j: self.layout_prices(
+                    self.graph.tensors[t], [without_partial(L) for L in self.groups[gid].input_grads[j]]))
+                # The last consumer's is the tensor's whole gradient until it is resharded.
+                unique = self.graph.tensors[t].nbytes if self.last_consumer[t] == i else 0.0
+                self.slot(gid, S.backward(i), S.backward(i), "transients", *prices, unique)
+
+    # -- activations flowing between ops ----------------------------------------------------
+    def add_edges(self, op_group: list[int]) -> dict[tuple[int, int], int]:
+        S = self.sched
+        edge_of_input = {}
+        holders: dict[str, list[tuple[str, int, int, int]]] = {}
+        for i, op in enumerate(self.graph.ops):
+            for j in activation_inputs(self.graph, op):
+                t = op.inputs[j].tensor
+                pg, cg = op_group[self.graph.producer[t]], op_group[i]
+                key = (self.groups[pg].key, self.groups[cg].key, j)
+                if key not in self.edge_index:
+                    self.edge_index[key] = len(self.edges)
+                    self.edges.append(Edge(f"{key[0]} -> {key[1]}[{j}]", self.graph.tensors[t], pg, cg, j,
+                                           j in op.saves_inputs))
+                e = self.edge_index[key]
+                self.edges[e].instances += 1
+                edge_of_input[(i, j)] = e
+                entry = holders.setdefault(t, [])
+                entry.append((INPUT_COPY, e, S.forward(i), S.forward(i)))
+                if j in op.saves_inputs:
+                    entry.append((SAVED, e, S.forward(i), S.backward(i)))
+                    entry.append((REGATHER, e, S.backward(i), S.backward(i)))
+        self.add_holders(op_group, holders)
+        return edge_of_input
+
+    def add_reshard_points(self, edge_of_input: dict[tuple[int, int], int]) -> list[ReshardPoint]:
+        S = self.sched
+        points = []
+        for i, op in enumerate(self.graph.ops):
+            inputs = activation_inputs(self.graph, op)
+            if not inputs:
+                continue
+            edges = tuple(edge_of_input[(i, j)] for j in inputs)
+            last = tuple(self.last_consumer[op.inputs[j].tensor] == i for j in inputs)
+            points.append(ReshardPoint(S.reshard_in(i), False, edges, last))
+            points.append(ReshardPoint(S.reshard_out(i), True, edges, last))
+            kept = tuple(e for e, j in zip(edges, inputs) if j in op.saves_inputs)
+            if kept and i + 1 < len(self.graph.ops):  # re-gathers don't use ``last``
+                points.append(ReshardPoint(S.reshard_out(i + 1), False, kept, (False,) * len(kept), regather=True))
+        return points
+
+    def add_holders(self, op_group: list[int], edge_holders: dict[str, list[tuple]]) -> None:
+        S = self.sched
+        for p, op in enumerate(self.graph.ops):
+            t = op.output.tensor
+            spec = self.graph.tensors[t]
+            pg = op_group[p]
+            end = S.backward(p) if op.saves_output else S.forward(self.last_consumer.get(t, p))
+            edges = tuple(sorted({e for _, e, _, _ in edge_holders.get(t, [])}))
+
+            def prices(pg=pg, edges=edges, spec=spec):
+                layouts = [s.output_layout for s in self.groups[pg].strategies]
+                for e in edges:
+                    edge = self.edges[e]
+                    layouts += [s.input_layouts[edge.input_index] for s in self.groups[edge.consumer].strategies]
+                layouts = list(dict.fromkeys(without_partial(L) for L in layouts))
+                return (layouts, *self.layout_prices(spec, layouts))
+
+            layouts, nbytes, red = self.cached(("held", pg, edges), prices)
+            hid = len(self.held)
+            self.held.append(HeldTensor(t, pg, tuple(layouts), nbytes, red, float(spec.nbytes)))
+            self.holders.append(Holder(hid, PRODUCER, pg, S.forward(p), end))
+            for kind, e, start, stop in edge_holders.get(t, []):
+                self.holders.append(Holder(hid, kind, e, start, stop))
+
+    # -- parameters ----------------------------------------------------------------------------
+    def add_storage(self, op_group: list[int]) -> dict[str, int]:
+        """A storage group per parameter role, and its slots; returns parameter → group."""
+        uses_of: dict[str, list[tuple[int, int]]] = {}
+        for i, op in enumerate(self.graph.ops):
+            for j in parameter_inputs(self.graph, op):
+                uses_of.setdefault(op.inputs[j].tensor, []).append((i, j))
+        storage_group = {}
+        for name in self.graph.parameters:
+            uses = uses_of.get(name)
+            if not uses:
+                continue
+            gid = self.storage_group(name, uses, op_group)
+            grp = self.groups[gid]
+            grp.instances += 1
+            grp.params.append(name)
+            storage_group[name] = gid
+            self.storage_slots(gid, name, uses)
+        self.link_layer_units(storage_group)
+        return storage_group
+
+    def storage_group(self, name: str, uses: list[tuple[int, int]], op_group: list[int]) -> int:
+        """The group of parameter ``name`` (made for the first of its role): its options are
+        every gradient layout its first use's strategies give × every ZeRO storage; linked to
+        that op's group, and a tied weight's uses to each other."""
+        mesh, spec = self.mesh, self.graph.tensors[name]
+        i0, j0 = uses[0]
+        og = op_group[i0]
+        key = ("storage", self.groups[og].key, j0)
+        if key in self.index:
+            return self.index[key]
+        g_labels = [grad_layout(self.graph.ops[i0], j0, s) for s in self.groups[og].strategies]
+        options = [(G, opt) for G in dict.fromkeys(g_labels) for opt in storage_options(G, mesh)]
+        choices = []
+        for G, opt in options:
+            calls = self.sync_calls(spec, G, opt, self.gathers_per_pass(name, uses))
+            if opt.stage == 3 and name in self.units:  # the unit's calls, shared
+                share = 1 / self.units[name].members
+                calls = tuple(replace(c, share=share) if c.kind != comm.ALL_REDUCE else c for c in calls)
+            choices.append(Choice((G, opt.stage, opt.axes), 0.0, calls, self.time(calls)))
+        gid = self.index[key] = len(self.groups)
+        mems = [storage_memory(spec, G, opt, self.graph.precision, mesh) for G, opt in options]
+        self.groups.append(StorageGroup(name, choices, options, mems))
+        self.links.append(Link(gid, tuple(G for G, _ in options), og, tuple(g_labels)))
+        for i, j in uses[1:]:  # tied weights: every use agrees on the layout
+            other = op_group[i]
+            self.links.append(Link(og, tuple(g_labels), other, tuple(
+                grad_layout(self.graph.ops[i], j, s) for s in self.groups[other].strategies)))
+        return gid
+
+    def storage_slots(self, gid: int, name: str, uses: list[tuple[int, int]]) -> None:
+        """Weight and optimizer states all step; the gradient from its first contribution to
+        the optimizer, as autograd, ZeRO's reductions and micro-batches hold it; ZeRO-3's
+        gathered weight around each use or over its layer unit's spans."""
+        S, prec, grp = self.sched, self.graph.precision, self.groups[gid]
+        spec = self.graph.tensors[name]
+        v = self.cached((gid, "storage"), lambda: self.storage_prices(grp))
+        self.slot(gid, 0, S.optimizer, "parameters", *v["parameters"], spec.numel * prec.param_bytes)
+        self.slot(gid, 0, S.optimizer, "optimizer_states", *v["optimizer_states"], spec.numel * prec.optimizer_bytes)
+        # With several micro-batches the gradients accumulate across them: live all step.
+        # Stored sharded (ZeRO-2/3), the gradient exists once every use's contribution is
+        # reduce-scattered, after the first use's backward (the last one to run); until
+        # then the whole local gradient waits, from the last use's backward on.
+        first, last = uses[-1][0], uses[0][0]
+        grads_from = S.backward(first) if self.micro_batches == 1 else 0
+        reduced_at = S.reshard_out(last) if self.micro_batches == 1 else 0
+        # A tied weight's gradient waits in autograd's input buffer, not yet the
+        # parameter's .grad, until its last contribution (the first use's backward):
+        # a transient until then (as MemTracker files it).
+        summed_at = S.backward(last)
+        grad_bytes = spec.numel * prec.grad_bytes
+        if reduced_at > grads_from:
+            whole = np.array([opt.stage < 2 for _, opt in grp.options], float)
+            nbytes, red = v["gradients"]
+            self.slot(gid, grads_from, summed_at - 1, "transients", nbytes * whole, red * whole, grad_bytes)
+            self.slot(gid, summed_at, reduced_at - 1, "gradients", nbytes * whole, red * whole, grad_bytes)
+        for i, _ in uses[:-1]:
+            # A tied weight's earlier uses (later in backward): autograd sums their two
+            # gradient contributions into a new buffer while both are still alive.
+            self.slot(gid, S.backward(i), S.backward(i), "transients", *v["contributions"])
+        unit = self.units.get(name)
+        stages = np.array([opt.stage for _, opt in grp.options])
+        # A layer unit's member under ZeRO-3: gathered for the unit's spans, its gradient
+        # reduced with the unit's (after a copy into the unit's flat buffer); every other
+        # option reduces its own gradient after the first use's backward.
+        in_unit = (stages == 3) & (unit is not None)
+        self.reduced_gradient(gid, v, stages, ~in_unit, reduced_at, grad_bytes, before_reshards=True)
+        # ZeRO-2/3: the whole local gradient until its reduce-scatter; under ZeRO-2 the
+        # parameter's .grad from its last contribution on (ZeRO-3 reduces its own).
+        unsharded, red = v["unsharded"]
+        zero2 = stages == 2
+        zero3_per_op = ~in_unit & ~zero2  # (the unsharded bytes are 0 below ZeRO-2)
+        self.slot(gid, S.backward(first), S.reshard_out(last), "transients", unsharded * zero3_per_op,
+                  red * zero3_per_op, phase=BEFORE_RESHARDS)
+        self.slot(gid, S.backward(first), summed_at - 1, "transients", unsharded * zero2, red * zero2)
+        self.slot(gid, summed_at, S.reshard_out(last), "gradients", unsharded * zero2, red * zero2,
+                  phase=BEFORE_RESHARDS)
+        if unit is None:
+            for i, _ in uses:
+                for point in _gather_points(S, self.graph, i):
+                    self.slot(gid, point, point, "transients", *v["gathered"])
+        else:
+            self.unit_slots(gid, v, unit, in_unit, S.backward(first))
+
+    def unit_slots(self, gid: int, v: dict, unit: LayerUnit, in_unit: np.ndarray, first_backward: int) -> None:
+        """A layer unit's member under ZeRO-3 (``in_unit``): its gradient reduced with the
+        unit's, the unit's gathered weights over its spans."""
+        stages = np.array([opt.stage for _, opt in self.groups[gid].options])
+        unsharded, red = v["unsharded"]
+        self.reduced_gradient(gid, v, stages, in_unit, unit.reduce_point if self.micro_batches == 1 else 0, 0.0,
+                              before_reshards=False)
+        self.slot(gid, first_backward, unit.reduce_point, "transients", unsharded * in_unit, red * in_unit)
+        self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", unsharded * in_unit, red * in_unit)
+        for span in (unit.forward_span, unit.backward_span):
+            if span is not None:
+                self.slot(gid, *span, "transients", *v["gathered"])
+                # Gathered over several axes, one at a time: the partial results too.
+                self.slot(gid, span[0], span[0], "transients", *v["gathering"])
+        self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", *v["scattering"])
+
+    def link_layer_units(self, storage_group: dict[str, int]) -> None:
+        """A layer unit is all or nothing, as FSDP's: every member ZeRO-3 over the same axes
+        (and partial over them alike), gathered as one flat buffer; or none ZeRO-3. The
+        runtime gathers the members it holds from the first use of one to the last; with a
+        layer's parameters all in one unit that is the layer's span the unit is priced over."""
+        def label(G, opt):
+            return ("unit", opt.axes, tuple(G[a] == "P" for a in opt.axes)) if opt.stage == 3 else "apart"
+
+        linked = set()
+        by_unit: dict[int, list[int]] = {}
+        for name, unit in self.units.items():
+            if name in storage_group:
+                by_unit.setdefault(id(unit), []).append(storage_group[name])
+        for gids in by_unit.values():
+            gids = sorted(set(gids))
+            if len(gids) < 2 or tuple(gids) in linked:
+                continue
+            linked.add(tuple(gids))
+            labels = {g: tuple(label(G, opt) for G, opt in self.groups[g].options) for g in gids}
+            for g in gids[1:]:
+                self.links.append(Link(gids[0], labels[gids[0]], g, labels[g]))
+
+    def reduced_gradient(self, gid: int, v: dict, stages: np.ndarray, options: np.ndarray, at: int,
+                         global_bytes: float, before_reshards: bool) -> None:
+        """The stored gradient of ``options`` from its reduction at point ``at`` on. A ZeRO-2/3
+        reduce-scatter's result is a transient there (the optimizer's .grad once it returns;
+        ``before_reshards``: it returns before the reshards at ``at`` run); with micro-batches
+        each one's is added to the gradient kept all step."""
+        nbytes, red = v["gradients"]
+        scattered = options & (stages >= 2) & (self.micro_batches == 1)
+        kept = options & ~scattered
+        self.slot(gid, at, self.sched.optimizer, "gradients", nbytes * kept, red * kept,
+                  global_bytes)
+        if before_reshards:  # reduced before the reshards at ``at``: .grad while they run
+            self.slot(gid, at, at, "transients", nbytes * scattered, red * scattered, phase=BEFORE_RESHARDS)
+            self.slot(gid, at, at, "gradients", nbytes * scattered, red * scattered, phase=DURING_RESHARDS)
+        else:
+            self.slot(gid, at, at, "transients", nbytes * scattered, red * scattered)
+        self.slot(gid, at + 1, self.sched.optimizer, "gradients", nbytes * scattered, red * scattered)
+
+    def gathers_per_pass(self, name: str, uses: list[tuple[int, int]]) -> int:
+        """All-gathers of a ZeRO-3 weight per micro-batch: one per use and gather point, or
+        its layer unit's (one for forward, one for backward if any op there reads it)."""
+        unit = self.units.get(name)
+        if unit is None:
+            return sum(len(_gather_points(self.sched, self.graph, i)) for i, _ in uses)
+        return 1 + (unit.backward_span is not None)
+
+    def storage_prices(self, grp: StorageGroup) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        mems = grp.memory
+        layouts = [param_layout(G) for G, _ in grp.options]
+
+        def vec(field: str, red_field: str | None = None):
+            nbytes = np.array([getattr(m, field) for m in mems], float)
+            red = (np.array([getattr(m, red_field) for m in mems]) if red_field
+                   else np.array(self.redundant(nbytes, layouts)))
+            return nbytes, red
+
+        gathering, scattering = [], []
+        for G, opt in grp.options:
+            if opt.stage < 3 or not self.units:
+                gathering.append(0.0)
+                scattering.append(0.0)
+                continue
+            numel = local_numel(self.graph.tensors[grp.params[0]].shape, param_layout(G), self.mesh.shape)
+            flat = tuple(Shard(0) if a in opt.axes else REPLICATE for a in range(self.mesh.ndim))
+            whole = tuple(REPLICATE for _ in flat)
+            partial = tuple(PARTIAL if a in opt.axes and g == "P" else REPLICATE for a, g in enumerate(G))
+            prec = self.graph.precision
+            gathering.append(reshard_peak_bytes((numel,), prec.param_bytes, flat, whole, self.mesh, reverse=True)
+                             - numel * prec.param_bytes)
+            scattering.append(reshard_peak_bytes((numel,), prec.grad_bytes, partial, flat, self.mesh)
+                              - local_numel((numel,), flat, self.mesh.shape) * prec.grad_bytes)
+        zeros = np.zeros(len(mems))
+        return {
+            "gathering": (np.array(gathering, float), zeros),
+            "scattering": (np.array(scattering, float), zeros),
+            "parameters": vec("parameters", "redundant_parameters"),
+            "optimizer_states": vec("optimizer_states", "redundant_optimizer_states"),
+            "gradients": vec("gradients", "redundant_gradients"),
+            "gathered": vec("gathered_weight"),
+            "unsharded": vec("unsharded_gradient"),
+            "contributions": vec("gradient_contributions"),
+        }
+
+    def sync_calls(self, spec: TensorSpec, G: tuple[str, ...], opt: StorageOption, n_gathers: int):
+        """Gradient reduction and weight gathers one step needs for this storage option.
+
+        Gradients are reduced once per step (accumulated locally over micro-batches) unless
+        they are stored sharded (ZeRO-2/3), which reduces them after every micro-batch;
+        ZeRO-3 gathers the weight ``n_gathers`` times per micro-batch (``gathers_per_pass``)."""
+        mesh, prec = self.mesh, self.graph.precision
+        numel = local_numel(spec.shape, param_layout(G), mesh.shape)
+        partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
+        sharded = set(opt.axes) if opt.stage >= 1 else set()
+        reduce = comm.all_reduce_over(numel * prec.grad_bytes, tuple(a for a in partial_axes if a not in sharded), mesh)
+        if sharded:
+            reduce += comm.reduce_scatter_flat(numel, prec.grad_bytes, tuple(a for a in opt.axes if a in partial_axes), mesh)
+        calls = reduce * (self.micro_batches if opt.stage >= 2 else 1)
+        if opt.stage in (1, 2):
+            calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh)
+        elif opt.stage == 3:
+            calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh) * (n_gathers * self.micro_batches)
+        return calls
+
+    def add_inputs(self) -> None:
+        n = self.mesh.num_devices
+        for spec in self.graph.tensors.values():
+            if spec.kind is TensorKind.INPUT:
+                self.constants.append(Constant(0, self.sched.optimizer, "activations", spec.nbytes,
+                                               spec.nbytes * (1 - 1 / n), spec.nbytes))
+
+
+def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_batches: int = 1,
+                  zero3_unit: str = "op") -> Problem:
+    """``graph`` describes one micro-batch; a step runs ``micro_batches`` of them (gradient
+    accumulation) and one optimizer update. ``zero3_unit``: see :class:`LayerUnit`."""
+    if zero3_unit not in ZERO3_UNITS:
+        raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, got {zero3_unit!r}")
+    b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit)
+    op_group = b.add_ops()
+    b.op_slots(op_group)
+    edge_of_input = b.add_edges(op_group)
+    for edge in b.edges:
+        edge.executions = edge.instances * micro_batches
+    storage_group = b.add_storage(op_group)
+    b.add_inputs()
+    return Problem(
+        graph=graph, mesh=mesh, schedule=b.sched, shared_layers=shared_layers, groups=b.groups,
+        links=b.links, edges=b.edges, slots=b.slots, held=b.held, holders=b.holders,
+        constants=b.constants, candidate_points=candidate_points(graph, b.sched, shared_layers),
+        op_group=op_group, micro_batches=micro_batches, edge_of_input=edge_of_input,
+        storage_group=storage_group, reshard_points=b.add_reshard_points(edge_of_input),
+        zero3_unit=zero3_unit,
+    )
