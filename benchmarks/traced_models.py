@@ -27,8 +27,7 @@ from tests.test_traced_runtime import CONFIGS, STEPS  # noqa: E402
 
 import memshard  # noqa: E402
 from benchmarks_md import write_section  # noqa: E402
-from memshard.api import HFModel, _job_graph  # noqa: E402
-from memshard.mesh import parse_mesh  # noqa: E402
+from memshard.job import HFModel, Job  # noqa: E402
 from memshard.runtime.report import error  # noqa: E402
 
 LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
@@ -51,7 +50,7 @@ def full_size_rows() -> list[str]:
             "| bound GiB | builder peak GiB |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for label, source, mesh, batch, seq, preset in FULL:
         t = time.time()
-        graph, _ = _job_graph(HFModel(source), parse_mesh(mesh), batch, seq, 1, {})
+        graph = Job(HFModel(source), mesh, batch=batch, seq=seq).graph
         traced = time.time() - t
         t = time.time()
         plan = memshard.plan(graph, mesh)

@@ -74,16 +74,19 @@ class LinearModel:
         return float(values[self.row_columns[row]] @ self.row_values[row])
 
     def violated(self, values: np.ndarray, tolerance: float = 1e-6) -> list[RowTag]:
-        """The rows a solution breaks by more than ``tolerance`` (relative to the bound)."""
-        return [self.tags[r] for r in range(self.num_rows) if self._slack(values, r, tolerance) < 0]
+        """The rows a solution breaks by more than ``tolerance`` (relative to the row's bounds)."""
+        return [self.tags[r] for r in range(self.num_rows) if self.slack(values, r) < -tolerance * self._scale(r)]
 
     def binding(self, values: np.ndarray, family: str, tolerance: float = 1e-6) -> list[RowTag]:
-        """The rows of ``family`` a solution meets with (relative) slack at most ``tolerance``."""
+        """The rows of ``family`` a solution meets with no more slack than ``tolerance``."""
         return [self.tags[r] for r in range(self.num_rows)
-                if self.tags[r].family == family and self._slack(values, r, tolerance) <= 0]
+                if self.tags[r].family == family and self.slack(values, r) <= tolerance * self._scale(r)]
 
-    def _slack(self, values: np.ndarray, row: int, tolerance: float) -> float:
+    def slack(self, values: np.ndarray, row: int) -> float:
+        """How far a solution is inside the row's bounds (negative: outside)."""
         a = self.activity(values, row)
-        lo, hi = self.rows_lower[row], self.rows_upper[row]
-        scale = max(1.0, abs(lo) if np.isfinite(lo) else 0.0, abs(hi) if np.isfinite(hi) else 0.0)
-        return min(a - lo, hi - a) + tolerance * scale
+        return min(a - self.rows_lower[row], self.rows_upper[row] - a)
+
+    def _scale(self, row: int) -> float:
+        finite = [abs(b) for b in (self.rows_lower[row], self.rows_upper[row]) if np.isfinite(b)]
+        return max([1.0, *finite])

@@ -1,0 +1,206 @@
+"""The job every command shares, the search options, the plan as data and its JSON mirror,
+one CLI vocabulary, and the ILP's tagged rows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import memshard
+from memshard.cli import build_parser
+from memshard.errors import MemshardError
+from memshard.evaluate import evaluate
+from memshard.ilp.formulation import Formulation
+from memshard.ilp.highs import HighsSearch
+from memshard.job import HFModel, Job
+from memshard.planner import SearchOptions, plan_job
+from memshard.plans import load_plan, plan_from_dict
+
+TINY = dict(batch=4, seq=32, num_layers=2, hidden=64, heads=2, vocab=128, ffn=128)
+TINY_FLAGS = ["--batch", "4", "--seq", "32", "--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "128",
+              "--ffn", "128"]
+
+
+# -- the job ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("job", [
+    Job("gpt2", "2x2", batch=8, seq=64, micro_batches=2, overrides={"num_layers": 2, "dropout": False},
+        precision="fp32"),
+    Job("llama3-8b", memshard.parse_mesh("8x8", device_memory_bytes=40 * 2**30).with_links((10e9, 100e9))),
+    Job(HFModel({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256}, "sdpa"), "4", batch=4, seq=16),
+], ids=["preset-knobs", "hardware", "hf-config"])
+def test_a_job_reads_back_what_it_writes(job):
+    if isinstance(job.model, HFModel):
+        pytest.importorskip("transformers")
+    data = job.to_dict()
+    again = Job.from_dict({**data, "model": {**data["model"], "name": job.graph.name}})
+    assert again.to_dict() == data
+    assert again.mesh == job.mesh
+    assert again.graph.num_parameters == job.graph.num_parameters
+    assert (again.global_batch, again.graph.seq) == (job.global_batch, job.graph.seq)
+
+
+def test_the_job_records_its_resolved_batch_and_sequence():
+    job = Job("gpt2", "2x4")
+    assert job.global_batch == 8  # one sequence per device
+    assert job.to_dict()["model"]["seq"] == 1024 == job.graph.seq  # the preset's
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(batch=6, micro_batches=4), "does not split"),
+    (dict(batch=0), "positive"),
+    (dict(batch="8"), "positive integer"),
+    (dict(precision="bf16"), "unknown precision"),
+    (dict(overrides={"layers": 2}), "unknown model option"),
+])
+def test_a_bad_job_is_one_clear_error(kwargs, message):
+    with pytest.raises(MemshardError, match=message):
+        Job("gpt2", "2x2", **kwargs)
+
+
+def test_a_model_config_takes_the_knobs_it_is_given():
+    cfg = memshard.get_config("gpt2")
+    job = Job(cfg, "2", batch=2, seq=16, overrides={"num_layers": 1}, precision="fp32")
+    assert job.graph.num_layers == 1 and job.graph.precision.name == "fp32"
+
+
+# -- search options --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs", [
+    dict(objective="memory", memory_budget="80GiB"),  # a budget the least-memory plan would ignore
+    dict(objective="time", max_step_time_s=1.0),
+    dict(objective="speed"),
+    dict(mip_gap=1.0),
+    dict(time_limit_s=0),
+    dict(zero3_unit="block"),
+])
+def test_contradictory_or_bad_search_options_are_errors(kwargs):
+    with pytest.raises(MemshardError):
+        SearchOptions(**kwargs)
+
+
+# -- the plan as data ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_plan():
+    return memshard.plan("gpt2", "2x2", precision="fp32", **TINY)
+
+
+def test_a_plan_reads_back_from_its_json(tiny_plan, tmp_path):
+    data = tiny_plan.to_dict()
+    assert plan_from_dict(json.loads(json.dumps(data))).to_dict() == data
+    path = tmp_path / "plan.json"
+    tiny_plan.save(str(path))
+    assert load_plan(str(path)).to_dict() == data
+
+
+def test_the_plan_carries_its_advice_and_the_report_only_formats_it(tiny_plan):
+    assert tiny_plan.most_redundant_ops
+    assert [r.op for r in tiny_plan.most_redundant_ops] == [r["op"] for r in tiny_plan.to_dict()["most_redundant_ops"]]
+    text = memshard.format_plan(tiny_plan)
+    for row in tiny_plan.most_redundant_ops:
+        if row.redundant_bytes > 0 and row.alternative is not None:
+            assert " ".join(f"{a}:{d}" for a, d in row.alternative.split.items()) in text
+
+
+def test_a_merged_mesh_plan_builds_the_real_problem_only_when_asked(monkeypatch):
+    import memshard.planner
+    import memshard.plans
+
+    built = []
+    for module in (memshard.planner, memshard.plans):
+        original = module.build_problem
+        monkeypatch.setattr(module, "build_problem", lambda *a, _f=original, **k: built.append(a[1]) or _f(*a, **k))
+    job = Job("gpt2", "2x2x2", batch=8, seq=32, precision="fp32",
+              overrides={k: v for k, v in TINY.items() if k not in ("batch", "seq")})
+    plan = plan_job(job, SearchOptions(mip_gap=0.05))
+    assert [str(m) for m in built] == ["4x2"]  # the merged problem only
+    assert plan.to_dict()["mesh"]["shape"] == [2, 2, 2]
+    assert plan.problem.mesh.shape == (2, 2, 2) and [str(m) for m in built] == ["4x2", "2x2x2"]
+    lifted = evaluate(plan.problem, plan.selection)
+    assert lifted.peak_bytes == pytest.approx(plan.peak_bytes, rel=1e-12)
+    assert lifted.step_time_s == pytest.approx(plan.step_time_s, rel=1e-12)
+
+
+# -- the ILP's rows have names -----------------------------------------------------------------------
+def test_a_binding_or_violated_row_is_named_by_family_and_point(tiny_plan):
+    problem, selection = tiny_plan.searched, tiny_plan.searched_selection
+    f = Formulation(problem)
+    f.add_choice_constraints()
+    f.add_link_constraints()
+    f.add_edge_constraints()
+    f.add_memory_constraints(problem.candidate_points)
+    f.add_reshard_constraints()
+    f.fix(selection)
+    import time
+
+    found = HighsSearch(f.model, time.perf_counter() + 60).minimise(f.peak_expression(), 0.0)
+    peak_point = evaluate(problem, selection).peak_point
+    assert f.model.violated(found.values) == []
+    binding = f.model.binding(found.values, "memory") + f.model.binding(found.values, "reshard")
+    assert peak_point in {tag.point for tag in binding}
+    shrunk = found.values.copy()
+    shrunk[f.peak] *= 0.5
+    assert {tag.family for tag in f.model.violated(shrunk)} <= {"memory", "reshard"}
+    assert any(tag.point == peak_point for tag in f.model.violated(shrunk))
+    assert str(f.model.tags[0]).startswith("choice")
+
+
+# -- one CLI vocabulary ----------------------------------------------------------------------------
+def options_of(command: str) -> set[str]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    return {s for a in sub._actions for s in a.option_strings if s.startswith("--")}
+
+
+@pytest.mark.parametrize("command", ["compare", "pareto", "run", "simulate"])
+def test_every_command_takes_the_job_options_plan_takes(command):
+    plan_only = {"--objective", "--max-step-time", "--memory-budget", "--json", "--top", "--brief"}
+    missing = options_of("plan") - plan_only - options_of(command)
+    assert not missing, missing
+
+
+def test_compare_prices_the_job_as_plan_plans_it(tmp_path):
+    hardware = ["--precision", "fp32", "--bandwidth", "40", "--latency", "3", "--device-memory", "1GiB",
+                "--peak-tflops", "100", "--efficiency", "0.4", "--axis-names", "dp", "--mesh", "4"]
+    plan_json, compare_json = tmp_path / "plan.json", tmp_path / "compare.json"
+    for command, out in (("plan", plan_json), ("compare", compare_json)):
+        r = subprocess.run([sys.executable, "-m", "memshard.cli", command, "--model", "gpt2", *TINY_FLAGS, *hardware,
+                            "--json", str(out)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    planned, compared = json.loads(plan_json.read_text()), json.loads(compare_json.read_text())
+    assert compared["mesh"] == planned["mesh"] and compared["mesh"]["axis_names"] == ["dp"]
+    assert compared["mesh"]["device_memory_bytes"] == 2**30
+    assert compared["model"] == planned["model"] and compared["model"]["precision"] == "fp32"
+    memshard_row = compared["rows"][0]
+    assert memshard_row["strategy"] == "memshard"
+    assert memshard_row["peak_bytes_per_device"] == planned["memory"]["peak_bytes_per_device"]
+    assert memshard_row["estimated_step_time_s"] == planned["estimated_step_time_s"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "--model", "gpt2", "--mesh", "2", "--memory-budget", "80GiB"], "memory budget"),
+    (["plan", "--model", "gpt2", "--mesh", "2", "--objective", "time", "--max-step-time", "1s"], "step-time budget"),
+    (["run", "--plan", "plan.json", "--model", "gpt2"], "--plan replaces the job"),
+    (["simulate", "--plan", "plan.json", "--mesh", "2x2"], "--plan replaces the job"),
+])
+def test_contradictory_options_are_refused(args, message, capsys):
+    from memshard.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_the_compare_api_takes_a_job_and_search_keywords():
+    job = Job("gpt2", "4", precision="fp32", **{k: TINY[k] for k in ("batch", "seq")},
+              overrides={k: v for k, v in TINY.items() if k not in ("batch", "seq")})
+    result = memshard.compare(job, time_limit_s=30, mip_gap=0.01)
+    assert result["rows"][0]["strategy"] == "memshard"
+    with pytest.raises(MemshardError, match="give no max_step_time_s"):
+        memshard.compare(job, max_step_time_s=1.0)
+    with pytest.raises(MemshardError, match="a Job fixes the job"):
+        memshard.compare(job, batch=8)
+    assert np.isfinite(result["rows"][0]["peak_bytes_per_device"])
