@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH ?= 2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	OMP_NUM_THREADS=1 $(PY) -m pytest
+
+# the planner alone: no multi-rank runs, no tracing
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not runtime and not trace"
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
