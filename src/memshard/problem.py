@@ -34,6 +34,7 @@ and a mesh. A plan is a :class:`Selection`: one choice per group, a keep flag pe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -47,7 +48,7 @@ from memshard.cost.memory import (
     tensor_bytes,
 )
 from memshard.cost.reshard_memory import reshard_peak_bytes
-from memshard.graph import Graph, TensorSpec
+from memshard.graph import Graph, TensorKind, TensorSpec
 from memshard.mesh import Mesh
 from memshard.placement import REPLICATE, Layout, Partial
 from memshard.schedule import Schedule
@@ -325,14 +326,24 @@ def reshard_price(spec: TensorSpec, kind: str, producer_side: Layout, consumer_s
 
 def reshard_price_table(spec: TensorSpec, kind: str, producer_sides: list[Layout], consumer_sides: list[Layout],
                         mesh: Mesh, last: bool) -> np.ndarray:
-    """``reshard_price`` of every (producer side, consumer side) pair, as rows × columns."""
+    """``reshard_price`` of every (producer side, consumer side) pair, as rows × columns (read
+    only: tables are shared by every edge and every solve of the same shape and layouts)."""
+    return _price_table(spec.shape, spec.dtype_bytes, kind, tuple(producer_sides), tuple(consumer_sides), mesh, last)
+
+
+@functools.lru_cache(maxsize=512)
+def _price_table(shape: tuple[int, ...], dtype_bytes: int, kind: str, producer_sides: tuple[Layout, ...],
+                 consumer_sides: tuple[Layout, ...], mesh: Mesh, last: bool) -> np.ndarray:
+    spec = TensorSpec("", shape, dtype_bytes, TensorKind.ACTIVATION)
     if kind not in COPY_PRICES:
-        return np.array([[reshard_price(spec, kind, a, c, mesh, last) for c in consumer_sides]
-                         for a in producer_sides], dtype=float).reshape(len(producer_sides), len(consumer_sides))
-    # a copy's bytes depend on the consumer side alone, and are 0 where the sides agree
-    copy = np.array([_copy_bytes(spec, kind, c, mesh) for c in consumer_sides], dtype=float)
-    same = np.array([[a == c for c in consumer_sides] for a in producer_sides], dtype=bool)
-    return np.where(same.reshape(len(producer_sides), len(consumer_sides)), 0.0, copy)
+        table = np.array([[reshard_price(spec, kind, a, c, mesh, last) for c in consumer_sides]
+                          for a in producer_sides], dtype=float).reshape(len(producer_sides), len(consumer_sides))
+    else:  # a copy's bytes depend on the consumer side alone, and are 0 where the sides agree
+        copy = np.array([_copy_bytes(spec, kind, c, mesh) for c in consumer_sides], dtype=float)
+        same = np.array([[a == c for c in consumer_sides] for a in producer_sides], dtype=bool)
+        table = np.where(same.reshape(len(producer_sides), len(consumer_sides)), 0.0, copy)
+    table.setflags(write=False)
+    return table
 
 
 def _copy_bytes(spec: TensorSpec, kind: str, consumer_side: Layout, mesh: Mesh) -> float:

@@ -15,6 +15,7 @@ out), so its columns are continuous. Rows (family ``edge-flow``)::
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from memshard.cost import comm
 from memshard.ilp.model import LinearModel, RowTag
+from memshard.mesh import Mesh
 from memshard.placement import Layout, Partial
 from memshard.problem import Problem, without_partial
 
@@ -47,7 +49,6 @@ class EdgeFlows:
         self.model = model
         self.choice_columns = choice_columns
         self.time_unit = time_unit
-        self.states: dict[tuple, dict] = {}
 
     def add(self, e: int) -> EdgeFlow:
         problem = self.problem
@@ -61,11 +62,10 @@ class EdgeFlows:
         consumer_keys = sorted({tuple(zip(s.input_layouts[edge.input_index], g)) for s, g in zip(consumer, grads)},
                                key=repr)
         keeps = (0, 1) if edge.saves else (0,)
-        key = (spec.shape, spec.dtype_bytes, tuple(producer_layouts), tuple(consumer_keys), keeps)
-        if key not in self.states:
-            self.states[key] = self.step_states(spec, producer_layouts, consumer_keys, keeps)
         steps, cost_cols, cost_vals = {}, [], []
-        for step, (states, times) in self.states[key].items():
+        flow_states = step_states(spec.shape, spec.dtype_bytes, tuple(producer_layouts), tuple(consumer_keys), keeps,
+                                  problem.mesh)
+        for step, (states, times) in flow_states.items():
             cols = self.model.columns(len(states), integer=False)
             steps[step] = (states, cols)
             paid = times != 0
@@ -138,34 +138,36 @@ class EdgeFlows:
             producer[k] = by_layout
         return consumer, producer
 
-    def step_states(self, spec, producer_layouts: list[Layout], consumer_keys: list[tuple],
-                    keeps: tuple[int, ...]) -> dict:
-        """Per (keep, step a): the flow states σ and each one's time."""
-        mesh = self.problem.mesh
-        axes = mesh.ndim
-        suffixes = [{L[a:] for L in producer_layouts} for a in range(axes + 1)]
-        prefixes = [{K[:a] for K in consumer_keys} for a in range(axes + 1)]
-        placements = [sorted({K[a] for K in consumer_keys}, key=repr) for a in range(axes)]
-        out = {}
-        for k in keeps:
-            for a in range(axes):
-                states = [(prefix, suffix, placement)
-                          for prefix in prefixes[a]
-                          for suffix in suffixes[a] if not (k and any(isinstance(x, Partial) for x in suffix))
-                          for placement in placements[a] if prefix + (placement,) in prefixes[a + 1]]
-                times = np.array([step_time(spec, a, *state, k, mesh) for state in states], dtype=float)
-                out[(k, a)] = (states, times)
-        return out
+@functools.lru_cache(maxsize=512)
+def step_states(shape: tuple[int, ...], dtype_bytes: int, producer_layouts: tuple[Layout, ...],
+                consumer_keys: tuple[tuple, ...], keeps: tuple[int, ...], mesh: Mesh) -> dict:
+    """Per (keep, step a): the flow states σ and each one's time (shared by every edge and
+    every solve of one shape and layouts; read only)."""
+    axes = mesh.ndim
+    suffixes = [{L[a:] for L in producer_layouts} for a in range(axes + 1)]
+    prefixes = [{K[:a] for K in consumer_keys} for a in range(axes + 1)]
+    placements = [sorted({K[a] for K in consumer_keys}, key=repr) for a in range(axes)]
+    out = {}
+    for k in keeps:
+        for a in range(axes):
+            states = [(prefix, suffix, placement)
+                      for prefix in prefixes[a]
+                      for suffix in suffixes[a] if not (k and any(isinstance(x, Partial) for x in suffix))
+                      for placement in placements[a] if prefix + (placement,) in prefixes[a + 1]]
+            times = np.array([step_time(shape, dtype_bytes, a, *state, k, mesh) for state in states], dtype=float)
+            times.setflags(write=False)
+            out[(k, a)] = (tuple(states), times)
+    return out
 
 
-def step_time(spec, a: int, prefix, suffix, placement, keep: int, mesh) -> float:
+def step_time(shape: tuple[int, ...], dtype_bytes: int, a: int, prefix, suffix, placement, keep: int, mesh) -> float:
     """Seconds of resharding step ``a`` in one state: the forward step (twice if the copy is
     kept and gathered again) and the gradient's step back."""
     consumer_prefix = tuple(pl for pl, _ in prefix)
     grad_prefix = tuple(g for _, g in prefix)
     grad_suffix = tuple(without_partial(suffix))
-    calls = comm.reshard_step(spec.shape, spec.dtype_bytes, consumer_prefix + suffix, a, placement[0], mesh)
+    calls = comm.reshard_step(shape, dtype_bytes, consumer_prefix + suffix, a, placement[0], mesh)
     calls = calls * (2 if keep else 1)
     backward = grad_prefix + (placement[1],) + grad_suffix[1:]
-    calls += comm.reshard_step(spec.shape, spec.dtype_bytes, backward, a, grad_suffix[0], mesh, reverse=True)
+    calls += comm.reshard_step(shape, dtype_bytes, backward, a, grad_suffix[0], mesh, reverse=True)
     return comm.total_time(calls, mesh)

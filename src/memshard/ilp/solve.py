@@ -223,8 +223,12 @@ def solve(
     started = time.perf_counter()
     solver = Solver(problem, objective, max_step_time_s, memory_budget_bytes, started + time_limit_s, fixed)
     f = solver.formulation
+    if fixed is not None:  # the one plan the rows allow: its objective, no search around it
+        found = solver.search.minimise(solver.primary, TIE_RESOLUTION)
+        return solver.result(Outcome(found.values, found.objective, 0.0, found.timed_out, True, found.objective),
+                             started)
     fallback = f.selection_start(start) if start is not None else f.replicated_start()
     outcome = solver.first_pass(mip_gap, fallback, time_limit_s)
-    if fixed is None and not outcome.ties_resolved and not solver.search.expired():
+    if not outcome.ties_resolved and not solver.search.expired():
         outcome = solver.second_pass(outcome, mip_gap)
     return solver.result(outcome, started)
