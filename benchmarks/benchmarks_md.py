@@ -1,11 +1,41 @@
-"""Write a benchmark's table into BENCHMARKS.md between its markers (or append a section)."""
+"""BENCHMARKS.md's generated tables: each opens with where it came from (``provenance``) and
+is written between its markers (``write_section``)."""
 
 from __future__ import annotations
 
+import datetime
+import os
+import platform
 import re
+import subprocess
+from importlib import metadata
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "BENCHMARKS.md"
+
+
+def provenance(command: str) -> str:
+    """The line a table opens with: the command, the commit (marked if the tree differs from
+    it), the machine and the date."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks"):
+        commit += " with uncommitted changes"
+    versions = ", ".join(f"{p} {metadata.version(p)}" for p in ("highspy", "torch") if _installed(p))
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {versions}"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"`{command}` — commit `{commit}`, {machine}, {date}."
+
+
+def _installed(package: str) -> bool:
+    try:
+        metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def write_section(name: str, title: str, text: str) -> None:

@@ -12,11 +12,10 @@ fastest Megatron time. ``--write`` puts the table into BENCHMARKS.md between its
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
 
 import memshard
-from benchmarks_md import write_section
+from benchmarks_md import provenance, write_section
 from memshard.planner import baseline_plans
 
 MODELS = ("gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "llama3-8b")
@@ -54,8 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     started = time.perf_counter()
     lines = [
-        f"Command: `python benchmarks/paper_table.py --write` ({datetime.date.today()}, batch 2 × devices, "
-        f"seq {SEQ}, mixed precision).",
+        provenance("python benchmarks/paper_table.py --write") + f" Batch 2 × devices, seq {SEQ}, mixed precision.",
         "",
         "| model | mesh | best Megatron by memory | best Megatron by time | memshard least memory "
         "| memshard ≤1.1× fastest Megatron | saving vs Megatron (memory / time config) "
@@ -72,6 +70,7 @@ def main() -> None:
     table = "\n".join(lines)
     if args.write:
         write_section("paper-table", "The paper's table", table)
+    print(table)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,17 @@
 """End-to-end planning time and plan quality for the issue's reference jobs.
 
-    .venv/bin/python benchmarks/plan_speed.py
+    .venv/bin/python benchmarks/plan_speed.py [--write]
 
 Each case runs ``memshard plan`` as a user would (a fresh process, so imports count) and
 reports the median wall time of three runs, the ILP size, the peak memory per device and how
-far it is above the zero-redundancy bound.
+far it is above the zero-redundancy bound. ``--write`` puts the table into BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,6 +29,8 @@ CASES = [  # model, mesh, batch, seq (None: the CLI's defaults), micro-batches, 
     ("gpt3-175b", "8x8x16", 1536, 2048, 48, None, ("--objective", "time", "--memory-budget", "80GiB")),
 ]
 MEMSHARD = [sys.executable, "-m", "memshard.cli"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks_md import provenance, write_section  # noqa: E402
 
 
 def run(model: str, mesh: str, batch: int | None, seq: int | None, micro: int, flags=()) -> tuple[float, dict]:
@@ -44,11 +46,19 @@ def run(model: str, mesh: str, batch: int | None, seq: int | None, micro: int, f
             return elapsed, json.load(f)
 
 
+def status(solver: dict) -> str:
+    """Nothing for a proved plan; else the solver's status and the gap it stopped at."""
+    return "" if solver["status"] == "optimal" else f" ({solver['status']}, gap {solver['gap']:.2%})"
+
+
 def main() -> None:
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
-    print("| job | mesh | wall time (median of 3) | goal | ILP variables / constraints | search | peak / device "
-          "| above bound | step time |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    lines = [provenance("python benchmarks/plan_speed.py --write"), "",
+             "| job | mesh | wall time (median of 3) | goal | ILP variables / constraints | search | peak / device "
+             "| above bound | step time |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for model, mesh, batch, seq, micro, goal, flags in CASES:
         times, plan = [], None
         for _ in range(3):
@@ -57,12 +67,16 @@ def main() -> None:
         s = plan["solver"]
         m = plan["memory"]
         job = plan["model"]
-        print(f"| {model} b{job['batch']} s{job['seq']}{f' ×{micro} micro-batches' if micro > 1 else ''}"
-              f"{''.join(' ' + f for f in flags)} | {mesh} | "
-              f"{statistics.median(times):.2f} s | "
-              f"{f'≤ {goal:g} s' if goal else '-'} | {s['variables']:,} / {s['constraints']:,} | "
-              f"{s['search_space']} | {m['peak_bytes_per_device'] / 2**30:.2f} GiB | {m['above_lower_bound']:+.2%} | "
-              f"{plan['estimated_step_time_s']:.2f} s |")
+        lines.append(
+            f"| {model} b{job['batch']} s{job['seq']}{f' ×{micro} micro-batches' if micro > 1 else ''}"
+            f"{''.join(' ' + f for f in flags)} | {mesh} | {statistics.median(times):.2f} s | "
+            f"{f'≤ {goal:g} s' if goal else '-'} | {s['variables']:,} / {s['constraints']:,} | {s['search_space']}"
+            f"{status(s)} | "
+            f"{m['peak_bytes_per_device'] / 2**30:.2f} GiB | {m['above_lower_bound']:+.2%} | "
+            f"{plan['estimated_step_time_s']:.2f} s |")
+        print(lines[-1], flush=True)
+    if args.write:
+        write_section("plan-speed", "Planning time and plan quality", "\n".join(lines))
 
 
 if __name__ == "__main__":

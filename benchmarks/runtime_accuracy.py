@@ -18,7 +18,6 @@ those within 0.5% of the peak).
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from tests.runtime_harness import run_cases  # noqa: E402
 from tests.test_runtime import CASES, STEPS, _make, category_errors  # noqa: E402
 
 import memshard  # noqa: E402
-from benchmarks_md import write_section  # noqa: E402
+from benchmarks_md import provenance, write_section  # noqa: E402
 from memshard.api import strategy_plan  # noqa: E402
 from memshard.evaluate import evaluate  # noqa: E402
 from memshard.runtime.report import error  # noqa: E402
@@ -72,8 +71,8 @@ def main() -> None:
     plans = {case: _make(case) for case in CASES}
     results = run_cases(plans, STEPS)
     lines = [
-        f"Command: `OMP_NUM_THREADS=1 python benchmarks/runtime_accuracy.py --write` "
-        f"({datetime.date.today()}, 2-core CPU, gloo, torch fp32; {time.time() - start:.0f} s).",
+        provenance("OMP_NUM_THREADS=1 python benchmarks/runtime_accuracy.py --write")
+        + f" gloo, fp32; {time.time() - start:.0f} s.",
         "",
         "| plan (model-strategy-mesh) | predicted peak MiB | measured MiB | error | worst rank "
         "| worst category | predicted comm MiB/step | measured | worst comm error |",
@@ -103,7 +102,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        write_section("runtime-accuracy", "Runtime accuracy (issue #4)", text)
+        write_section("runtime-accuracy", "Runtime accuracy", text)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Step time of memshard's runtime vs the same 2D plan written by hand with PyTorch's own APIs.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/runtime_vs_handwritten.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/runtime_vs_handwritten.py [--write]
 
 The issue's goal: memshard's runtime, running the ``tp2-fsdp2`` plan (torchtitan's 2D recipe:
 tensor + sequence parallelism over the inner mesh axis, FSDP / ZeRO-3 over the outer one), is
@@ -44,7 +44,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -63,6 +62,8 @@ STRATEGY = f"tp{MESH[1]}-fsdp{MESH[0]}"
 DROPOUT_P = 0.1  # memshard.runtime.ops.DROPOUT_P
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULE = os.path.splitext(os.path.basename(__file__))[0]
+sys.path.insert(0, HERE)
+from benchmarks_md import provenance, write_section  # noqa: E402
 
 
 # -- the hand-written model ------------------------------------------------------------------
@@ -288,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=10, help="≥ 3: the first and last are not timed")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    p.add_argument("--write", action="store_true", help="put the table into BENCHMARKS.md")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a hand-written rank
     return p
 
@@ -302,12 +304,12 @@ def main() -> int:
     if args.batch % dp or args.seq % tp or args.heads % tp or args.hidden % args.heads:
         sys.exit(f"batch must divide by {MESH[0]}, seq and heads by {MESH[1]}, hidden by heads")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"date: {datetime.date.today()}, torch {torch.__version__}, {platform.machine()} CPU, "
-          f"{os.cpu_count()} cores, gloo, {NPROCS} ranks on a {MESH_SPEC} mesh (dp × tp), "
-          f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
-    print(f"model: GPT, {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
-          f"ffn {4 * args.hidden}, vocab {args.vocab}, fp32; global batch {args.batch} × seq "
-          f"{args.seq}; {args.steps} steps, median of steps 2..{args.steps - 1}, slowest rank")
+    lines = [provenance("OMP_NUM_THREADS=1 python benchmarks/runtime_vs_handwritten.py --write")
+             + f" gloo, {NPROCS} ranks on a {MESH_SPEC} mesh (dp × tp).", "",
+             f"Model: GPT, {args.layers} layers, hidden {args.hidden}, {args.heads} heads, ffn {4 * args.hidden}, "
+             f"vocab {args.vocab}, fp32; global batch {args.batch} × seq {args.seq}; {args.steps} steps, median of "
+             f"steps 2..{args.steps - 1}, slowest rank.", ""]
+    print(lines[0], flush=True)
     mine, count = run_memshard(args, "layer")
     per_op, _ = run_memshard(args, "op")
     hand = run_handwritten(args)
@@ -318,22 +320,21 @@ def main() -> int:
         ("hand-written (parallelize_module + FSDP2)", hand[0]["parameters"], t_hand,
          hand[0]["measured"]),
     ]
-    print()
-    print("| run | parameters | step time (median) | peak memory, rank 0 "
-          "| collectives in the last step, rank 0 (AG / RS / AR) |")
-    print("|---|---|---|---|---|")
+    lines += ["| run | parameters | step time (median) | peak memory, rank 0 "
+              "| collectives in the last step, rank 0 (AG / RS / AR) |", "|---|---|---|---|---|"]
     for name, n, t, m in rows:
-        calls = [m["collective_calls"].get(k, 0) for k in ("all_gather", "reduce_scatter",
-                                                             "all_reduce")]
-        print(f"| {name} | {n:,} | {t * 1e3:.1f} ms | {m['peak_bytes'] / 2**20:.1f} MiB "
-              f"| {' / '.join(map(str, calls))} |")
-    print(f"\nratio memshard (per layer, as FSDP2) / hand-written: {t_mine / t_hand:.2f}× (goal ≤ 1.05×); "
-          f"per op: {t_op / t_hand:.2f}×")
+        calls = [m["collective_calls"].get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce")]
+        lines.append(f"| {name} | {n:,} | {t * 1e3:.1f} ms | {m['peak_bytes'] / 2**20:.1f} MiB "
+                     f"| {' / '.join(map(str, calls))} |")
+    lines += ["", f"Ratio memshard (per layer, as FSDP2) / hand-written: {t_mine / t_hand:.2f}×; per op: "
+              f"{t_op / t_hand:.2f}×."]
+    print("\n".join(lines[1:]))
     for name, reports in (("memshard per layer", mine), ("memshard per op", per_op), ("hand-written", hand)):
-        per_rank = ", ".join(" ".join(f"{t * 1e3:.0f}" for t in r["step_times_s"])
-                             for r in reports)
+        per_rank = ", ".join(" ".join(f"{t * 1e3:.0f}" for t in r["step_times_s"]) for r in reports)
         print(f"{name} step times (ms), per rank: {per_rank}")
         print(f"{name} losses: {' '.join(f'{x:.3f}' for x in reports[0]['losses'])}")
+    if args.write:
+        write_section("runtime-vs-handwritten", "Runtime step time against hand-written TP + FSDP2", "\n".join(lines))
     return 0
 
 

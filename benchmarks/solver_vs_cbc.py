@@ -18,6 +18,7 @@ that ILP is not the one memshard ends up solving, and the script says so).
 bounds or dive around it: the solvers alone, like for like.
 
     .venv/bin/python benchmarks/solver_vs_cbc.py [--model gpt3-1.3b --mesh 2x4 --layers 4] [--lazy] [--same-objective]
+    .venv/bin/python benchmarks/solver_vs_cbc.py --write     # the table's four ILPs, into BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import highspy
 import numpy as np
 import pulp
 
+from benchmarks_md import provenance, write_section
 from memshard.ilp.formulation import Formulation
 from memshard.ilp.highs import TIE_BREAK, TIE_RESOLUTION, HighsSearch, blend_objective
 from memshard.ilp.model import LinearModel
@@ -44,12 +46,7 @@ def build(args):
     graph = build_graph(args.model, batch=args.batch, seq=args.seq, num_layers=args.layers)
     problem = build_problem(graph, parse_mesh(args.mesh))
     f = Formulation(problem)
-    f.add_choice_constraints()
-    f.add_link_constraints()
-    f.add_edge_constraints()
-    f.add_memory_constraints(problem.candidate_points)
-    if not args.lazy:
-        f.add_reshard_constraints()
+    f.add_plan_constraints(problem.candidate_points, reshard_rows=not args.lazy)
     return problem, f
 
 
@@ -185,6 +182,63 @@ def sizes(m: LinearModel) -> str:
             f"{sum(len(c) for c in m.row_columns):,} nonzeros")
 
 
+SUITE = (  # the ILPs of BENCHMARKS.md's table: model, mesh, layers, batch, seq
+    ("gpt3-1.3b", "2x4", 4, 16, 2048),
+    ("llama3-8b", "8x8", 32, 64, 4096),
+    ("gpt3-6.7b", "2x4", 32, 16, 2048),
+    ("gpt3-6.7b", "2x4", 32, 8, 2048),
+)
+
+
+def same_objective(f: Formulation, args) -> None:
+    objective, gap = blend(f), args.gap * TIE_BREAK
+    t_h, obj_h = solve_highs_alone(f, objective, gap, args.limit)
+    print(f"blend objective (peak + {TIE_BREAK:g} weight of step time), gap {gap:.1e}, replicated start")
+    print(f"HiGHS: {t_h:.2f} s, objective {obj_h:.6f}")
+    _, t_c, obj_c, status = solve_cbc(f.model, objective, gap, args.limit, f.replicated_start())
+    print(f"PuLP + CBC: {t_c:.2f} s ({status}), objective {obj_c if obj_c is None else f'{obj_c:.6f}'}")
+    print(f"ratio CBC/HiGHS: {t_c / t_h:.1f}x")
+
+
+def race(problem, f: Formulation, args) -> dict:
+    """memshard's search against CBC on the identical ILP and on Alpa's formulation of it."""
+    gib = f.bytes_unit / 2**30
+    t_h, obj_h, meets_m, second_pass = solve_highs(problem, f, args.gap, args.limit)
+    passes = "both passes" if second_pass else "one pass: ties resolved"
+    print(f"HiGHS, memshard's search: {t_h:.2f} s ({passes}), peak {obj_h * gib:.4f} GiB")
+    if not meets_m:
+        print("the plan's reshards exceed M: memshard adds the reshard rows and solves again")
+    peak = f.peak_expression()
+    pm, substitute = pair_formulation(f)
+    print(f"Alpa's edge formulation of the same ILP: {sizes(pm)}")
+    out = {"highs_s": t_h, "sizes": sizes(f.model), "alpa_sizes": sizes(pm)}
+    for key, name, m, objective in (("cbc", "memshard's ILP", f.model, peak),
+                                    ("alpa", "Alpa's formulation", pm, substitute(*peak))):
+        built, t_c, obj_c, status = solve_cbc(m, objective, args.gap, args.limit)
+        peak_c = f"{obj_c * gib:.4f} GiB" if obj_c is not None else "none"
+        print(f"PuLP + CBC on {name}: {t_c:.2f} s ({built:.2f} s building the PuLP model; {status}), "
+              f"peak {peak_c}; ratio to HiGHS {t_c / t_h:.1f}x", flush=True)
+        out[f"{key}_s"] = t_c
+    return out
+
+
+def write_suite(args) -> None:
+    lines = [provenance("python benchmarks/solver_vs_cbc.py --write") + f" PuLP {pulp.__version__} + CBC, "
+             f"gap {args.gap:g}, one thread each.", "",
+             "| ILP (memory objective) | memshard's ILP | Alpa's formulation | HiGHS, memshard's search "
+             "| CBC, identical ILP | CBC, Alpa's formulation |", "|---|---|---|---:|---:|---:|"]
+    for model, mesh, layers, batch, seq in SUITE:
+        suite_args = argparse.Namespace(**{**vars(args), "model": model, "mesh": mesh, "layers": layers,
+                                           "batch": batch, "seq": seq})
+        print(f"== {model} {layers} layers on {mesh}, batch {batch} × {seq}", flush=True)
+        problem, f = build(suite_args)
+        r = race(problem, f, suite_args)
+        lines.append(f"| {model}, {layers} layers, {mesh}, batch {batch} × {seq} | {r['sizes']} | {r['alpa_sizes']} "
+                     f"| {r['highs_s']:.2f} s | {r['cbc_s']:.2f} s ({r['cbc_s'] / r['highs_s']:.1f}×) "
+                     f"| {r['alpa_s']:.2f} s ({r['alpa_s'] / r['highs_s']:.1f}×) |")
+    write_section("solver-vs-cbc", "HiGHS vs PuLP + CBC", "\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpt3-1.3b")
@@ -197,35 +251,20 @@ def main() -> None:
     ap.add_argument("--lazy", action="store_true", help="without the reshard rows, as memshard solves first")
     ap.add_argument("--same-objective", action="store_true",
                     help="both solvers minimise memshard's first-pass blend to its gap from the same start")
+    ap.add_argument("--write", action="store_true", help="run the table's four ILPs and write it to BENCHMARKS.md")
     args = ap.parse_args()
+    if args.write:
+        write_suite(args)
+        return
     problem, f = build(args)
     print(f"{args.model} ({args.layers} layers) on {args.mesh}, machine {platform.processor() or platform.machine()}, "
           f"Python {platform.python_version()}, highspy {metadata.version('highspy')}, "
           f"PuLP {pulp.__version__} + CBC")
     print(f"memshard's ILP: {sizes(f.model)}")
     if args.same_objective:
-        objective, gap = blend(f), args.gap * TIE_BREAK
-        t_h, obj_h = solve_highs_alone(f, objective, gap, args.limit)
-        print(f"blend objective (peak + {TIE_BREAK:g} weight of step time), gap {gap:.1e}, replicated start")
-        print(f"HiGHS: {t_h:.2f} s, objective {obj_h:.6f}")
-        _, t_c, obj_c, status = solve_cbc(f.model, objective, gap, args.limit, f.replicated_start())
-        print(f"PuLP + CBC: {t_c:.2f} s ({status}), objective {obj_c if obj_c is None else f'{obj_c:.6f}'}")
-        print(f"ratio CBC/HiGHS: {t_c / t_h:.1f}x")
-        return
-    gib = f.bytes_unit / 2**30
-    t_h, obj_h, meets_m, second_pass = solve_highs(problem, f, args.gap, args.limit)
-    passes = "both passes" if second_pass else "one pass: ties resolved"
-    print(f"HiGHS, memshard's search: {t_h:.2f} s ({passes}), peak {obj_h * gib:.4f} GiB")
-    if not meets_m:
-        print("the plan's reshards exceed M: memshard adds the reshard rows and solves again")
-    peak = f.peak_expression()
-    pm, substitute = pair_formulation(f)
-    print(f"Alpa's edge formulation of the same ILP: {sizes(pm)}")
-    for name, m, objective in (("memshard's ILP", f.model, peak), ("Alpa's formulation", pm, substitute(*peak))):
-        built, t_c, obj_c, status = solve_cbc(m, objective, args.gap, args.limit)
-        peak_c = f"{obj_c * gib:.4f} GiB" if obj_c is not None else "none"
-        print(f"PuLP + CBC on {name}: {t_c:.2f} s ({built:.2f} s building the PuLP model; {status}), "
-              f"peak {peak_c}; ratio to HiGHS {t_c / t_h:.1f}x", flush=True)
+        same_objective(f, args)
+    else:
+        race(problem, f, args)
 
 
 if __name__ == "__main__":

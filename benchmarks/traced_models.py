@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from tests.runtime_harness import run_plans  # noqa: E402
 from tests.test_traced_runtime import CONFIGS, STEPS  # noqa: E402
 
 import memshard  # noqa: E402
-from benchmarks_md import write_section  # noqa: E402
+from benchmarks_md import provenance, write_section  # noqa: E402
 from memshard.job import HFModel, Job  # noqa: E402
 from memshard.runtime.report import error  # noqa: E402
 
@@ -86,14 +85,14 @@ def main() -> None:
     start = time.time()
     full = full_size_rows()
     runs = run_rows()
-    lines = [f"Command: `OMP_NUM_THREADS=1 python benchmarks/traced_models.py --write` "
-             f"({datetime.date.today()}, 2-core CPU, torch 2.13 CPU, transformers; {time.time() - start:.0f} s).",
+    lines = [provenance("OMP_NUM_THREADS=1 python benchmarks/traced_models.py --write")
+             + f" transformers; {time.time() - start:.0f} s.",
              "", "Full-size Hugging Face configs, traced on the meta device, mixed precision, memory objective:",
              "", *full, "", "Tiny configs run on gloo (fp32):", "", *runs]
     text = "\n".join(lines)
     print(text)
     if args.write:
-        write_section("traced-models", "Traced models (issue #5)", text)
+        write_section("traced-models", "Traced models", text)
 
 
 if __name__ == "__main__":

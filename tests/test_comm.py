@@ -65,7 +65,7 @@ def test_all_to_all(axis, link):
     c = Collective(ALL_TO_ALL, axis, local)
     # each device keeps 1/m of its local buffer and sends the rest
     assert rel(wire_bytes(c, MESH), (m - 1) / m * local)
-    # DESIGN.md's form: (m−1)/m² · B with B summed over the m devices of the axis
+    # the other common form: (m−1)/m² · B with B summed over the m devices of the axis
     assert rel(collective_time(c, MESH), alpha + (m - 1) / m**2 * (m * local) / beta)
 
 

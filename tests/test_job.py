@@ -143,11 +143,7 @@ def test_a_merged_mesh_plan_builds_the_real_problem_only_when_asked(monkeypatch)
 def test_a_binding_or_violated_row_is_named_by_family_and_point(tiny_plan):
     problem, selection = tiny_plan.searched, tiny_plan.searched_selection
     f = Formulation(problem)
-    f.add_choice_constraints()
-    f.add_link_constraints()
-    f.add_edge_constraints()
-    f.add_memory_constraints(problem.candidate_points)
-    f.add_reshard_constraints()
+    f.add_plan_constraints(problem.candidate_points)
     f.fix(selection)
     import time
 

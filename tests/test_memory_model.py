@@ -134,7 +134,7 @@ def test_redundant_bytes_of_layouts():
     assert redundant_bytes(800.0, (Shard(0),), mesh) == 0.0
     assert redundant_bytes(800.0, (Shard(0), Shard(1)), MESH) == 0.0
     assert redundant_bytes(800.0, (Shard(0), R), MESH) == pytest.approx(600.0)  # 4 copies
-    # a partial sum is not split either: all 8 devices hold a full-size piece (DESIGN.md)
+    # a partial sum is not split either: all 8 devices hold a full-size piece (docs/design.md)
     assert redundant_bytes(800.0, (R, P), MESH) == pytest.approx(700.0)
 
 

@@ -179,7 +179,7 @@ def test_local_numel_3d_on_2x4():
         ((Shard(0), R), 4),
         ((R, Shard(0)), 2),
         ((Shard(0), Shard(1)), 1),
-        # DESIGN.md: replication = product of the axes on which the tensor is not split; a
+        # docs/design.md: replication = product of the axes on which the tensor is not split; a
         # partial sum is not split (every device holds a full-size summand).
         ((P, R), 8),
         ((R, P), 8),

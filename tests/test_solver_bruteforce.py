@@ -131,11 +131,7 @@ def dive(problem):
     """``HighsSearch.dive`` on the peak with every row: (its plan's evaluated peak, its bound),
     in bytes, after checking the ILP's M for that plan is its evaluated peak; None if no plan."""
     f = Formulation(problem)
-    f.add_choice_constraints()
-    f.add_link_constraints()
-    f.add_edge_constraints()
-    f.add_memory_constraints(problem.candidate_points)
-    f.add_reshard_constraints()
+    f.add_plan_constraints(problem.candidate_points)
     search = HighsSearch(f.model, time.perf_counter() + 60, f.disjunctions())
     search.set_objective(f.peak_expression())
     dived = search.dive(0.0, None)

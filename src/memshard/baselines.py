@@ -3,7 +3,7 @@
 Each baseline is a short function that picks, for every op, which mesh axis splits which
 dim, and for every parameter its ZeRO storage; the plan is then priced by the same model as
 memshard's plans, so the comparison is like for like (and, being points of the search
-space, no baseline can beat memshard's minimal-memory plan).
+space, no baseline beats memshard's minimal-memory plan by more than the solver's gap).
 
 - ``ddp``: every op splits the batch over every axis; ``zero`` (stages 1/2/3): the same with
   optimizer states, + gradients, + weights sharded over all axes (ZeRO-3 = FSDP full shard).

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any
 
@@ -32,6 +32,10 @@ MODEL_KNOBS: dict[str, str | None] = {
     "vocab": "vocab_size",
     "dropout": None,
 }
+
+# What else the Python API may override in a built-in model's config (``ModelConfig``).
+CONFIG_FIELDS = tuple(sorted(f.name for f in fields(ModelConfig)
+                             if f.name not in (*MODEL_KNOBS, "name", "family", "precision", "published_parameters")))
 
 
 @dataclass(frozen=True)
@@ -94,10 +98,11 @@ class Job:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise MemshardError(f"unknown precision {self.precision!r}; use mixed or fp32")
         knobs = {k: v for k, v in self.overrides.items() if v is not None}
-        unknown = sorted(set(knobs) - set(MODEL_KNOBS))
+        known = MODEL_KNOBS if isinstance(self.model, HFModel) else {**MODEL_KNOBS, **dict.fromkeys(CONFIG_FIELDS)}
+        unknown = sorted(set(knobs) - set(known))
         if unknown:
-            raise MemshardError(f"unknown model option {', '.join(unknown)}; known: {', '.join(MODEL_KNOBS)}")
-        object.__setattr__(self, "overrides", {k: knobs[k] for k in MODEL_KNOBS if k in knobs})
+            raise MemshardError(f"unknown model option {', '.join(unknown)}; known: {', '.join(known)}")
+        object.__setattr__(self, "overrides", {k: knobs[k] for k in known if k in knobs})
         self._check_source()
 
     def _check_source(self) -> None:

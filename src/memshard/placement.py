@@ -89,7 +89,7 @@ def local_numel(shape: tuple[int, ...], layout: Layout, mesh_shape: tuple[int, .
 
 
 def replication(layout: Layout, mesh_shape: tuple[int, ...]) -> int:
-    """Product of the mesh axes on which the tensor is not split (DESIGN.md): on those axes
+    """Product of the mesh axes on which the tensor is not split (docs/design.md): on those axes
     every device holds a full-size piece, a copy (Replicate) or a summand (Partial); either way
     all but one of them are bytes beyond the tensor's unique size."""
     return math.prod(m for p, m in zip(layout, mesh_shape) if not isinstance(p, Shard))

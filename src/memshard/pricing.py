@@ -91,7 +91,7 @@ class LayerUnit:
     backward from the backward of the last op that reads a member to that of the first; the
     members' gradients wait unsharded until the first op's backward, are copied into one flat
     buffer there and reduce-scattered together (at that op's gradient reshard point). The
-    members are all ZeRO-3 alike or none is (``_Builder.link_layer_units``): the runtime
+    members are all ZeRO-3 alike or none is (``link_layer_units``): the runtime
     gathers the members it holds from the first use of one to the last, so a unit of only
     some of them would span less than priced."""
 

@@ -115,12 +115,8 @@ def _redundancy_table(rows: list[RedundantOp]) -> Table:
 
 
 def _strategy_table(plan: Plan) -> Table:
-    o = Table(title="Strategy (per op; identical layers share one row)", title_justify="left")
-    o.add_column("op")
-    o.add_column("×", justify="right")
-    o.add_column("einsum")
-    o.add_column("split (axis:dim)")
-    o.add_column("inputs → output")
+    o = _table("Strategy (per op; identical layers share one row)", ("op", "×", "einsum", "split (axis:dim)",
+                                                                      "inputs → output"))
     for op in plan.ops:
         split = " ".join(f"{ax}:{dim}" for ax, dim in op.split.items()) or "replicated"
         o.add_row(op.name, str(op.instances), op.einsum, split,
@@ -129,14 +125,17 @@ def _strategy_table(plan: Plan) -> Table:
 
 
 def _storage_table(plan: Plan) -> Table:
-    p = Table(title="Parameter storage", title_justify="left")
-    p.add_column("parameter")
-    p.add_column("×", justify="right")
-    p.add_column("layout")
-    p.add_column("storage")
+    p = _table("Parameter storage", ("parameter", "×", "layout", "storage"))
     for prm in plan.parameters:
         p.add_row(prm.names[0], str(prm.instances), prm.layout, prm.storage)
     return p
+
+
+def _table(title: str, columns: tuple[str, ...]) -> Table:
+    t = Table(title=title, title_justify="left")
+    for column in columns:
+        t.add_column(column, justify="right" if column == "×" else "left")
+    return t
 
 
 def format_plan(plan: Plan, top: int = 10, width: int = 120) -> str:

@@ -11,7 +11,7 @@ all-reduce      the local buffer                              2α + 2(m−1)/m �
 all-to-all      the local buffer (each device keeps 1/m)      α + (m−1)/m · B/β
 ==============  ==========================================  ===========================
 
-Bytes on the wire per device are the bandwidth terms times β. (DESIGN.md writes all-to-all as
+Bytes on the wire per device are the bandwidth terms times β. (One may write all-to-all as
 ``(m−1)/m² · B`` with ``B`` the buffer summed over the axis group; it is the same figure.)
 
 Resharding ``src → dst`` runs one mesh axis at a time, each step changing the placement of that

@@ -64,6 +64,16 @@ class Formulation:
         self.live: LiveBytes | None = None
         self.reshards: ReshardRows | None = None
 
+    def add_plan_constraints(self, points: list[int], reshard_rows: bool = True) -> None:
+        """Every family that makes a solution a plan and prices its peak at ``points`` (the
+        reshard rows too unless they are added lazily); the budgets are the caller's."""
+        self.add_choice_constraints()
+        self.add_link_constraints()
+        self.add_edge_constraints()
+        self.add_memory_constraints(points)
+        if reshard_rows:
+            self.add_reshard_constraints()
+
     # -- row families --------------------------------------------------------------------------
     def add_choice_constraints(self) -> None:
         for g, cols in enumerate(self.choice_columns):

@@ -88,16 +88,11 @@ class Solver:
         self.problem = problem
         self.objective = objective
         formulation = self.formulation = Formulation(problem)
-        formulation.add_choice_constraints()
-        formulation.add_link_constraints()
-        formulation.add_edge_constraints()
-        formulation.add_memory_constraints(problem.candidate_points)
         # Lazy reshard rows, but not when pricing a given plan, nor under a memory budget: a
         # plan found without them may exceed it, and one found out of time would then be no
         # plan at all.
         self.lazy = fixed is None and (memory_budget_bytes is None or math.isinf(memory_budget_bytes))
-        if not self.lazy:
-            formulation.add_reshard_constraints()
+        formulation.add_plan_constraints(problem.candidate_points, reshard_rows=not self.lazy)
         time_expr = formulation.time_expression()
         formulation.add_budget_constraints(objective, time_expr, max_step_time_s, memory_budget_bytes)
         if fixed is not None:

@@ -2,9 +2,11 @@
 
 The planner prices a reshard ``src → dst`` as one collective per mesh axis whose placement
 changes, forward activations in axis order and their gradients in reverse axis order
-(``memshard.cost.comm.reshard``). :func:`reshard_local` runs exactly those steps: each one is
-a DTensor ``redistribute`` that changes a single axis, so DTensor picks the one collective
-(all-gather, reduce-scatter, all-reduce, all-to-all, or a local slice) the model priced.
+(``memshard.cost.comm.reshard``). :func:`reshard_local` runs exactly those steps, one per
+axis: an even split's step calls the one functional collective DTensor would (all-gather,
+reduce-scatter, all-reduce, or a local slice) without DTensor's per-call dispatch; an uneven
+one goes through DTensor's ``redistribute``; ``Shard(i) → Shard(j)`` is memshard's own
+all-to-all.
 
 :class:`Reshard` is the autograd function an edge of the graph runs: forward ``lp → lc``,
 backward the consumer's input-gradient layout ``gc → gp`` (the producer's output layout with
