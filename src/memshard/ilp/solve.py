@@ -7,13 +7,13 @@ small tie-break, which is usually optimal for the primary one alone and then nee
 pass.
 
 The reshard rows are lazy (without a memory budget): most plans' peak is not at a reshard,
-and without those rows (a quarter of them) HiGHS takes a third less time. The first pass runs
+and without those rows (and their ρ columns) each HiGHS solve is smaller. The first pass runs
 without them; where the plan, priced by the evaluator, holds more than its M at a reshard
 point, that point's rows are added and the first pass runs again, from that plan, until none
 is over (``Formulation.over_peak``); the second pass likewise. A plan that meets M is optimal
-with every row too: dropping rows only enlarges the feasible set. (Adding every row at the
-first violation made one job's search 10× slower: a plan over M at a handful of its hundreds
-of reshards.) Every round's bound holds for the whole ILP. Out of time in a later round, the
+with every row too: dropping rows only enlarges the feasible set. Rows come point by point,
+not all at the first violation: a plan is often over M at a handful of its hundreds of
+reshard points. Every round's bound holds for the whole ILP. Out of time in a later round, the
 plan kept is the better of that round's and the one before it, as the evaluator prices them,
 with its gap to the best bound.
 """
