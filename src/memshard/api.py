@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
+from memshard.baselines import baselines
 from memshard.errors import MemshardError
 from memshard.graph import Graph
 from memshard.job import HFModel, Job, TracedModule, is_module
 from memshard.mesh import Mesh
 from memshard.models import ModelConfig
 from memshard.planner import SearchOptions, baseline_plans, plan_job, searched_problem
-from memshard.plans import Plan
+from memshard.plans import Plan, build_plan
 from memshard.pricing import build_problem
 
 Model = str | ModelConfig | Graph | HFModel
@@ -134,21 +135,21 @@ def _compare_row(p: Plan, best: Plan) -> dict:
     }
 
 
-def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: str = "ddp", *,
+def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: str | None = None, *,
                   zero3_unit: str = "op", **job_arguments) -> Plan:
     """The fixed plan of a named baseline (``ddp``, ``zero3-fsdp``, ``megatron-tp4-sp``…;
     ``memshard compare`` lists them) of ``model`` on ``mesh`` (keywords as :func:`plan`'s) or
     of a :class:`Job`, priced like memshard's own."""
     job, _ = job_and_options(model, mesh, job_arguments)
     problem = build_problem(job.graph, job.mesh, micro_batches=job.micro_batches, zero3_unit=zero3_unit)
-    plans, skipped = baseline_plans(job, problem)
-    for p in plans:
-        if p.strategy == strategy:
-            return p
+    fixed, skipped = baselines(problem)
+    for b in fixed:
+        if b.name == strategy:
+            return build_plan(b.problem, b.selection, job, strategy=b.name, advice=False)
     reason = dict(skipped).get(strategy)
     if reason:
         raise MemshardError(f"strategy {strategy} does not fit {job.graph.name} on {job.mesh}: {reason}")
-    known = ", ".join(["memshard", *(p.strategy for p in plans)])
+    known = ", ".join(["memshard", *(b.name for b in fixed)])
     raise MemshardError(f"unknown strategy {strategy!r} for this mesh; known: {known}")
 
 
