@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-RUNTIME = {"test_runtime", "test_traced_runtime", "test_simulate", "test_run_cli", "test_launch", "test_measure",
+RUNTIME = {"test_runtime", "test_traced_runtime", "test_simulate", "test_run_cli", "test_launch", "test_signals", "test_measure",
            "test_reshard_memory"}
 TRACE = {"test_trace"}
 

@@ -250,9 +250,7 @@ def _runtime_plan(args):
 
 
 def _cmd_run(args, console) -> None:
-    import tempfile
-
-    from memshard.runtime.launch import launch
+    from memshard.runtime.launch import launch, private_tempdir
     from memshard.runtime.report import render_run
 
     _check_json_path(args.json)
@@ -261,7 +259,7 @@ def _cmd_run(args, console) -> None:
     with console.status("planning…"):
         result = _runtime_plan(args)
     n = result.job.mesh.num_devices
-    with tempfile.TemporaryDirectory(prefix="memshard-run-") as tmp:
+    with private_tempdir("memshard-run-") as tmp:  # removed even if a signal stops the run
         path = os.path.join(tmp, "plan.json")
         result.save(path)
         with console.status(f"running {n} rank(s)…"):
@@ -363,14 +361,28 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
         args = build_parser().parse_args(argv)
-        COMMANDS[args.command](args, console)
+        from memshard.runtime.launch import interrupt_on_signals
+
+        with interrupt_on_signals():  # SIGTERM and SIGHUP clean up like Ctrl-C
+            COMMANDS[args.command](args, console)
         return 0
     except MemshardError as e:
         print(f"memshard: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("memshard: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, OSError) as e:
+        import signal
+
+        # an OSError while the interrupt unwinds: the terminal is gone (SIGHUP), and so is the
+        # spinner that tried to clear itself; the clean-up ran all the same
+        interrupt = e if isinstance(e, KeyboardInterrupt) else e.__context__
+        if not isinstance(interrupt, KeyboardInterrupt):
+            raise
+        signum = getattr(interrupt, "signum", signal.SIGINT)  # launch.Interrupted carries its signal
+        try:
+            print(f"memshard: interrupted{'' if signum == signal.SIGINT else f' by {interrupt}'}", file=sys.stderr)
+        except OSError:
+            pass
+        return 128 + signum
 
 
 if __name__ == "__main__":

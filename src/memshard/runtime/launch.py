@@ -1,15 +1,39 @@
 """Starting the ranks of a job on this machine, torchrun-style, and collecting their results.
 
 This module owns the process side of a run: one ``python -m <module> <args…>`` process per
-rank, the rendezvous environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), a private output folder
-(``MEMSHARD_OUT_DIR``) into which each rank writes ``rank{RANK}.json``, and tearing every rank
-down as soon as one fails, times out or the launcher is interrupted. It knows nothing of what
-the ranks compute.
+rank (behind a few lines that tie it to the launcher, see :func:`rank_command`), the rendezvous
+environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``), a private output folder (``MEMSHARD_OUT_DIR``) into which each rank writes
+``rank{RANK}.json``, and tearing every rank down as soon as one fails, times out or the
+launcher is interrupted. It knows nothing of what the ranks compute.
+
+No rank outlives its launcher, however the launcher ends:
+
+* **An exception** (a failed rank, the timeout, Ctrl-C): ``launch`` stops every rank (SIGTERM
+  to its process group, SIGKILL after a grace) and removes its folder before it returns.
+* **SIGINT, SIGTERM, SIGHUP**: inside :func:`interrupt_on_signals` (``memshard``'s ``main``
+  runs every command in it) each of them raises :class:`Interrupted`, a ``KeyboardInterrupt``
+  carrying the signal, so the same clean-up runs; a signal that arrives while a clean-up is
+  under way is held until it is done. Signals ignored on entry (``nohup``) stay ignored.
+* **Death without clean-up** (SIGKILL, a crash): every rank starts by setting the Linux
+  parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so the kernel kills it when the
+  launcher dies; a rank whose launcher died before that (its parent is no longer the PID in
+  ``MEMSHARD_LAUNCHER_PID``) exits at once. (The kernel sends it when the *thread* that
+  started the rank ends: ``launch`` blocks that thread until its ranks are gone.) Elsewhere
+  than Linux this step does nothing. Processes that a rank started itself are not covered.
+
+Temporary folders: :func:`private_tempdir` makes ``$TMPDIR/memshard-…`` folders (``launch``'s
+``memshard-launch-*``, ``memshard run``'s ``memshard-run-*``), removed on every exit path
+above. Each holds a file ``.owner`` with the owner's PID, on which the owner holds an
+exclusive ``flock`` for as long as it lives; the kernel drops the lock when the owner dies,
+however it dies. :func:`remove_abandoned_tempdirs`, called by every ``launch``, removes the
+``memshard-*`` folders whose lock it can take: those of SIGKILLed launchers. A folder whose
+file system has no locks is never taken for abandoned.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -17,12 +41,13 @@ import queue
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from memshard.errors import MemshardError
@@ -31,15 +56,40 @@ OUT_DIR_ENV = "MEMSHARD_OUT_DIR"
 #: Seconds a worker should give a collective before giving up (its process-group timeout);
 #: the launcher sets it from ``fail_fast_s``.
 COLLECTIVE_TIMEOUT_ENV = "MEMSHARD_COLLECTIVE_TIMEOUT_S"
+#: The launcher's PID, as each rank should see it as its parent (see :func:`rank_command`).
+LAUNCHER_PID_ENV = "MEMSHARD_LAUNCHER_PID"
+#: The file in a :func:`private_tempdir` folder that names and locks its owner.
+OWNER_FILE = ".owner"
+TEMPDIR_PREFIX = "memshard-"
 
 _GRACE_S = 2.0  # between SIGTERM and SIGKILL
 _TAIL_LINES = 20
 _TAIL_CHARS = 4000
+# What each rank runs first (then its module, as ``python -m`` would): the parent-death
+# signal, and the check that the launcher did not die before it was set.
+_RANK_BOOTSTRAP = f"""\
+import os, runpy, sys
+if sys.platform.startswith("linux"):
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+if str(os.getppid()) != os.environ.get("{LAUNCHER_PID_ENV}", str(os.getppid())):
+    os._exit(1)  # the launcher is gone already
+runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
+"""
 
 
 def is_under_torchrun() -> bool:
     """Whether this process is one rank of a launched job (by torchrun or ``launch``)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def rank_command(module: str, args: Sequence[str]) -> list[str]:
+    """The command line of one rank: ``python -m module args…`` behind the parent-death set-up
+    (which expects ``MEMSHARD_LAUNCHER_PID`` to be this process's PID, as ``launch`` sets it)."""
+    return [sys.executable, "-c", _RANK_BOOTSTRAP, module, *args]
 
 
 def launch(
@@ -59,23 +109,31 @@ def launch(
     stuck in a collective gives up on its own; the launcher itself stops all ranks as soon as
     one of them fails. Raises ``MemshardError`` with one message naming the rank, its exit code
     or signal and the end of its stderr if any rank fails, writes no result, or the whole run
-    exceeds ``timeout_s``. No rank process outlives the call, whatever happens.
+    exceeds ``timeout_s``. No rank process outlives the call, whatever happens, nor the
+    launcher if it is killed (see the module's notes); first, the folders of killed launchers
+    are removed (:func:`remove_abandoned_tempdirs`).
     """
     if nprocs < 1:
         raise MemshardError(f"need at least one rank, got {nprocs}")
     if timeout_s <= 0 or fail_fast_s <= 0:
         raise MemshardError("timeout_s and fail_fast_s must be positive")
-    job = _Job(module, nprocs)
-    try:
-        base = _base_env(env, job.workdir, nprocs, fail_fast_s)
-        for rank in range(nprocs):
-            rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
-            job.start([sys.executable, "-m", module, *args], rank_env)
-        job.wait(timeout_s)
-        return [job.result(rank) for rank in range(nprocs)]
-    finally:
-        job.stop()
-        shutil.rmtree(job.workdir, ignore_errors=True)
+    remove_abandoned_tempdirs()
+    with private_tempdir("memshard-launch-") as workdir:
+        job = _Job(module, nprocs, workdir)
+        try:
+            base = _base_env(env, job.workdir, nprocs, fail_fast_s)
+            for rank in range(nprocs):
+                rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+                job.start(rank_command(module, args), rank_env)
+            job.wait(timeout_s)
+            results = [job.result(rank) for rank in range(nprocs)]
+        except BaseException as e:
+            with _held_signals(e):
+                job.stop()
+            raise
+        with _held_signals():
+            job.stop()
+        return results
 
 
 def _base_env(extra: dict[str, str] | None, workdir: str, nprocs: int,
@@ -91,6 +149,7 @@ def _base_env(extra: dict[str, str] | None, workdir: str, nprocs: int,
         "MASTER_PORT": str(_free_port()),
         OUT_DIR_ENV: workdir,
         COLLECTIVE_TIMEOUT_ENV: f"{fail_fast_s:g}",
+        LAUNCHER_PID_ENV: str(os.getpid()),
     })
     return env
 
@@ -101,13 +160,159 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# -- signals ------------------------------------------------------------------------------------
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived inside :func:`interrupt_on_signals`; ``signum`` says
+    which. A ``KeyboardInterrupt``, so whatever cleans up after Ctrl-C cleans up after it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(_signal_name(signum))
+        self.signum = signum
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class _SignalState:
+    """Clean-ups under way (``_held_signals`` depth) and the signal that arrived during them."""
+
+    depth = 0
+    pending: int | None = None
+
+
+_SIGNALS = _SignalState()
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    if _SIGNALS.depth:
+        _SIGNALS.pending = _SIGNALS.pending or signum  # raised once the clean-up is done
+        return
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """While the block runs (in the main thread), SIGINT, SIGTERM and SIGHUP raise
+    :class:`Interrupted` instead of killing the process, so that ``finally`` blocks, and with
+    them ``launch``'s clean-up, run; the previous handlers come back after it. A signal ignored
+    on entry stays ignored. Does nothing in another thread (handlers belong to the main one)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    names = ("SIGINT", "SIGTERM", "SIGHUP")
+    previous = {getattr(signal, n): signal.getsignal(getattr(signal, n)) for n in names
+                if hasattr(signal, n)}
+    for s, old in previous.items():
+        if old is not signal.SIG_IGN:
+            signal.signal(s, _on_signal)
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, signal.SIG_DFL if old is None else old)
+
+
+@contextlib.contextmanager
+def _held_signals(unwinding: BaseException | None = None) -> Iterator[None]:
+    """A clean-up that a signal must not cut short: one that arrives meanwhile is raised once it
+    is done, unless what the clean-up is for (``unwinding``) is an interrupt already."""
+    _SIGNALS.depth += 1
+    try:
+        yield
+    finally:
+        _SIGNALS.depth -= 1
+        pending = None
+        if not _SIGNALS.depth:
+            pending, _SIGNALS.pending = _SIGNALS.pending, None
+    if pending is not None and not isinstance(unwinding, KeyboardInterrupt):
+        raise Interrupted(pending)
+
+
+# -- temporary folders --------------------------------------------------------------------------
+@contextlib.contextmanager
+def private_tempdir(prefix: str) -> Iterator[str]:
+    """A new folder ``$TMPDIR/<prefix>XXXXXXXX`` (``prefix`` starts with ``memshard-``) for the
+    block, removed after it; it holds ``.owner``, locked by this process while the folder is in
+    use, so that :func:`remove_abandoned_tempdirs` can tell when its owner was killed."""
+    if not prefix.startswith(TEMPDIR_PREFIX):
+        raise ValueError(f"a private folder's prefix starts with {TEMPDIR_PREFIX!r}")
+    path = tempfile.mkdtemp(prefix=prefix)
+    lock = -1
+    try:
+        lock = _take_ownership(path)
+        yield path
+    except BaseException as e:
+        _remove_owned(path, lock, e)
+        raise
+    _remove_owned(path, lock)
+
+
+def _remove_owned(path: str, lock: int, unwinding: BaseException | None = None) -> None:
+    with _held_signals(unwinding):
+        shutil.rmtree(path, ignore_errors=True)
+        if lock >= 0:
+            os.close(lock)
+
+
+def _take_ownership(path: str) -> int:
+    """Create ``path/.owner``, lock it (blocking: a sweeper may hold it a moment) and write our
+    PID in it; an empty ``.owner`` (no locks on this file system) marks a folder as never
+    abandoned. Returns the descriptor that holds the lock (not inherited by the ranks)."""
+    import fcntl
+
+    fd = os.open(os.path.join(path, OWNER_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        return fd
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def remove_abandoned_tempdirs(parent: str | None = None) -> list[str]:
+    """Remove the :func:`private_tempdir` folders in ``parent`` (default: the temporary
+    directory) whose owner is dead: those of a launcher killed by SIGKILL. Returns their paths.
+    Folders of live owners, of other users, and anything else are left alone."""
+    parent = parent or tempfile.gettempdir()
+    try:
+        names = sorted(n for n in os.listdir(parent) if n.startswith(TEMPDIR_PREFIX))
+    except OSError:
+        return []
+    return [path for path in (os.path.join(parent, n) for n in names) if _remove_if_abandoned(path)]
+
+
+def _remove_if_abandoned(path: str) -> bool:
+    import fcntl
+
+    try:
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return False
+        fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while the owner lives
+        if not os.read(fd, 64):  # its owner is just creating it, or has no locks
+            return False
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 class _Job:
     """The rank processes of one launch, their logs and results in ``workdir``, and their exits
     as ``(time, rank)`` events, each timed by a thread waiting on that rank alone."""
 
-    def __init__(self, module: str, nprocs: int) -> None:
-        self.module, self.nprocs = module, nprocs
-        self.workdir = tempfile.mkdtemp(prefix="memshard-launch-")
+    def __init__(self, module: str, nprocs: int, workdir: str) -> None:
+        self.module, self.nprocs, self.workdir = module, nprocs, workdir
         self.procs: list[subprocess.Popen[bytes]] = []
         self.watchers: list[threading.Thread] = []
         self.exits: queue.Queue[tuple[float, int]] = queue.Queue()
@@ -146,7 +351,8 @@ class _Job:
                                     f"the {timeout_s:g} s timeout; all ranks were stopped")
             self._collect(min(deadline - time.monotonic(), 0.1))
             if any(self.procs[r].returncode != 0 for _, r in self.exited):
-                self.stop()
+                with _held_signals():
+                    self.stop()
                 raise MemshardError(self._failure())
 
     def stop(self) -> None:
