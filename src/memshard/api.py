@@ -97,8 +97,8 @@ def compare(model: Model | Job, mesh: str | Mesh = "2x4", *, time_slack: float =
     ``time_slack`` × the fastest baseline's step time, then every baseline by peak memory.
     ``model`` and the keyword ``arguments`` are what :func:`plan` takes (or a :class:`Job`);
     the objective is memory's, so no objective or budget may be given."""
-    if not time_slack >= 1:
-        raise MemshardError(f"the time slack must be at least 1, got {time_slack}")
+    if not (isinstance(time_slack, (int, float)) and 1 <= time_slack < float("inf")):
+        raise MemshardError(f"the time slack must be a number ≥ 1, got {time_slack!r}")
     given = sorted(set(arguments) & {"objective", "max_step_time_s", "memory_budget", "start"})
     if given:
         raise MemshardError(f"compare plans for the least memory and within the time slack: give no {', '.join(given)}")
@@ -159,6 +159,9 @@ def runtime_plan(job: Job, strategy: str = "memshard", options: SearchOptions | 
     runtime computes in fp32, so the job must be fp32."""
     if (job.precision or job.graph.precision.name) != "fp32":
         raise MemshardError("the runtime executes fp32 plans; plan with --precision fp32")
+    if isinstance(job.model, (str, ModelConfig)) and job.config.family == "bert":
+        raise MemshardError("the runtime does not execute BERT graphs (their token-type embeddings); "
+                            "memshard plan and compare price them")
     options = options or SearchOptions(mip_gap=0.02)
     if strategy == "memshard":
         return plan_job(job, options)

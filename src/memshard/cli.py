@@ -22,6 +22,8 @@ EXIT_USAGE = 2
 KNOB_FLAGS = {"num_layers": "--layers", "hidden": "--hidden", "heads": "--heads", "kv_heads": "--kv-heads",
               "ffn": "--ffn", "vocab": "--vocab", "dropout": "--dropout"}
 # Options that describe the job: a saved plan (--plan) replaces them all.
+PLOT_FORMATS = ("png", "pdf", "svg")
+SEARCH_DESTS = ("objective", "max_step_time", "memory_budget", "zero3_unit", "exact", "full_mesh", "time_limit", "gap")
 JOB_DESTS = ("model", "hf_config", "hf_model", "attn_implementation", "mesh", "batch", "seq", "micro_batches",
              "precision", *KNOB_FLAGS, "axis_names", "bandwidth", "latency", "device_memory", "peak_tflops",
              "efficiency")
@@ -30,6 +32,25 @@ JOB_DESTS = ("model", "hf_config", "hf_model", "attn_implementation", "mesh", "b
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one clear line, no usage dump
         raise MemshardError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        return super().parse_known_args(_negative_values(sys.argv[1:] if args is None else list(args)), namespace)
+
+
+NEGATIVE = re.compile(r"-(\d|\.\d|inf|nan)", re.IGNORECASE)
+
+
+def _negative_values(argv: list[str]) -> list[str]:
+    """``--bandwidth -25,150`` as ``--bandwidth=-25,150``: argparse takes a value that starts
+    with ``-`` for an option (unless it is a plain number), and says "expected one argument"
+    where the value itself is what is wrong."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and NEGATIVE.match(token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
 
 
 def _positive_int(text: str) -> int:
@@ -96,18 +117,18 @@ def add_search_arguments(parser: argparse.ArgumentParser, objective: bool) -> No
     """The search space and the solver; with ``objective``, the objective and its budget."""
     s = parser.add_argument_group("search")
     if objective:
-        s.add_argument("--objective", choices=("memory", "time"), default="memory",
+        s.add_argument("--objective", choices=("memory", "time"),
                        help="memory: least peak memory (default); time: fastest step within --memory-budget")
         s.add_argument("--max-step-time", type=_seconds, help="with --objective memory: step-time budget, e.g. 2.5s")
         s.add_argument("--memory-budget",
                        help="with --objective time: bytes per device, e.g. 80GiB (default: --device-memory)")
-    s.add_argument("--zero3-unit", choices=("op", "layer"), default="op",
+    s.add_argument("--zero3-unit", choices=("op", "layer"),
                    help="what ZeRO-3 gathers at once: each op's weights (least memory, default) or a "
                         "whole layer's (FSDP's unit: far fewer collectives)")
     s.add_argument("--exact", action="store_true", help="solve without sharing variables across identical layers")
     s.add_argument("--full-mesh", action="store_true",
                    help="on 3+ axis meshes, search every axis separately (slow) instead of merging alike axes")
-    s.add_argument("--time-limit", type=_seconds, default=60.0, help="solver time limit per plan (default 60s)")
+    s.add_argument("--time-limit", type=_seconds, help="solver time limit per plan (default 60s)")
     s.add_argument("--gap", type=float,
                    help="relative optimality gap the solver may stop at (default 0.002 = 0.2%%; run, simulate: 0.02)")
 
@@ -127,19 +148,22 @@ def options_of(args, gap: float = 2e-3):
     """The search the options ask for (``gap``: the default when none is given)."""
     from memshard.planner import SearchOptions
 
-    objective = getattr(args, "objective", "memory")
-    return SearchOptions(objective=objective, max_step_time_s=getattr(args, "max_step_time", None),
-                         memory_budget=getattr(args, "memory_budget", None), exact=args.exact,
-                         full_mesh=args.full_mesh, zero3_unit=args.zero3_unit, time_limit_s=args.time_limit,
-                         mip_gap=gap if args.gap is None else args.gap, top=getattr(args, "top", 10))
+    def given(name: str, default):
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    return SearchOptions(objective=given("objective", "memory"), max_step_time_s=given("max_step_time", None),
+                         memory_budget=given("memory_budget", None), exact=args.exact, full_mesh=args.full_mesh,
+                         zero3_unit=given("zero3_unit", "op"), time_limit_s=given("time_limit", 60.0),
+                         mip_gap=given("gap", gap), top=given("top", 10))
 
 
 def _model_of(args):
     """The --model / --hf-config / --hf-model choice as what the job takes."""
-    if args.hf_config or args.hf_model:
+    if args.hf_config is not None or args.hf_model is not None:
         from memshard.job import HFModel
 
-        return HFModel(args.hf_config or args.hf_model, args.attn_implementation)
+        return HFModel(args.hf_model if args.hf_config is None else args.hf_config, args.attn_implementation)
     if args.attn_implementation:
         raise MemshardError("--attn-implementation applies to --hf-config / --hf-model only")
     return args.model
@@ -149,6 +173,7 @@ def _mesh_of(args):
     from memshard.mesh import COMPUTE_EFFICIENCY, DEVICE_MEMORY, DEVICE_PEAK_FLOPS, parse_mesh
     from memshard.units import parse_bytes
 
+    _check_hardware(args)
     names = tuple(args.axis_names.split(",")) if args.axis_names else None
     mesh = parse_mesh(
         args.mesh,
@@ -163,11 +188,39 @@ def _mesh_of(args):
     )
 
 
+def _check_hardware(args) -> None:
+    """Hardware figures in the units the user gave them, each named by its option."""
+    import math
+
+    def bad(values, low_ok: bool) -> bool:
+        return any(not math.isfinite(v) or v < 0 or (v == 0 and not low_ok) for v in values)
+
+    for flag, values, zero_ok, what in (("--bandwidth", args.bandwidth, False, "positive GB/s per mesh axis"),
+                                        ("--latency", args.latency, True, "non-negative µs per mesh axis"),
+                                        ("--peak-tflops", (args.peak_tflops,), False, "a positive number"),
+                                        ("--efficiency", (args.efficiency,), False, "a fraction in (0, 1]")):
+        if values is not None and values != (None,) and bad(values, zero_ok):
+            raise MemshardError(f"{flag}: give {what}, got {','.join(f'{v:g}' for v in values)}")
+    if args.efficiency is not None and args.efficiency > 1:
+        raise MemshardError(f"--efficiency: give a fraction in (0, 1], got {args.efficiency:g}")
+
+
 def _check_json_path(path: str | None) -> None:
-    if path:
-        directory = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(directory):
-            raise MemshardError(f"cannot write {path}: directory {directory} does not exist")
+    """Refuse a ``--json`` path that cannot be written, before any work."""
+    if path is not None:
+        from memshard.files import check_output_path
+
+        check_output_path(path, "--json")
+
+
+def _check_plot_path(path: str) -> None:
+    """A ``--out`` path matplotlib can write, by its extension, before any work."""
+    from memshard.files import check_output_path
+
+    check_output_path(path, "--out")
+    extension = os.path.splitext(path)[1].lower().lstrip(".")
+    if extension not in PLOT_FORMATS:
+        raise MemshardError(f"--out {path}: give a {', '.join('.' + f for f in PLOT_FORMATS)} file")
 
 
 def _write_json(path: str, data) -> None:
@@ -175,10 +228,7 @@ def _write_json(path: str, data) -> None:
 
     from memshard.files import write_text_atomically
 
-    try:
-        write_text_atomically(path, json.dumps(data, indent=2) + "\n")
-    except OSError as e:
-        raise MemshardError(f"cannot write {path}: {e.strerror}") from None
+    write_text_atomically(path, json.dumps(data, indent=2) + "\n")
 
 
 # -- commands --------------------------------------------------------------------------------------
@@ -186,14 +236,14 @@ def _cmd_plan(args, console) -> None:
     from memshard.planner import plan_job
     from memshard.report import render_plan
 
-    job, options = job_of(args), options_of(args)
     _check_json_path(args.json)
+    job, options = job_of(args), options_of(args)
     with console.status("solving…"):
         result = plan_job(job, options)
-    if args.json:
+    if args.json is not None:
         _write_json(args.json, result.to_dict())
     render_plan(result, console, top=args.top, show_strategy=not args.brief)
-    if args.json:
+    if args.json is not None:
         console.print(f"plan written to {args.json}")
 
 
@@ -201,11 +251,11 @@ def _cmd_compare(args, console) -> None:
     from memshard.api import compare
     from memshard.report import render_comparison
 
-    job, options = job_of(args), options_of(args)
     _check_json_path(args.json)
+    job, options = job_of(args), options_of(args)
     with console.status("solving…"):
         result = compare(job, time_slack=args.time_slack, **_search_keywords(options))
-    if args.json:
+    if args.json is not None:
         _write_json(args.json, result)
     render_comparison(result, console)
 
@@ -220,8 +270,8 @@ def _search_keywords(options) -> dict:
 def _cmd_pareto(args, console) -> None:
     from memshard.pareto import draw, frontier, frontier_table
 
+    _check_plot_path(args.out)
     job, options = job_of(args), options_of(args)
-    _check_json_path(args.out)
     with console.status("sweeping the step-time budget…"):
         points, base = frontier(job, points=args.points, **_search_keywords(options))
     draw(points, base, f"{args.model or args.hf_config or args.hf_model} on {args.mesh}", job.mesh.device_memory_bytes,
@@ -234,19 +284,20 @@ def _runtime_plan(args):
     """The plan ``run`` and ``simulate`` execute: ``--plan``, or the job's (fp32 by default)."""
     from memshard.api import runtime_plan
 
-    if args.plan:
-        given = [f"--{d.replace('_', '-')}" for d in JOB_DESTS if getattr(args, d, None) is not None]
-        if given or args.strategy != "memshard":
-            raise MemshardError(f"--plan replaces the job and its strategy: give no {', '.join(given or ['--strategy'])}")
+    if args.plan is not None:
+        given = [f"--{d.replace('_', '-')}" for d in (*JOB_DESTS, *SEARCH_DESTS, "strategy")
+                 if getattr(args, d, None) not in (None, False)]
+        if given:
+            raise MemshardError(f"--plan replaces the job, its search and its strategy: give no {', '.join(given)}")
         from memshard.plans import load_plan
 
         plan = load_plan(args.plan)
         if plan.model.precision != "fp32":
             raise MemshardError("the runtime executes fp32 plans; plan with --precision fp32")
         return plan
-    if not (args.model or args.hf_config or args.hf_model) or not args.mesh:
+    if (args.model, args.hf_config, args.hf_model) == (None, None, None) or args.mesh is None:
         raise MemshardError("give --plan, or a model (--model, --hf-config or --hf-model) and --mesh")
-    return runtime_plan(job_of(args, precision="fp32"), args.strategy, options_of(args, gap=0.02))
+    return runtime_plan(job_of(args, precision="fp32"), args.strategy or "memshard", options_of(args, gap=0.02))
 
 
 def _cmd_run(args, console) -> None:
@@ -282,7 +333,7 @@ def _cmd_simulate(args, console) -> None:
         raise MemshardError(f"--rank must be in [0, {n})")
     with console.status(f"simulating rank {args.rank} of {n}…"):
         report = simulate(result, rank=args.rank)
-    if args.json:
+    if args.json is not None:
         _write_json(args.json, {"schema": "memshard.simulate/1", "ranks": [report]})
     render_run([report], console, title=f"memshard simulate ({n} ranks, fake process group)")
 
@@ -336,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--plan", help="a plan JSON written by `memshard plan --json` (replaces the job options)")
         add_job_arguments(r, required=False)
         add_search_arguments(r, objective=True)
-        r.add_argument("--strategy", default="memshard",
+        r.add_argument("--strategy",
                        help="memshard (default) or a baseline: ddp, zero1, zero3-fsdp, megatron-tp4-sp… "
                             "(`memshard compare` lists them)")
         r.add_argument("--json", metavar="PATH", help="write the per-rank reports as JSON")

@@ -19,7 +19,7 @@ from typing import Any
 from memshard.errors import MemshardError
 from memshard.graph import PRECISIONS, Graph
 from memshard.mesh import Mesh, make_mesh, parse_mesh
-from memshard.models import ModelConfig, build_graph
+from memshard.models import ModelConfig, build_graph, get_config
 
 # memshard's model knobs, in the order they are recorded, with the name transformers gives
 # each in a config (None: a knob of the built-in models only).
@@ -87,10 +87,7 @@ class Job:
     precision: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.mesh, str):
-            object.__setattr__(self, "mesh", parse_mesh(self.mesh))
-        if not isinstance(self.mesh, Mesh):
-            raise MemshardError(f"a mesh is a string like '2x4' or a memshard Mesh, got {self.mesh!r}")
+        object.__setattr__(self, "mesh", as_mesh(self.mesh))
         _positive_int(self.micro_batches, "the number of micro-batches")
         for value, what in ((self.batch, "the batch"), (self.seq, "the sequence length")):
             if value is not None:
@@ -113,10 +110,16 @@ class Job:
             if self.overrides:
                 raise MemshardError(f"a graph or module takes no {', '.join(self.overrides)} option")
         elif isinstance(model, HFModel):
+            if not (isinstance(model.source, dict) or (isinstance(model.source, str) and model.source.strip())):
+                raise MemshardError(f"a Hugging Face model is a config.json path, a config dict or a model type, "
+                                    f"got {model.source!r}")
             fixed = [k for k in self.overrides if MODEL_KNOBS[k] is None]
             if fixed:
                 raise MemshardError(f"Hugging Face models take no {', '.join(fixed)} option")
-        elif not isinstance(model, (str, ModelConfig)):
+        elif isinstance(model, (str, ModelConfig)):
+            if self.overrides.get("dropout") and self.config.family == "llama":
+                raise MemshardError(f"{self.config.name}: LLaMA models have no dropout")
+        else:
             raise MemshardError(f"a model is a preset name, a ModelConfig, a Graph, an HFModel or an nn.Module, "
                                 f"got {type(model).__name__}")
         if self.global_batch % self.micro_batches:
@@ -131,6 +134,16 @@ class Job:
         if isinstance(self.model, (Graph, TracedModule)):
             return self.micro_batches
         return self.mesh.num_devices
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        """A built-in model's config, its knobs applied (presets and ``ModelConfig`` only)."""
+        if isinstance(self.model, str):
+            return get_config(self.model, precision=self.precision, **self.overrides)
+        if isinstance(self.model, ModelConfig):
+            knobs = {**self.overrides, **({"precision": PRECISIONS[self.precision]} if self.precision else {})}
+            return replace(self.model, **knobs) if knobs else self.model
+        raise MemshardError("only a preset or a ModelConfig has a built-in config")
 
     @cached_property
     def graph(self) -> Graph:
@@ -149,10 +162,7 @@ class Job:
 
             return trace_hf(model.source, micro, self.seq, self.precision or "mixed", model.attn_implementation,
                             **self.hf_overrides())
-        if isinstance(model, ModelConfig):
-            knobs = {**self.overrides, **({"precision": PRECISIONS[self.precision]} if self.precision else {})}
-            return build_graph(replace(model, **knobs) if knobs else model, batch=micro, seq=self.seq)
-        return build_graph(model, batch=micro, seq=self.seq, precision=self.precision, **self.overrides)
+        return build_graph(self.config, batch=micro, seq=self.seq)
 
     def on_mesh(self, mesh: Mesh) -> Job:
         """The same job on another view of its devices (a baseline's finer logical mesh); the
@@ -210,6 +220,19 @@ class Job:
         source = HFModel(model["hf"], model.get("attn_implementation")) if "hf" in model else model["name"]
         return cls(source, mesh, batch=int(model["batch"]), seq=int(model["seq"]),
                    micro_batches=int(model.get("micro_batches", 1)), overrides=overrides, precision=precision)
+
+
+def as_mesh(mesh) -> Mesh:
+    """A mesh from what the API accepts: ``"2x4"``, ``8`` (one axis), ``(2, 4)``, or a Mesh."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, str):
+        return parse_mesh(mesh)
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
+        return make_mesh((mesh,))
+    if isinstance(mesh, (tuple, list)):
+        return make_mesh(tuple(mesh))
+    raise MemshardError(f"a mesh is a string like '2x4', an int, a tuple of ints or a memshard Mesh, got {mesh!r}")
 
 
 def _call_arguments(example_inputs) -> tuple[tuple, dict]:

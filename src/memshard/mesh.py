@@ -21,6 +21,7 @@ INTER_NODE_LATENCY = 20e-6
 DEVICE_MEMORY = 80 * 2**30
 DEVICE_PEAK_FLOPS = 312e12  # dense bf16
 COMPUTE_EFFICIENCY = 0.5  # fraction of peak a well-shaped kernel reaches
+MAX_DEVICES = 2**20  # a guard against runaway input: the largest clusters are far below it
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,12 @@ def make_mesh(
     peak_flops: float = DEVICE_PEAK_FLOPS,
     compute_efficiency: float = COMPUTE_EFFICIENCY,
 ) -> Mesh:
-    if not shape or any(int(s) < 1 for s in shape):
-        raise MemshardError(f"mesh axes must be positive integers, got {shape}")
+    if not isinstance(shape, (tuple, list)) or not shape or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
+        raise MemshardError(f"mesh axes must be positive integers, got {shape!r}")
+    if math.prod(shape) > MAX_DEVICES:
+        raise MemshardError(f"a mesh of {math.prod(shape):,} devices: memshard plans meshes of at most "
+                            f"{MAX_DEVICES:,} devices")
     names = names or default_axis_names(len(shape))
     if len(names) != len(shape) or len(set(names)) != len(names):
         raise MemshardError(f"need {len(shape)} distinct axis names, got {names}")

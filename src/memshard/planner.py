@@ -60,6 +60,8 @@ class SearchOptions:
         if self.objective == "time" and self.max_step_time_s is not None:
             raise MemshardError("a step-time budget bounds the least-memory plan (objective memory); the fastest "
                                 "plan takes a memory budget")
+        if isinstance(self.top, bool) or not isinstance(self.top, int) or self.top < 1:
+            raise MemshardError(f"top (how many redundant ops to list) must be a positive integer, got {self.top!r}")
         if self.zero3_unit not in ZERO3_UNITS:
             raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, "
                                 f"got {self.zero3_unit!r}")
@@ -72,7 +74,11 @@ class SearchOptions:
 def searched_problem(job: Job, options: SearchOptions) -> Problem:
     """The problem the search solves: the job's mesh, or it with alike axes merged."""
     mesh, groups = job.mesh, merge_groups(job.mesh)
-    if mesh.ndim >= 3 and len(groups) < mesh.ndim and not options.full_mesh:
+    mergeable = mesh.ndim >= 3 and len(groups) < mesh.ndim
+    if options.full_mesh and not mergeable:
+        raise MemshardError(f"full_mesh (--full-mesh) changes nothing on mesh {mesh}: no adjacent axes with "
+                            "identical links are planned as one there")
+    if mergeable and not options.full_mesh:
         mesh = merged_mesh(mesh, groups)
     return build_problem(job.graph, mesh, shared_layers=not options.exact, micro_batches=job.micro_batches,
                          zero3_unit=options.zero3_unit)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 from memshard.errors import MemshardError
 from memshard.graph import FP32, MIXED, PRECISIONS, Precision
 
+MAX_LAYERS = 4096  # a guard against runaway input: no model comes near it
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -34,8 +36,17 @@ class ModelConfig:
         return self.kv_heads or self.heads
 
     def check(self) -> None:
-        if min(self.num_layers, self.hidden, self.heads, self.ffn, self.vocab) < 1:
-            raise MemshardError(f"{self.name}: layers, hidden, heads, ffn and vocab must be ≥ 1")
+        sizes = (self.num_layers, self.hidden, self.heads, self.ffn, self.vocab, self.max_positions, self.default_seq)
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in (*sizes, self.num_kv_heads)):
+            raise MemshardError(f"{self.name}: layers, hidden, heads, kv-heads, ffn and vocab must be integers")
+        if min(sizes) < 1 or self.num_kv_heads < 1:
+            raise MemshardError(f"{self.name}: layers, hidden, heads, kv-heads, ffn and vocab must be ≥ 1")
+        if self.num_layers > MAX_LAYERS:
+            raise MemshardError(f"{self.name}: {self.num_layers} layers; memshard plans models of at most "
+                                f"{MAX_LAYERS:,} layers")
+        if self.family != "llama" and self.num_kv_heads != self.heads:
+            raise MemshardError(f"{self.name}: kv-heads (grouped-query attention) apply to LLaMA models only")
+
         if self.hidden % self.heads:
             raise MemshardError(
                 f"{self.name}: hidden size {self.hidden} is not divisible by {self.heads} heads"

@@ -14,11 +14,13 @@ from dataclasses import replace
 from memshard.errors import MemshardError
 from memshard.files import read_json
 from memshard.graph import PRECISIONS, Graph
+from memshard.models.config import MAX_LAYERS
 from memshard.trace import trace_module
 
-# Knobs the CLI can override, by their transformers name (attribute maps cover GPT-2's n_*).
-OVERRIDES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-             "intermediate_size", "vocab_size")
+# The sizes a config must give as positive integers (attribute maps cover GPT-2's n_*).
+SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+         "vocab_size", "max_position_embeddings")
+GPT2_SIZES = ("n_layer", "n_embd", "n_head", "n_inner", "n_positions", "n_ctx")
 
 
 def _transformers():
@@ -50,12 +52,38 @@ def load_config(source: str | dict, **overrides):
     model_type = data.pop("model_type", None)
     # Overrides go in before the config derives its other fields (LLaMA's head_dim).
     data.update({k: v for k, v in overrides.items() if v is not None})
+    if not isinstance(model_type, str) or not model_type:
+        raise MemshardError(f"a Hugging Face config names its model type, got {model_type!r}")
+    for name, value in data.items():  # before transformers divides by them
+        if name in (*SIZES, *GPT2_SIZES) and value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise MemshardError(f"the {model_type} config's {name} must be a positive integer, got {value!r}")
     try:
-        return tf.AutoConfig.for_model(model_type, **data)
+        cfg = tf.AutoConfig.for_model(model_type, **data)
     except (ValueError, KeyError):
         raise MemshardError(
             f"transformers has no model type {model_type!r} (e.g. gpt2, llama, mistral, qwen2, bert)"
         ) from None
+    except (TypeError, ArithmeticError) as e:
+        raise MemshardError(f"transformers cannot read this {model_type} config: {e}") from None
+    _check_sizes(cfg)
+    return cfg
+
+
+def _check_sizes(cfg) -> None:
+    """The sizes memshard plans with must be positive integers (and the layers not absurd)."""
+    for name in SIZES:
+        value = getattr(cfg, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise MemshardError(f"the {cfg.model_type} config's {name} must be a positive integer, got {value!r}")
+    layers = getattr(cfg, "num_hidden_layers", 0) or 0
+    if layers > MAX_LAYERS:
+        raise MemshardError(f"the {cfg.model_type} config has {layers:,} layers; memshard plans models of at most "
+                            f"{MAX_LAYERS:,} layers")
+    heads = getattr(cfg, "num_attention_heads", None)
+    if heads and getattr(cfg, "hidden_size", 0) % heads:
+        raise MemshardError(f"the {cfg.model_type} config's hidden_size {cfg.hidden_size} is not divisible by its "
+                            f"{heads} attention heads")
 
 
 def _model_class(cfg):

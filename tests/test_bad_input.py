@@ -1,0 +1,278 @@
+"""The bad-input catalogue: every subcommand and the Python API, fed what a user gets wrong.
+
+Each command line must end in one ``memshard: error: …`` line naming what was wrong, exit 2,
+before any work, and leave an existing ``--json`` (or ``--out``) file as it was; each API call
+must raise ``MemshardError`` naming the input. (A few cases with a real solve are in
+``test_cli.py``: a budget no plan meets, a time limit hit.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import memshard
+from memshard.cli import main
+from memshard.errors import MemshardError
+from memshard.job import HFModel, Job
+from memshard.pareto import frontier
+from memshard.plans import load_plan, plan_from_dict
+
+BASE = ["--model", "gpt2", "--mesh", "2x2"]
+SMALL = ["--layers", "1", "--batch", "4", "--seq", "64"]
+GPT = ["plan", *BASE, *SMALL]
+LLAMA = ["plan", "--model", "llama3-8b", "--mesh", "2x2", *SMALL]
+
+# id → (command line, a word the error must contain); {tmp}, {dir}, {bin}, {foreign},
+# {truncated}, {hf:<name>} are filled in by the test.
+CLI = {
+    # meshes
+    "mesh-zero-axis": (["plan", "--model", "gpt2", "--mesh", "2x0"], "2x0"),
+    "mesh-letters": (["plan", "--model", "gpt2", "--mesh", "abc"], "abc"),
+    "mesh-empty": (["plan", "--model", "gpt2", "--mesh", ""], "mesh"),
+    "mesh-zero": (["plan", "--model", "gpt2", "--mesh", "0"], "device"),
+    "mesh-trailing-x": (["plan", "--model", "gpt2", "--mesh", "2x"], "2x"),
+    "mesh-negative": (["plan", "--model", "gpt2", "--mesh", "-2"], "-2"),
+    "mesh-fraction": (["plan", "--model", "gpt2", "--mesh", "2.5"], "2.5"),
+    "mesh-absurd": (["plan", "--model", "gpt2", "--mesh", "1024x1024x1024"], "1,073,741,824"),
+    "mesh-missing": (["plan", "--model", "gpt2"], "--mesh"),
+    # sizes
+    "batch-zero": (["plan", *BASE] + ["--batch", "0"], "--batch"),
+    "batch-negative": (["plan", *BASE] + ["--batch", "-4"], "--batch"),
+    "batch-fraction": (["plan", *BASE] + ["--batch", "2.5"], "2.5"),
+    "batch-nan": (["plan", *BASE] + ["--batch", "nan"], "nan"),
+    "seq-zero": (["plan", *BASE] + ["--seq", "0"], "--seq"),
+    "seq-words": (["plan", *BASE] + ["--seq", "long"], "long"),
+    "seq-too-long": (["plan", *BASE] + ["--seq", "4096"], "4096"),
+    "micro-batches-zero": (GPT + ["--micro-batches", "0"], "--micro-batches"),
+    "micro-batches-not-dividing": (GPT + ["--micro-batches", "3"], "3"),
+    # model knobs
+    "layers-zero": (GPT + ["--layers", "0"], "--layers"),
+    "layers-absurd": (GPT + ["--layers", "100000"], "100000"),
+    "hidden-zero": (GPT + ["--hidden", "0"], "--hidden"),
+    "heads-not-dividing": (GPT + ["--hidden", "100", "--heads", "7"], "7"),
+    "kv-heads-on-gpt": (GPT + ["--kv-heads", "4"], "kv-heads"),
+    "kv-heads-not-dividing": (LLAMA + ["--kv-heads", "5"], "5"),
+    "ffn-negative": (GPT + ["--ffn", "-1"], "--ffn"),
+    "vocab-words": (GPT + ["--vocab", "many"], "many"),
+    "dropout-on-llama": (LLAMA + ["--dropout", "on"], "dropout"),
+    "dropout-maybe": (GPT + ["--dropout", "maybe"], "maybe"),
+    "precision-unknown": (GPT + ["--precision", "bf16"], "bf16"),
+    "unknown-model": (["plan", "--model", "gpt5", "--mesh", "2"], "gpt5"),
+    "two-models": (["plan", "--model", "gpt2", "--hf-model", "gpt2", "--mesh", "2"], "--hf-model"),
+    "attn-without-hf": (GPT + ["--attn-implementation", "sdpa"], "--attn-implementation"),
+    # hardware
+    "bandwidth-zero": (GPT + ["--bandwidth", "0,100"], "--bandwidth"),
+    "bandwidth-negative": (GPT + ["--bandwidth", "-25,150"], "-25"),
+    "bandwidth-nan": (GPT + ["--bandwidth", "nan,100"], "nan"),
+    "bandwidth-inf": (GPT + ["--bandwidth", "inf,100"], "inf"),
+    "bandwidth-count": (GPT + ["--bandwidth", "100"], "one value per mesh axis"),
+    "bandwidth-words": (GPT + ["--bandwidth", "fast,slow"], "fast"),
+    "latency-negative": (GPT + ["--latency", "-5,1"], "-5"),
+    "latency-nan": (GPT + ["--latency", "nan,1"], "nan"),
+    "latency-count": (GPT + ["--latency", "1,2,3"], "one value per mesh axis"),
+    "device-memory-zero": (GPT + ["--device-memory", "0"], "0"),
+    "device-memory-negative": (GPT + ["--device-memory", "-80GiB"], "-80GiB"),
+    "device-memory-words": (GPT + ["--device-memory", "lots"], "lots"),
+    "device-memory-nan": (GPT + ["--device-memory", "nan"], "nan"),
+    "device-memory-unit": (GPT + ["--device-memory", "80GiBs"], "80GiBs"),
+    "peak-tflops-zero": (GPT + ["--peak-tflops", "0"], "--peak-tflops"),
+    "peak-tflops-negative": (GPT + ["--peak-tflops", "-1"], "--peak-tflops"),
+    "peak-tflops-nan": (GPT + ["--peak-tflops", "nan"], "--peak-tflops"),
+    "peak-tflops-inf": (GPT + ["--peak-tflops", "inf"], "--peak-tflops"),
+    "efficiency-zero": (GPT + ["--efficiency", "0"], "--efficiency"),
+    "efficiency-above-one": (GPT + ["--efficiency", "1.5"], "--efficiency"),
+    "efficiency-nan": (GPT + ["--efficiency", "nan"], "--efficiency"),
+    "axis-names-count": (GPT + ["--axis-names", "a,b,c"], "a"),
+    "axis-names-repeated": (GPT + ["--axis-names", "a,a"], "a"),
+    # search
+    "gap-above-one": (GPT + ["--gap", "2"], "gap"),
+    "gap-negative": (GPT + ["--gap", "-1"], "gap"),
+    "gap-nan": (GPT + ["--gap", "nan"], "gap"),
+    "gap-words": (GPT + ["--gap", "small"], "small"),
+    "time-limit-zero": (GPT + ["--time-limit", "0"], "0"),
+    "time-limit-negative": (GPT + ["--time-limit", "-1s"], "-1s"),
+    "time-limit-words": (GPT + ["--time-limit", "soon"], "soon"),
+    "max-step-time-zero": (GPT + ["--max-step-time", "0s"], "0s"),
+    "memory-budget-with-memory": (GPT + ["--memory-budget", "80GiB"], "memory budget"),
+    "step-time-with-time": (GPT + ["--objective", "time", "--max-step-time", "1s"], "step-time budget"),
+    "memory-budget-zero": (GPT + ["--objective", "time", "--memory-budget", "0"], "0"),
+    "objective-unknown": (GPT + ["--objective", "speed"], "speed"),
+    "zero3-unit-unknown": (GPT + ["--zero3-unit", "block"], "block"),
+    "full-mesh-on-two-axes": (GPT + ["--full-mesh"], "--full-mesh"),
+    "top-zero": (GPT + ["--top", "0"], "--top"),
+    # outputs
+    "json-empty": (GPT + ["--json", ""], "empty"),
+    "json-directory": (GPT + ["--json", "{dir}"], "directory"),
+    "json-missing-folder": (GPT + ["--json", "{dir}/missing/plan.json"], "does not exist"),
+    "compare-json-directory": (["compare", *BASE, *SMALL, "--json", "{dir}"], "directory"),
+    "pareto-out-directory": (["pareto", *BASE, *SMALL, "--out", "{dir}"], "directory"),
+    "pareto-out-text": (["pareto", *BASE, *SMALL, "--out", "{dir}/frontier.txt"], ".png"),
+    "pareto-out-empty": (["pareto", *BASE, *SMALL, "--out", ""], "empty"),
+    "pareto-one-point": (["pareto", *BASE, *SMALL, "--points", "1"], "2"),
+    "run-json-directory": (["run", "--model", "tiny-gpt", "--mesh", "2", "--json", "{dir}"], "directory"),
+    "simulate-json-directory": (["simulate", "--model", "tiny-gpt", "--mesh", "2", "--json", "{dir}"], "directory"),
+    # compare and pareto take no objective
+    "compare-objective": (["compare", *BASE, *SMALL, "--objective", "time"], "--objective"),
+    "compare-slack-below-one": (["compare", *BASE, *SMALL, "--time-slack", "0.5"], "0.5"),
+    "compare-slack-nan": (["compare", *BASE, *SMALL, "--time-slack", "nan"], "nan"),
+    "compare-slack-inf": (["compare", *BASE, *SMALL, "--time-slack", "inf"], "inf"),
+    "pareto-budget": (["pareto", *BASE, *SMALL, "--max-step-time", "1s"], "--max-step-time"),
+    # saved plans
+    "plan-binary": (["run", "--plan", "{bin}"], "not a text file"),
+    "plan-foreign": (["run", "--plan", "{foreign}"], "not a memshard plan"),
+    "plan-truncated": (["run", "--plan", "{truncated}"], "not valid JSON"),
+    "plan-missing": (["simulate", "--plan", "{dir}/nothing.json"], "cannot read"),
+    "plan-and-model": (["run", "--plan", "{foreign}", "--model", "gpt2"], "--model"),
+    "plan-and-objective": (["run", "--plan", "{foreign}", "--objective", "time"], "--objective"),
+    "plan-and-strategy": (["simulate", "--plan", "{foreign}", "--strategy", "ddp"], "--strategy"),
+    # run and simulate
+    "run-no-model": (["run", "--mesh", "2"], "--plan"),
+    "run-one-step": (["run", "--model", "tiny-gpt", "--mesh", "2", "--steps", "1"], "--steps"),
+    "run-mixed": (["run", "--model", "tiny-gpt", "--mesh", "2", "--precision", "mixed"], "fp32"),
+    "run-bert": (["run", "--model", "bert-large", "--mesh", "2", "--layers", "1", "--seq", "16"], "BERT"),
+    "run-unknown-strategy": (["run", "--model", "tiny-gpt", "--mesh", "2", "--strategy", "nonsense"], "nonsense"),
+    "run-timeout-zero": (["run", "--model", "tiny-gpt", "--mesh", "2", "--timeout", "0"], "0"),
+    "simulate-rank-outside": (["simulate", "--model", "tiny-gpt", "--mesh", "2", "--rank", "7"], "--rank"),
+    "simulate-rank-negative": (["simulate", "--model", "tiny-gpt", "--mesh", "2", "--rank", "-1"], "--rank"),
+    # the parser
+    "no-command": ([], "command"),
+    "unknown-command": (["frobnicate"], "frobnicate"),
+    "unknown-option": (GPT + ["--frobnicate"], "--frobnicate"),
+}
+
+HF = {  # Hugging Face model sources: the error comes from reading the config
+    "hf-model-empty": (["plan", "--hf-model", "", "--mesh", "2"], "''"),
+    "hf-model-unknown": (["plan", "--hf-model", "nonsense-lm", "--mesh", "2"], "nonsense-lm"),
+    "hf-config-missing": (["plan", "--hf-config", "{dir}/config.json", "--mesh", "2"], "cannot read"),
+    "hf-config-binary": (["plan", "--hf-config", "{bin}", "--mesh", "2"], "not a text file"),
+    "hf-config-not-a-config": (["plan", "--hf-config", "{foreign}", "--mesh", "2"], "model_type"),
+    "hf-config-heads-zero": (["plan", "--hf-config", "{hf:heads0}", "--mesh", "2"], "num_attention_heads"),
+    "hf-config-hidden-negative": (["plan", "--hf-config", "{hf:hidden-}", "--mesh", "2"], "hidden_size"),
+    "hf-config-layers-absurd": (["plan", "--hf-config", "{hf:layers}", "--mesh", "2"], "100,000"),
+    "hf-config-hidden-words": (["compare", "--hf-config", "{hf:words}", "--mesh", "2"], "hidden_size"),
+    "hf-config-dropout": (["pareto", "--hf-model", "llama", "--mesh", "2", "--dropout", "off"], "dropout"),
+}
+HF_CONFIGS = {
+    "heads0": '{"model_type": "llama", "num_attention_heads": 0}',
+    "hidden-": '{"model_type": "llama", "hidden_size": -64}',
+    "layers": '{"model_type": "llama", "num_hidden_layers": 100000}',
+    "words": '{"model_type": "llama", "hidden_size": "wide"}',
+}
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "binary.json").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "foreign.json").write_text('{"schema": "other/1", "data": []}')
+    (tmp_path / "truncated.json").write_text('{"schema": "memshard.plan/1", "model": {')
+    names = {"dir": str(tmp_path), "bin": str(tmp_path / "binary.json"), "foreign": str(tmp_path / "foreign.json"),
+             "truncated": str(tmp_path / "truncated.json")}
+    for name, text in HF_CONFIGS.items():
+        (tmp_path / f"{name}.json").write_text(text)
+        names[f"hf:{name}"] = str(tmp_path / f"{name}.json")
+    return names
+
+
+def fill(args: list[str], names: dict[str, str]) -> list[str]:
+    out = []
+    for a in args:
+        for key, value in names.items():
+            a = a.replace("{" + key + "}", value)
+        out.append(a)
+    return out
+
+
+def check_one_line_error(argv: list[str], expect: str, tmp_path, capsys) -> None:
+    precious = tmp_path / ("precious.png" if argv[:1] == ["pareto"] else "precious.json")
+    precious.write_text("precious\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with_json = argv if any(a in ("--json", "--out", "--plan") for a in argv) or not argv or argv[0] in (
+        "frobnicate",) else argv + (["--out", str(precious)] if argv[0] == "pareto" else ["--json", str(precious)])
+    assert main(with_json) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memshard: error: "), err
+    assert "Traceback" not in err + out
+    assert expect in lines[0], (expect, lines[0])
+    assert precious.read_text() == "precious\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no temporary file
+
+
+@pytest.mark.parametrize("case", list(CLI))
+def test_a_bad_command_line_is_one_clear_line(case, files, tmp_path, capsys):
+    args, expect = CLI[case]
+    check_one_line_error(fill(args, files), expect, tmp_path, capsys)
+
+
+@pytest.mark.trace
+@pytest.mark.parametrize("case", list(HF))
+def test_a_bad_hugging_face_source_is_one_clear_line(case, files, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    args, expect = HF[case]
+    check_one_line_error(fill(args, files), expect, tmp_path, capsys)
+
+
+# -- the Python API ----------------------------------------------------------------------------------
+API = {
+    "model-none": (lambda: memshard.plan(None, "2"), "NoneType"),
+    "model-number": (lambda: memshard.plan(42, "2"), "int"),
+    "mesh-none": (lambda: memshard.plan("gpt2", None), "None"),
+    "mesh-float": (lambda: memshard.plan("gpt2", 2.5), "2.5"),
+    "mesh-tuple-zero": (lambda: memshard.plan("gpt2", (2, 0)), "(2, 0)"),
+    "batch-string": (lambda: memshard.plan("gpt2", "2", batch="8"), "'8'"),
+    "batch-fraction": (lambda: memshard.plan("gpt2", "2", batch=2.5), "2.5"),
+    "batch-bool": (lambda: memshard.plan("gpt2", "2", batch=True), "True"),
+    "seq-negative": (lambda: memshard.plan("gpt2", "2", seq=-1), "-1"),
+    "micro-batches-zero": (lambda: memshard.plan("gpt2", "2", micro_batches=0), "0"),
+    "unknown-keyword": (lambda: memshard.plan("gpt2", "2", layers=2), "layers"),
+    "precision": (lambda: memshard.plan("gpt2", "2", precision="int8"), "int8"),
+    "objective": (lambda: memshard.plan("gpt2", "2", objective="speed"), "speed"),
+    "memory-budget-words": (lambda: memshard.plan("gpt2", "2", objective="time", memory_budget="lots"), "lots"),
+    "memory-budget-negative": (lambda: memshard.plan("gpt2", "2", objective="time", memory_budget=-1), "-1"),
+    "memory-budget-with-memory": (lambda: memshard.plan("gpt2", "2", memory_budget="80GiB"), "memory budget"),
+    "max-step-time-nan": (lambda: memshard.plan("gpt2", "2", max_step_time_s=math.nan), "nan"),
+    "time-limit-zero": (lambda: memshard.plan("gpt2", "2", time_limit_s=0), "0"),
+    "gap-one": (lambda: memshard.plan("gpt2", "2", mip_gap=1.0), "1.0"),
+    "zero3-unit": (lambda: memshard.plan("gpt2", "2", zero3_unit="block"), "block"),
+    "top-zero": (lambda: memshard.plan("gpt2", "2", top=0), "0"),
+    "example-inputs-without-module": (lambda: memshard.plan("gpt2", "2", example_inputs=(1,)), "nn.Module"),
+    "compare-slack-nan": (lambda: memshard.compare("gpt2", "2", time_slack=math.nan), "nan"),
+    "compare-objective": (lambda: memshard.compare("gpt2", "2", max_step_time_s=1.0), "max_step_time_s"),
+    "frontier-one-point": (lambda: frontier("gpt2", "2", points=1), "1"),
+    "strategy-unknown": (lambda: memshard.strategy_plan("gpt2", "2", "nonsense", num_layers=1), "nonsense"),
+    "job-knob-unknown": (lambda: Job("gpt2", "2", overrides={"depth": 2}), "depth"),
+    "hf-source-empty": (lambda: Job(HFModel(""), "2"), "''"),
+    "job-batch-with-graph": (lambda: Job(memshard.build_graph("tiny-gpt", batch=2), "2", batch=4), "batch"),
+    "config-unknown": (lambda: memshard.get_config("gpt5"), "gpt5"),
+    "parse-mesh": (lambda: memshard.parse_mesh("two by four"), "two by four"),
+    "load-plan-not-a-path": (lambda: load_plan(None), "None"),
+    "plan-from-foreign-dict": (lambda: plan_from_dict({"schema": "other/1"}), "not a memshard plan"),
+}
+
+
+@pytest.mark.parametrize("case", list(API))
+def test_a_bad_api_call_raises_one_clear_error(case):
+    call, expect = API[case]
+    with pytest.raises(MemshardError) as raised:
+        call()
+    assert expect in str(raised.value), str(raised.value)
+
+
+def test_files_that_are_not_plans(files, tmp_path):
+    for path, expect in ((files["bin"], "not a text file"), (files["truncated"], "not valid JSON"),
+                         (files["foreign"], "not a memshard plan"), (files["dir"], "cannot read")):
+        with pytest.raises(MemshardError, match=expect):
+            load_plan(path)
+
+
+def test_a_plan_saved_to_a_directory_names_the_path(tmp_path):
+    plan = memshard.plan("gpt2", "4", batch=4, seq=64, num_layers=1)
+    with pytest.raises(MemshardError, match=f"cannot write {tmp_path}: it is a directory"):
+        plan.save(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_catalogue_has_over_80_cases():
+    assert len(CLI) + len(HF) + len(API) >= 120
