@@ -1,10 +1,16 @@
 """Where a plan's redundant bytes sit, and what sharding an op further would cost.
 
 ``redundancy_by_op``: the redundant bytes live at a schedule point, per op (an op owns its
-buffers and gradients, the weights it uses, the activations it produces or keeps).
+buffers and gradients, the weights it uses, the activations it produces or keeps);
+``redundancy_parts``: the same bytes by what holds them (a saved input, the output, a
+weight's optimizer states…) and the mesh axes that hold copies of it.
 ``advise``: the ops holding the most at the peak, each with the cheapest (in step time)
 strategy that splits it over one more mesh axis, the plan re-priced with it, everything else
-unchanged (``shard_alternative``). A plan computes its advice when it is built.
+unchanged (``shard_alternative``), or, when there is none, why not (``why_not_split``): every
+mesh axis already splits one of its dims (its redundant bytes are then copies of operands that
+lack the dim an axis splits), or each dim left is smaller than a free axis, cannot be split by
+the op's kernel, or a link (a tied weight, a layer unit) ties the op to another that would
+have to change with it. A plan computes its advice when it is built.
 """
 
 from __future__ import annotations
@@ -13,7 +19,25 @@ from dataclasses import dataclass
 
 from memshard.cost.memory import StorageOption
 from memshard.evaluate import Evaluation, InconsistentPlan, evaluate
-from memshard.problem import DURING_RESHARDS, OpGroup, Problem, Selection, storage_links
+from memshard.placement import Shard
+from memshard.problem import (
+    DURING_RESHARDS,
+    INPUT_COPY,
+    PRODUCER,
+    REGATHER,
+    SAVED,
+    OpGroup,
+    Problem,
+    Selection,
+    StorageGroup,
+    storage_links,
+)
+
+# Why a free mesh axis cannot split one of an op's dims (Blocked.why).
+UNSPLITTABLE = "unsplittable"  # the op's kernel cannot split the dim (fused attention's key dim)
+TOO_SMALL = "too_small"  # fewer elements left on a device than the axis has devices
+LINKED = "linked"  # a link ties the op to another group that would have to change with it
+REFUSED = "refused"  # the plan re-priced with it is inconsistent for another reason
 
 
 @dataclass(frozen=True)
@@ -73,10 +97,82 @@ def shard_alternative(problem: Problem, selection: Selection, gid: int, base: Ev
 
 
 @dataclass(frozen=True)
+class Blocked:
+    """One dim a free mesh axis might split, and why no strategy does."""
+
+    axis: str
+    dim: str
+    why: str  # UNSPLITTABLE, TOO_SMALL, LINKED or REFUSED
+    local_size: int  # the dim's size on one device under the op's strategy
+    axis_size: int
+    linked_to: str | None = None  # LINKED: the group (op, or parameter) that would disagree
+
+
+@dataclass(frozen=True)
+class NoFurtherSplit:
+    """Why no strategy splits an op over one more mesh axis."""
+
+    split: dict[str, str]  # mesh axis → op dim: the op's strategy
+    free_axes: tuple[str, ...]  # axes (of size > 1) that split none of its dims; () if every one does
+    blocked: tuple[Blocked, ...]  # per free axis and dim, why it cannot split it
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Part of an op's redundant bytes: what holds them, and the mesh axes over which that is
+    copied (a tensor laid out ``S(0)R`` on a ``2x4`` mesh is copied over the second axis)."""
+
+    what: str  # "output", "saved input (ln_2's output)", "mlp.fc.weight" (the weight), "mlp.fc.weight gradient"…
+    redundant_bytes: float
+    copied_over: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class RedundantOp:
     op: str
     redundant_bytes: float  # per device, at the peak
-    alternative: Alternative | None  # None: no strategy splits it over one more axis
+    alternative: Alternative | None  # None: no strategy splits it over one more axis (or not asked)
+    why_not: NoFurtherSplit | None = None  # without an alternative (when advice was asked): why
+    parts: tuple[Holding, ...] = ()  # what holds its redundant bytes, largest first
+
+
+def why_not_split(problem: Problem, selection: Selection, gid: int) -> NoFurtherSplit:
+    """Why op group ``gid`` has no strategy splitting it over one more axis (see the module)."""
+    grp, mesh = problem.groups[gid], problem.mesh
+    op = problem.graph.ops[grp.ops[0]]
+    current = grp.strategies[selection.choices[gid]]
+    index = {s.assignment: k for k, s in enumerate(grp.strategies)}
+    local = current.local_sizes
+    free = [a for a, d in enumerate(current.assignment) if d is None and mesh.shape[a] > 1]
+    blocked = []
+    for a in free:
+        for d in op.dims:
+            k = index.get(current.assignment[:a] + (d,) + current.assignment[a + 1:])
+            linked = None
+            if d in op.unsplittable_dims:
+                why = UNSPLITTABLE
+            elif k is None:
+                why = TOO_SMALL  # the enumerator leaves out only splits of too few elements
+            else:
+                linked = _linked_to(problem, selection, gid, k)
+                why = LINKED if linked is not None else REFUSED
+            blocked.append(Blocked(mesh.axis_names[a], d, why, local[d], mesh.shape[a], linked))
+    return NoFurtherSplit({mesh.axis_names[a]: d for a, d in enumerate(current.assignment) if d is not None},
+                          tuple(mesh.axis_names[a] for a in free), tuple(blocked))
+
+
+def _linked_to(problem: Problem, selection: Selection, gid: int, choice: int) -> str | None:
+    """The group a link ties to op group ``gid`` that would disagree with strategy ``choice``."""
+    try:
+        new = reselect(problem, selection, gid, choice)
+    except ValueError:
+        return None
+    changed = {g for g, (a, b) in enumerate(zip(selection.choices, new.choices)) if a != b}
+    for link in problem.links:
+        if link.a_labels[new.choices[link.a]] != link.b_labels[new.choices[link.b]]:
+            other = link.a if link.b in changed else link.b
+            return problem.groups[other].key
+    return None
 
 
 def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict[str, float]:
@@ -111,16 +207,80 @@ def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict
     return out
 
 
+def redundancy_parts(problem: Problem, selection: Selection, point: int, ops: set[str]) -> dict[str, list[Holding]]:
+    """The redundant bytes :func:`redundancy_by_op` gives ``ops`` at ``point``, by what holds
+    them (largest first), each with the mesh axes it is copied over."""
+    owner = {gid: grp.key for gid, grp in enumerate(problem.groups) if isinstance(grp, OpGroup)}
+    for link in storage_links(problem):
+        owner[link.a] = problem.groups[link.b].key
+    parts: dict[str, dict[tuple, float]] = {op: {} for op in ops}
+
+    def add(op: str, what: str, axes: tuple[str, ...], nbytes: float) -> None:
+        if op in parts and nbytes > 0:
+            parts[op][what, axes] = parts[op].get((what, axes), 0.0) + nbytes
+
+    prefixes = {problem.graph.ops[grp.ops[0]].name + ".": grp.key for grp in problem.groups
+                if isinstance(grp, OpGroup) and grp.instances > 1}
+    for s in problem.slots:
+        if s.start <= point <= s.end and s.phase != DURING_RESHARDS and owner[s.group] in parts:
+            add(owner[s.group], *_slot_part(problem, selection, s.group, s.category, prefixes),
+                float(s.redundant[selection.choices[s.group]]))
+    seen: dict[int, set] = {}
+    for h in problem.holders:
+        layout = problem.holder_layout(selection, h) if h.start <= point <= h.end else None
+        if layout is None:
+            continue
+        held = problem.held[h.tensor]
+        lid = held.layout_id(layout)
+        if lid in seen.setdefault(h.tensor, set()):
+            continue
+        seen[h.tensor].add(lid)
+        gid = h.source if h.kind == PRODUCER else problem.edges[h.source].consumer
+        axes = tuple(problem.mesh.axis_names[a] for a, p in enumerate(layout)
+                     if not isinstance(p, Shard) and problem.mesh.shape[a] > 1)
+        what = "output" if h.kind == PRODUCER else f"{_HELD_AS[h.kind]} ({problem.groups[held.key].key}'s output)"
+        add(problem.groups[gid].key, what, axes, float(held.redundant[lid]))
+    return {op: [Holding(what, b, axes) for (what, axes), b in sorted(p.items(), key=lambda kv: (-kv[1], kv[0]))]
+            for op, p in parts.items()}
+
+
+_HELD_AS = {SAVED: "saved input", INPUT_COPY: "input", REGATHER: "re-gathered input"}
+_STORED_AS = {"parameters": "", "gradients": " gradient", "optimizer_states": " optimizer states",
+              "transients": " (transient copy)", "activations": " (activation)"}
+_ZERO_STAGE = {"parameters": 3, "gradients": 2, "optimizer_states": 1}  # the stage that shards it
+
+
+def _slot_part(problem: Problem, selection: Selection, gid: int, category: str,
+               prefixes: dict[str, str]) -> tuple[str, tuple[str, ...]]:
+    """What a slot of group ``gid`` holds, and the axes it is copied over (known for a
+    parameter's storage: its free axes less those its ZeRO stage shards it over). A shared
+    layer's parameter is named by its role (``mlp.fc.weight``, not ``layers.0.mlp.fc.weight``):
+    ``prefixes`` maps the first layer's op name and a dot to the role."""
+    grp, names = problem.groups[gid], problem.mesh.axis_names
+    if not isinstance(grp, StorageGroup):
+        return category.replace("_", " "), ()
+    grad, opt = grp.options[selection.choices[gid]]
+    zero = opt.axes if opt.stage >= _ZERO_STAGE.get(category, 4) else ()
+    axes = tuple(names[a] for a, g in enumerate(grad)
+                 if not g.startswith("S") and problem.mesh.shape[a] > 1 and a not in zero)
+    name = next((role + "." + grp.key[len(p):] for p, role in prefixes.items() if grp.key.startswith(p)), grp.key)
+    return name + _STORED_AS[category], axes
+
+
 def advise(problem: Problem, selection: Selection, evaluation: Evaluation, top: int,
            alternatives: bool = True) -> tuple[RedundantOp, ...]:
     """The ``top`` ops holding the most redundant bytes at the peak (ties by name), each with
-    its alternative (``alternatives``; else none)."""
+    its alternative (``alternatives``; else none) or why there is none, and what holds its bytes."""
     by_op = redundancy_by_op(problem, selection, evaluation.peak_point)
     group_of = {g.key: i for i, g in enumerate(problem.groups) if isinstance(g, OpGroup)}
+    chosen = sorted(by_op.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+    parts = redundancy_parts(problem, selection, evaluation.peak_point, {op for op, _ in chosen})
     out = []
-    for op, nbytes in sorted(by_op.items(), key=lambda kv: (-kv[1], kv[0]))[:top]:
-        alternative = (shard_alternative(problem, selection, group_of[op], evaluation)
-                       if alternatives and nbytes > 0 else None)
-        out.append(RedundantOp(op, nbytes, alternative))
+    for op, nbytes in chosen:
+        alternative = why = None
+        if alternatives and nbytes > 0:
+            alternative = shard_alternative(problem, selection, group_of[op], evaluation)
+            if alternative is None:
+                why = why_not_split(problem, selection, group_of[op])
+        out.append(RedundantOp(op, nbytes, alternative, why, tuple(parts[op])))
     return tuple(out)
-

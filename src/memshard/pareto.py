@@ -53,44 +53,96 @@ def frontier(model: Model | Job, mesh: str | Mesh | None = None, points: int = 8
 
 
 def draw(points: list[FrontierPoint], base: list[dict], title: str, capacity: float, path: str) -> None:
+    """The frontier and the baselines as a PNG at ``path`` (see :func:`figure`)."""
+    fig = figure(points, base, title, capacity)
+    fig.savefig(path)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+_MARKERS = "soD^vP*Xhp<>"
+_BYTE_UNITS = (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10), ("B", 1.0))
+_TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
+
+
+def figure(points: list[FrontierPoint], base: list[dict], title: str, capacity: float):
+    """The frontier as a line and every baseline as a marker of its own, named (with its peak
+    and step time) in a legend outside the axes: no label sits on a panel, so none covers a
+    point, a tick or another label. When the baselines stretch the axes so far that the
+    frontier is a dot, a second panel shows its neighbourhood. The device memory is a dashed
+    line where it falls within the plot; otherwise the legend gives its figure. Axes are in
+    the largest unit (GiB, MiB…; s, ms…) the data reach."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gib = 2.0**30
-    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
-    ax.plot([p.step_time_s for p in points], [p.peak_bytes / gib for p in points], "-o", color="tab:blue",
-            label="memshard frontier (least memory per step-time budget)", zorder=3)
-    xs = [p.step_time_s for p in points] + [b["step_time_s"] for b in base]
-    ys = [p.peak_bytes / gib for p in points] + [b["peak_bytes"] / gib for b in base]
-    span_x, span_y = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
-    placed: list[tuple[float, float]] = []
-    for b in sorted(base, key=lambda b: (b["step_time_s"], b["peak_bytes"])):
-        x, y = b["step_time_s"], b["peak_bytes"] / gib
-        ax.scatter(x, y, marker="s", color="tab:orange", zorder=2)
-        # Stack labels of points that sit close together instead of printing them on top of
-        # each other.
-        near = sum(1 for px, py in placed if abs(px - x) / span_x < 0.12 and abs(py - y) / span_y < 0.04)
-        placed.append((x, y))
-        ax.annotate(b["strategy"], (x, y), textcoords="offset points", xytext=(6, 4 - 11 * near), fontsize=8)
-    ax.scatter([], [], marker="s", color="tab:orange", label="baselines")
-    ax.axhline(capacity / gib, color="grey", linestyle="--", linewidth=1, label="device memory")
-    ax.set_xlabel("estimated step time (s)")
-    ax.set_ylabel("peak memory per device (GiB)")
-    ax.set_title(title)
+    every = [p.peak_bytes for p in points] + [b["peak_bytes"] for b in base]
+    times = [p.step_time_s for p in points] + [b["step_time_s"] for b in base]
+    mem = next(u for u in _BYTE_UNITS if max(every) >= u[1] or u[0] == "B")
+    sec = next(u for u in _TIME_UNITS if max(times) >= u[1] or u[0] == "µs")
+    front = [(p.step_time_s / sec[1], p.peak_bytes / mem[1]) for p in points]
+    marks = [(b["step_time_s"] / sec[1], b["peak_bytes"] / mem[1]) for b in base]
+    full, near = _bounds(front + marks), _bounds(front, pad=0.5)
+    zoom = _span(full, 0) > 4 * _span(near, 0) or _span(full, 1) > 4 * _span(near, 1)
+    fig, axes = plt.subplots(1, 2 if zoom else 1, figsize=(14 if zoom else 10, 5.5), dpi=120, squeeze=False,
+                             layout="constrained")
+    for k, ax in enumerate(axes[0]):
+        handles = _panel(ax, front, marks, base, full if k == 0 else near, (capacity, mem[1]))
+        ax.set_title(title if k == 0 else "close-up of the frontier", fontsize=10)
+        ax.set_xlabel(f"estimated step time ({sec[0]})")
+        ax.set_ylabel(f"peak memory per device ({mem[0]})")
+    fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
+    return fig
+
+
+def _panel(ax, front, marks, base, box, memory):
+    """One panel: frontier, baselines and device memory (bytes, bytes per plotted unit)
+    within ``box``; the legend handles."""
+    import matplotlib.lines as mlines
+    import matplotlib.pyplot as plt
+
+    (x0, y0), (x1, y1) = box
+    handles = ax.plot(*zip(*front), "-o", color="tab:blue", markersize=4, zorder=3,
+                      label="memshard frontier\n(least memory per step-time budget)")
+    colours = [c for k, c in enumerate(plt.get_cmap("tab20").colors) if k not in (0, 1)]  # (the frontier's blue)
+    for i, (b, (x, y)) in enumerate(zip(base, marks)):
+        handles.append(ax.scatter([x], [y], marker=_MARKERS[i % len(_MARKERS)], color=colours[i % len(colours)], s=36,
+                                  zorder=2, label=f"{b['strategy']}: {format_bytes(b['peak_bytes'])}, "
+                                                  f"{format_seconds(b['step_time_s'])}"))
+    label, capacity = f"device memory ({format_bytes(memory[0])})", memory[0] / memory[1]
+    if y0 <= capacity <= y1:
+        handles.append(ax.axhline(capacity, color="grey", linestyle="--", linewidth=1, label=label))
+    else:
+        handles.append(mlines.Line2D([], [], color="grey", linestyle="--", linewidth=1,
+                                     label=f"{label}: above the plot" if capacity > y1 else f"{label}: below"))
+    ax.set_xlim(x0, x1)
+    ax.set_ylim(y0, y1)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return handles
+
+
+def _bounds(xy: list[tuple[float, float]], pad: float = 0.06) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((x0, y0), (x1, y1)): the points' box, widened by ``pad`` of its span, from 0 at least."""
+    out = []
+    for values in ([x for x, _ in xy], [y for _, y in xy]):
+        lo, hi = min(values), max(values)
+        span = (hi - lo) or abs(hi) * 0.05 or 1.0
+        out.append((max(0.0, lo - pad * span), hi + pad * span))
+    return (out[0][0], out[1][0]), (out[0][1], out[1][1])
+
+
+def _span(box, axis: int) -> float:
+    return box[1][axis] - box[0][axis]
 
 
 def frontier_table(points: list[FrontierPoint]):
     """The frontier as a table (rich)."""
     from rich.table import Table
 
-    t = Table(title="memshard frontier: least peak memory per step-time budget", title_justify="left")
+    title = "memshard frontier: least peak memory per step-time budget"
+    t = Table(title=title, title_justify="left", min_width=len(title))
     for col in ("budget", "step time", "peak / device", "redundant"):
         t.add_column(col, justify="right")
     for p in points:

@@ -8,11 +8,11 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from memshard.advice import RedundantOp
-from memshard.graph import Graph
+from memshard.advice import LINKED, TOO_SMALL, UNSPLITTABLE, Holding, NoFurtherSplit, RedundantOp
+from memshard.graph import Graph, TensorKind
 from memshard.job import TracedModule
 from memshard.plans import Plan
-from memshard.units import format_bytes, format_seconds
+from memshard.units import counted, format_bytes, format_parameters, format_seconds
 
 CATEGORY_LABELS = {
     "parameters": "parameters",
@@ -34,22 +34,27 @@ def render_plan(plan: Plan, console: Console, top: int = 10, show_strategy: bool
     red = [r for r in plan.most_redundant_ops[:top] if r.redundant_bytes > 0]
     if red:
         console.print(_redundancy_table(red))
+        console.print(REDUNDANCY_NOTE, style="dim")
     if show_strategy:
         console.print(_strategy_table(plan))
         console.print(_storage_table(plan))
+    if plan.model.unknown_ops is not None and (show_strategy or red):
+        console.print(_dims_table(plan))
 
 
 def _headline(plan: Plan) -> str:
     job, model, mesh = plan.job, plan.model, plan.job.mesh
     extra = ""
+    micro = f" in {counted(job.micro_batches, 'micro-batch', 'micro-batches')}"
     if not isinstance(job.model, (Graph, TracedModule)):
         extra = f", batch {job.global_batch}, seq {job.seq_length}"
         if job.micro_batches > 1:
-            extra += f" in {job.micro_batches} micro-batches"
+            extra += micro
     elif isinstance(job.model, TracedModule) and job.micro_batches > 1:
-        extra = f" in {job.micro_batches} micro-batches"
-    return (f"[bold]{model.name}[/] ({model.num_parameters / 1e9:.3g}B parameters, {model.precision}{extra}) "
-            f"on mesh [bold]{mesh}[/] ({mesh.num_devices} devices), objective [bold]{plan.objective or plan.strategy}[/]")
+        extra = micro
+    return (f"[bold]{model.name}[/] ({format_parameters(model.num_parameters)}, {model.precision}{extra}) "
+            f"on mesh [bold]{mesh}[/] ({counted(mesh.num_devices, 'device')}), "
+            f"objective [bold]{plan.objective or plan.strategy}[/]")
 
 
 def _memory_table(plan: Plan) -> Table:
@@ -95,23 +100,70 @@ def _solver_line(plan: Plan) -> str:
             + ("" if s.search_space == "full" else f"; {s.search_space} (--full-mesh to search all)"))
 
 
+REDUNDANCY_NOTE = (
+    "held as: what holds an op's redundant bytes, over the mesh axes it is whole along (every device of "
+    "such an axis holds a copy); a ZeRO stage over them would shard a weight, gradient or optimizer state, "
+    "a split of the op over them an activation. shard further: the cheapest strategy that splits the op "
+    "over one more axis, priced with everything else kept; none: why no strategy does.")
+
+
 def _redundancy_table(rows: list[RedundantOp]) -> Table:
     r = Table(title=f"Ops holding the most redundant memory at the peak (top {len(rows)})", title_justify="left")
     r.add_column("op")
     r.add_column("redundant", justify="right")
+    r.add_column("held as")
     r.add_column("shard further", justify="left")
     r.add_column("Δ peak", justify="right")
     r.add_column("Δ step time", justify="right")
     for row in rows:
-        alt = row.alternative
+        alt, held = row.alternative, _held_as(row.parts, row.redundant_bytes)
         if alt is None:
-            r.add_row(row.op, format_bytes(row.redundant_bytes), "no further split", "", "")
+            why = _why_not(row.why_not) if row.why_not is not None else "–"
+            r.add_row(row.op, format_bytes(row.redundant_bytes), held, why, "", "")
         else:
             split = " ".join(f"{ax}:{dim}" for ax, dim in alt.split.items())
             delta = alt.step_time_delta_s
-            r.add_row(row.op, format_bytes(row.redundant_bytes), split, format_bytes(alt.peak_delta_bytes),
+            r.add_row(row.op, format_bytes(row.redundant_bytes), held, split, format_bytes(alt.peak_delta_bytes),
                       format_seconds(delta) if delta >= 0 else "-" + format_seconds(-delta))
     return r
+
+
+def _held_as(parts: tuple[Holding, ...], total: float, most: int = 2, share: float = 0.1) -> str:
+    """The largest parts (at most ``most``, each at least ``share`` of the op's bytes)."""
+    shown = [p for p in parts[:most] if p.redundant_bytes >= share * total] or list(parts[:1])
+    text = "; ".join(f"{p.what}: {format_bytes(p.redundant_bytes)}"
+                     + (f" over {', '.join(p.copied_over)}" if p.copied_over else "") for p in shown)
+    return text + ("; …" if len(parts) > len(shown) else "")
+
+
+def _why_not(why: NoFurtherSplit) -> str:
+    """Why no strategy splits the op over one more axis, in a line."""
+    if not why.free_axes:
+        split = " ".join(f"{ax}:{dim}" for ax, dim in why.split.items())
+        return f"none: each axis splits a dim ({split})"
+    reasons = []
+    for other in dict.fromkeys(b.linked_to for b in why.blocked if b.why == LINKED):
+        reasons.append(f"linked to {other}, which would have to change alike: "
+                       + _pairs([b for b in why.blocked if b.why == LINKED and b.linked_to == other]))
+    small = [b for b in why.blocked if b.why == TOO_SMALL]
+    if small:
+        reasons.append("too few elements: " + ", ".join(f"{b.axis}:{b.dim} {b.local_size:,} < {b.axis_size}"
+                                                         for b in small))
+    kernel = [b for b in why.blocked if b.why == UNSPLITTABLE]
+    if kernel:
+        reasons.append("its kernel cannot split " + _pairs(kernel))
+    refused = [b for b in why.blocked if b.why not in (LINKED, TOO_SMALL, UNSPLITTABLE)]
+    if refused:
+        reasons.append("the re-priced plan is inconsistent: " + _pairs(refused))
+    return "none: " + "; ".join(reasons)
+
+
+def _pairs(blocked: list) -> str:
+    """``inter0:b,s intra:h``: dims grouped by axis."""
+    axes: dict[str, list[str]] = {}
+    for b in blocked:
+        axes.setdefault(b.axis, []).append(b.dim)
+    return " ".join(f"{axis}:{','.join(dims)}" for axis, dims in axes.items())
 
 
 def _strategy_table(plan: Plan) -> Table:
@@ -122,6 +174,47 @@ def _strategy_table(plan: Plan) -> Table:
         o.add_row(op.name, str(op.instances), op.einsum, split,
                   " ".join(op.input_layouts.values()) + " → " + op.output_layout)
     return o
+
+
+def _dims_table(plan: Plan) -> Table:
+    """The key to a traced graph's dim names: size and, where known, meaning."""
+    graph = plan.searched.graph
+    t = _table("Dims (names the trace gave the graph's dimensions)", ("dim", "size", "meaning"))
+    for name, (size, meaning) in sorted(_dim_key(graph).items(), key=lambda kv: _dim_order(kv[0])):
+        t.add_row(name, f"{size:,}", meaning)
+    t.columns[1].justify = "right"
+    return t
+
+
+DIM_MEANINGS = {"b": "batch (sequences)", "s": "sequence (tokens)"}
+
+
+def _dim_key(graph: Graph) -> dict[str, tuple[int, str]]:
+    """dim → (size, meaning): batch and sequence; ``X_k``: X on attention's key side; any
+    other dim by the first parameter (else tensor) axis it names."""
+    out: dict[str, tuple[int, str]] = {}
+    for kind_first in (TensorKind.PARAMETER, None):
+        for op in graph.ops:
+            for operand in op.operands:
+                spec = graph.tensors[operand.tensor]
+                if kind_first is not None and spec.kind is not kind_first:
+                    continue
+                for axis, (d, n) in enumerate(zip(operand.dims, spec.shape)):
+                    if d not in out:
+                        base = d.removesuffix("_k")
+                        if base in DIM_MEANINGS or d != base:
+                            meaning = DIM_MEANINGS.get(base, base)
+                            meaning += ", on attention's key side" if d != base else ""
+                        else:
+                            meaning = f"axis {axis} of {operand.tensor}"
+                        out[d] = (n, meaning)
+    return out
+
+
+def _dim_order(name: str) -> tuple:
+    base = name.removesuffix("_k")
+    digits = base.lstrip("abcdefghijklmnopqrstuvwxyz_")
+    return (base not in DIM_MEANINGS, int(digits) if digits.isdigit() else -1, base, name != base)
 
 
 def _storage_table(plan: Plan) -> Table:

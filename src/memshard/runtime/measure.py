@@ -25,7 +25,15 @@ This module owns the measuring side of memshard's verification (docs/design.md,
   attributing each storage to its *final* category (an optimizer-step allocation counts as
   optimizer state only if it ends up in ``optimizer.state``). The log is written on every
   size change, not only after each op as MemTracker's own peak is, so a storage grown by
-  ``resize_`` (FSDP2) counts at once. MemTracker counts storages at ``numel · element_size``
+  ``resize_`` (FSDP2) counts at once. On CPU process groups (gloo) a collective's ``Work``
+  keeps references to its tensors, and gloo's worker thread drops its own reference to the
+  ``Work`` a moment after the collective completes, when it gets the GIL: a buffer only that
+  ``Work`` still held would then be freed at a random later moment, several allocations
+  after the wait, and one rank's peak would come out a few percent high in one run and not
+  the next. The meter therefore waits, at each collective's wait (a functional collective's
+  ``wait_tensor``; a c10d collective before the next op), with the GIL released, until the
+  ``Work`` is gone: its buffers are freed at the wait, on this thread, in every run, as under
+  the fake process group. MemTracker counts storages at ``numel · element_size``
   on CPU (fake or real), rounded up to 512 bytes on CUDA; it counts DTensor local shards.
   Under ``FakeTensorMode`` the meter ignores the global-shape fake tensors DTensor's sharding
   propagation creates (MemTracker would count them). On CUDA the meter also records
@@ -38,6 +46,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +60,7 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from memshard.cost.comm import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 
@@ -305,6 +316,72 @@ def _flag_sharding_propagation(tracker: _LoggingMemTracker) -> Iterator[None]:
         Prop._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
+# A gloo worker thread drops its reference to a finished Work within microseconds once it runs
+# and holds the GIL. After a wait the meter polls the Work's tensors until their reference
+# counts have fallen and then held still for SETTLED_S (or, if the Work holds none of them,
+# held still for SETTLE_MIN_S), and gives up after SETTLE_TIMEOUT_S.
+SETTLED_S = 1e-3
+SETTLE_MIN_S = 0.02
+SETTLE_TIMEOUT_S = 0.5
+_POLL_S = 5e-5
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor
+
+
+def _on_gloo(args: Any, kwargs: Any) -> bool:
+    """Whether a collective runs on gloo (the default group's backend) with real CPU tensors:
+    not under the fake process group, fake or meta tensors, or NCCL."""
+    if active_fake_mode() is not None or not dist.is_initialized() or dist.get_backend() != "gloo":
+        return False
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+
+
+def _holders(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Per tensor: references to it and to its storage (a Work holds one or the other:
+    gloo's all-gather holds chunks of its output, i.e. the storage)."""
+    return [(t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)) for t in tensors]
+
+
+class _HeldByWork:
+    """The tensors of one collective (weakly): what its ``Work`` may hold until it is
+    destroyed; for a c10d collective the ``Work`` itself, for a functional one its output."""
+
+    def __init__(self, tracker: _LoggingMemTracker) -> None:
+        self.tracker = tracker
+        self.tensors: list[weakref.ref] = []
+        self.work: Any = None
+        self.output: weakref.ref | None = None
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """Run the block (the wait), then wait, with the GIL released, until the Work is gone:
+        a buffer only it held is then freed when this block ends, on this thread."""
+        tensors = [t for ref in self.tensors if (t := ref()) is not None]
+        before = _holders(tensors)  # the Work alive: the caller or the registry holds it
+        self.work = None
+        yield
+        if not _settle(tensors, before):
+            self.tracker.unsettled += 1
+        del tensors  # the last references to buffers only the Work held: freed now, here
+
+
+def _settle(tensors: list[torch.Tensor], before: list[tuple[int, int]]) -> bool:
+    """Poll until the references have fallen below ``before`` and held still (see SETTLED_S)."""
+    start = since = time.monotonic()
+    last = None
+    while True:
+        now = time.monotonic()
+        counts = _holders(tensors)
+        if counts != last:
+            last, since = counts, now
+        fallen = any(c < b for held, was in zip(counts, before) for c, b in zip(held, was))
+        if now - since >= (SETTLED_S if fallen else SETTLE_MIN_S):
+            return True
+        if now - start > SETTLE_TIMEOUT_S:
+            return False
+        time.sleep(_POLL_S)
+
+
 class _LoggingMemTracker(MemTracker):
     """MemTracker that logs every change of a storage's tracked bytes, in order, and knows
     which storages are real optimizer state."""
@@ -315,6 +392,10 @@ class _LoggingMemTracker(MemTracker):
         self.optimizer_state: set[Any] = set()  # _WeakRefInfo of tensors in optimizer.state
         self.propagating = 0  # depth inside DTensor's sharding propagation
         self._patches = contextlib.ExitStack()
+        self._collectives = set(_collective_specs())
+        self._works: dict[int, _HeldByWork] = {}  # id(functional collective's output) → its Work's hold
+        self._c10d_works: list[_HeldByWork] = []  # c10d collectives issued since the last op
+        self.unsettled = 0  # Works still alive after SETTLE_TIMEOUT_S (their buffers freed late)
 
     def __enter__(self) -> _LoggingMemTracker:
         if self._depth == 0:
@@ -336,7 +417,41 @@ class _LoggingMemTracker(MemTracker):
     ) -> Any:
         if self.propagating:  # DTensor deriving output metadata on global-shape fake tensors
             return func(*args, **(kwargs or {}))
+        if any(t == DTensor for t in types):
+            return NotImplemented  # DTensor desugars into local ops first
+        self.settle_c10d()
+        if func._overloadpacket in self._collectives and _on_gloo(args, kwargs):
+            return self._collective(func, types, args, kwargs)
+        if func._overloadpacket is _WAIT_TENSOR:
+            held = self._works.pop(id(args[0]), None)
+            if held is not None and held.output is not None and held.output() is args[0]:
+                with held.released():
+                    return super().__torch_dispatch__(func, types, args, kwargs)
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _collective(self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+        """Issue the collective and remember its tensors, to settle its Work at its wait."""
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        held = _HeldByWork(self)
+        held.tensors = [weakref.ref(t) for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        works = [w for w in tree_leaves(out) if isinstance(w, torch.ScriptObject)]
+        if works:  # c10d: the caller waits on the Work it returns, then drops it (before the next op)
+            held.work = works[0]
+            self._c10d_works.append(held)
+        elif isinstance(out, torch.Tensor):  # functional: the Work lives until wait_tensor(output)
+            held.output = weakref.ref(out)
+            self._works[id(out)] = held
+        return out
+
+    def settle_c10d(self) -> None:
+        """Wait until the c10d collectives issued since the last op have released their Works."""
+        while self._c10d_works:
+            with self._c10d_works.pop(0).released():
+                pass
+
+    def forget_works(self) -> None:
+        self.settle_c10d()
+        self._works.clear()
 
     def _update_snap(self, u_type: _UpdateType, winfo: Any, *args: Any, **kwargs: Any) -> None:
         super()._update_snap(u_type, winfo, *args, **kwargs)
@@ -393,7 +508,9 @@ class MemoryMeter:
       optimizer-step temporaries);
     - ``category_peaks``: each category's own maximum over the region;
     - ``peak_bytes_by_device``: the peak of every device seen;
-    - ``cuda_peak_bytes``: ``torch.cuda.max_memory_allocated`` over the region, or None.
+    - ``cuda_peak_bytes``: ``torch.cuda.max_memory_allocated`` over the region, or None;
+    - ``unsettled``: gloo collectives whose ``Work`` outlived ``SETTLE_TIMEOUT_S`` after
+      their wait (their buffers may have been freed late).
 
     ``device`` is the device measured; by default the module's CUDA device if it has one,
     else the device with the largest peak (CPU scalars such as Adam's ``step`` live beside
@@ -421,6 +538,7 @@ class MemoryMeter:
         self.category_peaks: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.peak_bytes_by_device: dict[str, int] = {}
         self.cuda_peak_bytes: int | None = None
+        self.unsettled = 0
 
     def __enter__(self) -> MemoryMeter:
         tracker = self._tracker
@@ -437,7 +555,9 @@ class MemoryMeter:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._tracker.forget_works()  # the last c10d collective's buffers, freed inside the region
         self._tracker.__exit__(*exc)
+        self.unsettled = self._tracker.unsettled
         if self._cuda_device is not None:
             torch.cuda.synchronize(self._cuda_device)
             self.cuda_peak_bytes = int(torch.cuda.max_memory_allocated(self._cuda_device))

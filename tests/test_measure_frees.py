@@ -1,0 +1,110 @@
+"""MemoryMeter on gloo frees a collective's buffers at its wait, in every run.
+
+gloo's worker thread holds the collective's ``Work`` (and through it the collective's tensors)
+for a moment after the collective completes; a buffer only the ``Work`` still held used to be
+freed whenever that thread got the GIL, several allocations later in some runs and not in
+others (``memshard run`` showed one rank's peak a few percent high). Here two forked gloo
+ranks repeat a collective on a temporary buffer, drop it, wait, and allocate right after:
+the buffer must be gone before that allocation every time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+
+from memshard.runtime.measure import MemoryMeter
+
+pytestmark = pytest.mark.runtime
+
+REPEATS = 40
+N = 1000  # fp32 elements of the temporary input
+F32 = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _functional(group: Any) -> MemoryMeter:
+    """x (4 kB) all-gathered over 2 ranks into y (8 kB); x dropped before the wait; then z
+    (16 kB). x is freed at the wait: the peak is y + z = 24 kB (28 kB if x outlived it)."""
+    with MemoryMeter() as meter:
+        x = torch.ones(N)
+        y = funcol.all_gather_tensor(x, 0, group)
+        del x
+        y = y.wait() if hasattr(y, "wait") else y
+        z = torch.ones(4 * N)
+        del y, z
+    return meter
+
+
+def _c10d(group: Any) -> MemoryMeter:
+    """A c10d all-reduce of a temporary (4 kB), then z (16 kB): the peak is z alone."""
+    with MemoryMeter() as meter:
+        dist.all_reduce(torch.ones(N), group=group)
+        z = torch.ones(4 * N)
+        del z
+    return meter
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        group = dist.group.WORLD
+        res: dict[str, list] = {"functional": [], "c10d": [], "unsettled": []}
+        for _ in range(REPEATS):
+            for kind, step in (("functional", _functional), ("c10d", _c10d)):
+                meter = step(group)
+                res[kind].append(meter.peak_bytes)
+                res["unsettled"].append(meter.unsettled)
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(res))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def peaks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list]]:
+    assert not dist.is_initialized()
+    out = tmp_path_factory.mktemp("frees")
+    world = 2
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        mp.start_processes(_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True,
+                           start_method="fork")
+    finally:
+        if old is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_a_functional_collectives_input_is_freed_at_its_wait(peaks):
+    for res in peaks:
+        assert res["functional"] == [(2 * N + 4 * N) * F32] * REPEATS
+
+
+def test_a_c10d_collectives_temporary_is_freed_before_the_next_op(peaks):
+    for res in peaks:
+        assert res["c10d"] == [4 * N * F32] * REPEATS
+
+
+def test_every_work_settled(peaks):
+    for res in peaks:
+        assert not any(res["unsettled"])
