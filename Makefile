@@ -24,10 +24,10 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	OMP_NUM_THREADS=1 $(PY) -m pytest
 
-# the planner alone: no multi-rank runs, no tracing
+# the planner alone: no multi-rank runs, no tracing, no README examples
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not runtime and not trace"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not runtime and not trace and not readme"
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'

@@ -11,7 +11,8 @@ GAP = 1e-3  # each point is solved within the default relative gap
 
 
 def test_frontier_is_monotone_and_feasible(tmp_path):
-    points, base = frontier("gpt3-1.3b", "2x4", points=4, **SHAPE)
+    # (on 2x4 the budgets between the two ends take HiGHS 10-15 s each to prove)
+    points, base = frontier("gpt3-1.3b", "1x8", points=4, **SHAPE)
     assert len(points) == 4 and base
     for p in points:
         if p.budget_s is not None:

@@ -303,6 +303,7 @@ def _runtime_plan(args):
 def _cmd_run(args, console) -> None:
     from memshard.runtime.launch import launch, private_tempdir
     from memshard.runtime.report import render_run
+    from memshard.units import counted
 
     _check_json_path(args.json)
     if args.steps < 2:
@@ -313,7 +314,7 @@ def _cmd_run(args, console) -> None:
     with private_tempdir("memshard-run-") as tmp:  # removed even if a signal stops the run
         path = os.path.join(tmp, "plan.json")
         result.save(path)
-        with console.status(f"running {n} rank(s)…"):
+        with console.status(f"running {counted(n, 'rank')}…"):
             reports = launch("memshard.runtime.train", ["--plan", path, "--steps", str(args.steps)], n,
                              timeout_s=args.timeout)
     if args.json:
@@ -342,13 +343,13 @@ def _cmd_models(args, console) -> None:
     from rich.table import Table
 
     from memshard.models import PRESETS, build_graph
+    from memshard.units import format_count
 
     t = Table(title="Built-in models")
     for col in ("name", "family", "parameters", "layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq"):
         t.add_column(col, justify="left" if col in ("name", "family") else "right", no_wrap=True)
     for name, cfg in PRESETS.items():
-        n = build_graph(cfg, batch=1, seq=8).num_parameters
-        count = f"{n / 1e9:.3f}B" if n >= 1e9 else (f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K")
+        count = format_count(build_graph(cfg, batch=1, seq=8).num_parameters)
         t.add_row(name, cfg.family, count, str(cfg.num_layers), str(cfg.hidden), str(cfg.heads),
                   str(cfg.num_kv_heads), str(cfg.ffn), str(cfg.vocab), str(cfg.default_seq))
     console.print(t)
