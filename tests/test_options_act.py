@@ -11,12 +11,12 @@ import pytest
 
 from memshard.cli import build_parser, main
 
-BASE = ["--model", "gpt2", "--mesh", "2x2", "--layers", "1", "--batch", "4", "--seq", "64"]
+BASE = ["--model", "gpt2", "--mesh", "4", "--layers", "1", "--batch", "4", "--seq", "64"]
 
 # option → (arguments replacing its default; "json": the plan JSON changes, "text": the printed
 # report changes, "refused": exit 2). Model sources are the job itself, --json the output.
 PLAN = {
-    "--mesh": (["--mesh", "4"], "json"),
+    "--mesh": (["--mesh", "2x2"], "json"),
     "--batch": (["--batch", "8"], "json"),
     "--seq": (["--seq", "32"], "json"),
     "--micro-batches": (["--micro-batches", "2"], "json"),
@@ -29,9 +29,9 @@ PLAN = {
     "--dropout": (["--dropout", "off"], "json"),
     "--precision": (["--precision", "fp32"], "json"),
     "--attn-implementation": (["--attn-implementation", "eager"], "refused"),  # for --hf-* only
-    "--axis-names": (["--axis-names", "dp,tp"], "json"),
-    "--bandwidth": (["--bandwidth", "10,100"], "json"),
-    "--latency": (["--latency", "50,20"], "json"),
+    "--axis-names": (["--axis-names", "dp"], "json"),
+    "--bandwidth": (["--bandwidth", "10"], "json"),
+    "--latency": (["--latency", "50"], "json"),
     "--device-memory": (["--device-memory", "1GiB"], "json"),
     "--peak-tflops": (["--peak-tflops", "50"], "json"),
     "--efficiency": (["--efficiency", "0.25"], "json"),
@@ -40,7 +40,7 @@ PLAN = {
     "--memory-budget": (["--memory-budget", "80GiB"], "refused"),  # the memory objective has none
     "--zero3-unit": (["--zero3-unit", "layer"], "json"),
     "--exact": (["--exact"], "json"),
-    "--full-mesh": (["--full-mesh"], "refused"),  # nothing to merge on two axes
+    "--full-mesh": (["--full-mesh"], "refused"),  # nothing to merge on one axis
     "--time-limit": (["--time-limit", "1ms"], "refused"),  # no plan in a millisecond
     "--gap": (["--gap", "0.5"], "json"),
     "--top": (["--top", "1"], "json"),
