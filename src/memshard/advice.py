@@ -175,25 +175,21 @@ def _linked_to(problem: Problem, selection: Selection, gid: int, choice: int) ->
     return None
 
 
-def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict[str, float]:
-    """Redundant bytes live at ``point`` per op role: an op owns its buffers and gradients,
-    the weights it uses, and the activations it produces or keeps."""
-    owner: dict[int, str] = {}
-    for gid, grp in enumerate(problem.groups):
-        if isinstance(grp, OpGroup):
-            owner[gid] = grp.key
+def _owners(problem: Problem) -> dict[int, str]:
+    """Group → the op role that owns its bytes: an op its own, a parameter's storage its op's."""
+    owner = {gid: grp.key for gid, grp in enumerate(problem.groups) if isinstance(grp, OpGroup)}
     for link in storage_links(problem):
         owner[link.a] = problem.groups[link.b].key
-    out: dict[str, float] = {}
-    for s in problem.slots:
-        if s.start <= point <= s.end and s.phase != DURING_RESHARDS:  # (the moment before the reshards)
-            key = owner[s.group]
-            out[key] = out.get(key, 0.0) + float(s.redundant[selection.choices[s.group]])
+    return owner
+
+
+def _held_at(problem: Problem, selection: Selection, point: int):
+    """Each distinct activation held at ``point``: (a holder of it, its held tensor, the
+    layout id, the layout, the op group that owns it — its producer, or the consumer whose
+    copy it is)."""
     seen: dict[int, set] = {}
     for h in problem.holders:
-        if not (h.start <= point <= h.end):
-            continue
-        layout = problem.holder_layout(selection, h)
+        layout = problem.holder_layout(selection, h) if h.start <= point <= h.end else None
         if layout is None:
             continue
         held = problem.held[h.tensor]
@@ -201,7 +197,19 @@ def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict
         if lid in seen.setdefault(h.tensor, set()):
             continue
         seen[h.tensor].add(lid)
-        gid = h.source if h.kind == "producer" else problem.edges[h.source].consumer
+        yield h, held, lid, layout, (h.source if h.kind == PRODUCER else problem.edges[h.source].consumer)
+
+
+def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict[str, float]:
+    """Redundant bytes live at ``point`` per op role: an op owns its buffers and gradients,
+    the weights it uses, and the activations it produces or keeps."""
+    owner = _owners(problem)
+    out: dict[str, float] = {}
+    for s in problem.slots:
+        if s.start <= point <= s.end and s.phase != DURING_RESHARDS:  # (the moment before the reshards)
+            key = owner[s.group]
+            out[key] = out.get(key, 0.0) + float(s.redundant[selection.choices[s.group]])
+    for _, held, lid, _, gid in _held_at(problem, selection, point):
         key = problem.groups[gid].key
         out[key] = out.get(key, 0.0) + float(held.redundant[lid])
     return out
@@ -210,9 +218,7 @@ def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict
 def redundancy_parts(problem: Problem, selection: Selection, point: int, ops: set[str]) -> dict[str, list[Holding]]:
     """The redundant bytes :func:`redundancy_by_op` gives ``ops`` at ``point``, by what holds
     them (largest first), each with the mesh axes it is copied over."""
-    owner = {gid: grp.key for gid, grp in enumerate(problem.groups) if isinstance(grp, OpGroup)}
-    for link in storage_links(problem):
-        owner[link.a] = problem.groups[link.b].key
+    owner = _owners(problem)
     parts: dict[str, dict[tuple, float]] = {op: {} for op in ops}
 
     def add(op: str, what: str, axes: tuple[str, ...], nbytes: float) -> None:
@@ -225,17 +231,7 @@ def redundancy_parts(problem: Problem, selection: Selection, point: int, ops: se
         if s.start <= point <= s.end and s.phase != DURING_RESHARDS and owner[s.group] in parts:
             add(owner[s.group], *_slot_part(problem, selection, s.group, s.category, prefixes),
                 float(s.redundant[selection.choices[s.group]]))
-    seen: dict[int, set] = {}
-    for h in problem.holders:
-        layout = problem.holder_layout(selection, h) if h.start <= point <= h.end else None
-        if layout is None:
-            continue
-        held = problem.held[h.tensor]
-        lid = held.layout_id(layout)
-        if lid in seen.setdefault(h.tensor, set()):
-            continue
-        seen[h.tensor].add(lid)
-        gid = h.source if h.kind == PRODUCER else problem.edges[h.source].consumer
+    for h, held, lid, layout, gid in _held_at(problem, selection, point):
         axes = tuple(problem.mesh.axis_names[a] for a, p in enumerate(layout)
                      if not isinstance(p, Shard) and problem.mesh.shape[a] > 1)
         what = "output" if h.kind == PRODUCER else f"{_HELD_AS[h.kind]} ({problem.groups[held.key].key}'s output)"

@@ -57,14 +57,21 @@ def format_bytes(n: float) -> str:
     n = float(n)
     if (special := _special(n, "B")) is not None:
         return special
+    return _scaled(n, 1024, ("B", *_BINARY), " ")
+
+
+def _scaled(n: float, base: int, units: tuple[str, ...], space: str) -> str:
+    """``n`` in the largest of ``units`` (each ``base`` times the one before) that keeps it
+    below 1000 at three significant digits; whole numbers in the first; plain digits past the
+    last."""
     sign, v = ("-" if n < 0 else ""), abs(n)
-    if math.floor(v + 0.5) < 1024:
-        return f"{sign}{math.floor(v + 0.5)} B"
-    for unit in _BINARY:
-        v /= 1024
+    if math.floor(v + 0.5) < base:
+        return f"{sign}{math.floor(v + 0.5)}{space}{units[0]}".rstrip()
+    for unit in units[1:]:
+        v /= base
         if v < _TOP:
-            return f"{sign}{_significant(v)} {unit}"
-    return f"{sign}{v:,.0f} PiB"
+            return f"{sign}{_significant(v)}{space}{unit}"
+    return f"{sign}{v:,.0f}{space}{units[-1]}"
 
 
 def format_seconds(s: float) -> str:
@@ -88,14 +95,7 @@ def format_count(n: float) -> str:
     n = float(n)
     if (special := _special(n, "")) is not None:
         return special
-    sign, v = ("-" if n < 0 else ""), abs(n)
-    if math.floor(v + 0.5) < 1000:
-        return f"{sign}{math.floor(v + 0.5)}"
-    for unit in _COUNT:
-        v /= 1000
-        if v < _TOP:
-            return f"{sign}{_significant(v)}{unit}"
-    return f"{sign}{v:,.0f}T"
+    return _scaled(n, 1000, ("", *_COUNT), "")
 
 
 def counted(n: int, noun: str, nouns: str | None = None) -> str:
