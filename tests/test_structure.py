@@ -19,7 +19,8 @@ MAX_FUNCTION_LINES = 80
 LAYERS = [
     ("memshard.errors", "memshard.units", "memshard.files"),
     ("memshard.graph", "memshard.mesh", "memshard.placement"),
-    ("memshard.strategies", "memshard.schedule", "memshard.cost", "memshard.models", "memshard.trace"),
+    ("memshard.strategies", "memshard.schedule", "memshard.recompute", "memshard.cost", "memshard.models",
+     "memshard.trace"),
     ("memshard.problem", "memshard.job"),
     ("memshard.pricing", "memshard.bounds", "memshard.evaluate", "memshard.selections"),
     ("memshard.ilp", "memshard.coarsen", "memshard.baselines", "memshard.advice"),

@@ -25,7 +25,10 @@ from memshard.problem import (
     INPUT_COPY,
     PRODUCER,
     REGATHER,
+    REPLAYED,
+    RETAINED,
     SAVED,
+    SOURCE,
     OpGroup,
     Problem,
     Selection,
@@ -141,7 +144,7 @@ def why_not_split(problem: Problem, selection: Selection, gid: int) -> NoFurther
     grp, mesh = problem.groups[gid], problem.mesh
     op = problem.graph.ops[grp.ops[0]]
     current = grp.strategies[selection.choices[gid]]
-    index = {s.assignment: k for k, s in enumerate(grp.strategies)}
+    index = {s.assignment: k for k, s in enumerate(grp.strategies) if grp.replayed(k) == grp.replayed(selection.choices[gid])}
     local = current.local_sizes
     free = [a for a, d in enumerate(current.assignment) if d is None and mesh.shape[a] > 1]
     blocked = []
@@ -197,7 +200,7 @@ def _held_at(problem: Problem, selection: Selection, point: int):
         if lid in seen.setdefault(h.tensor, set()):
             continue
         seen[h.tensor].add(lid)
-        yield h, held, lid, layout, (h.source if h.kind == PRODUCER else problem.edges[h.source].consumer)
+        yield h, held, lid, layout, (h.source if h.kind in (PRODUCER, RETAINED) else problem.edges[h.source].consumer)
 
 
 def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict[str, float]:
@@ -234,13 +237,15 @@ def redundancy_parts(problem: Problem, selection: Selection, point: int, ops: se
     for h, held, lid, layout, gid in _held_at(problem, selection, point):
         axes = tuple(problem.mesh.axis_names[a] for a, p in enumerate(layout)
                      if not isinstance(p, Shard) and problem.mesh.shape[a] > 1)
-        what = "output" if h.kind == PRODUCER else f"{_HELD_AS[h.kind]} ({problem.groups[held.key].key}'s output)"
+        what = ("output" if h.kind in (PRODUCER, RETAINED)
+                else f"{_HELD_AS[h.kind]} ({problem.groups[held.key].key}'s output)")
         add(problem.groups[gid].key, what, axes, float(held.redundant[lid]))
     return {op: [Holding(what, b, axes) for (what, axes), b in sorted(p.items(), key=lambda kv: (-kv[1], kv[0]))]
             for op, p in parts.items()}
 
 
-_HELD_AS = {SAVED: "saved input", INPUT_COPY: "input", REGATHER: "re-gathered input"}
+_HELD_AS = {SAVED: "saved input", INPUT_COPY: "input", REGATHER: "re-gathered input", REPLAYED: "recomputed input",
+            SOURCE: "input held for the replay"}
 _STORED_AS = {"parameters": "", "gradients": " gradient", "optimizer_states": " optimizer states",
               "transients": " (transient copy)", "activations": " (activation)"}
 _ZERO_STAGE = {"parameters": 3, "gradients": 2, "optimizer_states": 1}  # the stage that shards it

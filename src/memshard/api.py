@@ -53,6 +53,7 @@ def plan(
     start: Plan | None = None,
     zero3_unit: str = "op",
     top: int = 10,
+    recompute: str = "none",
     **model_overrides,
 ) -> Plan:
     """Find the plan with the least per-device peak memory (``objective="memory"``, optionally
@@ -71,10 +72,12 @@ def plan(
     are planned as one, used if it treats them alike). ``zero3_unit``: ZeRO-3 weights
     gathered per op (``"op"``, least memory) or per layer (``"layer"``, FSDP's unit: fewer,
     larger collectives). ``top``: how many of the most redundant ops the plan lists, each
-    with what sharding it further would cost.
+    with what sharding it further would cost. ``recompute``: activation recomputation —
+    ``"none"``, ``"selective"`` (Megatron-LM's core attention), ``"full"`` (each layer keeps
+    its input only) or ``"auto"`` (the search decides per op role; see ``recompute.py``).
     """
     options = SearchOptions(objective, max_step_time_s, memory_budget, exact, full_mesh, zero3_unit, time_limit_s,
-                            mip_gap, top)
+                            mip_gap, top, recompute)
     job = make_job(model, mesh, example_inputs=example_inputs, batch=batch, seq=seq, micro_batches=micro_batches,
                    **model_overrides)
     return plan_job(job, options, start)
@@ -136,12 +139,15 @@ def _compare_row(p: Plan, best: Plan) -> dict:
 
 
 def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: str | None = None, *,
-                  zero3_unit: str = "op", **job_arguments) -> Plan:
+                  zero3_unit: str = "op", recompute: str = "none", **job_arguments) -> Plan:
     """The fixed plan of a named baseline (``ddp``, ``zero3-fsdp``, ``megatron-tp4-sp``…;
     ``memshard compare`` lists them) of ``model`` on ``mesh`` (keywords as :func:`plan`'s) or
-    of a :class:`Job`, priced like memshard's own."""
+    of a :class:`Job`, priced like memshard's own. With ``recompute`` other than ``none``
+    the baselines recompute too: that policy, or (``auto``) each with no, selective and full
+    recomputation (``megatron-tp4-sp+full``…)."""
     job, _ = job_and_options(model, mesh, job_arguments)
-    problem = build_problem(job.graph, job.mesh, micro_batches=job.micro_batches, zero3_unit=zero3_unit)
+    problem = build_problem(job.graph, job.mesh, micro_batches=job.micro_batches, zero3_unit=zero3_unit,
+                            recompute=recompute)
     fixed, skipped = baselines(problem)
     for b in fixed:
         if b.name == strategy:
@@ -165,4 +171,4 @@ def runtime_plan(job: Job, strategy: str = "memshard", options: SearchOptions | 
     options = options or SearchOptions(mip_gap=0.02)
     if strategy == "memshard":
         return plan_job(job, options)
-    return strategy_plan(job, strategy=strategy, zero3_unit=options.zero3_unit)
+    return strategy_plan(job, strategy=strategy, zero3_unit=options.zero3_unit, recompute=options.recompute)

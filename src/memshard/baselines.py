@@ -15,6 +15,11 @@ space, no baseline beats memshard's minimal-memory plan by more than the solver'
   (Megatron's ``--use-distributed-optimizer``).
 - ``tp_fsdp``: torchtitan's 2D recipe: tensor + sequence parallelism inside, FSDP outside.
 
+Recomputation (``recompute.py``): on a problem whose policy is ``selective`` or ``full`` every
+baseline recomputes so; under ``auto`` each baseline comes without (its plain name), with
+selective (``+selective``: Megatron-LM's core attention) and with full recomputation
+(``+full``: Megatron-LM's full uniform, torchtitan's full activation checkpointing).
+
 Tensor-parallel degrees below the node size are laid out on the same devices viewed as a
 finer logical mesh (``split_innermost``), priced by the same model.
 """
@@ -22,6 +27,7 @@ finer logical mesh (``split_innermost``), priced by the same model.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from memshard.graph import Origin
@@ -29,6 +35,7 @@ from memshard.mesh import Mesh
 from memshard.placement import local_numel
 from memshard.pricing import build_problem
 from memshard.problem import Problem, Selection, complete_selection
+from memshard.recompute import core_attention, replayable_ops
 from memshard.selections import SplitUnavailable, assign_strategies, data_parallel, uniform_storage
 
 TP_DIMS = ("v", "f", "e", "n")  # the dim tensor parallelism splits, first found in the op
@@ -47,6 +54,7 @@ def megatron_tp(
     sequence_parallel: bool = False,
     distributed_optimizer: bool = False,
     fsdp: bool = False,
+    replayed: Callable[[int], bool] = lambda i: False,
 ) -> Selection:
     mesh = problem.mesh
     n = mesh.ndim
@@ -62,7 +70,7 @@ def megatron_tp(
             for a in range(n)
         )
 
-    strategies = assign_strategies(problem, per_op)
+    strategies = assign_strategies(problem, per_op, replayed)
     stage = 3 if fsdp else (1 if distributed_optimizer else 0)
     selection = complete_selection(problem, strategies, uniform_storage(problem, stage, dp))
     if not sequence_parallel:
@@ -74,31 +82,48 @@ def megatron_tp(
         layouts = problem.edge_layouts(selection, e)
         lp, lc = layouts.producer, layouts.consumer
         shape = edge.tensor.shape
+        if layouts.replayed or problem.replayed(selection, edge.consumer):
+            continue  # a replay makes the copy again, or reads it whole
         if edge.can_keep(lp, lc) and local_numel(shape, lp, mesh.shape) < local_numel(shape, lc, mesh.shape):
             keeps[e] = 1
     return complete_selection(problem, strategies, uniform_storage(problem, stage, dp), keeps)
 
 
-def ddp(problem: Problem) -> Selection:
-    return data_parallel(problem)
+Replayed = Callable[[int], bool]  # op index → recomputed
 
 
-def zero(problem: Problem, stage: int) -> Selection:
+def ddp(problem: Problem, replayed: Replayed) -> Selection:
+    return data_parallel(problem, 0, replayed)
+
+
+def zero(problem: Problem, stage: int, replayed: Replayed) -> Selection:
     """ZeRO-1/2/3 (3 = FSDP full shard) over all axes."""
-    return data_parallel(problem, stage)
+    return data_parallel(problem, stage, replayed)
 
 
-def megatron_tp_sp(problem: Problem, tp_axes: int) -> Selection:
-    return megatron_tp(problem, tp_axes, sequence_parallel=True)
+def megatron_tp_sp(problem: Problem, tp_axes: int, replayed: Replayed) -> Selection:
+    return megatron_tp(problem, tp_axes, sequence_parallel=True, replayed=replayed)
 
 
-def megatron_tp_sp_distributed_optimizer(problem: Problem, tp_axes: int) -> Selection:
-    return megatron_tp(problem, tp_axes, sequence_parallel=True, distributed_optimizer=True)
+def megatron_tp_sp_distributed_optimizer(problem: Problem, tp_axes: int, replayed: Replayed) -> Selection:
+    return megatron_tp(problem, tp_axes, sequence_parallel=True, distributed_optimizer=True, replayed=replayed)
 
 
-def tp_fsdp(problem: Problem, tp_axes: int) -> Selection:
+def tp_fsdp(problem: Problem, tp_axes: int, replayed: Replayed) -> Selection:
     """torchtitan's 2D recipe: TP + SP on the inner axes, FSDP (ZeRO-3) on the outer ones."""
-    return megatron_tp(problem, tp_axes, sequence_parallel=True, fsdp=True)
+    return megatron_tp(problem, tp_axes, sequence_parallel=True, fsdp=True, replayed=replayed)
+
+
+def recompute_variants(problem: Problem) -> list[tuple[str, Replayed]]:
+    """(name suffix, which ops to recompute) of each recomputation a baseline is built with."""
+    graph = problem.graph
+    selective, full = core_attention(graph) & replayable_ops(graph), replayable_ops(graph)
+    variants = {"none": [("", lambda i: False)],
+                "selective": [("+selective", lambda i: i in selective)],
+                "full": [("+full", lambda i: i in full)]}
+    if problem.recompute == "auto":  # (selective only where the model has core attention)
+        return variants["none"] + (variants["selective"] if selective else []) + variants["full"]
+    return variants[problem.recompute]
 
 
 def split_innermost(mesh: Mesh, tp: int) -> Mesh:
@@ -116,16 +141,18 @@ def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
     whole nodes and more (the innermost axes); data parallelism takes the rest."""
     out, skipped = [], []
     mesh = problem.mesh
+    variants = recompute_variants(problem)
 
     def add(name, make, on=problem):
-        try:
-            out.append(Baseline(name, make(on), on))
-        except SplitUnavailable as e:
-            skipped.append((name, str(e)))
+        for suffix, replayed in variants:
+            try:
+                out.append(Baseline(name + suffix, make(on, replayed), on))
+            except SplitUnavailable as e:
+                skipped.append((name + suffix, str(e)))
 
     add("ddp", ddp)
     for stage in (1, 2, 3):
-        add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, s=stage: zero(p, s))
+        add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, r, s=stage: zero(p, s, r))
     if problem.graph.origin is Origin.TRACED:
         # Megatron's layouts are written for the built-in models' dims (heads, MLP width,
         # vocabulary); a traced graph's dims are anonymous, so they are not laid out.
@@ -136,7 +163,7 @@ def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
     for tp in range(2, node):
         if node % tp == 0:
             finer = build_problem(problem.graph, split_innermost(mesh, tp), problem.shared_layers,
-                                  problem.micro_batches, problem.zero3_unit)
+                                  problem.micro_batches, problem.zero3_unit, problem.recompute)
             layouts.append((finer, 1, tp))
     for k in range(1, mesh.ndim + 1):
         tp = math.prod(mesh.shape[mesh.ndim - k:])
@@ -145,9 +172,9 @@ def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
     for on, k, tp in layouts:
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")
-        add(f"megatron-{tag}", lambda p, k=k: megatron_tp(p, k), on)
-        add(f"megatron-{tag}-sp", lambda p, k=k: megatron_tp_sp(p, k), on)
+        add(f"megatron-{tag}", lambda p, r, k=k: megatron_tp(p, k, replayed=r), on)
+        add(f"megatron-{tag}-sp", lambda p, r, k=k: megatron_tp_sp(p, k, r), on)
         if dp > 1:
-            add(f"megatron-{tag}-sp-distopt", lambda p, k=k: megatron_tp_sp_distributed_optimizer(p, k), on)
-            add(f"tp{tp}-fsdp{dp}", lambda p, k=k: tp_fsdp(p, k), on)
+            add(f"megatron-{tag}-sp-distopt", lambda p, r, k=k: megatron_tp_sp_distributed_optimizer(p, k, r), on)
+            add(f"tp{tp}-fsdp{dp}", lambda p, r, k=k: tp_fsdp(p, k, r), on)
     return out, skipped

@@ -17,7 +17,8 @@ def _held_once(problem: Problem, out: np.ndarray, nbytes_of) -> None:
     n_points = problem.schedule.num_points
     spans = defaultdict(list)
     for h in problem.holders:
-        spans[h.tensor].append((h.start, h.end))
+        if not problem.may_drop(h):
+            spans[h.tensor].append((h.start, h.end))
     for t, intervals in spans.items():
         intervals.sort()
         nbytes = nbytes_of(problem.held[t])

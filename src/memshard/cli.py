@@ -23,7 +23,8 @@ KNOB_FLAGS = {"num_layers": "--layers", "hidden": "--hidden", "heads": "--heads"
               "ffn": "--ffn", "vocab": "--vocab", "dropout": "--dropout"}
 # Options that describe the job: a saved plan (--plan) replaces them all.
 PLOT_FORMATS = ("png", "pdf", "svg")
-SEARCH_DESTS = ("objective", "max_step_time", "memory_budget", "zero3_unit", "exact", "full_mesh", "time_limit", "gap")
+SEARCH_DESTS = ("objective", "max_step_time", "memory_budget", "zero3_unit", "recompute", "exact", "full_mesh",
+                "time_limit", "gap")
 JOB_DESTS = ("model", "hf_config", "hf_model", "attn_implementation", "mesh", "batch", "seq", "micro_batches",
              "precision", *KNOB_FLAGS, "axis_names", "bandwidth", "latency", "device_memory", "peak_tflops",
              "efficiency")
@@ -125,6 +126,10 @@ def add_search_arguments(parser: argparse.ArgumentParser, objective: bool) -> No
     s.add_argument("--zero3-unit", choices=("op", "layer"),
                    help="what ZeRO-3 gathers at once: each op's weights (least memory, default) or a "
                         "whole layer's (FSDP's unit: far fewer collectives)")
+    s.add_argument("--recompute", choices=("none", "selective", "full", "auto"),
+                   help="activation recomputation: none (default), selective (core attention, as Megatron-LM), "
+                        "full (every layer keeps only its input), auto (the search chooses per op; with "
+                        "--objective time --memory-budget: the fastest plan that fits)")
     s.add_argument("--exact", action="store_true", help="solve without sharing variables across identical layers")
     s.add_argument("--full-mesh", action="store_true",
                    help="on 3+ axis meshes, search every axis separately (slow) instead of merging alike axes")
@@ -155,7 +160,7 @@ def options_of(args, gap: float = 2e-3):
     return SearchOptions(objective=given("objective", "memory"), max_step_time_s=given("max_step_time", None),
                          memory_budget=given("memory_budget", None), exact=args.exact, full_mesh=args.full_mesh,
                          zero3_unit=given("zero3_unit", "op"), time_limit_s=given("time_limit", 60.0),
-                         mip_gap=given("gap", gap), top=given("top", 10))
+                         mip_gap=given("gap", gap), top=given("top", 10), recompute=given("recompute", "none"))
 
 
 def _model_of(args):

@@ -84,7 +84,7 @@ def _lifted_choice(cg, k: int, coarse_axis: dict[int, int], mesh: Mesh):
     """Coarse group ``cg``'s choice ``k`` as its fine group's choice key (``_choice_key``)."""
     fine_axes = range(mesh.ndim)
     if isinstance(cg, OpGroup):
-        return tuple(cg.strategies[k].assignment[coarse_axis[a]] for a in fine_axes)
+        return tuple(cg.strategies[k].assignment[coarse_axis[a]] for a in fine_axes), cg.replayed(k)
     g, opt = cg.options[k]
     axes = tuple(a for a in fine_axes if coarse_axis[a] in opt.axes and mesh.shape[a] > 1)
     return tuple(g[coarse_axis[a]] for a in fine_axes), StorageOption(opt.stage if axes else 0, axes)
@@ -93,7 +93,7 @@ def _lifted_choice(cg, k: int, coarse_axis: dict[int, int], mesh: Mesh):
 def _choice_key(group, k: int):
     """What choice ``k`` of ``group`` is: an op's assignment of dims to mesh axes, or a
     parameter's gradient layout and storage option."""
-    return group.strategies[k].assignment if isinstance(group, OpGroup) else group.options[k]
+    return (group.strategies[k].assignment, group.replayed(k)) if isinstance(group, OpGroup) else group.options[k]
 
 
 def _choice_index(group) -> dict:

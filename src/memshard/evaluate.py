@@ -15,7 +15,7 @@ import numpy as np
 from memshard.bounds import zero_redundancy_bound
 from memshard.cost import comm
 from memshard.cost.memory import CATEGORIES
-from memshard.problem import DURING_RESHARDS, REGATHER, Problem, Selection
+from memshard.problem import DURING_RESHARDS, Problem, Selection
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Evaluation:
     communication_by_kind: dict[str, dict[str, float]]
     live_bytes: np.ndarray  # per schedule point
     category_bytes: np.ndarray  # per category (CATEGORIES' order) × schedule point
+    recompute_time_s: float = 0.0  # what replays add (in the step time already)
 
     def breakdown_at(self, point: int) -> dict[str, float]:
         """Live bytes per category at schedule point ``point``."""
@@ -58,6 +59,20 @@ def _priced(problem: Problem, selection: Selection) -> list[tuple[int, float, tu
     priced = [(g.instances, g.choices[k].compute_s, g.choices[k].calls)
               for g, k in zip(problem.groups, selection.choices)]
     return priced + [(edge.executions, 0.0, problem.edge_calls(selection, e)) for e, edge in enumerate(problem.edges)]
+
+
+def recompute_time(problem: Problem, selection: Selection) -> float:
+    """Seconds the replays add to a step: the replayed ops' forwards (with their statistics'
+    all-reduces) and the forward reshards they run again."""
+    ops = sum(g.instances * g.choices[k].replay_s for g, k in zip(problem.groups, selection.choices))
+    edges = 0.0
+    for e, edge in enumerate(problem.edges):
+        layouts = problem.edge_layouts(selection, e)
+        if layouts.replayed:
+            spec = edge.tensor
+            calls = comm.reshard(spec.shape, spec.dtype_bytes, layouts.producer, layouts.consumer, problem.mesh)
+            edges += edge.executions * comm.total_time(calls, problem.mesh)
+    return ops + edges
 
 
 def step_time(problem: Problem, selection: Selection) -> float:
@@ -92,6 +107,11 @@ def _check(problem: Problem, selection: Selection) -> None:
         layouts = problem.edge_layouts(selection, e)
         if layouts.kept and not edge.can_keep(layouts.producer, layouts.consumer):
             raise InconsistentPlan(f"edge {edge.key} cannot keep its copy in layout {layouts.producer}")
+        if layouts.kept and (layouts.replayed or problem.replayed(selection, edge.consumer)):
+            raise InconsistentPlan(f"edge {edge.key} keeps its copy for a recomputed op")
+    for c in problem.conflicts:
+        if selection.choices[c.a] in c.a_choices and selection.choices[c.b] in c.b_choices:
+            raise InconsistentPlan(c.why)
 
 
 def _add_slots(problem: Problem, selection: Selection, ledger: _Ledger) -> dict[int, np.ndarray]:
@@ -117,12 +137,13 @@ def _add_held(problem: Problem, selection: Selection, ledger: _Ledger) -> None:
         layout = problem.holder_layout(selection, h)
         if layout is not None:
             tensor = (problem.holder_identity(selection, h), problem.held[h.tensor].layout_id(layout))
-            by_tensor[h.tensor].append((h.start, h.end, tensor, h.kind == REGATHER))
+            by_tensor[h.tensor].append((h.start, h.end, tensor, problem.made_in_backward(selection, h)))
     for t, entries in by_tensor.items():
         held = problem.held[t]
         cuts = sorted({s for s, _, _, _ in entries} | {e + 1 for _, e, _, _ in entries})
         for lo, hi in zip(cuts, cuts[1:]):
-            # A copy only re-gathered for a backward is made there and dropped after: a transient.
+            # A copy made only for the backward (re-gathered, or made again by a replay) is
+            # made there and dropped after: a transient.
             ids: dict[tuple, bool] = {}
             for s, e, tensor, regather in entries:
                 if s <= lo and hi - 1 <= e:
@@ -196,4 +217,5 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
         communication_by_kind=by_kind,
         live_bytes=total,
         category_bytes=live,
+        recompute_time_s=recompute_time(problem, selection),
     )

@@ -22,6 +22,7 @@ from memshard.job import Job
 from memshard.plans import Budgets, Plan, build_plan
 from memshard.pricing import build_problem
 from memshard.problem import ZERO3_UNITS, Problem, Selection
+from memshard.recompute import RECOMPUTE_POLICIES
 from memshard.units import format_bytes, format_seconds, parse_bytes
 
 
@@ -30,7 +31,8 @@ class SearchOptions:
     """What to search for and how: the objective and its budget (``max_step_time_s`` with
     ``memory``, ``memory_budget`` with ``time``: bytes or a string like ``80GiB``), the search
     space (``exact``: no variable sharing across identical layers; ``full_mesh``: no merged
-    axes; ``zero3_unit``: ZeRO-3 weights gathered per ``op`` or per ``layer``), the solver's
+    axes; ``zero3_unit``: ZeRO-3 weights gathered per ``op`` or per ``layer``; ``recompute``:
+    which activations may be recomputed, ``none``, ``selective``, ``full`` or ``auto``), the solver's
     limit and gap, and how many of the most redundant ops the plan lists with advice."""
 
     objective: str = "memory"
@@ -42,6 +44,7 @@ class SearchOptions:
     time_limit_s: float = 60.0
     mip_gap: float = 2e-3
     top: int = 10
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -62,6 +65,8 @@ class SearchOptions:
                                 "plan takes a memory budget")
         if isinstance(self.top, bool) or not isinstance(self.top, int) or self.top < 1:
             raise MemshardError(f"top (how many redundant ops to list) must be a positive integer, got {self.top!r}")
+        if self.recompute not in RECOMPUTE_POLICIES:
+            raise MemshardError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {self.recompute!r}")
         if self.zero3_unit not in ZERO3_UNITS:
             raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, "
                                 f"got {self.zero3_unit!r}")
@@ -81,7 +86,7 @@ def searched_problem(job: Job, options: SearchOptions) -> Problem:
     if mergeable and not options.full_mesh:
         mesh = merged_mesh(mesh, groups)
     return build_problem(job.graph, mesh, shared_layers=not options.exact, micro_batches=job.micro_batches,
-                         zero3_unit=options.zero3_unit)
+                         zero3_unit=options.zero3_unit, recompute=options.recompute)
 
 
 def plan_job(job: Job, options: SearchOptions, start: Plan | None = None, problem: Problem | None = None) -> Plan:

@@ -1,6 +1,7 @@
 """The result of planning, as data: the job, the chosen strategies and storage, the predicted
-figures, the advice, and the versioned JSON (``memshard.plan/1``: sizes in bytes per device,
-times in seconds).
+figures, the advice, and the versioned JSON (``memshard.plan/2``: sizes in bytes per device,
+times in seconds; version 2 records recomputation, and plans of version 1 still load, as plans
+that recompute nothing).
 
 ``build_plan`` reads a selection of the problem the search priced and its evaluation;
 ``Plan.to_dict`` / ``save`` write the JSON and ``plan_from_dict`` / ``load_plan`` read it
@@ -33,7 +34,8 @@ from memshard.placement import format_layout
 from memshard.pricing import build_problem
 from memshard.problem import OpGroup, Problem, Selection, StorageGroup
 
-SCHEMA = "memshard.plan/1"
+SCHEMA = "memshard.plan/2"
+READABLE_SCHEMAS = ("memshard.plan/1", SCHEMA)
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class SolverSummary:
     shared_layers: bool
     zero3_unit: str
     search_space: str
+    recompute: str = "none"  # the recomputation policy searched (``recompute.RECOMPUTE_POLICIES``)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class OpChoice:
     input_layouts: dict[str, str]
     output_layout: str
     compute_time_s: float
+    recomputed: bool = False  # replayed before its layer's backward
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,7 @@ class Plan:
     step_time_s: float
     compute_time_s: float
     communication_time_s: float
+    recompute_time_s: float  # what the replays add to the step: forward compute and reshards
     solver: SolverSummary
     most_redundant_ops: tuple[RedundantOp, ...]
     ops: tuple[OpChoice, ...]
@@ -158,7 +163,7 @@ class Plan:
         if mesh.real is mesh:
             return self.searched
         s = self.searched
-        return build_problem(s.graph, mesh.real, s.shared_layers, s.micro_batches, s.zero3_unit)
+        return build_problem(s.graph, mesh.real, s.shared_layers, s.micro_batches, s.zero3_unit, s.recompute)
 
     @cached_property
     def selection(self) -> Selection:
@@ -201,9 +206,10 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
         "estimated_step_time_s": plan.step_time_s,
         "compute_time_s": plan.compute_time_s,
         "communication_time_s": plan.communication_time_s,
+        "recompute_time_s": plan.recompute_time_s,
         "solver": {"status": s.status, "time_s": s.time_s, "gap": s.gap, "variables": s.variables,
                    "constraints": s.constraints, "shared_layers": s.shared_layers, "zero3_unit": s.zero3_unit,
-                   "search_space": s.search_space},
+                   "search_space": s.search_space, "recompute": s.recompute},
         "most_redundant_ops": [{"op": r.op, "redundant_bytes_per_device": r.redundant_bytes}
                                for r in plan.most_redundant_ops],
         "ops": [vars(o) for o in plan.ops],
@@ -265,6 +271,7 @@ def build_plan(
         step_time_s=ev.step_time_s,
         compute_time_s=ev.compute_time_s,
         communication_time_s=ev.communication_time_s,
+        recompute_time_s=ev.recompute_time_s,
         solver=_solver_summary(problem, result),
         most_redundant_ops=advise(problem, selection, ev, top, alternatives=advice),
         ops=_op_choices(problem, selection),
@@ -278,9 +285,10 @@ def build_plan(
 
 def _solver_summary(problem: Problem, result: SolveResult | None) -> SolverSummary:
     if result is None:
-        return SolverSummary("fixed", 0.0, 0.0, 0, 0, problem.shared_layers, problem.zero3_unit, "fixed plan")
+        return SolverSummary("fixed", 0.0, 0.0, 0, 0, problem.shared_layers, problem.zero3_unit, "fixed plan",
+                             problem.recompute)
     return SolverSummary(result.status, result.time_s, result.gap, result.variables, result.constraints,
-                         problem.shared_layers, problem.zero3_unit, result.search_space)
+                         problem.shared_layers, problem.zero3_unit, result.search_space, problem.recompute)
 
 
 def _split(assignment: tuple, mesh: Mesh) -> dict[str, str]:
@@ -310,6 +318,7 @@ def _op_choices(problem: Problem, selection: Selection) -> tuple[OpChoice, ...]:
                            for x, L in zip(first.inputs, s.input_layouts)},
             output_layout=_layout(s.output_layout, mesh),
             compute_time_s=grp.choices[selection.choices[gid]].compute_s * grp.instances,
+            recomputed=grp.replayed(selection.choices[gid]),
         ))
     return tuple(out)
 
@@ -377,7 +386,7 @@ def load_plan(path: str) -> Plan:
 def plan_from_dict(data: dict) -> Plan:
     """A plan from its JSON: the job is rebuilt from the recorded model, mesh and batch, and
     every op, parameter and edge takes the recorded choice."""
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+    if not isinstance(data, dict) or data.get("schema") not in READABLE_SCHEMAS:
         raise MemshardError(f"not a memshard plan (expected schema {SCHEMA!r})")
     try:
         return _rebuild(data)
@@ -389,7 +398,8 @@ def _rebuild(data: dict) -> Plan:
     job = Job.from_dict(data)
     solver = data["solver"]
     problem = build_problem(job.graph, job.mesh, shared_layers=solver["shared_layers"],
-                            micro_batches=job.micro_batches, zero3_unit=solver.get("zero3_unit", "op"))
+                            micro_batches=job.micro_batches, zero3_unit=solver.get("zero3_unit", "op"),
+                            recompute=solver.get("recompute", "none"))
     rebuilt = build_plan(problem, _recorded_selection(problem, data), job,
                          budgets=Budgets(**data["constraints"]) if data.get("constraints") else None,
                          strategy=data.get("strategy", "memshard"), advice=False)
@@ -403,8 +413,9 @@ def _recorded_selection(problem: Problem, data: dict) -> Selection:
     by_key = {grp.key: gid for gid, grp in enumerate(problem.groups) if isinstance(grp, OpGroup)}
     for entry in data["ops"]:
         gid = by_key[entry["name"]]
-        splits = [_split(s.assignment, mesh) for s in problem.groups[gid].strategies]
-        choices[gid] = splits.index(entry["split"])
+        grp = problem.groups[gid]
+        splits = [(_split(s.assignment, mesh), grp.replayed(c)) for c, s in enumerate(grp.strategies)]
+        choices[gid] = splits.index((entry["split"], entry.get("recomputed", False)))
     for entry in data["parameters"]:
         gid = problem.storage_group[entry["names"][0]]
         axes = tuple(mesh.axis_names.index(a) for a in entry["storage_axes"])

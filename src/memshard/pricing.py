@@ -41,10 +41,16 @@ from memshard.problem import (
     DURING_RESHARDS,
     INPUT_COPY,
     PRODUCER,
+    READ_BY_REPLAY,
     REGATHER,
+    REPLAYED,
+    REPLAYED_BY_PRODUCER,
+    RETAINED,
     SAVED,
+    SOURCE,
     ZERO3_UNITS,
     Choice,
+    Conflict,
     Constant,
     Edge,
     Group,
@@ -58,6 +64,7 @@ from memshard.problem import (
     StorageGroup,
     without_partial,
 )
+from memshard.recompute import RECOMPUTE_POLICIES, layer_ends, replay_flags, replay_point
 from memshard.schedule import Schedule, candidate_points
 from memshard.strategies import (
     Strategy,
@@ -101,8 +108,11 @@ class LayerUnit:
     members: int
 
 
-def layer_units(graph: Graph, S: Schedule) -> dict[str, LayerUnit]:
-    """Parameter name → its layer's unit, for the parameters all of whose uses are in one layer."""
+def layer_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str, LayerUnit]:
+    """Parameter name → its layer's unit, for the parameters all of whose uses are in one
+    layer. Where the layer may replay ops (``recompute``), its backward gather starts with the
+    layer's backward, before the replay that needs the weights (FSDP2 gathers there too)."""
+    ends = layer_ends(graph) if recompute != "none" else {}
     uses: dict[str, set[int]] = {}
     for i, op in enumerate(graph.ops):
         for j in parameter_inputs(graph, op):
@@ -116,9 +126,11 @@ def layer_units(graph: Graph, S: Schedule) -> dict[str, LayerUnit]:
     for names in members.values():
         ops_ = sorted(set().union(*(uses[n] for n in names)))
         back = [i for i in ops_ if len(_gather_points(S, graph, i)) > 1]
+        layer = graph.ops[ops_[0]].layer
+        back_from = S.backward(ends[layer]) if layer in ends else S.backward(back[-1]) if back else None
         unit = LayerUnit(
             forward_span=(S.forward(ops_[0]), S.forward(ops_[-1])),
-            backward_span=(S.backward(back[-1]), S.backward(back[0])) if back else None,
+            backward_span=(back_from, S.backward(back[0])) if back else None,
             reduce_point=S.reshard_out(ops_[0]),
             members=len(names),
         )
@@ -131,13 +143,17 @@ def _role_key(op: Op, shared: bool) -> str:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, mesh: Mesh, shared: bool, micro_batches: int, zero3_unit: str = "op"):
+    def __init__(self, graph: Graph, mesh: Mesh, shared: bool, micro_batches: int, zero3_unit: str = "op",
+                 recompute: str = "none"):
         self.graph = graph
         self.mesh = mesh
         self.shared = shared
         self.micro_batches = micro_batches
         self.sched = Schedule(len(graph.ops))
-        self.units = layer_units(graph, self.sched) if zero3_unit == "layer" else {}
+        self.recompute = recompute
+        self.units = layer_units(graph, self.sched, recompute) if zero3_unit == "layer" else {}
+        self.replay_flags = replay_flags(graph, recompute)
+        self.conflicts: list[Conflict] = []
         self.groups: list[Group] = []
         self.index: dict[tuple, int] = {}
         self.links: list[Link] = []
@@ -183,33 +199,48 @@ class _Builder:
         return nbytes, np.array(self.redundant(nbytes, layouts))
 
     # -- ops ---------------------------------------------------------------------------------
-    def op_choices(self, op: Op, strategies: list[Strategy]) -> list[Choice]:
+    def op_choices(self, op: Op, strategies: list[Strategy], replayed: bool = False) -> list[Choice]:
+        """Each strategy's compute and statistics all-reduces per step; a replayed op runs its
+        forward (and its forward's all-reduces) a second time."""
         rate = self.mesh.peak_flops * self.mesh.compute_efficiency
         out = []
         for s in strategies:
             local = s.local_sizes
-            flops = op.flops_per_point * math.prod(local.values()) * (1 + op.backward_flops_ratio)
+            forward = op.flops_per_point * math.prod(local.values())
             calls: tuple[comm.Collective, ...] = ()
+            stats: tuple[comm.Collective, ...] = ()
             if op.stats_per_row:
                 rows = math.prod(n for d, n in local.items() if d not in op.reduced_dims)
                 axes = tuple(a for a, d in enumerate(s.assignment) if d in op.reduced_dims)
-                calls = comm.all_reduce_over(rows * op.stats_per_row * STATS_BYTES, axes, self.mesh)
+                calls = stats = comm.all_reduce_over(rows * op.stats_per_row * STATS_BYTES, axes, self.mesh)
                 if op.kind in STATS_IN_BACKWARD:
                     calls += comm.all_reduce_over(rows * STATS_IN_BACKWARD[op.kind] * STATS_BYTES, axes, self.mesh)
-            compute = flops / rate * self.micro_batches
-            calls *= self.micro_batches
-            out.append(Choice(s.name(), compute, calls, compute + self.time(calls)))
+            replay = (forward / rate + self.time(stats)) * self.micro_batches if replayed else 0.0
+            compute = forward * (1 + op.backward_flops_ratio + replayed) / rate * self.micro_batches
+            calls = (calls + stats * replayed) * self.micro_batches
+            label = (s.name(), "recomputed") if replayed else s.name()
+            out.append(Choice(label, compute, calls, compute + self.time(calls), replay))
         return out
+
+    def op_group(self, op: Op, flags: tuple[bool, ...]) -> OpGroup:
+        """The group of ``op``'s role: every strategy, once per recompute flag allowed."""
+        strategies = list(enumerate_strategies(self.graph, op, self.mesh))
+        choices, every, replays = [], [], []
+        for replayed in flags:
+            choices += self.op_choices(op, strategies, replayed)
+            every += strategies
+            replays += [replayed] * len(strategies)
+        return OpGroup(key=_role_key(op, self.shared), choices=choices, strategies=every,
+                       input_grads=[[input_grad_layout(s, op, j) for s in every] for j in range(len(op.inputs))],
+                       replays=replays if any(replays) else [])
 
     def add_ops(self) -> list[int]:
         op_group = []
         for i, op in enumerate(self.graph.ops):
             key = ("op", _role_key(op, self.shared))
             if key not in self.index:
-                strategies = list(enumerate_strategies(self.graph, op, self.mesh))
                 self.index[key] = len(self.groups)
-                self.groups.append(OpGroup(key[1], self.op_choices(op, strategies), strategies, [
-                    [input_grad_layout(s, op, j) for s in strategies] for j in range(len(op.inputs))]))
+                self.groups.append(self.op_group(op, self.replay_flags[i]))
             gid = self.index[key]
             self.groups[gid].instances += 1
             self.groups[gid].ops.append(i)
@@ -224,7 +255,7 @@ class _Builder:
             buffers = self.cached((gid, "buffers"), lambda op=op, strategies=strategies: (
                 [buffer_bytes(op, s) for s in strategies],
                 [buffer_redundant_bytes(op, s, mesh) for s in strategies]))
-            self.slot(gid, S.forward(i), S.backward(i), "activations", *buffers, buffer_global_bytes(self.graph, op))
+            self.buffer_slots(i, gid, buffers)
             if op.kind == "cross_entropy":
                 chunk = self.cached((gid, "workspace"), lambda op=op, strategies=strategies: self.chunk_prices(
                     self.graph.tensors[op.inputs[0].tensor], [s.input_layouts[0] for s in strategies]))
@@ -245,6 +276,24 @@ class _Builder:
                 unique = self.graph.tensors[t].nbytes if self.last_consumer[t] == i else 0.0
                 self.slot(gid, S.backward(i), S.backward(i), "transients", *prices, unique)
 
+    def buffer_slots(self, i: int, gid: int, buffers: tuple[list, list]) -> None:
+        """An op's private buffers (a dropout mask) from its forward to its backward; a
+        replayed op's are dropped after the forward and made again by its layer's replay."""
+        S, op, grp = self.sched, self.graph.ops[i], self.groups[gid]
+        unique = buffer_global_bytes(self.graph, op)
+        if not grp.may_replay:
+            self.slot(gid, S.forward(i), S.backward(i), "activations", *buffers, unique)
+            return
+        kept = np.array([not r for r in grp.replays], float)
+        nbytes, redundant = np.asarray(buffers[0]), np.asarray(buffers[1])
+        replay = replay_point(self.graph, S, i)
+        self.slot(gid, S.forward(i), replay - 1, "activations", nbytes * kept, redundant * kept,
+                  0.0 if kept.min() == 0 else unique)
+        # From the replay on: the kept buffer (an activation), or the one the replay made.
+        self.slot(gid, replay, S.backward(i), "activations", nbytes * kept, redundant * kept, unique * kept.min())
+        self.slot(gid, replay, S.backward(i), "transients", nbytes * (1 - kept), redundant * (1 - kept),
+                  unique * (1 - kept.max()))
+
     # -- activations flowing between ops ----------------------------------------------------
     def add_edges(self, op_group: list[int]) -> dict[tuple[int, int], int]:
         S = self.sched
@@ -255,20 +304,37 @@ class _Builder:
                 t = op.inputs[j].tensor
                 pg, cg = op_group[self.graph.producer[t]], op_group[i]
                 key = (self.groups[pg].key, self.groups[cg].key, j)
+                saves = j in op.saves_inputs
                 if key not in self.edge_index:
                     self.edge_index[key] = len(self.edges)
-                    self.edges.append(Edge(f"{key[0]} -> {key[1]}[{j}]", self.graph.tensors[t], pg, cg, j,
-                                           j in op.saves_inputs))
+                    self.edges.append(Edge(f"{key[0]} -> {key[1]}[{j}]", self.graph.tensors[t], pg, cg, j, saves,
+                                           replay=self.edge_replay(pg, cg, saves)))
                 e = self.edge_index[key]
                 self.edges[e].instances += 1
                 edge_of_input[(i, j)] = e
                 entry = holders.setdefault(t, [])
                 entry.append((INPUT_COPY, e, S.forward(i), S.forward(i)))
-                if j in op.saves_inputs:
+                if saves:
                     entry.append((SAVED, e, S.forward(i), S.backward(i)))
                     entry.append((REGATHER, e, S.backward(i), S.backward(i)))
+                replay = self.edges[e].replay
+                if replay == REPLAYED_BY_PRODUCER:
+                    entry.append((REPLAYED, e, replay_point(self.graph, S, i), S.backward(i)))
+                elif replay == READ_BY_REPLAY and not self.groups[pg].may_replay and self.groups[cg].always_replays:
+                    # Every plan holds the producer's tensor for the replay: its own holder.
+                    entry.append((PRODUCER, pg, S.forward(self.graph.producer[t]), replay_point(self.graph, S, i)))
+                elif replay == READ_BY_REPLAY:
+                    entry.append((SOURCE, e, S.forward(self.graph.producer[t]), replay_point(self.graph, S, i)))
         self.add_holders(op_group, holders)
         return edge_of_input
+
+    def edge_replay(self, producer: int, consumer: int, saves: bool) -> str:
+        """How recomputation touches an edge (``problem.Edge.replay``)."""
+        if saves and self.groups[producer].may_replay:
+            return REPLAYED_BY_PRODUCER
+        if not saves and self.groups[consumer].may_replay:
+            return READ_BY_REPLAY
+        return ""
 
     def add_reshard_points(self, edge_of_input: dict[tuple[int, int], int]) -> list[ReshardPoint]:
         S = self.sched
@@ -292,8 +358,9 @@ class _Builder:
             t = op.output.tensor
             spec = self.graph.tensors[t]
             pg = op_group[p]
-            end = S.backward(p) if op.saves_output else S.forward(self.last_consumer.get(t, p))
-            edges = tuple(sorted({e for _, e, _, _ in edge_holders.get(t, [])}))
+            forward_end = S.forward(self.last_consumer.get(t, p))
+            end = S.backward(p) if op.saves_output else forward_end
+            edges = tuple(sorted({e for kind, e, _, _ in edge_holders.get(t, []) if kind != PRODUCER}))
 
             def prices(pg=pg, edges=edges, spec=spec):
                 layouts = [s.output_layout for s in self.groups[pg].strategies]
@@ -306,9 +373,20 @@ class _Builder:
             layouts, nbytes, red = self.cached(("held", pg, edges), prices)
             hid = len(self.held)
             self.held.append(HeldTensor(t, pg, tuple(layouts), nbytes, red, float(spec.nbytes)))
-            self.holders.append(Holder(hid, PRODUCER, pg, S.forward(p), end))
-            for kind, e, start, stop in edge_holders.get(t, []):
-                self.holders.append(Holder(hid, kind, e, start, stop))
+            if op.saves_output and self.groups[pg].always_replays:
+                replay = replay_point(self.graph, S, p)
+                self.holders += [Holder(hid, PRODUCER, pg, S.forward(p), forward_end),
+                                 Holder(hid, PRODUCER, pg, replay, end)]
+            elif op.saves_output and self.groups[pg].may_replay:
+                # Dropped after its last forward use unless kept; made again by the replay.
+                replay = replay_point(self.graph, S, p)
+                self.holders += [Holder(hid, PRODUCER, pg, S.forward(p), forward_end),
+                                 Holder(hid, RETAINED, pg, forward_end + 1, replay - 1),
+                                 Holder(hid, PRODUCER, pg, replay, end)]
+            else:
+                self.holders.append(Holder(hid, PRODUCER, pg, S.forward(p), end))
+            for kind, source, start, stop in edge_holders.get(t, []):
+                self.holders.append(Holder(hid, kind, source, start, stop))
 
     # -- parameters ----------------------------------------------------------------------------
     def add_storage(self, op_group: list[int]) -> dict[str, int]:
@@ -328,8 +406,22 @@ class _Builder:
             grp.params.append(name)
             storage_group[name] = gid
             self.storage_slots(gid, name, uses)
+            self.replay_conflicts(gid, name, uses, op_group)
         self.link_layer_units(storage_group)
         return storage_group
+
+    def replay_conflicts(self, gid: int, name: str, uses: list[tuple[int, int]], op_group: list[int]) -> None:
+        """A ZeRO-3 weight gathered per op cannot serve a replay (it would be gathered a third
+        time, around the replay): its op is not replayed then. A layer unit's replay uses the
+        unit's backward gather."""
+        if name in self.units:
+            return
+        stage3 = tuple(c for c, (_, opt) in enumerate(self.groups[gid].options) if opt.stage == 3)
+        for og in dict.fromkeys(op_group[i] for i, _ in uses):
+            grp = self.groups[og]
+            if grp.may_replay and stage3 and not any(c.a == og and c.b == gid for c in self.conflicts):
+                self.conflicts.append(Conflict(og, grp.replay_choices, gid, stage3,
+                                               f"{grp.key} is recomputed and {name} is gathered per op (ZeRO-3)"))
 
     def storage_group(self, name: str, uses: list[tuple[int, int]], op_group: list[int]) -> int:
         """The group of parameter ``name`` (made for the first of its role): its options are
@@ -544,12 +636,15 @@ class _Builder:
 
 
 def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_batches: int = 1,
-                  zero3_unit: str = "op") -> Problem:
+                  zero3_unit: str = "op", recompute: str = "none") -> Problem:
     """``graph`` describes one micro-batch; a step runs ``micro_batches`` of them (gradient
-    accumulation) and one optimizer update. ``zero3_unit``: see :class:`LayerUnit`."""
+    accumulation) and one optimizer update. ``zero3_unit``: see :class:`LayerUnit`;
+    ``recompute``: which ops may be replayed (``recompute.RECOMPUTE_POLICIES``)."""
     if zero3_unit not in ZERO3_UNITS:
         raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, got {zero3_unit!r}")
-    b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit)
+    if recompute not in RECOMPUTE_POLICIES:
+        raise MemshardError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {recompute!r}")
+    b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute)
     op_group = b.add_ops()
     b.op_slots(op_group)
     edge_of_input = b.add_edges(op_group)
@@ -563,5 +658,5 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         constants=b.constants, candidate_points=candidate_points(graph, b.sched, shared_layers),
         op_group=op_group, micro_batches=micro_batches, edge_of_input=edge_of_input,
         storage_group=storage_group, reshard_points=b.add_reshard_points(edge_of_input),
-        zero3_unit=zero3_unit,
+        zero3_unit=zero3_unit, recompute=recompute, conflicts=b.conflicts,
     )

@@ -59,6 +59,13 @@ PRODUCER = "producer"  # the producer's output until its last forward use (or it
 SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout when kept
 INPUT_COPY = "input_copy"  # the consumer's input during its forward
 REGATHER = "regather"  # a kept copy gathered again during the consumer's backward
+# Recomputation (``recompute.py``): the producer's saved output kept through the forward-to-
+# backward gap unless it is replayed; a consumer's saved copy made again by the replay; the
+# producer's tensor held for a replaying consumer until its layer's replay.
+RETAINED = "retained"
+REPLAYED = "replayed"
+SOURCE = "source"
+OWN_KINDS = (PRODUCER, RETAINED, SOURCE)  # holders of the producer's own tensor
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class Choice:
     compute_s: float
     calls: tuple[comm.Collective, ...]  # per instance: forward + backward + optimizer
     time_s: float
+    replay_s: float = 0.0  # per instance: what its replay adds (in compute_s and calls already)
 
 
 @dataclass
@@ -80,6 +88,33 @@ class OpGroup:
     input_grads: list[list[Layout]]  # per input, per strategy: the layout of the input's gradient
     ops: list[int] = field(default_factory=list)  # op indices, one per instance
     instances: int = 0
+    replays: list[bool] = field(default_factory=list)  # per choice: the op is recomputed (empty: never)
+
+    def replayed(self, choice: int) -> bool:
+        return bool(self.replays) and self.replays[choice]
+
+    @property
+    def replay_choices(self) -> tuple[int, ...]:
+        return tuple(c for c, r in enumerate(self.replays) if r)
+
+    @property
+    def may_replay(self) -> bool:
+        return any(self.replays)
+
+    @property
+    def always_replays(self) -> bool:
+        return bool(self.replays) and all(self.replays)
+
+    def choice_of(self, assignment: tuple, replayed: bool = False) -> int | None:
+        """The choice with this assignment and recompute flag (the flag the group has, where
+        its policy fixes it); None if the op has no such strategy."""
+        flags = set(self.replays) or {False}
+        if replayed not in flags:
+            replayed = not replayed
+        for c, s in enumerate(self.strategies):
+            if s.assignment == assignment and self.replayed(c) == replayed:
+                return c
+        return None
 
 
 @dataclass
@@ -106,6 +141,28 @@ class Link:
     b_labels: tuple[Hashable, ...]
 
 
+@dataclass(frozen=True)
+class Conflict:
+    """Two choices no plan may take together: group ``a`` in ``a_choices`` and ``b`` in
+    ``b_choices`` (a replayed op whose ZeRO-3 weight is gathered per op: the replay would
+    gather it a third time)."""
+
+    a: int
+    a_choices: tuple[int, ...]
+    b: int
+    b_choices: tuple[int, ...]
+    why: str
+
+
+# Edge.replay: how recomputation can touch an edge. A saved copy ("producer") is made again by
+# the producer's replay; an input the consumer's replay reads ("consumer") comes from the
+# replayed producer or, when that one is not replayed, from its tensor held until the replay.
+REPLAYED_BY_PRODUCER, READ_BY_REPLAY = "producer", "consumer"
+# EdgeLayouts.replayed: not replayed; resharded again from the replayed producer; resharded
+# again from the producer's tensor held since the forward.
+NOT_REPLAYED, FROM_REPLAY, FROM_SOURCE = 0, 2, 3
+
+
 @dataclass
 class Edge:
     key: str
@@ -116,6 +173,7 @@ class Edge:
     saves: bool
     instances: int = 0
     executions: int = 0  # per step: instances × micro-batches
+    replay: str = ""  # REPLAYED_BY_PRODUCER, READ_BY_REPLAY or "" (recomputation never touches it)
 
     def can_keep(self, producer_layout: Layout, consumer_layout: Layout) -> bool:
         return self.saves and not any(isinstance(p, Partial) for p in producer_layout)
@@ -202,6 +260,7 @@ class EdgeLayouts(NamedTuple):
     consumer_grad: Layout
     producer_grad: Layout
     kept: bool
+    replayed: int = NOT_REPLAYED  # NOT_REPLAYED, FROM_REPLAY or FROM_SOURCE
 
 
 @dataclass(frozen=True)
@@ -232,9 +291,24 @@ class Problem:
     storage_group: dict[str, int]  # parameter name → storage group
     reshard_points: list[ReshardPoint]
     zero3_unit: str = "op"  # one of ZERO3_UNITS
+    recompute: str = "none"  # one of recompute.RECOMPUTE_POLICIES
+    conflicts: list[Conflict] = field(default_factory=list)
 
     def strategy(self, selection: Selection, group: int) -> Strategy:
         return self.groups[group].strategies[selection.choices[group]]
+
+    def replayed(self, selection: Selection, group: int) -> bool:
+        """Whether op group ``group`` is recomputed under ``selection``."""
+        g = self.groups[group]
+        return isinstance(g, OpGroup) and g.replayed(selection.choices[group])
+
+    def edge_replay(self, selection: Selection, e: int) -> int:
+        edge = self.edges[e]
+        if edge.replay == REPLAYED_BY_PRODUCER and self.replayed(selection, edge.producer):
+            return FROM_REPLAY
+        if edge.replay == READ_BY_REPLAY and self.replayed(selection, edge.consumer):
+            return FROM_REPLAY if self.replayed(selection, edge.producer) else FROM_SOURCE
+        return NOT_REPLAYED
 
     def edge_layouts(self, selection: Selection, e: int) -> EdgeLayouts:
         """The layouts of edge ``e`` under ``selection``."""
@@ -246,26 +320,50 @@ class Problem:
             consumer_grad=self.groups[edge.consumer].input_grads[edge.input_index][selection.choices[edge.consumer]],
             producer_grad=without_partial(producer),
             kept=bool(selection.keeps[e]),
+            replayed=self.edge_replay(selection, e),
         )
 
     def edge_calls(self, selection: Selection, e: int) -> tuple[comm.Collective, ...]:
         return edge_calls(self.edges[e].tensor, self.edge_layouts(selection, e), self.mesh)
 
     def holder_layout(self, selection: Selection, h: Holder) -> Layout | None:
+        """The layout ``h`` holds its tensor in under ``selection``, None if it holds nothing."""
         if h.kind == PRODUCER:
             return self.strategy(selection, h.source).output_layout
+        if h.kind == RETAINED:
+            return None if self.replayed(selection, h.source) else self.strategy(selection, h.source).output_layout
         edge = self.edge_layouts(selection, h.source)
         if h.kind == SAVED:
+            if edge.replayed == FROM_REPLAY and self.edges[h.source].replay == REPLAYED_BY_PRODUCER:
+                return None
             return edge.producer if edge.kept else edge.consumer
         if h.kind == INPUT_COPY:
             return edge.consumer
+        if h.kind == REPLAYED:
+            return edge.consumer if edge.replayed == FROM_REPLAY else None
+        if h.kind == SOURCE:
+            return edge.producer if edge.replayed == FROM_SOURCE else None
         return edge.consumer if edge.kept else None
+
+    def made_in_backward(self, selection: Selection, h: Holder) -> bool:
+        """Whether ``h`` holds a tensor made for the backward (a re-gathered copy, what a replay
+        makes): a transient, as PyTorch's memory tracker files it."""
+        if h.kind in (REGATHER, REPLAYED):
+            return True
+        return h.kind == PRODUCER and h.start >= 2 * self.schedule.num_ops and self.replayed(selection, h.source)
+
+    def may_drop(self, h: Holder) -> bool:
+        """Whether some plan holds nothing for ``h`` because of recomputation (a saved copy or
+        saved output a replay makes again, a replay's source)."""
+        if h.kind in (RETAINED, SOURCE):
+            return True
+        return h.kind == SAVED and self.edges[h.source].replay == REPLAYED_BY_PRODUCER
 
     def holder_identity(self, selection: Selection, h: Holder) -> int:
         """Which tensor a holder holds: −1 for the producer's own (its holder, a copy kept in
         its layout, a consumer reading exactly that layout), else the edge whose consumer made
         its own copy (consumers never share one: each reshards for itself)."""
-        if h.kind == PRODUCER:
+        if h.kind in OWN_KINDS:
             return -1
         edge = self.edge_layouts(selection, h.source)
         if edge.producer == edge.consumer or (h.kind == SAVED and edge.kept):
@@ -352,11 +450,12 @@ def _copy_bytes(spec: TensorSpec, kind: str, consumer_side: Layout, mesh: Mesh) 
 
 
 def edge_calls(spec: TensorSpec, layouts: EdgeLayouts, mesh: Mesh) -> tuple[comm.Collective, ...]:
-    """The forward reshard, the backward reshard of the gradient, and a kept copy's re-gather."""
+    """The forward reshard, the backward reshard of the gradient, and the forward reshard run
+    again: a kept copy's re-gather, or the replay's."""
     calls = comm.reshard(spec.shape, spec.dtype_bytes, layouts.producer, layouts.consumer, mesh)
     calls += comm.reshard(spec.shape, spec.dtype_bytes, layouts.consumer_grad, layouts.producer_grad, mesh,
                           reverse=True)
-    if layouts.kept:
+    if layouts.kept or layouts.replayed:
         calls += comm.reshard(spec.shape, spec.dtype_bytes, layouts.producer, layouts.consumer, mesh)
     return calls
 

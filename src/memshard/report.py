@@ -30,6 +30,8 @@ def render_plan(plan: Plan, console: Console, top: int = 10, show_strategy: bool
         console.print(f"[yellow]ops memshard has no description for, kept whole (replicated):[/] {ops}")
     console.print(_memory_table(plan))
     console.print(_communication_table(plan))
+    if plan.solver.recompute != "none":
+        console.print(_recompute_line(plan))
     console.print(_solver_line(plan))
     red = [r for r in plan.most_redundant_ops[:top] if r.redundant_bytes > 0]
     if red:
@@ -88,7 +90,21 @@ def _communication_table(plan: Plan) -> Table:
     c.add_row("estimated step time", "", format_seconds(plan.step_time_s))
     c.add_row("  compute / communication", "",
               f"{format_seconds(plan.compute_time_s)} / {format_seconds(plan.communication_time_s)}")
+    if plan.solver.recompute != "none":
+        share = plan.recompute_time_s / plan.step_time_s if plan.step_time_s else 0.0
+        c.add_row("  of which recomputation", "", f"{format_seconds(plan.recompute_time_s)} ({share:.1%})")
     return c
+
+
+def _recompute_line(plan: Plan) -> str:
+    """Which op roles are recomputed, under the policy searched."""
+    replayed = [op for op in plan.ops if op.recomputed]
+    if not replayed:
+        return f"recomputation ({plan.solver.recompute}): nothing recomputed"
+    layers = max(op.instances for op in replayed)
+    names = ", ".join(op.name for op in replayed)
+    return (f"recomputation ({plan.solver.recompute}): {counted(len(replayed), 'op')} of each of "
+            f"{counted(layers, 'layer')} replayed before the layer's backward: {names}")
 
 
 def _solver_line(plan: Plan) -> str:
@@ -167,11 +183,11 @@ def _pairs(blocked: list) -> str:
 
 
 def _strategy_table(plan: Plan) -> Table:
-    o = _table("Strategy (per op; identical layers share one row)", ("op", "×", "einsum", "split (axis:dim)",
-                                                                      "inputs → output"))
+    o = _table("Strategy (per op; identical layers share one row; ↻ recomputed)",
+               ("op", "×", "einsum", "split (axis:dim)", "inputs → output"))
     for op in plan.ops:
         split = " ".join(f"{ax}:{dim}" for ax, dim in op.split.items()) or "replicated"
-        o.add_row(op.name, str(op.instances), op.einsum, split,
+        o.add_row(op.name + (" ↻" if op.recomputed else ""), str(op.instances), op.einsum, split,
                   " ".join(op.input_layouts.values()) + " → " + op.output_layout)
     return o
 

@@ -16,19 +16,21 @@ class SplitUnavailable(ValueError):
     """The rule cannot be laid out on this model and mesh (e.g. heads not divisible)."""
 
 
-def assign_strategies(problem: Problem, per_op: Callable[[Op], tuple]) -> dict[int, int]:
+def assign_strategies(problem: Problem, per_op: Callable[[Op], tuple],
+                      replayed: Callable[[int], bool] = lambda i: False) -> dict[int, int]:
     """Strategy index per op group from ``per_op(op) -> assignment tuple`` (the dim each
-    mesh axis splits, None for none)."""
+    mesh axis splits, None for none); ``replayed(op index)``: whether to recompute it (where
+    the problem lets its group choose)."""
     out = {}
     graph = problem.graph
     for gid, grp in enumerate(problem.groups):
         if not isinstance(grp, OpGroup):
             continue
         want = per_op(graph.ops[grp.ops[0]])
-        index = {s.assignment: i for i, s in enumerate(grp.strategies)}
-        if want not in index:
+        choice = grp.choice_of(want, replayed(grp.ops[0]))
+        if choice is None:
             raise SplitUnavailable(f"{grp.key} cannot be split as {want} on mesh {problem.mesh}")
-        out[gid] = index[want]
+        out[gid] = choice
     return out
 
 
@@ -39,10 +41,10 @@ def uniform_storage(problem: Problem, stage: int, axes: tuple[int, ...]) -> dict
     return {gid: option for gid, grp in enumerate(problem.groups) if isinstance(grp, StorageGroup)}
 
 
-def data_parallel(problem: Problem, zero_stage: int = 0) -> Selection:
+def data_parallel(problem: Problem, zero_stage: int = 0, replayed: Callable[[int], bool] = lambda i: False) -> Selection:
     """The batch split over every axis, parameters replicated (``zero_stage`` 0) or with
-    ZeRO-1/2/3 over every axis (3 = FSDP's full shard)."""
+    ZeRO-1/2/3 over every axis (3 = FSDP's full shard); ``replayed``: as ``assign_strategies``."""
     axes = tuple(range(problem.mesh.ndim))
     split = tuple("b" if m > 1 else None for m in problem.mesh.shape)
-    strategies = assign_strategies(problem, lambda op: split if "b" in op.dims else (None,) * len(split))
+    strategies = assign_strategies(problem, lambda op: split if "b" in op.dims else (None,) * len(split), replayed)
     return complete_selection(problem, strategies, uniform_storage(problem, zero_stage, axes))

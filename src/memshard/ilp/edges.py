@@ -11,6 +11,15 @@ out), so its columns are continuous. Rows (family ``edge-flow``)::
   Σ_k Σ_{σ at a=A−1 with consumer part K} z = Σ_{s: in(s)=K} x[c,s]
   flow into each state of step a+1 = flow out of step a
   Σ_σ z[e,1,0,σ] = κ[e]                      (κ: the edge keeps its copy, family ``keep``)
+
+Recomputation (family ``replay``; r[g] = Σ_{c replayed} x[g,c]) adds flow copies k = 2, 3,
+resharded twice like a kept copy (the replay runs the forward reshard again):
+
+  Σ_σ z[e,2,0,σ] = r[producer]               a saved copy the producer's replay makes again
+  Σ_σ z[e,2,0,σ] + Σ_σ z[e,3,0,σ] = r[consumer],  Σ z[e,2,0,σ] ≤ r[producer],
+  Σ z[e,3,0,σ] ≤ 1 − r[producer]             an input a replaying consumer reads from the
+                                             replayed producer (2) or its held tensor (3)
+  κ[e] + r[consumer] ≤ 1                     a replayed op reads its saved input whole
 """
 
 from __future__ import annotations
@@ -19,20 +28,21 @@ import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
+import highspy
 import numpy as np
 
 from memshard.cost import comm
 from memshard.ilp.model import LinearModel, RowTag
 from memshard.mesh import Mesh
 from memshard.placement import Layout, Partial
-from memshard.problem import Problem, without_partial
+from memshard.problem import READ_BY_REPLAY, REPLAYED_BY_PRODUCER, Problem, without_partial
 
 
 @dataclass
 class EdgeFlow:
     """One edge's flow columns and what reads them."""
 
-    keeps: tuple[int, ...]  # (0,) or (0, 1): whether the edge may keep its saved copy
+    keeps: tuple[int, ...]  # its copies k (``flow_copies``): 0, 1 kept, 2 and 3 replayed
     steps: dict[tuple[int, int], tuple[list, np.ndarray]]  # (keep, axis) → (states, columns)
     consumer_layout_columns: dict[int, dict[Layout, list[int]]]  # keep → consumer layout → last step's
     producer_layout_columns: dict[int, dict[Layout, list[int]]]  # keep → producer layout → first step's
@@ -61,7 +71,7 @@ class EdgeFlows:
         # consumer key per axis: (input placement, gradient placement)
         consumer_keys = sorted({tuple(zip(s.input_layouts[edge.input_index], g)) for s, g in zip(consumer, grads)},
                                key=repr)
-        keeps = (0, 1) if edge.saves else (0,)
+        keeps = flow_copies(problem, e)
         steps, cost_cols, cost_vals = {}, [], []
         flow_states = step_states(spec.shape, spec.dtype_bytes, tuple(producer_layouts), tuple(consumer_keys), keeps,
                                   problem.mesh)
@@ -75,12 +85,38 @@ class EdgeFlows:
         self.add_end_rows(e, flow, producer_layouts, consumer_keys)
         self.add_conservation_rows(e, flow)
         flow.consumer_layout_columns, flow.producer_layout_columns = self.layout_columns(flow)
-        if edge.saves:
+        if 1 in keeps:
             flow.keep_column = int(self.model.columns(1, integer=True)[0])
             coefs = {int(c): 1.0 for c in steps[(1, 0)][1]}
             coefs[flow.keep_column] = -1.0
             self.model.row(coefs, 0.0, 0.0, RowTag("keep", item=edge.key))
+        if edge.replay or (edge.saves and problem.groups[edge.consumer].may_replay):
+            self.add_replay_rows(e, flow)
         return flow
+
+    def replayed(self, group: int) -> dict[int, float]:
+        """r[g]: the group's op is recomputed."""
+        grp = self.problem.groups[group]
+        return {int(self.choice_columns[group][c]): 1.0 for c in grp.replay_choices}
+
+    def add_replay_rows(self, e: int, flow: EdgeFlow) -> None:
+        edge = self.problem.edges[e]
+        tag = RowTag("replay", item=edge.key)
+        inf = highspy.kHighsInf
+
+        def through(k: int, sign: float = 1.0) -> dict[int, float]:
+            return {int(c): sign for c in flow.steps[(k, 0)][1]} if k in flow.keeps else {}
+
+        producer, consumer = self.replayed(edge.producer), self.replayed(edge.consumer)
+        if edge.replay == REPLAYED_BY_PRODUCER:
+            self.model.row({**through(2), **{c: -v for c, v in producer.items()}}, 0.0, 0.0, tag)
+        elif edge.replay == READ_BY_REPLAY:
+            self.model.row({**through(2), **through(3), **{c: -v for c, v in consumer.items()}}, 0.0, 0.0, tag)
+            if 2 in flow.keeps:
+                self.model.row({**through(2), **{c: -v for c, v in producer.items()}}, -inf, 0.0, tag)
+            self.model.row({**through(3), **producer}, -inf, 1.0, tag)
+        if flow.keep_column is not None and consumer:
+            self.model.row({flow.keep_column: 1.0, **consumer}, -inf, 1.0, tag)
 
     def add_end_rows(self, e: int, flow: EdgeFlow, producer_layouts: list[Layout], consumer_keys: list[tuple]) -> None:
         """The first step's producer side equals the producer's choice, the last step's
@@ -138,6 +174,19 @@ class EdgeFlows:
             producer[k] = by_layout
         return consumer, producer
 
+def flow_copies(problem: Problem, e: int) -> tuple[int, ...]:
+    """The copies k an edge's flow has: 0 (the forward's), 1 (kept), 2 and 3 (replayed)."""
+    edge = problem.edges[e]
+    producer, consumer = problem.groups[edge.producer], problem.groups[edge.consumer]
+    keeps = (0, 1) if edge.saves and not consumer.always_replays else (0,)
+    if edge.replay == REPLAYED_BY_PRODUCER:
+        keeps = (*(keeps if not producer.always_replays else ()), 2)
+    elif edge.replay == READ_BY_REPLAY:
+        keeps = (*(keeps if not consumer.always_replays else ()),
+                 *((2,) if producer.may_replay else ()), *((3,) if not producer.always_replays else ()))
+    return keeps
+
+
 @functools.lru_cache(maxsize=512)
 def step_states(shape: tuple[int, ...], dtype_bytes: int, producer_layouts: tuple[Layout, ...],
                 consumer_keys: tuple[tuple, ...], keeps: tuple[int, ...], mesh: Mesh) -> dict:
@@ -152,7 +201,7 @@ def step_states(shape: tuple[int, ...], dtype_bytes: int, producer_layouts: tupl
         for a in range(axes):
             states = [(prefix, suffix, placement)
                       for prefix in prefixes[a]
-                      for suffix in suffixes[a] if not (k and any(isinstance(x, Partial) for x in suffix))
+                      for suffix in suffixes[a] if not (k == 1 and any(isinstance(x, Partial) for x in suffix))
                       for placement in placements[a] if prefix + (placement,) in prefixes[a + 1]]
             times = np.array([step_time(shape, dtype_bytes, a, *state, k, mesh) for state in states], dtype=float)
             times.setflags(write=False)
@@ -162,7 +211,7 @@ def step_states(shape: tuple[int, ...], dtype_bytes: int, producer_layouts: tupl
 
 def step_time(shape: tuple[int, ...], dtype_bytes: int, a: int, prefix, suffix, placement, keep: int, mesh) -> float:
     """Seconds of resharding step ``a`` in one state: the forward step (twice if the copy is
-    kept and gathered again) and the gradient's step back."""
+    kept and gathered again, or replayed) and the gradient's step back."""
     consumer_prefix = tuple(pl for pl, _ in prefix)
     grad_prefix = tuple(g for _, g in prefix)
     grad_suffix = tuple(without_partial(suffix))

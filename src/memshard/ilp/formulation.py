@@ -5,8 +5,8 @@ Bytes and seconds are counted in units scaled to the problem (``Reference.units`
 Variables::
 
     x[g,c] ∈ {0,1}     group g (op strategy, parameter storage) takes choice c
-    z[e,k,a,σ] ≥ 0     edge e, keep copy k ∈ {0,1}, resharding step a (mesh axis a), in
-                       state σ                                          (edges.py)
+    z[e,k,a,σ] ≥ 0     edge e, copy k (0; 1 kept; 2, 3 replayed), resharding step a (mesh
+                       axis a), in state σ                              (edges.py)
     κ[e] ∈ {0,1}       edge e keeps its saved copy in the producer's layout
     c[e,L,R], y[τ,H,L] ≥ 0   a consumer's own copy; the producer's tensor once its own
                        holder has ended                                 (memory.py)
@@ -20,7 +20,10 @@ Row families (each row is tagged with its family, see ``model.RowTag``), one met
   link          Σ_{c: ℓ_a(c)=ℓ} x[a,c] = Σ_{c: ℓ_b(c)=ℓ} x[b,c]  ∀ℓ   add_link_constraints
                 (a storage option's gradient layout is the one its op's strategy gives; tied
                 weights agree across their uses; a layer unit's members agree)
-  edge-flow, keep   Alpa's edge linearisation factored by mesh axis    add_edge_constraints
+  conflict      Σ_{c∈A} x[a,c] + Σ_{c∈B} x[b,c] ≤ 1 (a replayed op, its weight gathered per
+                op under ZeRO-3)                                      add_conflict_constraints
+  edge-flow, keep, replay   Alpa's edge linearisation factored by mesh axis, a kept copy,
+                recomputation's copies                                add_edge_constraints
   live-bytes, memory, copy, held   L_t chained, L_t + const_t ≤ M      add_memory_constraints
   reshard, reshard-price   L_t + Σ_k ρ + S_t(x) + const_t ≤ M          add_reshard_constraints
   budget        T ≤ step-time budget (objective memory), M ≤ memory budget (objective time)
@@ -69,6 +72,7 @@ class Formulation:
         reshard rows too unless they are added lazily); the budgets are the caller's."""
         self.add_choice_constraints()
         self.add_link_constraints()
+        self.add_conflict_constraints()
         self.add_edge_constraints()
         self.add_memory_constraints(points)
         if reshard_rows:
@@ -92,6 +96,13 @@ class Formulation:
             item = f"{self.problem.groups[link.a].key} ~ {self.problem.groups[link.b].key}"
             for label in sorted(by_label, key=repr):
                 self.model.row(by_label[label], 0.0, 0.0, RowTag("link", item=item))
+
+    def add_conflict_constraints(self) -> None:
+        x = self.choice_columns
+        for c in self.problem.conflicts:
+            coefs = {int(x[c.a][k]): 1.0 for k in c.a_choices}
+            coefs.update({int(x[c.b][k]): 1.0 for k in c.b_choices})
+            self.model.row(coefs, -highspy.kHighsInf, 1.0, RowTag("conflict", item=c.why))
 
     def add_edge_constraints(self) -> None:
         flows = EdgeFlows(self.problem, self.model, self.choice_columns, self.time_unit)

@@ -16,6 +16,10 @@ once however many hold it, a consumer reading another layout holds its own copy:
   y ≥ each kept copy's indicator,  y + c ≥ [e holds L]               (family ``held``)
       once the producer's own holder has ended, y counts the producer's tensor in L
 
+Recomputation adds holders of the producer's own tensor (its saved output retained where the
+op is not replayed, a replay's source) and a consumer's copy made again by the replay, each
+read from the edge flow's copy it belongs to (``edges.flow_copies``).
+
 Tensors of shared layers have the same producer group and holders, so a (tensor kind, live
 holders) signature is one expression, counted once per tensor that has it.
 """
@@ -33,14 +37,20 @@ from memshard.placement import Layout
 from memshard.problem import (
     DURING_RESHARDS,
     INPUT_COPY,
+    OWN_KINDS,
     PRODUCER,
     REGATHER,
+    REPLAYED,
+    RETAINED,
     SAVED,
+    SOURCE,
     Holder,
     Problem,
     without_partial,
 )
 
+# The flow copy k (``edges.flow_copies``) a consumer-side copy holder reads its layout from.
+COPY_OF_FLOW = {REGATHER: 1, REPLAYED: 2}
 Copies = dict[int, list[tuple[str, dict, dict]]]  # edge → (holder kind, own-copy indicator, any indicator)
 
 
@@ -73,10 +83,10 @@ class LiveBytes:
 
     def _indicator(self, h: Holder, layout: Layout, part: str) -> dict[int, float]:
         problem, x = self.problem, self.choice_columns
-        if h.kind == PRODUCER:
-            strategies = problem.groups[h.source].strategies
-            return {int(x[h.source][c]): 1.0 for c, s in enumerate(strategies)
-                    if without_partial(s.output_layout) == layout}
+        if h.kind in (PRODUCER, RETAINED):  # retained: only where the op is not replayed
+            group = problem.groups[h.source]
+            return {int(x[h.source][c]): 1.0 for c, s in enumerate(group.strategies)
+                    if without_partial(s.output_layout) == layout and not (h.kind == RETAINED and group.replayed(c))}
         edge = problem.edges[h.source]
         if h.kind == INPUT_COPY:
             strategies = problem.groups[edge.consumer].strategies
@@ -86,11 +96,13 @@ class LiveBytes:
         out: dict[int, float] = {}
         if h.kind == SAVED:  # kept in the consumer's layout, or (kept) in the producer's
             if part != "kept":
-                out.update(dict.fromkeys(flow.consumer_layout_columns[0].get(layout, ()), 1.0))
+                out.update(dict.fromkeys(flow.consumer_layout_columns.get(0, {}).get(layout, ()), 1.0))
             if part != "copy":
                 out.update(dict.fromkeys(flow.producer_layout_columns.get(1, {}).get(layout, ()), 1.0))
-        elif h.kind == REGATHER and 1 in flow.keeps:
-            out.update(dict.fromkeys(flow.consumer_layout_columns[1].get(layout, ()), 1.0))
+        elif h.kind in COPY_OF_FLOW and COPY_OF_FLOW[h.kind] in flow.keeps:
+            out.update(dict.fromkeys(flow.consumer_layout_columns[COPY_OF_FLOW[h.kind]].get(layout, ()), 1.0))
+        elif h.kind == SOURCE:
+            out.update(dict.fromkeys(flow.producer_layout_columns.get(3, {}).get(layout, ()), 1.0))
         return out
 
     def producer_in(self, group: int, layout: Layout) -> dict[int, float]:
@@ -175,7 +187,7 @@ class LiveBytes:
         edge, the consumer's copy (its input copy, its saved copy not kept, or the re-gathered
         one; the same copy written with different columns, each a row)."""
         producer_active = any(h.kind == PRODUCER for h in active)
-        own = [ind for h in active if h.kind in (PRODUCER, SAVED) if (ind := self.indicator(h, layout, "kept"))]
+        own = [ind for h in active if h.kind in (*OWN_KINDS, SAVED) if (ind := self.indicator(h, layout, "kept"))]
         copies = self.copies(active, layout)
         terms: dict[int, float] = defaultdict(float)
         base = None
@@ -185,12 +197,18 @@ class LiveBytes:
             base = next(self.indicator(h, layout, "kept") for h in active if h.kind == PRODUCER)
         elif not copies and len(own) == 1:
             base = own[0]
-        elif len(copies) == 1 and [k for k, _, _ in next(iter(copies.values()))] in (["saved"], ["saved", "regather"]):
-            # One consumer's saved tensor (a copy, or the producer's tensor kept): one tensor,
+        elif len(copies) == 1 and _one_saved_tensor(next(iter(copies.values()))):
+            # One consumer's saved tensor (a copy, the producer's tensor kept, or the copy a
+            # replay makes: disjoint flow copies, so their indicators add up): one tensor,
             # held in L iff "any" says so; a re-gathered copy beside it.
             (e, reps), = copies.items()
-            base = reps[0][2]
-            copies = {e: reps[1:]} if len(reps) > 1 else {}
+            base = defaultdict(float)
+            for kind, _, anyone in reps:
+                if kind in (SAVED, REPLAYED):
+                    for col, v in anyone.items():
+                        base[col] += v
+            rest = [r for r in reps if r[0] == REGATHER]
+            copies = {e: rest} if rest else {}
         cols: list[int] = []
         if base is not None:
             for col, v in base.items():
@@ -211,7 +229,7 @@ class LiveBytes:
                 copies[h.source].append((h.kind, ind, ind))
             elif h.kind == SAVED:
                 copies[h.source].append((h.kind, self.indicator(h, layout, "copy"), self.indicator(h, layout, "all")))
-            elif h.kind == REGATHER:
+            elif h.kind in (REGATHER, REPLAYED):
                 ind = self.indicator(h, layout, "copy")
                 copies[h.source].append((h.kind, ind, ind))
         copies = {e: [r for r in reps if r[2]] for e, reps in copies.items()}
@@ -241,7 +259,7 @@ class LiveBytes:
                     if kind == INPUT_COPY:
                         prod = self.producer_in(producer, layout)
                     else:
-                        prod = dict.fromkeys(by_keep[int(kind == REGATHER)].get(layout, ()), 1.0)
+                        prod = dict.fromkeys(by_keep.get(COPY_OF_FLOW.get(kind, 0), {}).get(layout, ()), 1.0)
                     r = dict(copy)
                     for c, v in prod.items():
                         r[c] = r.get(c, 0.0) - v
@@ -278,6 +296,14 @@ class LiveBytes:
                     self.model.row(r, -inf, 0.0, tag)
             self.held_columns[key] = cols
         return self.held_columns[key]
+
+
+def _one_saved_tensor(reps: list[tuple[str, dict, dict]]) -> bool:
+    """The representations of one consumer's saved tensor (saved, made again by a replay),
+    with at most its re-gathered copy beside them."""
+    kinds = [kind for kind, _, _ in reps]
+    return (bool(kinds) and set(kinds) <= {SAVED, REPLAYED, REGATHER} and kinds.count(REGATHER) <= 1
+            and len(kinds) > kinds.count(REGATHER))
 
 
 class _HolderIndex:

@@ -80,6 +80,8 @@ class ReshardRows:
     def _price_column(self, e: int, kind: str, last: bool) -> int | None:
         problem = self.problem
         edge = problem.edges[e]
+        if kind in KEPT_PRICES and e not in self.keep_columns:  # a copy its consumer's replay reads whole
+            return None
         producer = problem.groups[edge.producer].strategies
         if kind in BACKWARD_PRICES:
             a_of = [without_partial(s.output_layout) for s in producer]

@@ -91,7 +91,8 @@ class Solver:
         # Lazy reshard rows, but not when pricing a given plan, nor under a memory budget: a
         # plan found without them may exceed it, and one found out of time would then be no
         # plan at all.
-        self.lazy = fixed is None and (memory_budget_bytes is None or math.isinf(memory_budget_bytes))
+        self.lazy = (fixed is None and (memory_budget_bytes is None or math.isinf(memory_budget_bytes))
+                     and problem.recompute == "none")
         formulation.add_plan_constraints(problem.candidate_points, reshard_rows=not self.lazy)
         time_expr = formulation.time_expression()
         formulation.add_budget_constraints(objective, time_expr, max_step_time_s, memory_budget_bytes)

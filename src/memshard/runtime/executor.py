@@ -42,6 +42,7 @@ from memshard.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
 from memshard.pricing import layer_units
 from memshard.problem import Problem, Selection
 from memshard.runtime import ops
+from memshard.runtime.replay import LayerReplay, ReplayLinks, storage_id
 from memshard.runtime.reshard import Reshard, reshard_local, to_torch, without_partial
 from memshard.strategies import Strategy, input_grad_layout
 
@@ -96,12 +97,14 @@ def _run_graph(
     weight: Callable[[int, int], tuple[torch.Tensor, Callable | None]],
     feed: Callable[[int, int, torch.Tensor], tuple[torch.Tensor, Callable | None]],
     input_for: Callable[[int, int, torch.Tensor], torch.Tensor],
+    replay: LayerReplay | None = None,
 ) -> torch.Tensor:
     """Forward of the whole graph; returns the (local) loss.
 
     ``kernels(op.kind)`` runs each op; ``weight(i, j)`` gives op i's parameter input j and ``feed(i, j, x)`` its activation
     input j, each with a function that makes it again when the op should not save it (a
-    ZeRO-3 weight, a kept edge); ``input_for`` slices a model input to op i's layout.
+    ZeRO-3 weight, a kept edge); ``input_for`` slices a model input to op i's layout;
+    ``replay`` recomputes the plan's replayed ops (``replay.py``).
     """
     last_use = {t: uses[-1][0] for t, uses in graph.consumers.items()}
     env: dict[str, torch.Tensor] = {}
@@ -110,23 +113,29 @@ def _run_graph(
         again: dict[int, Callable] = {}
         for j, operand in enumerate(op.inputs):
             kind = graph.tensors[operand.tensor].kind
+            produced = None
             if kind is TensorKind.INPUT:
-                args.append(input_for(i, j, inputs[operand.tensor]))
-                continue
-            if kind is TensorKind.PARAMETER:
+                x, make = input_for(i, j, inputs[operand.tensor]), None
+            elif kind is TensorKind.PARAMETER:
                 x, make = weight(i, j)
             else:
-                x, make = feed(i, j, env[operand.tensor])
+                produced = env[operand.tensor]
+                x, make = feed(i, j, produced)
             if make is not None:
-                again[_storage_id(x)] = make
+                again[storage_id(x)] = make
+            if replay is not None:
+                replay.record(i, j, produced, x)
             args.append(x)
         kernel = kernels(op.kind)
-        if again:
-            with torch.autograd.graph.saved_tensors_hooks(*_make_again_hooks(again)):
+        hooks = replay.hooks(i, args, again) if replay is not None else (_make_again_hooks(again) if again else None)
+        if hooks is not None:
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
                 out = kernel(context(i), *args)
         else:
             out = kernel(context(i), *args)
         env[op.output.tensor] = out
+        if replay is not None:
+            replay.produced(i, out)
         del args, again
         for operand in op.inputs:
             if last_use.get(operand.tensor) == i:
@@ -134,16 +143,11 @@ def _run_graph(
     return env[graph.loss]
 
 
-def _storage_id(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage, shared by its views (works for fake tensors too)."""
-    return t.untyped_storage()._cdata
-
-
 def _make_again_hooks(recipes: dict[int, Callable[[], torch.Tensor]]):
     """Saved-tensor hooks that keep, instead of a tensor, a way to make it again."""
 
     def pack(t: torch.Tensor):
-        make = recipes.get(_storage_id(t))
+        make = recipes.get(storage_id(t))
         if make is None:
             return t
         if isinstance(make, _UnitRegather):
@@ -403,6 +407,19 @@ class _UnitRegather:
     def packed(self) -> None:
         self.saved += 1
 
+    def hold(self) -> Callable[[], None]:
+        """Gather the unit for a replay (if not yet) and keep it until the returned function
+        is called; the backward's saved views keep it after that, as usual."""
+        if self.flat is None:
+            self.flat = self.unit.gather()
+        self.saved += 1
+
+        def release() -> None:
+            self.saved -= 1
+            if not self.saved:
+                self.flat = None
+        return release
+
     def __call__(self) -> torch.Tensor:
         if self.flat is None:
             self.flat = self.unit.gather()
@@ -449,6 +466,7 @@ class ShardedGraphModel(nn.Module):
         self.device = torch.device(device_mesh.device_type)
         self.groups = tuple(device_mesh.get_group(a) for a in range(device_mesh.ndim))
         self.strategies = [problem.strategy(selection, problem.op_group[i]) for i in range(len(graph.ops))]
+        self.replayed = [problem.replayed(selection, problem.op_group[i]) for i in range(len(graph.ops))]
         uses: dict[str, int] = {}
         for op in graph.ops:
             for x in op.inputs:
@@ -473,6 +491,12 @@ class ShardedGraphModel(nn.Module):
         self.units = [GatherUnit(sorted(group, key=lambda st: tuple(
             isinstance(p, Partial) and a not in st.axes for a, p in enumerate(st.flat_partial))), device_mesh)
             for group in members.values()]
+        # With recomputation a layer's unit is gathered for backward when its replay runs.
+        self.units_of_layer: dict[int, list[GatherUnit]] = {}
+        if problem.recompute != "none":
+            for unit in self.units:
+                layer = graph.ops[graph.consumers[unit.stores[0].name][0][0]].layer
+                self.units_of_layer.setdefault(layer, []).append(unit)
         self.weights = nn.ParameterDict({_key(n): s.param for n, s in self.stores.items() if s.unit is None})
         self.unit_weights = nn.ParameterList([unit.param for unit in self.units])
 
@@ -532,7 +556,35 @@ class ShardedGraphModel(nn.Module):
             weight=weight,
             feed=self._feed,
             input_for=self._input,
+            replay=self._replay(inputs, context) if any(self.replayed) or self.units_of_layer else None,
         )
+
+    def _replay(self, inputs: dict[str, torch.Tensor], context) -> LayerReplay:
+        g = self.graph
+
+        def weight(i, j):
+            store = self.stores[g.ops[i].inputs[j].tensor]
+            if store.unit is not None:
+                release = store.unit.regather.hold()
+                return store.unit.member(store.unit.regather.flat, store.unit_index), release
+            if store.stage == 3:
+                return store.gather(), None
+            return store.weight()[0], None
+
+        def hold(layer):
+            releases = [unit.regather.hold() for unit in self.units_of_layer[layer]]
+            return lambda: [release() for release in releases]
+
+        def reshard(i, j, x):
+            b = self.boundary(i, j)
+            return reshard_local(x, self.graph.tensors[g.ops[i].inputs[j].tensor].shape, self.mesh, b.lp, b.lc)
+
+        links = ReplayLinks(
+            kernel=lambda i: self.kernels(g.ops[i].kind), context=context,
+            model_input=lambda i, j: self._input(i, j, inputs[g.ops[i].inputs[j].tensor]),
+            weight=weight, reshard=reshard, same_layout=lambda i, j: self.boundary(i, j).lp == self.boundary(i, j).lc,
+            layer_hold=hold, unit_layers=frozenset(self.units_of_layer))
+        return LayerReplay(g, self.replayed, links)
 
     def watch_gradients(self, callback: Callable[[torch.Tensor], None] | None) -> None:
         """Call ``callback`` on every reduced gradient the optimizer will read."""

@@ -1,0 +1,97 @@
+"""Activation recomputation: which ops a layer's backward can replay, and the named policies.
+
+A replayed op runs its forward twice: once in the forward pass, where nothing it produces is
+kept for backward (its output's saved copies, its own saved output, its buffers such as a
+dropout mask), and again when backward reaches its layer, before the layer's first backward
+op. Everything it produces lives again from then until the backward that needs it. This is
+PyTorch's non-reentrant activation checkpointing with a selective policy, the region being
+one layer: the ops marked "recompute" are replayed, the others' saved tensors are kept.
+
+The replay reads each input from the replayed producer, from the replayed op's own saved copy
+(kept, as it is not replayed), or from the producer's tensor held from the forward until the
+replay (the checkpoint's region inputs; priced as a holder of its own, ``problem.SOURCE``).
+
+An op can be replayed when it belongs to a layer and every op that saves its output belongs
+to the same layer (a saved copy is made again by the replay of its consumer's layer). The
+policies:
+
+- ``none``: nothing is replayed (the problem is the one without recomputation);
+- ``selective``: Megatron-LM's core-attention recomputation — the attention scores, their
+  softmax and its dropout are replayed (``core_attention``);
+- ``full``: every replayable op (Megatron-LM's full recomputation, torchtitan's full
+  activation checkpointing: a layer keeps its input and nothing else);
+- ``auto``: the ILP chooses, per op role shared by the identical layers, whether to replay.
+"""
+
+from __future__ import annotations
+
+from memshard.graph import Graph
+from memshard.schedule import Schedule
+
+RECOMPUTE_POLICIES = ("none", "selective", "full", "auto")
+
+
+def replayable_ops(graph: Graph) -> set[int]:
+    """The ops that can be replayed: in a layer, their output saved only by ops of it."""
+    out = set()
+    for i, op in enumerate(graph.ops):
+        if op.layer is None:
+            continue
+        savers = [graph.ops[c] for c, j in graph.consumers.get(op.output.tensor, ()) if j in graph.ops[c].saves_inputs]
+        if all(c.layer == op.layer for c in savers):
+            out.add(i)
+    return out
+
+
+def core_attention(graph: Graph) -> set[int]:
+    """Megatron-LM's core attention: a softmax inside a layer, the matmul that makes its
+    input (the attention scores) and a dropout applied to its output."""
+    out = set()
+    for i, op in enumerate(graph.ops):
+        if op.kind != "softmax" or op.layer is None:
+            continue
+        out.add(i)
+        scores = graph.producer.get(op.inputs[0].tensor)
+        if scores is not None and graph.ops[scores].kind == "matmul":
+            out.add(scores)
+        for c, _ in graph.consumers.get(op.output.tensor, ()):
+            if graph.ops[c].kind == "dropout":
+                out.add(c)
+    return out
+
+
+def replay_flags(graph: Graph, policy: str) -> list[tuple[bool, ...]]:
+    """Per op, whether it may be replayed: (False,) never, (True,) always (a fixed policy),
+    (False, True) the search chooses. Decided per role, so identical layers agree."""
+    if policy not in RECOMPUTE_POLICIES:
+        raise ValueError(f"unknown recomputation policy {policy!r}")
+    replayable = replayable_ops(graph)
+    if policy == "selective":
+        replayable &= core_attention(graph)
+    by_role: dict[str, bool] = {}
+    for i, op in enumerate(graph.ops):
+        if op.role is not None:
+            by_role[op.role] = by_role.get(op.role, True) and i in replayable
+    flags = []
+    for op in graph.ops:
+        able = by_role.get(op.role, False) if op.role is not None else False
+        if policy == "none" or not able:
+            flags.append((False,))
+        else:
+            flags.append((False, True) if policy == "auto" else (True,))
+    return flags
+
+
+def layer_ends(graph: Graph) -> dict[int, int]:
+    """Layer → the index of its last op (the replay runs before that op's backward)."""
+    ends: dict[int, int] = {}
+    for i, op in enumerate(graph.ops):
+        if op.layer is not None:
+            ends[op.layer] = i
+    return ends
+
+
+def replay_point(graph: Graph, schedule: Schedule, i: int) -> int:
+    """The schedule point from which op ``i``'s replayed tensors live: its layer's first
+    backward point."""
+    return schedule.backward(layer_ends(graph)[graph.ops[i].layer])
