@@ -39,6 +39,7 @@ PLAN = {
     "--max-step-time": (["--max-step-time", "100s"], "json"),
     "--memory-budget": (["--memory-budget", "80GiB"], "refused"),  # the memory objective has none
     "--zero3-unit": (["--zero3-unit", "layer"], "json"),
+    "--recompute": (["--recompute", "selective"], "json"),
     "--exact": (["--exact"], "json"),
     "--full-mesh": (["--full-mesh"], "refused"),  # nothing to merge on one axis
     "--time-limit": (["--time-limit", "1ms"], "refused"),  # no plan in a millisecond
@@ -117,6 +118,7 @@ def compared(tmp_path_factory):
 
 
 @pytest.mark.parametrize("option, values", [("--zero3-unit", ["--zero3-unit", "layer"]),
+                                            ("--recompute", ["--recompute", "full"]),
                                             ("--time-slack", ["--time-slack", "3"]),
                                             ("--device-memory", ["--device-memory", "1MiB"])])
 def test_compare_options_act(option, values, compared, tmp_path, capsys):

@@ -146,9 +146,16 @@ def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
     def add(name, make, on=problem):
         for suffix, replayed in variants:
             try:
-                out.append(Baseline(name + suffix, make(on, replayed), on))
+                selection = make(on, replayed)
             except SplitUnavailable as e:
                 skipped.append((name + suffix, str(e)))
+                continue
+            clash = next((c.why for c in on.conflicts
+                          if selection.choices[c.a] in c.a_choices and selection.choices[c.b] in c.b_choices), None)
+            if clash is not None:
+                skipped.append((name + suffix, f"{clash}; recompute with ZeRO-3 gathered per layer (--zero3-unit layer)"))
+            else:
+                out.append(Baseline(name + suffix, selection, on))
 
     add("ddp", ddp)
     for stage in (1, 2, 3):

@@ -101,8 +101,10 @@ class LiveBytes:
                 out.update(dict.fromkeys(flow.producer_layout_columns.get(1, {}).get(layout, ()), 1.0))
         elif h.kind in COPY_OF_FLOW and COPY_OF_FLOW[h.kind] in flow.keeps:
             out.update(dict.fromkeys(flow.consumer_layout_columns[COPY_OF_FLOW[h.kind]].get(layout, ()), 1.0))
-        elif h.kind == SOURCE:
-            out.update(dict.fromkeys(flow.producer_layout_columns.get(3, {}).get(layout, ()), 1.0))
+        elif h.kind == SOURCE:  # the producer's tensor as it is, partial sums included
+            for produced, cols in flow.producer_layout_columns.get(3, {}).items():
+                if without_partial(produced) == layout:
+                    out.update(dict.fromkeys(cols, 1.0))
         return out
 
     def producer_in(self, group: int, layout: Layout) -> dict[int, float]:
@@ -197,7 +199,8 @@ class LiveBytes:
             base = next(self.indicator(h, layout, "kept") for h in active if h.kind == PRODUCER)
         elif not copies and len(own) == 1:
             base = own[0]
-        elif len(copies) == 1 and _one_saved_tensor(next(iter(copies.values()))):
+        elif (len(copies) == 1 and _one_saved_tensor(next(iter(copies.values())))
+              and not any(h.kind in (RETAINED, SOURCE) for h in active)):
             # One consumer's saved tensor (a copy, the producer's tensor kept, or the copy a
             # replay makes: disjoint flow copies, so their indicators add up): one tensor,
             # held in L iff "any" says so; a re-gathered copy beside it.

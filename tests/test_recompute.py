@@ -1,0 +1,199 @@
+"""Recomputation in the planner: the policies price what Megatron-LM's paper derives, the ILP
+prices recomputing plans as the evaluator does, the search uses the choice, baselines and
+plans carry it, and ``none`` leaves the problem as it was."""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+
+import pytest
+
+import memshard
+from memshard.api import strategy_plan
+from memshard.baselines import baselines
+from memshard.cost.memory import CATEGORIES
+from memshard.errors import MemshardError
+from memshard.evaluate import InconsistentPlan, evaluate
+from memshard.ilp.solve import solve
+from memshard.mesh import parse_mesh
+from memshard.models import build_graph
+from memshard.plans import plan_from_dict
+from memshard.pricing import build_problem
+from memshard.recompute import core_attention, replay_flags, replayable_ops
+from tests.test_ilp_pricing import random_plan
+
+
+def _per_layer_activations(policy: str, mesh: str, strategy: str, s: int, b: int, h: int, a: int) -> float:
+    """Activation bytes one layer adds to what the forward holds under a baseline, from its
+    evaluation: live activations before layer 2's first op minus before layer 1's."""
+    graph = build_graph("gpt3-1.3b", batch=b, seq=s, hidden=h, heads=a, ffn=4 * h, num_layers=3, precision="mixed")
+    problem = build_problem(graph, parse_mesh(mesh), recompute=policy)
+    fixed = {x.name: x for x in baselines(problem)[0]}[strategy]
+    ev = evaluate(fixed.problem, fixed.selection)
+    activations = ev.category_bytes[CATEGORIES.index("activations")]
+    first = [min(i for i, op in enumerate(graph.ops) if op.layer == k) for k in (1, 2)]
+    return float(activations[problem.schedule.reshard_in(first[1])] - activations[problem.schedule.reshard_in(first[0])])
+
+
+SUFFIX = {"none": "", "selective": "+selective", "full": "+full"}
+
+
+@pytest.mark.parametrize("policy, per_layer", [
+    ("none", lambda s, b, h, a: s * b * h * (34 + 5 * a * s / h)),
+    ("selective", lambda s, b, h, a: 34 * s * b * h),
+    ("full", lambda s, b, h, a: 2 * s * b * h),
+])
+def test_per_layer_activations_are_megatrons(policy, per_layer):
+    """Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer
+    Models), 16-bit activations, 1-byte dropout masks: a GPT layer keeps sbh(34 + 5as/h)
+    bytes without recomputation, 34sbh with selective (core attention) recomputation, 2sbh
+    (its input) with full recomputation."""
+    s, b, h, a = 256, 2, 256, 8
+    got = _per_layer_activations(policy, "1", "ddp" + SUFFIX[policy], s, b, h, a)
+    assert got == pytest.approx(per_layer(s, b, h, a))
+
+
+@pytest.mark.parametrize("policy, per_layer", [
+    ("none", lambda s, b, h, a, t: s * b * h / t * (34 + 5 * a * s / h)),
+    ("selective", lambda s, b, h, a, t: 34 * s * b * h / t),
+    ("full", lambda s, b, h, a, t: 2 * s * b * h / t),
+])
+def test_per_layer_activations_with_tensor_and_sequence_parallelism(policy, per_layer):
+    """The same paper with tensor and sequence parallelism of degree t: every term ÷ t (the
+    checkpointed input of full recomputation is the sequence-parallel piece)."""
+    s, b, h, a, t = 256, 2, 256, 8, 4
+    got = _per_layer_activations(policy, "4", f"megatron-tp{t}-sp" + SUFFIX[policy], s, b, h, a)
+    assert got == pytest.approx(per_layer(s, b, h, a, t))
+
+
+def test_policies_pick_the_ops_megatron_recomputes():
+    graph = build_graph("tiny-gpt", batch=2, seq=16)
+    names = lambda ops: {graph.ops[i].name.split(".", 2)[-1] for i in ops}  # noqa: E731
+    assert names(core_attention(graph)) == {"attn.scores", "attn.softmax", "attn.attn_dropout"}
+    # Every op of a layer but its last (whose output the next layer saves): the layer keeps its input.
+    assert names(replayable_ops(graph)) == {op.name.split(".", 2)[-1] for op in graph.ops
+                                            if op.layer is not None} - {"mlp.residual"}
+    assert all(f == (False,) for f in replay_flags(graph, "none"))
+    assert {f for f in replay_flags(graph, "auto")} == {(False,), (False, True)}
+
+
+@functools.cache
+def _problem(model: str, mesh: str, policy: str, unit: str = "op"):
+    return build_problem(build_graph(model, batch=8, precision="fp32"), parse_mesh(mesh), recompute=policy,
+                         zero3_unit=unit)
+
+
+@pytest.mark.parametrize("model, mesh, unit", [("tiny-gpt", "2x2", "op"), ("tiny-llama", "4", "op"),
+                                               ("tiny-gpt", "1x4", "op")])
+def test_ilp_prices_random_recomputing_plans_as_the_evaluator(model, mesh, unit):
+    """Random strategies, storage, keep flags and recompute choices, every choice pinned:
+    the ILP's peak is the evaluator's (plans the rules refuse are skipped)."""
+    problem = _problem(model, mesh, "auto", unit)
+    rng = random.Random(7)
+    checked = 0
+    while checked < 6:
+        plan = random_plan(problem, rng)
+        try:
+            expected = evaluate(problem, plan).peak_bytes
+        except InconsistentPlan:
+            continue
+        forced = solve(problem, "memory", fixed=plan, mip_gap=0.0)
+        assert forced.selection == plan
+        assert forced.ilp_peak_bytes == pytest.approx(expected, rel=1e-6)
+        checked += 1
+
+
+def test_none_prices_every_plan_as_before():
+    """A plan that recomputes nothing costs the same in an ``auto`` problem (ZeRO-3 per op)."""
+    none, auto = _problem("tiny-gpt", "2x2", "none"), _problem("tiny-gpt", "2x2", "auto")
+    assert len(none.groups) == len(auto.groups) and len(none.edges) == len(auto.edges)
+    in_auto = {b.name: b for b in baselines(auto)[0]}
+    for a in baselines(none)[0]:
+        b = in_auto[a.name]
+        ea, eb = evaluate(a.problem, a.selection), evaluate(b.problem, b.selection)
+        assert (ea.peak_bytes, ea.step_time_s) == pytest.approx((eb.peak_bytes, eb.step_time_s))
+
+
+def test_search_uses_recomputation():
+    """The least-memory plan with recomputation searched needs less than without, and no
+    more than full recomputation; its step time pays the replays."""
+    kw = dict(batch=8, seq=1024, num_layers=2, precision="mixed", mip_gap=0.01, time_limit_s=30)
+    none = memshard.plan("gpt3-1.3b", "8", **kw)
+    full = memshard.plan("gpt3-1.3b", "8", recompute="full", **kw)
+    auto = memshard.plan("gpt3-1.3b", "8", recompute="auto", **kw)
+    assert full.peak_bytes < 0.8 * none.peak_bytes
+    assert auto.peak_bytes <= full.peak_bytes * 1.011
+    assert full.recompute_time_s > 0 and none.recompute_time_s == 0
+    assert all(op.recomputed for op in full.ops if op.instances == 2 and op.name != "mlp.residual")
+
+
+def test_time_objective_recomputes_only_what_the_budget_needs():
+    """Under a memory budget between the two, the fastest plan recomputes some ops, fits the
+    budget and is no slower than full recomputation's fastest plan."""
+    kw = dict(batch=8, seq=1024, num_layers=2, precision="mixed", mip_gap=0.01, time_limit_s=30)
+    none = memshard.plan("gpt3-1.3b", "8", objective="time", **kw)
+    budget = 0.8 * none.peak_bytes
+    full = memshard.plan("gpt3-1.3b", "8", objective="time", memory_budget=budget, recompute="full", **kw)
+    auto = memshard.plan("gpt3-1.3b", "8", objective="time", memory_budget=budget, recompute="auto", **kw)
+    assert auto.peak_bytes <= budget
+    assert auto.step_time_s <= full.step_time_s * 1.011
+    assert 0 < sum(op.recomputed for op in auto.ops) < sum(op.recomputed for op in full.ops)
+
+
+def test_baselines_come_with_each_recomputation():
+    auto = _problem("tiny-gpt", "2x2", "auto")
+    names = {b.name for b in baselines(auto)[0]}
+    for base in ("ddp", "zero2", "megatron-tp2-dp2-sp", "megatron-tp2-dp2-sp-distopt"):
+        assert {base, base + "+selective", base + "+full"} <= names
+    # ZeRO-3 weights gathered per op do not serve a replay: FSDP recomputes with per-layer units.
+    assert "zero3-fsdp+full" not in names
+    layer = {b.name for b in baselines(_problem("tiny-gpt", "2x2", "auto", "layer"))[0]}
+    assert {"zero3-fsdp+full", "zero3-fsdp+selective", "tp2-fsdp2+full"} <= layer
+    llama = {b.name for b in baselines(_problem("tiny-llama", "2x2", "auto"))[0]}
+    assert "ddp+full" in llama and "ddp+selective" not in llama  # fused attention: no core attention
+    full = {b.name for b in baselines(_problem("tiny-gpt", "2x2", "full"))[0]}
+    assert all(name.endswith("+full") for name in full)
+
+
+def test_a_replayed_op_cannot_keep_or_gather_per_op():
+    """Rules the ILP and the evaluator share: a replayed op reads its saved input whole (no
+    sequence-parallel copy), and its ZeRO-3 weight is not gathered per op."""
+    problem = _problem("tiny-gpt", "4", "full")
+    assert problem.conflicts
+    skipped = dict(baselines(problem)[1])
+    assert "gathered per op (ZeRO-3)" in skipped["zero3-fsdp+full"]
+    with pytest.raises(MemshardError, match="zero3-fsdp\\+full does not fit"):
+        strategy_plan("tiny-gpt", "4", "zero3-fsdp+full", batch=8, precision="fp32", recompute="full")
+    layer = strategy_plan("tiny-gpt", "4", "zero3-fsdp+full", batch=8, precision="fp32", recompute="full",
+                          zero3_unit="layer")
+    assert layer.peak_bytes > 0
+    sp = _problem("tiny-gpt", "1x4", "full")
+    plan = {b.name: b for b in baselines(sp)[0]}["megatron-tp4-sp+full"]
+    kept = [e for e in range(len(sp.edges)) if plan.selection.keeps[e]]
+    assert all(not sp.replayed(plan.selection, sp.edges[e].consumer) for e in kept)
+    forced = list(plan.selection.keeps)
+    forced[next(e for e, edge in enumerate(sp.edges) if edge.saves and sp.groups[edge.consumer].always_replays)] = 1
+    with pytest.raises(InconsistentPlan, match="keeps its copy for a recomputed op"):
+        evaluate(sp, type(plan.selection)(plan.selection.choices, tuple(forced)))
+
+
+def test_plan_json_records_recomputation_and_old_plans_load():
+    plan = memshard.plan("tiny-gpt", "2x2", batch=8, precision="fp32", recompute="selective", mip_gap=0.05)
+    data = plan.to_dict()
+    assert data["schema"] == "memshard.plan/2" and data["solver"]["recompute"] == "selective"
+    assert {o["name"] for o in data["ops"] if o["recomputed"]} == {"attn.scores", "attn.softmax", "attn.attn_dropout"}
+    again = plan_from_dict(json.loads(json.dumps(data)))
+    assert again.selection == plan.selection and again.peak_bytes == pytest.approx(plan.peak_bytes)
+    old = memshard.plan("tiny-gpt", "2x2", batch=8, precision="fp32", mip_gap=0.05).to_dict()
+    old["schema"] = "memshard.plan/1"
+    del old["solver"]["recompute"], old["recompute_time_s"]
+    for o in old["ops"]:
+        del o["recomputed"]
+    assert plan_from_dict(old).solver.recompute == "none"
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(MemshardError, match="recompute must be one of"):
+        memshard.plan("tiny-gpt", "2x2", recompute="some")
