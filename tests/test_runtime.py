@@ -1,7 +1,8 @@
 """Plans executed on real gloo ranks: numerics, memory and communication against the plan.
 
 Every plan below (memshard's, under both objectives, on meshes 4, 2×2, 1×4 and 2×2×2, and
-the baselines; a few with ZeRO-3 gathered per layer) runs 3 Adam steps on forked gloo ranks; the results are compared with
+the baselines; a few with ZeRO-3 gathered per layer; ten that recompute activations, whose
+replays' collectives count in the bytes compared) runs 3 Adam steps on forked gloo ranks; the results are compared with
 
 - the unsharded single-process model with ``torch.optim.Adam``: the losses of every step
   equal its fp32 losses (rtol 1e-5); the gradients of the second step are as close to the
@@ -66,9 +67,37 @@ LAYER_UNIT = {  # ZeRO-3 weights gathered a layer at a time (zero3_unit="layer",
     "tiny-llama-memshard-memory-layer-2x2": ("tiny-llama", "2x2", "memory"),
 }
 CASES.update(LAYER_UNIT)
+RECOMPUTE = {  # plans that recompute activations: (recomputation searched or forced, ZeRO-3 unit, sequence)
+    "tiny-gpt-memshard-memory-auto-2x2": ("tiny-gpt", "2x2", "memory", "auto", "op", 128),
+    "tiny-gpt-memshard-memory-full-4": ("tiny-gpt", "4", "memory", "full", "op", None),
+    "tiny-llama-memshard-time-auto-1x4": ("tiny-llama", "1x4", "time", "auto", "op", None),
+    "tiny-gpt-megatron-tp4-sp+selective-1x4": ("tiny-gpt", "1x4", "megatron-tp4-sp+selective", "selective", "op", None),
+    "tiny-gpt-megatron-tp2-dp2-sp+full-2x2": ("tiny-gpt", "2x2", "megatron-tp2-dp2-sp+full", "full", "op", None),
+    "tiny-llama-megatron-tp2-dp2-sp+full-2x2": ("tiny-llama", "2x2", "megatron-tp2-dp2-sp+full", "auto", "op", None),
+    "tiny-llama-tp2-fsdp2+full-layer-2x2": ("tiny-llama", "2x2", "tp2-fsdp2+full", "full", "layer", None),
+    "tiny-llama-zero3-fsdp+full-layer-4": ("tiny-llama", "4", "zero3-fsdp+full", "auto", "layer", None),
+    "tiny-gpt-tp2-fsdp2+selective-layer-2x2": ("tiny-gpt", "2x2", "tp2-fsdp2+selective", "selective", "layer", None),
+    "tiny-gpt-ddp+selective-4": ("tiny-gpt", "4", "ddp+selective", "selective", "op", None),
+}
+CASES.update({case: spec[:3] for case, spec in RECOMPUTE.items()})
+
+
+def _recomputing(case):
+    model, mesh, what, policy, unit, seq = RECOMPUTE[case]
+    if what == "memory":
+        return memshard.plan(model, mesh, batch=BATCH, seq=seq, precision="fp32", mip_gap=0.05, time_limit_s=20,
+                             zero3_unit=unit, recompute=policy)
+    if what == "time":  # the fastest plan within the least peak without recomputation
+        budget = int(least_memory_plan(model, mesh, unit).peak_bytes * 1.02)
+        return memshard.plan(model, mesh, batch=BATCH, precision="fp32", objective="time", memory_budget=budget,
+                             mip_gap=0.05, time_limit_s=20, zero3_unit=unit, recompute=policy)
+    return strategy_plan(model, mesh, what, batch=BATCH, seq=seq, precision="fp32", zero3_unit=unit,
+                         recompute=policy)
 
 
 def _make(case):
+    if case in RECOMPUTE:
+        return _recomputing(case)
     model, mesh, what = CASES[case]
     unit = "layer" if case in LAYER_UNIT else "op"
     if what in ("memory", "time"):
@@ -83,8 +112,8 @@ def _results() -> dict[str, tuple]:
 
 
 @functools.cache
-def _reference(model: str, dtype=torch.float32):
-    return reference(memshard.build_graph(model, batch=BATCH, precision="fp32"), STEPS, dtype=dtype)
+def _reference(model: str, seq: int | None = None, dtype=torch.float32):
+    return reference(memshard.build_graph(model, batch=BATCH, seq=seq, precision="fp32"), STEPS, dtype=dtype)
 
 
 def test_at_least_twenty_plans_on_four_meshes():
@@ -92,13 +121,23 @@ def test_at_least_twenty_plans_on_four_meshes():
     assert {mesh for _, mesh, _ in CASES.values()} == {"4", "2x2", "1x4", "2x2x2"}
 
 
+def test_at_least_ten_plans_recompute():
+    """memshard's (both objectives, searched and forced), Megatron's selective and full,
+    FSDP with full and selective, on GPT and LLaMA: each replays ops in the run."""
+    assert len(RECOMPUTE) >= 10
+    for case in RECOMPUTE:
+        assert any(op.recomputed for op in _results()[case][0].ops), case
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_losses_and_gradients_equal_the_single_process_run(case):
+    """(A recomputing plan's run equals the run without recomputation: the single process.)"""
     plan, reports = _results()[case]
-    ref_losses, ref_grads = _reference(CASES[case][0])
+    seq = RECOMPUTE[case][5] if case in RECOMPUTE else None
+    ref_losses, ref_grads = _reference(CASES[case][0], seq)
     for r in reports:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    _, exact = _reference(CASES[case][0], torch.float64)
+    _, exact = _reference(CASES[case][0], seq, torch.float64)
     grads = reports[0]["gradients"]
     assert set(grads) == set(ref_grads)
 
