@@ -27,6 +27,8 @@ CONFIGS = {
     "llama": {"model_type": "llama", **TINY, "num_key_value_heads": 2},
     "qwen2": {"model_type": "qwen2", **TINY, "num_key_value_heads": 2},
 }
+RUNS = {**{family: (family, "none") for family in CONFIGS},  # run name → (config, recomputation)
+        "llama-recompute-full": ("llama", "full")}
 def _cast(t, dtype):
     return t.to(dtype) if t.is_floating_point() else t
 
@@ -71,21 +73,24 @@ def check_run(plan, reports, module_factory):
 
 @pytest.fixture(scope="module")
 def hf_runs():
-    plans = {name: memshard.plan(memshard.HFModel(cfg), "4", batch=4, seq=16, precision="fp32", mip_gap=0.02)
-             for name, cfg in CONFIGS.items()}
+    plans = {name: memshard.plan(memshard.HFModel(CONFIGS[family]), "4", batch=4, seq=16, precision="fp32",
+                                 mip_gap=0.02, recompute=recompute)
+             for name, (family, recompute) in RUNS.items()}
     return plans, dict(zip(plans, run_plans(list(plans.values()), STEPS)))
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", sorted(RUNS))
 def test_hf_model_under_its_plan_equals_the_model(family, hf_runs):
+    """(Recomputing plans replay ops of every layer and still equal the module.)"""
     plans, runs = hf_runs
     plan = plans[family]
+    assert any(op.recomputed for op in plan.ops) == (RUNS[family][1] != "none")
     assert plan.problem.graph.unknown_ops == {}
     check_run(plan, runs[family], lambda: seeded_model(
         plan.job.model.source, plan.job.precision, plan.job.model.attn_implementation, plan.job.hf_overrides()))
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", sorted(RUNS))
 def test_hf_model_peak_memory_is_the_planned_one(family, hf_runs):
     """Measured on every rank with ``simulate`` (the same step under the fake process group):
     deterministic, where a real gloo rank's peak moves by a few percent from run to run with
