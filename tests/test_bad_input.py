@@ -100,6 +100,9 @@ CLI = {
     "memory-budget-zero": (GPT + ["--objective", "time", "--memory-budget", "0"], "0"),
     "objective-unknown": (GPT + ["--objective", "speed"], "speed"),
     "zero3-unit-unknown": (GPT + ["--zero3-unit", "block"], "block"),
+    "recompute-unknown": (GPT + ["--recompute", "some"], "some"),
+    "recompute-strategy-not-offered": (["simulate", *BASE, "--precision", "fp32", "--recompute", "full",
+                                        "--strategy", "zero3-fsdp+full"], "--zero3-unit layer"),
     "full-mesh-on-two-axes": (GPT + ["--full-mesh"], "--full-mesh"),
     "top-zero": (GPT + ["--top", "0"], "--top"),
     # outputs
@@ -236,6 +239,8 @@ API = {
     "time-limit-zero": (lambda: memshard.plan("gpt2", "2", time_limit_s=0), "0"),
     "gap-one": (lambda: memshard.plan("gpt2", "2", mip_gap=1.0), "1.0"),
     "zero3-unit": (lambda: memshard.plan("gpt2", "2", zero3_unit="block"), "block"),
+    "recompute": (lambda: memshard.plan("gpt2", "2", recompute="partly"), "partly"),
+    "strategy-recompute": (lambda: memshard.strategy_plan("gpt2", "2", "ddp", recompute="always"), "always"),
     "top-zero": (lambda: memshard.plan("gpt2", "2", top=0), "0"),
     "example-inputs-without-module": (lambda: memshard.plan("gpt2", "2", example_inputs=(1,)), "nn.Module"),
     "compare-slack-nan": (lambda: memshard.compare("gpt2", "2", time_slack=math.nan), "nan"),

@@ -17,7 +17,7 @@ import pytest
 
 import memshard
 from memshard.cli import main
-from memshard.units import format_bytes
+from memshard.units import format_bytes, format_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -36,6 +36,8 @@ COMMANDS = {
     "memshard compare --model gpt3-6.7b --mesh 2x4 --batch 16 --seq 2048": (),
     "memshard plan --hf-model gpt2 --mesh 4 --batch 8 --seq 1024": (pytest.mark.trace,),
     "memshard run --model tiny-gpt --mesh 2x2 --steps 3": (pytest.mark.runtime,),
+    "memshard plan --model gpt3-13b --mesh 1x8 --batch 16 --seq 2048 --objective time --memory-budget 80GiB "
+    "--recompute auto": (),
 }
 NOT_RUN = {
     "memshard pareto --model gpt3-2.7b --mesh 2x4 --batch 16 --seq 2048 --out pareto.png":
@@ -140,6 +142,22 @@ def test_the_comparison_figures_in_the_text():
             for r in memshard.compare("gpt3-6.7b", "2x4", batch=16, seq=2048)["rows"]}
     names = ("memshard", "zero3-fsdp", "megatron-tp4-dp2-sp-distopt", "megatron-tp4-dp2", "ddp")
     assert list(found.groups()) == [format_bytes(rows[n]) for n in names]
+
+
+def test_the_recomputation_figures_in_the_text():
+    text = " ".join(README.split())
+    found = re.search(r"this job needs (\S+ \S+) per device at least; with `auto` the fastest plan that fits needs "
+                      r"(\S+ \S+), takes an estimated (\S+ \S+) per step, of which (\S+ \S+) \((\S+)\) is "
+                      r"recomputation, and replays (\d+) cheap ops of each of the (\d+) layers", text)
+    assert found, "the recomputation sentence changed: update this test"
+    job = dict(batch=16, seq=2048)
+    least = memshard.plan("gpt3-13b", "1x8", **job)
+    fits = memshard.plan("gpt3-13b", "1x8", objective="time", memory_budget="80GiB", recompute="auto", **job)
+    replayed = [op for op in fits.ops if op.recomputed]
+    assert list(found.groups()) == [
+        format_bytes(least.peak_bytes), format_bytes(fits.peak_bytes), format_seconds(fits.step_time_s),
+        format_seconds(fits.recompute_time_s), f"{fits.recompute_time_s / fits.step_time_s:.1%}",
+        str(len(replayed)), str(replayed[0].instances)]
 
 
 PYTHON = [body for lang, body in BLOCKS if lang == "python"]

@@ -150,7 +150,6 @@ class _Builder:
         self.shared = shared
         self.micro_batches = micro_batches
         self.sched = Schedule(len(graph.ops))
-        self.recompute = recompute
         self.units = layer_units(graph, self.sched, recompute) if zero3_unit == "layer" else {}
         self.replay_flags = replay_flags(graph, recompute)
         self.conflicts: list[Conflict] = []
