@@ -194,6 +194,11 @@ def test_plan_json_records_recomputation_and_old_plans_load():
     assert plan_from_dict(old).solver.recompute == "none"
 
 
+def test_a_job_that_does_not_fit_points_to_recomputation():
+    with pytest.raises(MemshardError, match="--recompute auto"):
+        memshard.plan("gpt3-1.3b", "8", batch=8, seq=1024, num_layers=2, objective="time", memory_budget="700MiB")
+
+
 def test_unknown_policy_is_refused():
     with pytest.raises(MemshardError, match="recompute must be one of"):
         memshard.plan("tiny-gpt", "2x2", recompute="some")

@@ -127,9 +127,11 @@ def explain_infeasible(problem: Problem, options: SearchOptions) -> MemshardErro
     if options.objective == "time":
         budget = options.memory_budget if options.memory_budget is not None else problem.mesh.device_memory_bytes
         least = _evaluation(problem, solve(problem, "memory", time_limit_s=options.time_limit_s))
+        hint = ("; recomputing activations needs less (--recompute auto)"
+                if options.recompute == "none" and problem.graph.num_layers else "")
         return MemshardError(
             f"no plan fits in {format_bytes(budget)} per device: the least any plan needs is "
-            f"{format_bytes(least.peak_bytes)} (zero-redundancy bound {format_bytes(least.lower_bound_bytes)})"
+            f"{format_bytes(least.peak_bytes)} (zero-redundancy bound {format_bytes(least.lower_bound_bytes)}){hint}"
         )
     fastest = solve(problem, "time", memory_budget_bytes=math.inf, time_limit_s=options.time_limit_s)
     return MemshardError(f"no plan runs a step within {format_seconds(options.max_step_time_s)}: "

@@ -4,9 +4,10 @@ These are the records both the ILP (``ilp/``) and the plan evaluator (``evaluate
 so the two price every plan identically; ``pricing.build_problem`` makes them from a graph
 and a mesh. A plan is a :class:`Selection`: one choice per group, a keep flag per edge.
 
-- **op groups** choose a strategy per op; **storage groups** choose a parameter's gradient
-  layout and ZeRO storage sharding. Identical layers share one group per role;
-  ``instances`` counts the copies.
+- **op groups** choose a strategy per op, and, where recomputation is searched, whether the
+  op is replayed before its layer's backward (``OpGroup.replays``, see ``recompute.py``);
+  **storage groups** choose a parameter's gradient layout and ZeRO storage sharding.
+  Identical layers share one group per role; ``instances`` counts the copies.
 - **links**: two groups' choices must agree on a label (a storage option's gradient layout
   equals the one its op's strategy implies; tied weights agree across their uses).
 - **edges**: an activation flowing producer → consumer. The producer's output layout and the
@@ -16,7 +17,8 @@ and a mesh. A plan is a :class:`Selection`: one choice per group, a keep flag pe
   forward reshard, the backward reshard of the gradient, and the re-gather when kept.
 - **slots**: memory priced per choice of one group, live on a closed interval of schedule points.
 - **holders**: an activation can be held at once by its producer (until its last forward use),
-  by a consumer's input copy, and by every op that saves it. The producer's tensor counts
+  by a consumer's input copy, and by every op that saves it; with recomputation also by a
+  replay (what it makes again, what it reads). The producer's tensor counts
   once however many hold it (consumers reading it in its own layout, copies kept in it); a
   consumer that reads another layout holds its own copy (``holder_identity``).
 - **ZeRO-3 gather unit** (``zero3_unit``): ``"op"`` gathers a ZeRO-3 weight around each op

@@ -90,7 +90,8 @@ class Solver:
         formulation = self.formulation = Formulation(problem)
         # Lazy reshard rows, but not when pricing a given plan, nor under a memory budget: a
         # plan found without them may exceed it, and one found out of time would then be no
-        # plan at all.
+        # plan at all; nor with recomputation: its plans' peaks fall on reshard points, and
+        # the rounds took longer than all rows at once.
         self.lazy = (fixed is None and (memory_budget_bytes is None or math.isinf(memory_budget_bytes))
                      and problem.recompute == "none")
         formulation.add_plan_constraints(problem.candidate_points, reshard_rows=not self.lazy)
