@@ -1,0 +1,84 @@
+"""memshard with recomputation searched against the fastest Megatron-LM configuration that fits
+an 80 GiB device, GPT-3 1.3B–175B and LLaMA-3 8B/70B on 8–1024 devices.
+
+    .venv/bin/python benchmarks/recompute_vs_megatron.py [--write]
+
+Per job: the fastest Megatron-LM configuration within 80 GiB (every TP degree × DP × sequence
+parallelism × distributed optimizer × no / selective / full recomputation, priced by
+memshard's model); memshard's fastest plan within 80 GiB (``--objective time --memory-budget
+80GiB --recompute auto``) and its step-time ratio to Megatron's (≤ 1.00: the configuration is
+a point of memshard's search space); and memshard's least-memory plan within 1.1× Megatron's
+step time (``--max-step-time … --recompute auto``) and its peak against Megatron's. The mean
+and the best ratios close the table. ``--write`` puts it into BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import memshard
+from memshard.planner import SearchOptions, plan_job
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks_md import provenance, write_section  # noqa: E402
+from recompute import BUDGET, fastest_megatron  # noqa: E402
+
+JOBS = [  # model, mesh, batch, seq
+    ("gpt3-1.3b", "8", 64, 2048),
+    ("gpt3-6.7b", "1x8", 32, 2048),
+    ("gpt3-13b", "2x8", 64, 2048),
+    ("llama3-8b", "1x8", 16, 8192),
+    ("llama3-8b", "8x8", 64, 8192),
+    ("llama3-70b", "8x8", 64, 4096),
+    ("gpt3-175b", "8x8x16", 1536, 2048),
+]
+SLACK = 1.1
+
+
+def row(model: str, mesh: str, batch: int, seq: int) -> tuple[str, float | None, float | None]:
+    """The table row, the step-time ratio and the peak ratio at 1.1× Megatron's time."""
+    gib = 2**30
+    job = memshard.Job(model, mesh, batch=batch, seq=seq)
+    megatron = fastest_megatron(job)
+    fastest = plan_job(job, SearchOptions(objective="time", memory_budget=BUDGET, recompute="auto"))
+    head = f"| {model} b{batch} s{seq} | {mesh} ({job.mesh.num_devices}) |"
+    ours = f"{fastest.step_time_s:.2f} s, {fastest.peak_bytes / gib:.1f} GiB"
+    if megatron is None:
+        return f"{head} none fits | {ours} | - | - | - |", None, None
+    lean = plan_job(job, SearchOptions(max_step_time_s=SLACK * megatron.step_time_s, recompute="auto"))
+    time_ratio, peak_ratio = fastest.step_time_s / megatron.step_time_s, lean.peak_bytes / megatron.peak_bytes
+    status = "" if lean.solver.status == "optimal" else f" ({lean.solver.status}, gap {lean.solver.gap:.1%})"
+    return (f"{head} {megatron.strategy}: {megatron.step_time_s:.2f} s, {megatron.peak_bytes / gib:.1f} GiB | "
+            f"{ours} | **{time_ratio:.2f}** | {lean.peak_bytes / gib:.1f} GiB at {lean.step_time_s:.2f} s{status} | "
+            f"**{peak_ratio:.2f}** |"), time_ratio, peak_ratio
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    lines = [provenance("python benchmarks/recompute_vs_megatron.py --write"), "",
+             "| job | mesh (devices) | fastest Megatron-LM configuration within 80 GiB | memshard, fastest within "
+             "80 GiB | step-time ratio | memshard, least memory within 1.1× Megatron's time | peak ratio |",
+             "|---|---|---|---|---|---|---|"]
+    times, peaks = [], []
+    for job in JOBS:
+        line, time_ratio, peak_ratio = row(*job)
+        lines.append(line)
+        print(line, flush=True)
+        if time_ratio is not None:
+            times.append(time_ratio)
+            peaks.append(peak_ratio)
+    lines.append(f"| mean / best | | | | {statistics.mean(times):.2f} / {min(times):.2f} | | "
+                 f"{statistics.mean(peaks):.2f} / {min(peaks):.2f} |")
+    print(lines[-1])
+    if args.write:
+        write_section("recompute-vs-megatron", "Recomputation: memshard against Megatron-LM at 80 GiB",
+                      "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
