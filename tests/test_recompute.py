@@ -180,13 +180,13 @@ def test_a_replayed_op_cannot_keep_or_gather_per_op():
 
 
 def test_plan_json_records_recomputation_and_old_plans_load():
-    plan = memshard.plan("tiny-gpt", "2x2", batch=8, precision="fp32", recompute="selective", mip_gap=0.05)
+    plan = strategy_plan("tiny-gpt", "2x2", "megatron-tp2-dp2-sp+selective", batch=8, recompute="selective")
     data = plan.to_dict()
     assert data["schema"] == "memshard.plan/2" and data["solver"]["recompute"] == "selective"
     assert {o["name"] for o in data["ops"] if o["recomputed"]} == {"attn.scores", "attn.softmax", "attn.attn_dropout"}
     again = plan_from_dict(json.loads(json.dumps(data)))
     assert again.selection == plan.selection and again.peak_bytes == pytest.approx(plan.peak_bytes)
-    old = memshard.plan("tiny-gpt", "2x2", batch=8, precision="fp32", mip_gap=0.05).to_dict()
+    old = strategy_plan("tiny-gpt", "2x2", "megatron-tp2-dp2-sp", batch=8).to_dict()
     old["schema"] = "memshard.plan/1"
     del old["solver"]["recompute"], old["recompute_time_s"]
     for o in old["ops"]:
