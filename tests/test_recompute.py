@@ -202,3 +202,23 @@ def test_a_job_that_does_not_fit_points_to_recomputation():
 def test_unknown_policy_is_refused():
     with pytest.raises(MemshardError, match="recompute must be one of"):
         memshard.plan("tiny-gpt", "2x2", recompute="some")
+
+
+def test_recomputing_baselines_are_in_the_search_space_and_memshard_is_no_worse():
+    """Each baseline with selective or full recomputation, forced through the ILP, prices as
+    built; the least-memory plan with recomputation searched is no worse than any."""
+    shape = dict(batch=8, seq=1024, num_layers=2, precision="mixed")
+    problem = build_problem(build_graph("gpt3-1.3b", **shape), parse_mesh("8"), recompute="auto",
+                            zero3_unit="layer")
+    found = [b for b in baselines(problem)[0] if b.name.endswith(("+selective", "+full"))]
+    assert len(found) >= 20
+    best = memshard.plan("gpt3-1.3b", "8", recompute="auto", zero3_unit="layer", mip_gap=0.01, **shape)
+    forced_ones = {"ddp+full", "zero3-fsdp+full", "megatron-tp4-dp2-sp+selective", "megatron-tp8-sp+full",
+                   "tp2-fsdp4+selective", "megatron-tp2-dp4-sp-distopt+full"}
+    for b in found:
+        direct = evaluate(b.problem, b.selection)
+        assert best.peak_bytes <= direct.peak_bytes * 1.011, b.name
+        if b.name in forced_ones:
+            forced = solve(b.problem, "memory", fixed=b.selection, mip_gap=0.0)
+            assert forced.ilp_peak_bytes == pytest.approx(direct.peak_bytes, rel=1e-6), b.name
+    assert forced_ones <= {b.name for b in found}
