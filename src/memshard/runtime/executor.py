@@ -42,7 +42,7 @@ from memshard.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
 from memshard.pricing import layer_units
 from memshard.problem import Problem, Selection
 from memshard.runtime import ops
-from memshard.runtime.replay import LayerReplay, ReplayLinks, storage_id
+from memshard.runtime.replay import LayerReplay, ReplayLinks, again_hooks, storage_id
 from memshard.runtime.reshard import Reshard, reshard_local, to_torch, without_partial
 from memshard.strategies import Strategy, input_grad_layout
 
@@ -127,7 +127,7 @@ def _run_graph(
                 replay.record(i, j, produced, x)
             args.append(x)
         kernel = kernels(op.kind)
-        hooks = replay.hooks(i, args, again) if replay is not None else (_make_again_hooks(again) if again else None)
+        hooks = replay.hooks(i, args, again) if replay is not None else (again_hooks(again) if again else None)
         if hooks is not None:
             with torch.autograd.graph.saved_tensors_hooks(*hooks):
                 out = kernel(context(i), *args)
@@ -141,26 +141,6 @@ def _run_graph(
             if last_use.get(operand.tensor) == i:
                 env.pop(operand.tensor, None)
     return env[graph.loss]
-
-
-def _make_again_hooks(recipes: dict[int, Callable[[], torch.Tensor]]):
-    """Saved-tensor hooks that keep, instead of a tensor, a way to make it again."""
-
-    def pack(t: torch.Tensor):
-        make = recipes.get(storage_id(t))
-        if make is None:
-            return t
-        if isinstance(make, _UnitRegather):
-            make.packed()
-        return (make, t.size(), t.stride(), t.storage_offset())
-
-    def unpack(packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        make, size, stride, offset = packed
-        return make().as_strided(size, stride, offset)
-
-    return pack, unpack
 
 
 class GraphModel(nn.Module):
@@ -397,7 +377,7 @@ class GatherUnit:
 
 class _UnitRegather:
     """A unit's weights made again in backward: one all-gather serves every saved member view
-    (``_make_again_hooks`` counts them as they are saved and made again)."""
+    (``replay.pack_again`` counts them as they are saved and made again)."""
 
     def __init__(self, unit: GatherUnit):
         self.unit = unit

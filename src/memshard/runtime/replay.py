@@ -126,27 +126,17 @@ class LayerReplay:
         def pack(t: torch.Tensor):
             m = position[0]
             position[0] += 1
+            packed = pack_again(again, t)
+            if packed is not None:
+                return packed
             sid = storage_id(t)
-            make = again.get(sid)
-            if make is not None:
-                if hasattr(make, "packed"):
-                    make.packed()
-                return (make, t.size(), t.stride(), t.storage_offset())
             key = tickets.get(sid) or (("saved", i, m) if self.replayed[i] and sid not in kept else None)
             if key is None:
                 return t
             self.wanted[key] = None
             return _Ticket(self, key, t.size(), t.stride(), t.storage_offset())
 
-        def unpack(packed):
-            if isinstance(packed, torch.Tensor):
-                return packed
-            if isinstance(packed, _Ticket):
-                return packed()
-            make, size, stride, offset = packed
-            return make().as_strided(size, stride, offset)
-
-        return pack, unpack
+        return pack, unpack_saved
 
     def produced(self, i: int, out: torch.Tensor) -> None:
         """After op ``i``'s forward: at the last op of a layer that replays, the replay waits
@@ -243,6 +233,37 @@ class LayerReplay:
             if key in self.wanted:
                 self.made[key] = out if self.links.same_layout(c, j) else self.links.reshard(c, j, out)
                 del self.wanted[key]
+
+
+def pack_again(recipes: dict[int, Callable[[], torch.Tensor]], t: torch.Tensor):
+    """What a saved-tensor hook keeps instead of ``t`` when ``recipes`` can make it again (a
+    ZeRO-3 weight gathered again, a kept copy re-gathered); None if they cannot."""
+    make = recipes.get(storage_id(t))
+    if make is None:
+        return None
+    if hasattr(make, "packed"):  # a layer unit counts the views it will make again
+        make.packed()
+    return (make, t.size(), t.stride(), t.storage_offset())
+
+
+def unpack_saved(packed):
+    """The saved tensor back: as it was, from a replay's ticket, or made again."""
+    if isinstance(packed, torch.Tensor):
+        return packed
+    if isinstance(packed, _Ticket):
+        return packed()
+    make, size, stride, offset = packed
+    return make().as_strided(size, stride, offset)
+
+
+def again_hooks(recipes: dict[int, Callable[[], torch.Tensor]]):
+    """Saved-tensor hooks that keep, instead of a tensor, a way to make it again."""
+
+    def pack(t: torch.Tensor):
+        packed = pack_again(recipes, t)
+        return t if packed is None else packed
+
+    return pack, unpack_saved
 
 
 def _never(packed):
