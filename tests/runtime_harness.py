@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import os
 import socket
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def forked_world(worker, world: int, out_dir) -> list[dict]:
+    """Run ``worker(rank, world, port, out_dir)`` on ``world`` forked ranks (one OpenMP thread
+    each) and return each rank's ``rank<r>.json`` from ``out_dir``. Forked ranks start in well
+    under a second (spawned ones re-import torch: ~20 s on 2 cores); they inherit this process,
+    which must hold no process group."""
+    assert not dist.is_initialized()
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        mp.start_processes(worker, args=(world, free_port(), str(out_dir)), nprocs=world, join=True,
+                           start_method="fork")
+    finally:
+        if old is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def reference(graph, steps: int, seed: int = 0, lr: float = 1e-3, dtype=torch.float32):

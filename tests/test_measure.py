@@ -12,21 +12,19 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from memshard.runtime.measure import CATEGORIES, CommCounter, MemoryMeter, destroy, init_fake_world
+from tests.runtime_harness import forked_world
 
 AG, RS, AR, A2A, BC = "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"
 F32 = 4
@@ -37,12 +35,6 @@ def _calls(counter: CommCounter) -> list[tuple[str, int, int, float]]:
 
 
 # ------------------------------------------------------------------ real gloo, 4 processes
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _dtensor_linear_step(mesh: Any) -> tuple[MemoryMeter, CommCounter]:
@@ -130,27 +122,7 @@ def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    # Forked ranks start in well under a second (spawned ones re-import torch: ~20 s on 2
-    # cores); they inherit this process, which must hold no process group.
-    assert not dist.is_initialized()
-    out = tmp_path_factory.mktemp("gloo")
-    world = 4
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        mp.start_processes(
-            _gloo_worker,
-            args=(world, _free_port(), str(out)),
-            nprocs=world,
-            join=True,
-            start_method="fork",
-        )
-    finally:
-        if old is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return forked_world(_gloo_worker, 4, tmp_path_factory.mktemp("gloo"))
 
 
 def _as_tuples(calls: list[list[Any]]) -> list[tuple[str, int, int, float]]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +19,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
 
 from memshard.runtime.measure import MemoryMeter
+from tests.runtime_harness import forked_world
 
 pytestmark = pytest.mark.runtime
 
 REPEATS = 40
 N = 1000  # fp32 elements of the temporary input
 F32 = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _functional(group: Any) -> MemoryMeter:
@@ -79,20 +71,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def peaks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list]]:
-    assert not dist.is_initialized()
-    out = tmp_path_factory.mktemp("frees")
-    world = 2
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        mp.start_processes(_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True,
-                           start_method="fork")
-    finally:
-        if old is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return forked_world(_worker, 2, tmp_path_factory.mktemp("frees"))
 
 
 def test_a_functional_collectives_input_is_freed_at_its_wait(peaks):
