@@ -5,7 +5,8 @@
 1. Trace (torch.export on meta) and plan Hugging Face configs at full size, mixed precision:
    LLaMA-3 8B on 8x8 (batch 64 × 4096; goal: "within a few seconds"), LLaMA-2 7B, Mistral 7B
    and Qwen2 defaults on 2x4, GPT-2 124M on 4 — against memshard's own builder where it has
-   the same model (peak and zero-redundancy bound of both).
+   the same model (peak and zero-redundancy bound of both, and the compute time a step of the
+   plan prices: each op kind costs the same FLOPs traced or built).
 2. Tiny GPT-2, LLaMA and Qwen2 (fp32, batch 4 × 16) planned on 4 ranks and run on forked gloo
    ranks (3 Adam steps, the last measured): predicted vs measured peak and communication.
 ``--write`` puts the tables into BENCHMARKS.md between their markers.
@@ -46,7 +47,8 @@ def gib(x: float) -> str:
 
 def full_size_rows() -> list[str]:
     rows = ["| model | mesh, batch × seq | params | trace s | plan s | ops | unknown ops | peak GiB "
-            "| bound GiB | builder peak GiB |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+            "| bound GiB | builder peak GiB | compute / step | builder's |",
+            "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for label, source, mesh, batch, seq, preset in FULL:
         t = time.time()
         graph = Job(HFModel(source), mesh, batch=batch, seq=seq).graph
@@ -54,11 +56,12 @@ def full_size_rows() -> list[str]:
         t = time.time()
         plan = memshard.plan(graph, mesh)
         planned = time.time() - t
-        built = memshard.plan(preset, mesh, batch=batch, seq=seq).peak_bytes if preset else None
+        built = memshard.plan(preset, mesh, batch=batch, seq=seq) if preset else None
         unknown = ", ".join(f"{k} ×{v}" for k, v in graph.unknown_ops.items()) or "none"
         rows.append(f"| {label} | {mesh}, {batch} × {seq} | {graph.num_parameters / 1e9:.2f}B | {traced:.1f} | "
                     f"{planned:.1f} | {len(graph.ops)} | {unknown} | {gib(plan.peak_bytes)} | "
-                    f"{gib(plan.lower_bound_bytes)} | {gib(built) if built else '–'} |")
+                    f"{gib(plan.lower_bound_bytes)} | {gib(built.peak_bytes) if built else '–'} | "
+                    f"{plan.compute_time_s:.2f} s | {f'{built.compute_time_s:.2f} s' if built else '–'} |")
     return rows
 
 

@@ -136,6 +136,8 @@ CLI = {
     "run-mixed": (["run", "--model", "tiny-gpt", "--mesh", "2", "--precision", "mixed"], "fp32"),
     "run-bert": (["run", "--model", "bert-large", "--mesh", "2", "--layers", "1", "--seq", "16"], "BERT"),
     "run-unknown-strategy": (["run", "--model", "tiny-gpt", "--mesh", "2", "--strategy", "nonsense"], "nonsense"),
+    "run-fsdp2-baseline": (["simulate", "--model", "tiny-gpt", "--mesh", "2", "--precision", "fp32",
+                            "--strategy", "fsdp2"], "fully_shard"),
     "run-timeout-zero": (["run", "--model", "tiny-gpt", "--mesh", "2", "--timeout", "0"], "0"),
     "simulate-rank-outside": (["simulate", "--model", "tiny-gpt", "--mesh", "2", "--rank", "7"], "--rank"),
     "simulate-rank-negative": (["simulate", "--model", "tiny-gpt", "--mesh", "2", "--rank", "-1"], "--rank"),

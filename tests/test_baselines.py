@@ -66,7 +66,7 @@ def test_every_baseline_is_in_the_search_space_and_memshard_is_no_worse():
     problem = build_problem(graph, parse_mesh("2x4"))
     found, skipped = baselines(problem)
     names = {b.name for b in found}
-    assert {"ddp", "zero1", "zero2", "zero3-fsdp", "megatron-tp4-dp2", "megatron-tp4-dp2-sp",
+    assert {"dp", "ddp", "fsdp2", "zero1", "zero2", "zero3-fsdp", "megatron-tp4-dp2", "megatron-tp4-dp2-sp",
             "megatron-tp4-dp2-sp-distopt", "tp4-fsdp2", "megatron-tp8", "megatron-tp8-sp",
             "megatron-tp2-dp4", "megatron-tp2-dp4-sp", "tp2-fsdp4"} <= names
     assert not skipped

@@ -76,7 +76,7 @@ def test_merged_mesh_prices_a_plan_as_the_real_mesh_runs_it(model, shape):
     lowered = {b.name: lower_selection(coarse, fine, b.selection, groups) for b in baselines(fine)[0]
                if b.problem is fine}
     plans = [sel for sel in lowered.values() if sel is not None]
-    assert lowered["zero3-fsdp"] is not None and lowered["ddp"] is not None
+    assert lowered["zero3-fsdp"] is not None and lowered["dp"] is not None
     assert len(plans) > 2  # e.g. Megatron's TP within the node, data parallel over both inter-node axes
     rng = random.Random(0)
     randoms = [random_plan(coarse, rng) for _ in range(3)]

@@ -72,7 +72,7 @@ def test_memshard_run_trains_and_reports_every_rank(tmp_path, capsys):
 
 
 def test_a_rank_that_dies_mid_step_stops_the_run_with_a_message(tmp_path):
-    plan = strategy_plan("tiny-gpt", "4", "ddp", batch=4, precision="fp32")
+    plan = strategy_plan("tiny-gpt", "4", "dp", batch=4, precision="fp32")
     path = tmp_path / "plan.json"
     plan.save(str(path))
     start = time.monotonic()

@@ -47,7 +47,7 @@ CASES = {  # id → how to make the plan
     **{f"{m}-memshard-time-{mesh}": (m, mesh, "time") for m, mesh in
        (("tiny-gpt", "2x2"), ("tiny-llama", "1x4"), ("tiny-gpt", "2x2x2"))},
     **{f"{m}-{s}-{mesh}": (m, mesh, s) for m, mesh, s in (
-        ("tiny-gpt", "4", "ddp"),
+        ("tiny-gpt", "4", "dp"),
         ("tiny-gpt", "4", "zero2"),
         ("tiny-llama", "4", "zero1"),
         ("tiny-gpt", "1x4", "megatron-tp4-sp"),
@@ -77,7 +77,7 @@ RECOMPUTE = {  # plans that recompute activations: (recomputation searched or fo
     "tiny-llama-tp2-fsdp2+full-layer-2x2": ("tiny-llama", "2x2", "tp2-fsdp2+full", "full", "layer", None),
     "tiny-llama-zero3-fsdp+full-layer-4": ("tiny-llama", "4", "zero3-fsdp+full", "auto", "layer", None),
     "tiny-gpt-tp2-fsdp2+selective-layer-2x2": ("tiny-gpt", "2x2", "tp2-fsdp2+selective", "selective", "layer", None),
-    "tiny-gpt-ddp+selective-4": ("tiny-gpt", "4", "ddp+selective", "selective", "op", None),
+    "tiny-gpt-dp+selective-4": ("tiny-gpt", "4", "dp+selective", "selective", "op", None),
 }
 CASES.update({case: spec[:3] for case, spec in RECOMPUTE.items()})
 

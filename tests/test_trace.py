@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections import Counter
 
 import pytest
 
@@ -97,6 +98,80 @@ def test_gqa_projection_weights_are_split_by_kv_head():
     assert math.prod(sizes[d] for d in q[0]) == 64
 
 
+def flops_by_kind(graph) -> dict[str, Counter]:
+    out: dict[str, Counter] = {}
+    for op in graph.ops:
+        out.setdefault(op.kind, Counter())[round(graph.flops(op))] += 1
+    return out
+
+
+# (traced source and overrides, built-in preset of the same shapes, kinds whose ops agree one to
+# one, kinds with the same total (GPT-2 fuses q, k, v into one projection)). Adds and muls the
+# builder has are among the traced ones (the trace also has norms' and rotary's pieces).
+SAME_SHAPES = [
+    (("llama", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=256, vocab_size=512)), "tiny-llama",
+     ("sdpa", "silu", "linear", "cross_entropy", "embedding"), ()),
+    (("gpt2", dict(attn_implementation="eager", activation_function="gelu", n_layer=2, n_embd=128, n_head=4,
+                   n_inner=512, vocab_size=512, n_positions=32)), "tiny-gpt",
+     ("matmul", "softmax", "dropout", "gelu", "layernorm", "cross_entropy"), ("linear",)),
+]
+
+
+@pytest.mark.parametrize("source, preset, same, same_total", SAME_SHAPES, ids=["llama", "gpt2"])
+def test_traced_ops_cost_the_builders_flops(source, preset, same, same_total):
+    """Every op kind both paths make costs the same forward FLOPs for the same shapes: fused
+    attention once over the head dim, an unfused attention's scores over both sequences, the
+    activation functions the builder's per-element count."""
+    family, overrides = source
+    traced = flops_by_kind(trace_hf(family, batch=2, seq=32, precision="fp32", **overrides))
+    built = flops_by_kind(build_graph(preset, batch=2, seq=32))
+    for kind in same:
+        assert traced[kind] == built[kind], kind
+    for kind in same_total:
+        assert sum(f * n for f, n in traced[kind].items()) == sum(f * n for f, n in built[kind].items()), kind
+    for kind in ("add", "mul"):
+        assert not built.get(kind, Counter()) - traced[kind], kind
+
+
+def test_a_traced_llamas_step_computes_as_long_as_the_builders():
+    """The same job, built in and traced, prices the same compute time for the same plan
+    (norms and rotary are several small traced ops: within 1%)."""
+    overrides = dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
+                     intermediate_size=1536, vocab_size=1024)
+    traced = trace_hf("llama", batch=8, seq=512, precision="mixed", **overrides)
+    built = build_graph("tiny-llama", batch=8, seq=512, num_layers=4, hidden=512, heads=8, kv_heads=2, ffn=1536,
+                        vocab=1024)
+    times = [memshard.strategy_plan(g, "2x4", "ddp").compute_time_s for g in (traced, built)]
+    assert times[0] == pytest.approx(times[1], rel=0.01)
+
+
+def test_traced_llama_attention_takes_the_eager_path():
+    """An eager training step on whole sequences has no mask: SDPA is causal and reads the
+    key/value heads themselves (grouped-query), saving neither a mask nor repeated keys. The
+    query heads are (key/value head × group); the query sequence stays whole (is_causal)."""
+    graph = trace_hf("llama", batch=2, seq=32, precision="fp32", **FAMILIES["llama"])
+    assert not any(t.kind is TensorKind.INPUT and t.shape[-2:] == (32, 32) for t in graph.tensors.values())
+    sdpa = next(op for op in graph.ops if op.kind == "sdpa" and op.layer == 0)
+    sizes = graph.dim_sizes(sdpa)
+    q, k, v = (sdpa.inputs[i].dims for i in range(3))
+    assert len(sdpa.inputs) == 3 and graph.tensors[sdpa.inputs[1].tensor].numel == 2 * 2 * 32 * 16
+    kv_head = k[1]  # [b, kv heads, s, head dim]: the query reads each of its groups' heads
+    assert sizes[kv_head] == 2 and kv_head in q and kv_head in v
+    assert math.prod(sizes[d] for d in q) == 2 * 32 * 64
+    assert {"s", "s_k"} <= set(sdpa.unsplittable_dims)
+    producers = {op.output.tensor: op for op in graph.ops}
+    assert producers[sdpa.inputs[1].tensor].kind != "copy" and producers[sdpa.inputs[2].tensor].kind == "linear"
+
+
+def test_a_dropout_at_zero_probability_is_no_op():
+    """torch returns a p = 0 dropout's input itself: no op, no mask to price."""
+    no_dropout = dict(FAMILIES["gpt2"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    kinds = [[op.kind for op in trace_hf("gpt2", batch=2, seq=32, **overrides).ops].count("dropout")
+             for overrides in (FAMILIES["gpt2"], no_dropout)]
+    assert kinds == [5, 0]  # embeddings', each layer's attention output's and MLP's; none
+
+
 CumsumNet = functools.partial(UnknownOpNet, "cumsum")  # an op memshard has no rule for
 
 
@@ -173,7 +248,7 @@ def test_compare_on_a_traced_model_keeps_only_the_baselines_it_can_lay_out():
     graph = trace_hf("gpt2", batch=4, seq=32, **FAMILIES["gpt2"])
     result = memshard.compare(graph, "4", time_limit_s=30)
     names = [r["strategy"] for r in result["rows"]]
-    assert {"ddp", "zero1", "zero2", "zero3-fsdp"} <= set(names)
+    assert {"dp", "ddp", "zero1", "zero2", "zero3-fsdp", "fsdp2"} <= set(names)
     assert not any(n.startswith(("megatron", "tp")) for n in names)
     assert any("built-in model" in s["reason"] for s in result["skipped"])
     best = result["rows"][0]["peak_bytes_per_device"]

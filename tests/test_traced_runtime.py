@@ -101,6 +101,16 @@ def test_hf_model_peak_memory_is_the_planned_one(family, hf_runs):
         assert r["measured"]["peak_bytes"] == pytest.approx(r["predicted"]["peak_bytes"], rel=0.02)
 
 
+def test_a_traced_llama_at_its_default_length_allocates_what_it_plans():
+    """At 2,048 tokens attention dominates a tiny model's activations: SDPA there runs as an
+    eager step runs it (``is_causal``, grouped-query, no mask, no repeated keys)."""
+    plan = memshard.plan(memshard.HFModel(CONFIGS["llama"]), "4", batch=4, precision="fp32", mip_gap=0.02)
+    assert plan.problem.graph.seq == 2048
+    for rank in (0, 3):
+        r = simulate(plan, rank=rank)
+        assert r["measured"]["peak_bytes"] == pytest.approx(r["predicted"]["peak_bytes"], rel=0.02)
+
+
 class UnknownOpNet(torch.nn.Module):
     """Two linears around an op memshard has no rule for: ``cumsum``, or ``sort`` (two
     outputs: values and indices)."""

@@ -16,7 +16,7 @@ from memshard.job import HFModel, Job, TracedModule, is_module
 from memshard.mesh import Mesh
 from memshard.models import ModelConfig
 from memshard.planner import SearchOptions, baseline_plans, plan_job, searched_problem
-from memshard.plans import Plan, build_plan
+from memshard.plans import Plan, build_plan, check_runnable
 from memshard.pricing import build_problem
 
 Model = str | ModelConfig | Graph | HFModel
@@ -140,7 +140,7 @@ def _compare_row(p: Plan, best: Plan) -> dict:
 
 def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: str | None = None, *,
                   zero3_unit: str = "op", recompute: str = "none", **job_arguments) -> Plan:
-    """The fixed plan of a named baseline (``ddp``, ``zero3-fsdp``, ``megatron-tp4-sp``…;
+    """The fixed plan of a named baseline (``dp``, ``ddp``, ``zero3-fsdp``, ``fsdp2``, ``megatron-tp4-sp``…;
     ``memshard compare`` lists them) of ``model`` on ``mesh`` (keywords as :func:`plan`'s) or
     of a :class:`Job`, priced like memshard's own. With ``recompute`` other than ``none``
     the baselines recompute too: that policy, or (``auto``) each with no, selective and full
@@ -171,4 +171,6 @@ def runtime_plan(job: Job, strategy: str = "memshard", options: SearchOptions | 
     options = options or SearchOptions(mip_gap=0.02)
     if strategy == "memshard":
         return plan_job(job, options)
-    return strategy_plan(job, strategy=strategy, zero3_unit=options.zero3_unit, recompute=options.recompute)
+    plan = strategy_plan(job, strategy=strategy, zero3_unit=options.zero3_unit, recompute=options.recompute)
+    check_runnable(plan)
+    return plan

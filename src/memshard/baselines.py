@@ -5,8 +5,13 @@ dim, and for every parameter its ZeRO storage; the plan is then priced by the sa
 memshard's plans, so the comparison is like for like (and, being points of the search
 space, no baseline beats memshard's minimal-memory plan by more than the solver's gap).
 
-- ``ddp``: every op splits the batch over every axis; ``zero`` (stages 1/2/3): the same with
-  optimizer states, + gradients, + weights sharded over all axes (ZeRO-3 = FSDP full shard).
+- ``dp``: every op splits the batch over every axis, gradients all-reduced in place (``ddp``:
+  the same plan priced as PyTorch's DistributedDataParallel runs it, with its gradient
+  buckets); ``zero`` (stages 1/2/3): the same with
+  optimizer states, + gradients, + weights sharded over all axes (ZeRO-3 = FSDP full shard),
+  ZeRO-3 gathered as the search's ``zero3_unit`` says (``zero3-fsdp``: an idealised FSDP);
+  ``fsdp2``: the same plan priced as PyTorch's ``fully_shard`` runs it, each layer and the
+  root module wrapped, its defaults (``pricing.fsdp2_units``).
 - ``megatron_tp``: tensor parallelism over the innermost ``tp`` axes (column/row-parallel
   linears, attention split by heads, vocab-parallel embedding and loss), data parallelism over
   the others; ``megatron_tp_sp`` also splits the sequence of the ops between (norms,
@@ -26,6 +31,7 @@ finer logical mesh (``split_innermost``), priced by the same model.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -34,7 +40,7 @@ from memshard.graph import Origin
 from memshard.mesh import Mesh
 from memshard.placement import local_numel
 from memshard.pricing import build_problem
-from memshard.problem import Problem, Selection, complete_selection
+from memshard.problem import DDP, FSDP2, Problem, Selection, complete_selection
 from memshard.recompute import core_attention, replayable_ops
 from memshard.selections import SplitUnavailable, assign_strategies, data_parallel, uniform_storage
 
@@ -134,8 +140,18 @@ def split_innermost(mesh: Mesh, tp: int) -> Mesh:
     return replace(mesh, axes=mesh.axes[:-1] + parts)
 
 
-def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
-    """Every baseline that fits the model and mesh, and (name, reason) for those that don't.
+def as_run_by(problem: Problem, framework: str) -> Problem:
+    """``problem`` priced as ``framework`` (``problem.FRAMEWORKS``) runs its plans."""
+    if problem.framework == framework:
+        return problem
+    return build_problem(problem.graph, problem.mesh, problem.shared_layers, problem.micro_batches,
+                         problem.zero3_unit, problem.recompute, framework)
+
+
+def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
+              ) -> tuple[list[Baseline], list[tuple[str, str]]]:
+    """Every baseline that fits the model and mesh, and (name, reason) for those that don't;
+    with ``wanted``, only the names it accepts (the problems the others need are not built).
 
     Tensor parallelism takes every degree that divides the node (the innermost axis), then
     whole nodes and more (the innermost axes); data parallelism takes the rest."""
@@ -143,40 +159,34 @@ def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
     mesh = problem.mesh
     variants = recompute_variants(problem)
 
-    def add(name, make, on=problem):
-        for suffix, replayed in variants:
+    def add(name, make, on: Callable[[], Problem] = lambda: problem):
+        names = [(name + suffix, replayed) for suffix, replayed in variants if wanted is None or wanted(name + suffix)]
+        if names:
+            on = on()
+        for full_name, replayed in names:
             try:
                 selection = make(on, replayed)
             except SplitUnavailable as e:
-                skipped.append((name + suffix, str(e)))
+                skipped.append((full_name, str(e)))
                 continue
             clash = next((c.why for c in on.conflicts
                           if selection.choices[c.a] in c.a_choices and selection.choices[c.b] in c.b_choices), None)
             if clash is not None:
-                skipped.append((name + suffix, f"{clash}; recompute with ZeRO-3 gathered per layer (--zero3-unit layer)"))
+                skipped.append((full_name, f"{clash}; recompute with ZeRO-3 gathered per layer (--zero3-unit layer)"))
             else:
-                out.append(Baseline(name + suffix, selection, on))
+                out.append(Baseline(full_name, selection, on))
 
-    add("ddp", ddp)
+    add("dp", ddp)
+    add("ddp", ddp, lambda: as_run_by(problem, DDP))
     for stage in (1, 2, 3):
         add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, r, s=stage: zero(p, s, r))
+    add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2))
     if problem.graph.origin is Origin.TRACED:
         # Megatron's layouts are written for the built-in models' dims (heads, MLP width,
         # vocabulary); a traced graph's dims are anonymous, so they are not laid out.
         skipped.append(("megatron-*, tp*-fsdp*", "tensor-parallel baselines need a built-in model (--model)"))
         return out, skipped
-    layouts = []  # (problem, tp axes, tp degree)
-    node = mesh.shape[-1]
-    for tp in range(2, node):
-        if node % tp == 0:
-            finer = build_problem(problem.graph, split_innermost(mesh, tp), problem.shared_layers,
-                                  problem.micro_batches, problem.zero3_unit, problem.recompute)
-            layouts.append((finer, 1, tp))
-    for k in range(1, mesh.ndim + 1):
-        tp = math.prod(mesh.shape[mesh.ndim - k:])
-        if tp > 1 and (k == 1 or mesh.shape[mesh.ndim - k] > 1):
-            layouts.append((problem, k, tp))
-    for on, k, tp in layouts:
+    for on, k, tp in tensor_parallel_layouts(problem):
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")
         add(f"megatron-{tag}", lambda p, r, k=k: megatron_tp(p, k, replayed=r), on)
@@ -185,3 +195,22 @@ def baselines(problem: Problem) -> tuple[list[Baseline], list[tuple[str, str]]]:
             add(f"megatron-{tag}-sp-distopt", lambda p, r, k=k: megatron_tp_sp_distributed_optimizer(p, k, r), on)
             add(f"tp{tp}-fsdp{dp}", lambda p, r, k=k: tp_fsdp(p, k, r), on)
     return out, skipped
+
+
+def tensor_parallel_layouts(problem: Problem) -> list[tuple[Callable[[], Problem], int, int]]:
+    """(the problem it is laid out on, built once when first asked for; tensor-parallel mesh
+    axes; degree) of every tensor-parallel degree: those dividing the node on a finer view of
+    it, then whole inner axes."""
+    mesh, layouts = problem.mesh, []
+    node = mesh.shape[-1]
+    for tp in range(2, node):
+        if node % tp == 0:
+            finer = functools.cache(lambda tp=tp: build_problem(
+                problem.graph, split_innermost(mesh, tp), problem.shared_layers, problem.micro_batches,
+                problem.zero3_unit, problem.recompute, problem.framework))
+            layouts.append((finer, 1, tp))
+    for k in range(1, mesh.ndim + 1):
+        tp = math.prod(mesh.shape[mesh.ndim - k:])
+        if tp > 1 and (k == 1 or mesh.shape[mesh.ndim - k] > 1):
+            layouts.append((lambda: problem, k, tp))
+    return layouts

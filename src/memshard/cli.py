@@ -294,11 +294,10 @@ def _runtime_plan(args):
                  if getattr(args, d, None) not in (None, False)]
         if given:
             raise MemshardError(f"--plan replaces the job, its search and its strategy: give no {', '.join(given)}")
-        from memshard.plans import load_plan
+        from memshard.plans import check_runnable, load_plan
 
         plan = load_plan(args.plan)
-        if plan.model.precision != "fp32":
-            raise MemshardError("the runtime executes fp32 plans; plan with --precision fp32")
+        check_runnable(plan)
         return plan
     if (args.model, args.hf_config, args.hf_model) == (None, None, None) or args.mesh is None:
         raise MemshardError("give --plan, or a model (--model, --hf-config or --hf-model) and --mesh")
@@ -394,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_job_arguments(r, required=False)
         add_search_arguments(r, objective=True)
         r.add_argument("--strategy",
-                       help="memshard (default) or a baseline: ddp, zero1, zero3-fsdp, megatron-tp4-sp… "
+                       help="memshard (default) or a baseline: dp, zero1, zero3-fsdp, megatron-tp4-sp… "
                             "(`memshard compare` lists them)")
         r.add_argument("--json", metavar="PATH", help="write the per-rank reports as JSON")
         if name == "run":

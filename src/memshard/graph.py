@@ -62,6 +62,11 @@ class SavedBuffer:
     dtype_bytes: int
 
 
+# Forward FLOPs per element of the activation functions, for built-in and traced models alike
+# (so that an op costs the same time whichever path made it).
+ACTIVATION_FLOPS_PER_POINT = {"gelu": 8.0, "silu": 8.0}
+
+
 @dataclass(frozen=True)
 class Op:
     name: str
@@ -180,8 +185,12 @@ class Graph:
         return sizes
 
     def flops(self, op: Op) -> float:
-        """Forward FLOPs of the whole (unsharded) op."""
-        return op.flops_per_point * math.prod(self.dim_sizes(op).values())
+        """Forward FLOPs of the whole (unsharded) op. A dim on two axes of one operand (a
+        traced attention's scores ``[b, n, s, s]``: queries and keys over one sequence) runs
+        over the iteration space once per axis."""
+        sizes = self.dim_sizes(op)
+        repeats = {d: max(o.dims.count(d) for o in op.operands) for d in sizes}
+        return op.flops_per_point * math.prod(n ** repeats[d] for d, n in sizes.items())
 
     @cached_property
     def roles(self) -> dict[str, tuple[int, ...]]:

@@ -10,6 +10,7 @@ built; a request no plan meets is explained with the least achievable figure.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from memshard.baselines import baselines
@@ -142,9 +143,11 @@ def _evaluation(problem: Problem, result: SolveResult) -> Evaluation:
     return result.evaluation or evaluate(problem, result.selection)
 
 
-def baseline_plans(job: Job, problem: Problem) -> tuple[list[Plan], list[tuple[str, str]]]:
+def baseline_plans(job: Job, problem: Problem, wanted: Callable[[str], bool] | None = None
+                   ) -> tuple[list[Plan], list[tuple[str, str]]]:
     """Every hand-made strategy of ``job`` that ``problem`` (on the job's real mesh) can lay
-    out, priced like memshard's plans (no advice), and (name, reason) for the others."""
-    fixed, skipped = baselines(problem)
+    out (``wanted``: those it accepts), priced like memshard's plans (no advice), and (name,
+    reason) for the others."""
+    fixed, skipped = baselines(problem, wanted)
     plans = [build_plan(b.problem, b.selection, job, strategy=b.name, advice=False) for b in fixed]
     return plans, skipped

@@ -32,7 +32,7 @@ from memshard.job import Job, mesh_to_dict
 from memshard.mesh import Mesh
 from memshard.placement import format_layout
 from memshard.pricing import build_problem
-from memshard.problem import OpGroup, Problem, Selection, StorageGroup
+from memshard.problem import MEMSHARD, OpGroup, Problem, Selection, StorageGroup
 
 SCHEMA = "memshard.plan/2"
 READABLE_SCHEMAS = ("memshard.plan/1", SCHEMA)
@@ -83,6 +83,7 @@ class SolverSummary:
     zero3_unit: str
     search_space: str
     recompute: str = "none"  # the recomputation policy searched (``recompute.RECOMPUTE_POLICIES``)
+    framework: str = MEMSHARD  # what runs the plan (``problem.FRAMEWORKS``)
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,8 @@ class Plan:
         if mesh.real is mesh:
             return self.searched
         s = self.searched
-        return build_problem(s.graph, mesh.real, s.shared_layers, s.micro_batches, s.zero3_unit, s.recompute)
+        return build_problem(s.graph, mesh.real, s.shared_layers, s.micro_batches, s.zero3_unit, s.recompute,
+                             s.framework)
 
     @cached_property
     def selection(self) -> Selection:
@@ -180,6 +182,19 @@ class Plan:
 
     def save(self, path: str) -> None:
         write_text_atomically(path, self.to_json())
+
+
+def check_runnable(plan: Plan) -> None:
+    """Refuse what memshard's runtime does not execute: plans not in fp32 (its tensors are),
+    and the baselines priced as PyTorch's implementations run them (``fsdp2``, ``ddp``)."""
+    if plan.problem.graph.precision.name != "fp32":
+        raise MemshardError("the runtime executes fp32 plans; plan with --precision fp32")
+    framework = plan.problem.framework
+    if framework != MEMSHARD:
+        torch_name, instead = {"fsdp2": ("fully_shard (FSDP2)", "zero3-fsdp with --zero3-unit layer"),
+                               "ddp": ("DistributedDataParallel", "dp")}[framework]
+        raise MemshardError(f"the {plan.strategy} baseline prices PyTorch's {torch_name}, which memshard's runtime "
+                            f"does not run; run {instead} (memshard's runtime of the same plan)")
 
 
 def _plan_dict(plan: Plan) -> dict[str, Any]:
@@ -209,7 +224,7 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
         "recompute_time_s": plan.recompute_time_s,
         "solver": {"status": s.status, "time_s": s.time_s, "gap": s.gap, "variables": s.variables,
                    "constraints": s.constraints, "shared_layers": s.shared_layers, "zero3_unit": s.zero3_unit,
-                   "search_space": s.search_space, "recompute": s.recompute},
+                   "search_space": s.search_space, "recompute": s.recompute, "framework": s.framework},
         "most_redundant_ops": [{"op": r.op, "redundant_bytes_per_device": r.redundant_bytes}
                                for r in plan.most_redundant_ops],
         "ops": [vars(o) for o in plan.ops],
@@ -286,9 +301,10 @@ def build_plan(
 def _solver_summary(problem: Problem, result: SolveResult | None) -> SolverSummary:
     if result is None:
         return SolverSummary("fixed", 0.0, 0.0, 0, 0, problem.shared_layers, problem.zero3_unit, "fixed plan",
-                             problem.recompute)
+                             problem.recompute, problem.framework)
     return SolverSummary(result.status, result.time_s, result.gap, result.variables, result.constraints,
-                         problem.shared_layers, problem.zero3_unit, result.search_space, problem.recompute)
+                         problem.shared_layers, problem.zero3_unit, result.search_space, problem.recompute,
+                         problem.framework)
 
 
 def _split(assignment: tuple, mesh: Mesh) -> dict[str, str]:
@@ -399,7 +415,7 @@ def _rebuild(data: dict) -> Plan:
     solver = data["solver"]
     problem = build_problem(job.graph, job.mesh, shared_layers=solver["shared_layers"],
                             micro_batches=job.micro_batches, zero3_unit=solver.get("zero3_unit", "op"),
-                            recompute=solver.get("recompute", "none"))
+                            recompute=solver.get("recompute", "none"), framework=solver.get("framework", MEMSHARD))
     rebuilt = build_plan(problem, _recorded_selection(problem, data), job,
                          budgets=Budgets(**data["constraints"]) if data.get("constraints") else None,
                          strategy=data.get("strategy", "memshard"), advice=False)

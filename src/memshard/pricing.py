@@ -38,8 +38,12 @@ from memshard.placement import PARTIAL, REPLICATE, Layout, Shard, local_numel, l
 from memshard.problem import (
     ALWAYS,
     BEFORE_RESHARDS,
+    DDP,
     DURING_RESHARDS,
+    FRAMEWORKS,
+    FSDP2,
     INPUT_COPY,
+    MEMSHARD,
     PRODUCER,
     READ_BY_REPLAY,
     REGATHER,
@@ -75,6 +79,8 @@ from memshard.strategies import (
     parameter_inputs,
 )
 
+ADAM_SQRT_BYTES = 4  # one fp32 element per parameter element: torch Adam's sqrt(exp_avg_sq)
+
 # Ops whose backward does not read their weight (a lookup's gradient is a scatter of the
 # output gradient): under ZeRO-3 their weight is gathered for forward only.
 NO_WEIGHT_IN_BACKWARD = frozenset({"embedding", "embedding_add"})
@@ -106,6 +112,13 @@ class LayerUnit:
     backward_span: tuple[int, int] | None
     reduce_point: int
     members: int
+    # FSDP2 only (``fsdp2_units``): where its flat all-gather output is held besides the
+    # gathered weights, in forward and in backward, and its flat reduce-scatter input after
+    # the reduce point.
+    forward_buffer: tuple[int, int] | None = None
+    backward_buffer: tuple[int, int] | None = None
+    scatter_buffer: tuple[int, int] | None = None
+    root: bool = False  # FSDP2's root unit: its members' layouts need not agree
 
 
 def layer_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str, LayerUnit]:
@@ -138,19 +151,67 @@ def layer_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str,
     return units
 
 
+def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str, LayerUnit]:
+    """PyTorch's ``fully_shard`` applied to every layer, then to the root module, with its
+    defaults (torch 2.13, ``_fully_shard/_fsdp_param_group.py``): the layer units of
+    :func:`layer_units` and a root unit of every other weight, with what FSDP2 holds besides.
+
+    - A layer unit is gathered by its module's hooks: from before the layer's first op in
+      forward and before its last op's backward (its pre-backward), not at the first op
+      that reads a weight.
+    - The root is not resharded after forward: its weights are gathered from its first use
+      to the end of backward, its gradients wait unsharded until then (its post-backward
+      runs last).
+    - Forward: a unit's flat all-gather output is kept (``all_gather_state``) until the next
+      unit's copy-out; the last one until the root's post-forward (the end of forward).
+    - Backward: each unit's pre-backward, after its own copy-out, prefetches the previous
+      layer's all-gather (the root's prefetches the last layer's), held until that layer's
+      copy-out.
+    - A unit's flat reduce-scatter input is kept (``reduce_scatter_states``) until the next
+      unit's post-backward; the first layer's until the root's."""
+    layers = layer_units(graph, S, recompute)
+    ordered = sorted({id(u): u for u in layers.values()}.values(), key=lambda u: u.forward_span[0])
+    first_op, last_op = {}, {}
+    for i, op in enumerate(graph.ops):
+        first_op.setdefault(op.layer, i)
+        last_op[op.layer] = i
+    of_layer = [graph.ops[(u.forward_span[0] - 1) // 2].layer for u in ordered]
+    pre_forward = [S.reshard_in(first_op[k]) for k in of_layer]
+    pre_backward = [S.backward(last_op[k]) for k in of_layer]
+    root_names = [n for n in graph.parameters if n not in layers and graph.consumers.get(n)]
+    first_use = min((i for n in root_names for i, _ in graph.consumers[n]), default=0)
+    end, n = S.reshard_out(0), len(graph.ops)
+    root = LayerUnit((S.forward(first_use), end), None, end, len(root_names), root=True,
+                     forward_buffer=(S.forward(first_use), pre_forward[0] if ordered else end))
+    units = dict.fromkeys(root_names, root)
+    for k, unit in enumerate(ordered):
+        later = k + 1 < len(ordered)  # a next unit in forward
+        backward_span = (pre_backward[k], unit.backward_span[1]) if unit.backward_span else None
+        fsdp = replace(
+            unit, forward_span=(pre_forward[k], unit.forward_span[1]), backward_span=backward_span,
+            forward_buffer=(pre_forward[k], pre_forward[k + 1] if later else S.forward(n - 1)),
+            backward_buffer=((pre_backward[k + 1] + 1 if later else S.backward(n - 1), pre_backward[k])
+                             if backward_span else None),
+            scatter_buffer=(unit.reduce_point + 1, (ordered[k - 1] if k else root).reduce_point - 1))
+        units.update((name, fsdp) for name, u in layers.items() if u is unit)
+    return units
+
+
 def _role_key(op: Op, shared: bool) -> str:
     return op.role if shared and op.role is not None else op.name
 
 
 class _Builder:
     def __init__(self, graph: Graph, mesh: Mesh, shared: bool, micro_batches: int, zero3_unit: str = "op",
-                 recompute: str = "none"):
+                 recompute: str = "none", framework: str = MEMSHARD):
         self.graph = graph
         self.mesh = mesh
         self.shared = shared
         self.micro_batches = micro_batches
         self.sched = Schedule(len(graph.ops))
-        self.units = layer_units(graph, self.sched, recompute) if zero3_unit == "layer" else {}
+        self.framework = framework
+        units = fsdp2_units if framework == FSDP2 else layer_units if zero3_unit == "layer" else None
+        self.units = units(graph, self.sched, recompute) if units else {}
         self.replay_flags = replay_flags(graph, recompute)
         self.conflicts: list[Conflict] = []
         self.groups: list[Group] = []
@@ -460,6 +521,12 @@ class _Builder:
         v = self.cached((gid, "storage"), lambda: self.storage_prices(grp))
         self.slot(gid, 0, S.optimizer, "parameters", *v["parameters"], spec.numel * prec.param_bytes)
         self.slot(gid, 0, S.optimizer, "optimizer_states", *v["optimizer_states"], spec.numel * prec.optimizer_bytes)
+        if self.framework != MEMSHARD:
+            # torch.optim.Adam as it runs by default on GPUs (foreach): the step's square roots
+            # of every local exp_avg_sq at once, fp32 (memshard's runtime updates in place).
+            states, red = v["optimizer_states"]
+            self.slot(gid, S.optimizer, S.optimizer, "transients", *(x * ADAM_SQRT_BYTES / prec.optimizer_bytes
+                                                                     for x in (states, red)))
         # With several micro-batches the gradients accumulate across them: live all step.
         # Stored sharded (ZeRO-2/3), the gradient exists once every use's contribution is
         # reduce-scattered, after the first use's backward (the last one to run); until
@@ -520,6 +587,11 @@ class _Builder:
                 # Gathered over several axes, one at a time: the partial results too.
                 self.slot(gid, span[0], span[0], "transients", *v["gathering"])
         self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", *v["scattering"])
+        for buffer in (unit.forward_buffer, unit.backward_buffer):  # FSDP2's flat buffers
+            if buffer is not None:
+                self.slot(gid, *buffer, "transients", *v["gathered"])
+        if unit.scatter_buffer is not None:
+            self.slot(gid, *unit.scatter_buffer, "transients", unsharded * in_unit, red * in_unit)
 
     def link_layer_units(self, storage_group: dict[str, int]) -> None:
         """A layer unit is all or nothing, as FSDP's: every member ZeRO-3 over the same axes
@@ -532,7 +604,7 @@ class _Builder:
         linked = set()
         by_unit: dict[int, list[int]] = {}
         for name, unit in self.units.items():
-            if name in storage_group:
+            if name in storage_group and not unit.root:
                 by_unit.setdefault(id(unit), []).append(storage_group[name])
         for gids in by_unit.values():
             gids = sorted(set(gids))
@@ -633,17 +705,29 @@ class _Builder:
                 self.constants.append(Constant(0, self.sched.optimizer, "activations", spec.nbytes,
                                                spec.nbytes * (1 - 1 / n), spec.nbytes))
 
+    def add_framework_buffers(self) -> None:
+        """DistributedDataParallel's gradient buckets (``gradient_as_bucket_view=False``, its
+        default): every parameter's gradient once more, allocated when DDP wraps the model and
+        kept all step (the ``ddp`` baseline replicates every parameter)."""
+        if self.framework != DDP:
+            return
+        n, grad_bytes = self.mesh.num_devices, self.graph.precision.grad_bytes
+        buckets = sum(self.graph.tensors[p].numel for p in self.graph.parameters) * grad_bytes
+        self.constants.append(Constant(0, self.sched.optimizer, "gradients", buckets, buckets * (1 - 1 / n), buckets))
+
 
 def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_batches: int = 1,
-                  zero3_unit: str = "op", recompute: str = "none") -> Problem:
+                  zero3_unit: str = "op", recompute: str = "none", framework: str = MEMSHARD) -> Problem:
     """``graph`` describes one micro-batch; a step runs ``micro_batches`` of them (gradient
     accumulation) and one optimizer update. ``zero3_unit``: see :class:`LayerUnit`;
     ``recompute``: which ops may be replayed (``recompute.RECOMPUTE_POLICIES``)."""
     if zero3_unit not in ZERO3_UNITS:
         raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, got {zero3_unit!r}")
+    if framework not in FRAMEWORKS:
+        raise MemshardError(f"the framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     if recompute not in RECOMPUTE_POLICIES:
         raise MemshardError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {recompute!r}")
-    b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute)
+    b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute, framework)
     op_group = b.add_ops()
     b.op_slots(op_group)
     edge_of_input = b.add_edges(op_group)
@@ -651,11 +735,12 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         edge.executions = edge.instances * micro_batches
     storage_group = b.add_storage(op_group)
     b.add_inputs()
+    b.add_framework_buffers()
     return Problem(
         graph=graph, mesh=mesh, schedule=b.sched, shared_layers=shared_layers, groups=b.groups,
         links=b.links, edges=b.edges, slots=b.slots, held=b.held, holders=b.holders,
         constants=b.constants, candidate_points=candidate_points(graph, b.sched, shared_layers),
         op_group=op_group, micro_batches=micro_batches, edge_of_input=edge_of_input,
         storage_group=storage_group, reshard_points=b.add_reshard_points(edge_of_input),
-        zero3_unit=zero3_unit, recompute=recompute, conflicts=b.conflicts,
+        zero3_unit=zero3_unit, recompute=recompute, conflicts=b.conflicts, framework=framework,
     )

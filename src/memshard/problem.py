@@ -26,6 +26,8 @@ and a mesh. A plan is a :class:`Selection`: one choice per group, a keep flag pe
   for the layer's forward and again for its backward, and reduces their gradients together
   (FSDP's unit: far fewer collectives, the layer's weights held across it). See
   ``pricing.layer_units``.
+- **framework**: what runs the plan (``FRAMEWORKS``): memshard's runtime, or the PyTorch
+  implementation a baseline is named after, priced as it allocates (``fsdp2``, ``ddp``).
 - **constants**: memory no choice changes (the input batch).
 - **reshard points**: before an op's forward its inputs are resharded one by one, after its
   backward their gradients. A reshard holds its source, its intermediate layouts and the
@@ -59,6 +61,14 @@ from memshard.strategies import Strategy
 # Holder kinds
 PRODUCER = "producer"  # the producer's output until its last forward use (or its backward if saved)
 SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout when kept
+# What runs a plan, and so what it allocates besides the model's own tensors: memshard's
+# runtime; or, for the baselines named after them, PyTorch's fully_shard on every layer and
+# the root module (``pricing.fsdp2_units``: ZeRO-3 gathered by layer, the root all step,
+# prefetch, flat buffers) and DistributedDataParallel (its gradient buckets). Not a search
+# option: memshard's runtime executes "memshard" plans only.
+MEMSHARD, FSDP2, DDP = "memshard", "fsdp2", "ddp"
+FRAMEWORKS = (MEMSHARD, FSDP2, DDP)
+
 INPUT_COPY = "input_copy"  # the consumer's input during its forward
 REGATHER = "regather"  # a kept copy gathered again during the consumer's backward
 # Recomputation (``recompute.py``): the producer's saved output kept through the forward-to-
@@ -293,6 +303,7 @@ class Problem:
     storage_group: dict[str, int]  # parameter name → storage group
     reshard_points: list[ReshardPoint]
     zero3_unit: str = "op"  # one of ZERO3_UNITS
+    framework: str = MEMSHARD  # one of FRAMEWORKS
     recompute: str = "none"  # one of recompute.RECOMPUTE_POLICIES
     conflicts: list[Conflict] = field(default_factory=list)
 

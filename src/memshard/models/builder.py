@@ -7,6 +7,7 @@ the PyTorch kernel keeps for backward (Korthikanti et al. 2022, table 2, for the
 from __future__ import annotations
 
 from memshard.graph import (
+    ACTIVATION_FLOPS_PER_POINT,
     Graph,
     Op,
     Operand,
@@ -150,7 +151,8 @@ class GraphBuilder:
     def activation_fn(self, name: str, kind: str, x: str, dims: tuple[str, ...]) -> str:
         """GeLU / SiLU: saves its input."""
         y = self.activation(f"{name}.out", dims)
-        return self.op(name, kind, [(x, dims)], (y, dims), saves_inputs=(0,), flops_per_point=8.0)
+        return self.op(name, kind, [(x, dims)], (y, dims), saves_inputs=(0,),
+                       flops_per_point=ACTIVATION_FLOPS_PER_POINT[kind])
 
     def softmax(self, name: str, x: str, dims: tuple[str, ...], over: str) -> str:
         """Scaled, masked softmax; saves its output."""

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from memshard.errors import MemshardError
+from memshard.plans import check_runnable
 from memshard.runtime.measure import destroy, init_fake_world
 from memshard.runtime.train import train
 
@@ -43,12 +44,7 @@ def simulate(plan, rank: int = 0, steps: int = 2, seed: int = 0, lr: float = 1e-
     world = mesh_spec.num_devices
     if not 0 <= rank < world:
         raise MemshardError(f"rank {rank} is outside the plan's {world} devices")
-    precision = plan.problem.graph.precision.name
-    if precision != "fp32":  # the executor's tensors are fp32: other plans price other bytes
-        raise MemshardError(
-            f"the runtime runs fp32 models only; this plan is {precision} "
-            "(plan with precision='fp32')"
-        )
+    check_runnable(plan)
     if dist.is_initialized():
         raise MemshardError(
             "a process group is already initialised in this process; "

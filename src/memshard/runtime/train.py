@@ -31,7 +31,7 @@ from memshard.cost.comm import KINDS
 from memshard.cost.memory import CATEGORIES
 from memshard.errors import MemshardError
 from memshard.files import write_text_atomically
-from memshard.plans import load_plan
+from memshard.plans import check_runnable, load_plan
 from memshard.runtime.measure import CommCounter, MemoryMeter
 from memshard.runtime.optim import LeanAdam
 from memshard.runtime.parallel import sharded_model
@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         plan = load_plan(args.plan)
-        if plan.problem.graph.precision.name != "fp32":
-            raise MemshardError("the runtime executes fp32 plans; plan with --precision fp32")
+        check_runnable(plan)
         backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         timeout = float(os.environ.get("MEMSHARD_COLLECTIVE_TIMEOUT_S", "300"))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))

@@ -8,6 +8,7 @@ the model returns its loss. ``transformers`` is optional: ``pip install memshard
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 
@@ -146,8 +147,32 @@ def trace_hf(source: str | dict, batch: int, seq: int | None = None, precision: 
     seq = seq or min(max_positions(cfg) or 2048, 2048)
     model = build_model(cfg, precision, attn_implementation)
     args, kwargs = example_inputs(cfg, batch, seq)
-    graph = trace_module(model, args, kwargs, name=f"hf:{config_label(source)}", precision=PRECISIONS[precision])
+    with eager_masks():
+        graph = trace_module(model, args, kwargs, name=f"hf:{config_label(source)}",
+                             precision=PRECISIONS[precision])
     return replace(graph, seq=seq)
+
+
+@contextlib.contextmanager
+def eager_masks():
+    """Trace the attention path an eager training step takes. Exporting, transformers builds
+    the causal mask as a tensor (an exported program must not hard-code ``is_causal`` for
+    other shapes) and, with a mask, repeats the key/value heads for grouped-query attention;
+    eagerly, a batch of whole sequences (no padding mask, one sequence per row: what memshard
+    plans) has no mask at all: SDPA runs with ``is_causal`` and ``enable_gqa``, saving neither
+    a mask nor repeated keys and values. The traced program is for these shapes only, so it
+    takes the eager path; transformers versions without these hooks trace as exported."""
+    from transformers import masking_utils
+
+    hooks = {"is_torchdynamo_exporting": lambda: False, "find_packed_sequence_indices": lambda position_ids: None}
+    saved = {name: getattr(masking_utils, name) for name in hooks if hasattr(masking_utils, name)}
+    try:
+        for name in saved:
+            setattr(masking_utils, name, hooks[name])
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(masking_utils, name, value)
 
 
 def seeded_model(source: str | dict, precision: str, attn_implementation: str | None, overrides: dict,

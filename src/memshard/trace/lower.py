@@ -211,7 +211,9 @@ class _Lowering:
         # A dim on two axes of one tensor (scores [b, n, s, s] of unfused attention) is two
         # different dims of the op that tracing cannot tell apart: it stays whole.
         doubled = {d for o in (*operands, output) for d, n in Counter(o.dims).items() if n > 1}
-        named = (self._name(x, desc) for x in self.atoms.leaves(desc.unsplittable))
+        named = [self._name(x, desc) for x in self.atoms.leaves(desc.unsplittable)]
+        if desc.causal:
+            named += [self.names[x] for x in self.atoms.leaves(desc.renamed)]
         unsplittable = (tuple(sorted(op_dims)) if desc.whole
                         else tuple(dict.fromkeys([d for d in named if d in op_dims] + sorted(doubled))))
         saved = desc.saved if desc.saved is not None else self._probe(node, inputs)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from memshard.graph import ACTIVATION_FLOPS_PER_POINT
 from memshard.trace.dims import Atoms, DimConflict
 from memshard.trace.probe import Saved
 
@@ -47,6 +48,9 @@ class Desc:
     # over the same sequence as its queries but are a different dim of the op (``t``, not ``s``).
     renamed: tuple[int, ...] = ()
     renamed_inputs: tuple[int, ...] = ()
+    # is_causal masks by local positions: split queries (the renamed atoms' own dims) would be
+    # masked wrongly, so they stay whole too.
+    causal: bool = False
     index: int = 0  # select: which piece
     whole: bool = False  # an op without a rule: every dim stays whole
     item: int | None = None  # one output of a multi-output op without a rule
@@ -169,11 +173,17 @@ def pointwise(s: RuleState, node: Node, packet: str):
                 out[p] = ax
             else:
                 A.unify(out[p], ax)
-    return [ax if ax is not None else A.axis(int(n)) for ax, n in zip(out, out_shape)], Desc(packet)
+    return ([ax if ax is not None else A.axis(int(n)) for ax, n in zip(out, out_shape)],
+            Desc(packet, flops_per_point=ACTIVATION_FLOPS_PER_POINT.get(packet, 1.0)))
 
 
 @rule("dropout")
 def dropout(s: RuleState, node: Node, packet: str):
+    """Keeps a mask, except at p = 0 (or not training): torch returns its input then."""
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    if p == 0 or not train:
+        return list(s.ax(node.args[0])), None
     mask = Saved((), False, ((tuple(_out_shape(node)), DROPOUT_MASK_BYTES),))
     return list(s.ax(node.args[0])), Desc("dropout", flops_per_point=2.0, saved=mask)
 
@@ -282,11 +292,17 @@ def cross_entropy(s: RuleState, node: Node, packet: str):
 def sdpa(s: RuleState, node: Node, packet: str):
     A = s.atoms
     q, k, v = (s.ax(x) for x in node.args[:3])
+    # Grouped-query attention: query head i reads key/value head i // (query heads per
+    # key/value head), so the query heads are (key/value heads × group), in that order.
+    gqa = bool(node.kwargs.get("enable_gqa")) and len(q) > 2 and A.numel(q[-3]) != A.numel(k[-3])
+    kv_heads = _pieces(s, q[-3], A.numel(k[-3]))[0] if gqa else ()
     for x in (k, v):
         for i in range(len(q) - 2):
-            A.unify(q[i], x[i])
+            A.unify(kv_heads if gqa and i == len(q) - 3 else q[i], x[i])
     A.unify(q[-1], k[-1])
     A.unify(k[-2], v[-2])
+    if A.numel(v[-1]) == A.numel(q[-1]):  # one head dim: the iteration space runs over it once
+        A.unify(q[-1], v[-1])
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if isinstance(mask, Node):
         scores = [*q[:-1], k[-2]]
@@ -299,10 +315,10 @@ def sdpa(s: RuleState, node: Node, packet: str):
     lse_shape = tuple(int(n) for n in node.meta["val"].shape[:-1])
     saved = Saved((0, 1, 2), True, ((lse_shape, LSE_BYTES),))
     key = tuple(k[-2])
-    # is_causal masks by local positions: with the queries split it would mask wrongly
-    causal = tuple(q[-2]) if node.kwargs.get("is_causal") or (len(node.args) > 5 and node.args[5]) else ()
-    return out, Desc("sdpa", reduced=key, unsplittable=(*key, *q[-1], *v[-1], *causal), flops_per_point=4.0,
-                     backward_flops_ratio=2.5, saved=saved, renamed=key, renamed_inputs=(1, 2, 3))
+    causal = bool(node.kwargs.get("is_causal") or (len(node.args) > 5 and node.args[5]))
+    return out, Desc("sdpa", reduced=key, unsplittable=(*key, *q[-1], *v[-1]), flops_per_point=4.0,
+                     backward_flops_ratio=2.5, saved=saved, renamed=key, renamed_inputs=(1, 2, 3),
+                     causal=causal)
 
 
 def _pieces(s: RuleState, axis: tuple[int, ...], pieces: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

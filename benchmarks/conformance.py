@@ -1,0 +1,62 @@
+"""memshard's FSDP2 and DDP baselines against PyTorch's own (issue #20).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/conformance.py [--write]
+
+Hugging Face LLaMA and GPT-2 (tiny configs, fp32, dropout off), ``fully_shard`` on every block
+and on the root module, or ``DistributedDataParallel`` (defaults), ``torch.optim.Adam``
+(foreach), one sequence of 32 tokens per rank, one rank of a 4- or 8-rank world under the fake
+process group; a step's peak as ``MemoryMeter`` (MemTracker) measures it
+(``tests/test_conformance.py``) against the ``fsdp2`` and ``ddp`` baselines' predicted peaks,
+and against the idealised plans memshard's runtime executes (``zero3-fsdp`` with
+``--zero3-unit layer``, ``dp``).
+``--write`` puts the table into BENCHMARKS.md between its markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.test_conformance import FAMILIES, MEASURED, SEQ  # noqa: E402
+
+import memshard  # noqa: E402
+from benchmarks_md import provenance, write_section  # noqa: E402
+from memshard.trace.hf import trace_hf  # noqa: E402
+
+IDEALISED = {"fsdp2": ("zero3-fsdp", {"zero3_unit": "layer"}), "ddp": ("dp", {})}
+
+
+def rows() -> list[str]:
+    out = ["| baseline | model | ranks | rank | measured (PyTorch) | predicted | error | idealised | its prediction "
+           "| error |", "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for baseline, measure in sorted(MEASURED.items(), reverse=True):
+        ideal_name, ideal_options = IDEALISED[baseline]
+        for family in sorted(FAMILIES):
+            for world in (4, 8):
+                graph = trace_hf(family, batch=world, seq=SEQ, precision="fp32", **FAMILIES[family])
+                predicted = memshard.strategy_plan(graph, str(world), baseline).peak_bytes
+                ideal = memshard.strategy_plan(graph, str(world), ideal_name, **ideal_options).peak_bytes
+                for rank in (0, world - 1):
+                    measured = measure(family, world, rank)
+                    out.append(f"| {baseline} | {family} | {world} | {rank} | {measured:,} | {predicted:,.0f} | "
+                               f"{predicted / measured - 1:+.2%} | {ideal_name} | {ideal:,.0f} | "
+                               f"{ideal / measured - 1:+.2%} |")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    text = "\n".join([provenance("OMP_NUM_THREADS=1 python benchmarks/conformance.py --write"), "", *rows()])
+    print(text)
+    if args.write:
+        write_section("conformance", "Baselines against PyTorch's own implementations", text)
+
+
+if __name__ == "__main__":
+    main()
