@@ -38,8 +38,13 @@ COMMANDS = {
     "memshard run --model tiny-gpt --mesh 2x2 --steps 3": (pytest.mark.runtime,),
     "memshard plan --model gpt3-13b --mesh 1x8 --batch 16 --seq 2048 --objective time --memory-budget 80GiB "
     "--recompute auto": (),
+    "memshard fit --model llama3-8b --mesh 8x8 --seq 8192 --max batch --no-baselines": (),
 }
 NOT_RUN = {
+    "memshard fit --model llama3-8b --mesh 8x8 --seq 8192 --max batch --plot fit.png --json fit.json":
+        "40 s of baselines; tests/test_fit.py checks every baseline's answer against a full scan",
+    "memshard fit --model llama3-8b --mesh 8x8 --seq 8192 --max batch":
+        "the same as with --plot and --json",
     "memshard pareto --model gpt3-2.7b --mesh 2x4 --batch 16 --seq 2048 --out pareto.png":
         "minutes of solving; tests/test_pareto.py sweeps smaller jobs and checks the PNG",
     "memshard simulate --model gpt3-6.7b --mesh 8x8 --batch 64 --seq 2048":
@@ -186,3 +191,16 @@ def test_the_traced_llama_block_runs(capsys):
     """LLaMA-3 8B's shapes traced on the meta device and planned on 8x8 (seconds)."""
     exec(compile(PYTHON[2], "README python block 2", "exec"), {})
     assert "Dims (names the trace gave" in capsys.readouterr().out
+
+
+def test_the_fit_figures_in_the_text():
+    from memshard.fitting import fit_job
+
+    text = " ".join(README.split())
+    found = re.search(r"memshard fits a batch of (\S+) sequences in (\S+ \S+); batch (\S+) needs (\S+ \S+) at least; "
+                      r"found in (\d+) probes", text)
+    assert found, "the fit sentence changed: update this test"
+    answer = fit_job(memshard.Job("llama3-8b", "8x8", seq=8192), "batch", baselines=False).answers[0]
+    assert list(found.groups()) == [f"{answer.value:,}", format_bytes(answer.plan.peak_bytes),
+                                    f"{answer.next_probe.value:,}", format_bytes(answer.next_probe.bound_bytes),
+                                    str(len(answer.probes))]

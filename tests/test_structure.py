@@ -26,7 +26,7 @@ LAYERS = [
     ("memshard.ilp", "memshard.coarsen", "memshard.baselines", "memshard.advice"),
     ("memshard.plans",),
     ("memshard.planner", "memshard.report", "memshard.runtime"),
-    ("memshard.api", "memshard.pareto"),
+    ("memshard.api", "memshard.pareto", "memshard.fitting"),
     ("memshard.cli",),
     ("memshard",),  # the package's lazy entry points
 ]

@@ -11,6 +11,7 @@ from dataclasses import fields, replace
 
 from memshard.baselines import baselines
 from memshard.errors import MemshardError
+from memshard.fitting import FitResult, fit_job
 from memshard.graph import Graph
 from memshard.job import HFModel, Job, TracedModule, is_module
 from memshard.mesh import Mesh
@@ -157,6 +158,17 @@ def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: 
         raise MemshardError(f"strategy {strategy} does not fit {job.graph.name} on {job.mesh}: {reason}")
     known = ", ".join(["memshard", *(b.name for b in fixed)])
     raise MemshardError(f"unknown strategy {strategy!r} for this mesh; known: {known}")
+
+
+def fit(model: Model | Job, mesh: str | Mesh = "2x4", *, knob: str = "batch", step: int | None = None,
+        baselines: bool = True, **arguments) -> FitResult:
+    """The largest value of ``knob`` (``"batch"``, ``"seq"``, ``"layers"``, ``"hidden"``) whose
+    peak fits the mesh's device memory, for memshard and (``baselines``) every baseline, each
+    with its plan and the proof about the next value (``fitting.py``). ``model`` and the keyword
+    ``arguments`` are what :func:`plan` takes (the job at its own value is where the search
+    starts); ``max_step_time_s`` bounds every strategy's step; the objective is least memory."""
+    job, options = job_and_options(model, mesh, arguments)
+    return fit_job(job, knob, options, step=step, baselines=baselines)
 
 
 def runtime_plan(job: Job, strategy: str = "memshard", options: SearchOptions | None = None) -> Plan:

@@ -23,6 +23,7 @@ KNOB_FLAGS = {"num_layers": "--layers", "hidden": "--hidden", "heads": "--heads"
               "ffn": "--ffn", "vocab": "--vocab", "dropout": "--dropout"}
 # Options that describe the job: a saved plan (--plan) replaces them all.
 PLOT_FORMATS = ("png", "pdf", "svg")
+FIT_KNOBS = ("batch", "seq", "layers", "hidden")  # ``fit.KNOBS`` (a test checks they agree)
 SEARCH_DESTS = ("objective", "max_step_time", "memory_budget", "zero3_unit", "recompute", "exact", "full_mesh",
                 "time_limit", "gap")
 JOB_DESTS = ("model", "hf_config", "hf_model", "attn_implementation", "mesh", "batch", "seq", "micro_batches",
@@ -218,14 +219,14 @@ def _check_json_path(path: str | None) -> None:
         check_output_path(path, "--json")
 
 
-def _check_plot_path(path: str) -> None:
-    """A ``--out`` path matplotlib can write, by its extension, before any work."""
+def _check_plot_path(path: str, flag: str = "--out") -> None:
+    """A plot path matplotlib can write, by its extension, before any work."""
     from memshard.files import check_output_path
 
-    check_output_path(path, "--out")
+    check_output_path(path, flag)
     extension = os.path.splitext(path)[1].lower().lstrip(".")
     if extension not in PLOT_FORMATS:
-        raise MemshardError(f"--out {path}: give a {', '.join('.' + f for f in PLOT_FORMATS)} file")
+        raise MemshardError(f"{flag} {path}: give a {', '.join('.' + f for f in PLOT_FORMATS)} file")
 
 
 def _write_json(path: str, data) -> None:
@@ -283,6 +284,26 @@ def _cmd_pareto(args, console) -> None:
          args.out)
     console.print(frontier_table(points))
     console.print(f"plot written to {args.out}")
+
+
+def _cmd_fit(args, console) -> None:
+    from memshard.fitting import draw_fit, fit_job
+    from memshard.report import render_fit
+
+    _check_json_path(args.json)
+    if args.plot is not None:
+        _check_plot_path(args.plot, "--plot")
+    job, options = job_of(args), options_of(args)
+    with console.status(f"fitting the {args.knob}…"):
+        result = fit_job(job, args.knob, options, step=args.step, baselines=not args.no_baselines)
+    if args.json is not None:
+        _write_json(args.json, result.to_dict())
+    if args.plot is not None:
+        draw_fit(result, f"{args.model or args.hf_config or args.hf_model} on {args.mesh}", args.plot)
+    render_fit(result, console)
+    for path, what in ((args.json, "fit"), (args.plot, "plot")):
+        if path is not None:
+            console.print(f"{what} written to {path}")
 
 
 def _runtime_plan(args):
@@ -384,6 +405,21 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--points", type=_positive_int, default=8, help="frontier points (at least 2)")
     f.add_argument("--out", default="pareto.png", help="PNG path (default pareto.png)")
 
+    t = sub.add_parser("fit", help="the largest batch, sequence, layer count or hidden size that fits the device "
+                                   "memory, for memshard and every baseline")
+    add_job_arguments(t, required=True)
+    add_search_arguments(t, objective=False)
+    t.add_argument("--max", required=True, choices=FIT_KNOBS, dest="knob",
+                   help="the knob to push: the global batch, the sequence length, the layers or the hidden size "
+                        "(keeping the head size: heads, kv-heads and MLP width scale with it)")
+    t.add_argument("--step", type=_positive_int,
+                   help="search multiples of this (default: 1; the micro-batches for the batch; a whole group of "
+                        "heads for the hidden size)")
+    t.add_argument("--max-step-time", type=_seconds, help="every strategy's step within this, e.g. 2.5s")
+    t.add_argument("--no-baselines", action="store_true", help="memshard only (the baselines take most of the time)")
+    t.add_argument("--json", metavar="PATH", help="write every strategy's answer and probes, and memshard's plan")
+    t.add_argument("--plot", metavar="PATH", help="draw the knob against the peak of every strategy (.png/.pdf/.svg)")
+
     for name, help_text in (("run", "plan (or load a plan), launch the ranks on this machine, train, and compare "
                                     "measured memory and communication with the prediction"),
                             ("simulate", "measure one rank of a large job in one process "
@@ -406,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"plan": _cmd_plan, "compare": _cmd_compare, "pareto": _cmd_pareto, "run": _cmd_run,
+COMMANDS = {"plan": _cmd_plan, "compare": _cmd_compare, "pareto": _cmd_pareto, "fit": _cmd_fit, "run": _cmd_run,
             "simulate": _cmd_simulate, "models": _cmd_models}
 
 

@@ -274,3 +274,31 @@ def render_comparison(result: dict, console: Console) -> None:
     console.print(t)
     for s in result["skipped"]:
         console.print(f"skipped {s['strategy']}: {s['reason']}")
+
+
+def render_fit(result, console: Console) -> None:
+    """``memshard fit``: each strategy's largest value of the knob and the proof about the
+    next one, then memshard's plan at its largest value."""
+    knob, memory = result.knob, format_bytes(result.device_memory_bytes)
+    budget = f" and a step within {format_seconds(result.max_step_time_s)}" if result.max_step_time_s else ""
+    console.print(f"the largest {knob} (in steps of {result.step:,}) that fits in {memory} per device{budget}, "
+                  f"found in {format_seconds(result.time_s)}")
+    t = Table(title_justify="left")
+    for col in ("strategy", f"largest {knob}", "peak", "step time", f"next {knob}", "needs at least", "probes"):
+        t.add_column(col, justify="left" if col == "strategy" else "right")
+    for a in result.answers:
+        nxt = a.next_probe
+        proof = "" if nxt is None else " ".join(
+            [format_bytes(nxt.bound_bytes)] * (nxt.bound_bytes < float("inf")) + [f"({nxt.note})"] * bool(nxt.note))
+        t.add_row(a.strategy, "none" if a.value is None else f"{a.value:,}",
+                  format_bytes(a.plan.peak_bytes) if a.plan else "-",
+                  format_seconds(a.plan.step_time_s) if a.plan else "-",
+                  "-" if nxt is None else f"{nxt.value:,}", proof, str(len(a.probes)))
+    console.print(t)
+    at_limit = [a.strategy for a in result.answers if a.value == result.limit]
+    if at_limit:
+        console.print(f"{', '.join(at_limit)}: {knob} {result.limit:,} is the most the model takes")
+    best = result.answers[0]
+    if best.plan is not None:
+        console.print(f"memshard's plan at {knob} {best.value:,}:")
+        render_plan(best.plan, console, top=3, show_strategy=False)

@@ -1,0 +1,78 @@
+"""How far a job can go within 80 GiB per device: ``memshard fit`` (issue #21).
+
+    .venv/bin/python benchmarks/fit.py [--write]
+
+For GPT-3 and LLaMA-3 jobs on 8–64 devices (mixed precision, no recomputation): the largest
+global batch (or the longest sequence) whose least-memory plan fits an 80 GiB device, for
+memshard, for the best Megatron-LM configuration (every TP degree × DP × sequence parallelism
+× distributed optimizer, priced by the same model) and for FSDP2 (``fully_shard`` as it runs,
+``fsdp2``); the ratio memshard / Megatron; and the search's own time (memshard alone, and with
+every baseline). ``--write`` puts the table into BENCHMARKS.md between its markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks_md import provenance, write_section  # noqa: E402
+from memshard.fitting import fit_job  # noqa: E402
+from memshard.job import Job  # noqa: E402
+from memshard.units import format_bytes  # noqa: E402
+
+JOBS = (  # (model, mesh, batch, seq, knob)
+    ("gpt3-1.3b", "1x8", 8, 2048, "batch"),
+    ("gpt3-13b", "2x8", 16, 2048, "batch"),
+    ("llama3-8b", "8x8", 64, 8192, "batch"),
+    ("llama3-8b", "8x8", 64, 8192, "seq"),
+    ("llama3-70b", "8x8", 64, 4096, "batch"),
+)
+
+
+def row(model: str, mesh: str, batch: int, seq: int, knob: str) -> str:
+    job = Job(model, mesh, batch=batch, seq=seq)
+    started = time.perf_counter()
+    fit_job(job, knob, baselines=False)
+    alone_s = time.perf_counter() - started
+    result = fit_job(job, knob)
+    ours = result.answers[0]
+    by_name = {a.strategy: a for a in result.answers[1:]}
+    megatron = max((a for a in result.answers[1:] if a.strategy.startswith("megatron")),
+                   key=lambda a: (a.value or 0, -(a.plan.step_time_s if a.plan else 0)))
+    fsdp2 = by_name.get("fsdp2")
+
+    def cell(a):
+        return "none" if a is None or a.value is None else f"{a.value:,} ({format_bytes(a.plan.peak_bytes)})"
+
+    ratio = f"{ours.value / megatron.value:.2f}" if megatron.value else "∞"
+    nxt = ours.next_probe
+    proof = f"{nxt.value:,}: ≥ {format_bytes(nxt.bound_bytes)}" if nxt is not None else "model's limit"
+    fixed = f"batch {batch}" if knob == "seq" else f"seq {seq}"
+    return (f"| {model} {fixed} | {mesh} | {knob} | {cell(ours)} | {proof} | {megatron.strategy}: {cell(megatron)} | "
+            f"{cell(fsdp2)} | **{ratio}** | {alone_s:.1f} s ({len(ours.probes)} probes) | {result.time_s:.0f} s |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    lines = [provenance("python benchmarks/fit.py --write"), "",
+             "| job | mesh | knob | memshard: largest (its peak) | next value needs | best Megatron-LM configuration "
+             "| FSDP2 | memshard / Megatron | memshard's search | with every baseline |",
+             "|---|---|---|---|---|---|---|---:|---:|---:|"]
+    for job in JOBS:
+        lines.append(row(*job))
+        print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        write_section("fit", "How far a job can go within 80 GiB: memshard fit", text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""Inverse queries: how far one knob of a job can go within a device's memory (``memshard fit``).
+
+The knob is the global batch, the sequence length, the number of layers or the hidden size
+(which keeps the model's head size: the heads, key/value heads and MLP width scale with it).
+A value *fits* a strategy when the strategy's peak at that value is within the device memory
+(and, with a step-time budget, its step within the budget): for memshard the least peak any
+plan has (a full least-memory search, under the step-time budget if one is given), for a
+baseline its own plan's peak. The answer for each strategy is the largest value that fits, its
+plan, and the least peak of the next value (``step`` more): the proof it does not fit, by the
+solver's bound for memshard.
+
+Search, per strategy: the peak of the best plan grows nearly affinely with each knob (tokens
+and layers hold activations; a layer's states grow with it), so after the job's own value the
+next probe is where the line through the last two probes (one probe: through the model states,
+which the knob does not change, for batch and sequence) meets the memory; once a value fits
+and one does not, false position between them, halving instead where a side repeats, down to
+adjacent values. A value whose plan-independent lower bound (``bounds.peak_lower_bound``)
+exceeds the memory is rejected without a search. Values are multiples of ``step``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from memshard.bounds import peak_lower_bound
+from memshard.errors import MemshardError
+from memshard.ilp.highs import Infeasible
+from memshard.job import HFModel, Job
+from memshard.models import ModelConfig
+from memshard.models.config import MAX_LAYERS
+from memshard.planner import SearchOptions, baseline_plans, plan_job, searched_problem
+from memshard.plans import Plan
+from memshard.pricing import build_problem
+from memshard.units import format_bytes
+
+KNOBS = ("batch", "seq", "layers", "hidden")
+MAX_VALUE = 1 << 24  # no knob is searched past this (16M sequences, tokens, layers or hidden)
+GROWTH = 64  # one extrapolated probe goes at most this many times further
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One value of the knob for one strategy: its peak (memshard: the least any plan has),
+    the proved lower bound on that (the peak itself for a fixed plan), whether it fits."""
+
+    value: int
+    peak_bytes: float
+    bound_bytes: float
+    fits: bool
+    step_time_s: float | None = None
+    note: str = ""  # why it does not fit where that is not its peak
+
+
+@dataclass
+class Answer:
+    """A strategy's largest fitting value, its plan, and the next value's probe (the proof)."""
+
+    strategy: str
+    value: int | None = None
+    plan: Plan | None = None
+    next_probe: Probe | None = None
+    probes: list[Probe] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FitResult:
+    knob: str
+    step: int
+    device_memory_bytes: float
+    max_step_time_s: float | None
+    answers: tuple[Answer, ...]  # memshard first, then the baselines by largest value
+    time_s: float
+    limit: int = MAX_VALUE  # the largest value the model takes (``knob_limit``)
+
+    def to_dict(self) -> dict:
+        def probe(p: Probe | None):
+            return None if p is None else {"value": p.value, "peak_bytes": p.peak_bytes, "bound_bytes": p.bound_bytes,
+                                           "fits": p.fits, "step_time_s": p.step_time_s, "note": p.note}
+
+        return {"schema": "memshard.fit/1", "knob": self.knob, "step": self.step, "limit": self.limit,
+                "device_memory_bytes": self.device_memory_bytes, "max_step_time_s": self.max_step_time_s,
+                "time_s": self.time_s,
+                "answers": [{"strategy": a.strategy, "value": a.value,
+                             "peak_bytes": a.plan.peak_bytes if a.plan else None,
+                             "step_time_s": a.plan.step_time_s if a.plan else None,
+                             "next": probe(a.next_probe), "probes": [probe(p) for p in a.probes],
+                             "plan": a.plan.to_dict() if a.plan is not None and a.strategy == "memshard" else None}
+                            for a in self.answers]}
+
+
+# -- the knob -------------------------------------------------------------------------------------
+def knob_value(job: Job, knob: str) -> int:
+    """The job's own value of ``knob``."""
+    if knob == "batch":
+        return job.global_batch
+    if knob == "seq":
+        return job.seq_length
+    cfg = job.config
+    return cfg.num_layers if knob == "layers" else cfg.hidden
+
+
+def default_step(job: Job, knob: str) -> int:
+    """The granularity of ``knob``: whole micro-batches of the batch; for the hidden size a
+    whole number of heads per key/value head; else 1."""
+    if knob == "batch":
+        return job.micro_batches
+    if knob == "hidden":
+        cfg = job.config
+        return cfg.hidden // cfg.heads * (cfg.heads // math.gcd(cfg.heads, cfg.num_kv_heads))
+    return 1
+
+
+def knob_limit(job: Job, knob: str) -> int:
+    """The largest value the model takes: learned positions bound the sequence, memshard's
+    guard the layers."""
+    if knob == "layers":
+        return MAX_LAYERS
+    if knob != "seq":
+        return MAX_VALUE
+    if isinstance(job.model, HFModel):
+        from memshard.trace.hf import load_config, max_positions
+
+        limit = max_positions(load_config(job.model.source, **job.hf_overrides()))
+    else:
+        cfg = job.config
+        limit = None if cfg.family == "llama" else cfg.max_positions
+    return min(limit or MAX_VALUE, MAX_VALUE)
+
+
+def job_at(job: Job, knob: str, value: int) -> Job:
+    """``job`` with ``knob`` at ``value``."""
+    if knob == "batch":
+        return replace(job, batch=value)
+    if knob == "seq":
+        return replace(job, seq=value)
+    cfg = job.config
+    if knob == "layers":
+        return replace(job, overrides={**job.overrides, "num_layers": value})
+    head_dim, per_kv = cfg.hidden // cfg.heads, cfg.heads // cfg.num_kv_heads
+    heads = value // head_dim
+    return replace(job, overrides={**job.overrides, "hidden": value, "heads": heads, "kv_heads": heads // per_kv,
+                                   "ffn": max(1, round(cfg.ffn * value / cfg.hidden))})
+
+
+def _check(job: Job, knob: str, step: int | None) -> int:
+    if knob not in KNOBS:
+        raise MemshardError(f"fit varies one of {', '.join(KNOBS)}, got {knob!r}")
+    if not isinstance(job.model, (str, ModelConfig, HFModel)):
+        raise MemshardError("fit rebuilds the job at every value: give a preset, a ModelConfig or a Hugging Face "
+                            "model, not a graph or a module")
+    if knob in ("layers", "hidden") and isinstance(job.model, HFModel):
+        raise MemshardError(f"--max {knob} needs a built-in model (--model): a traced model's size is its own")
+    natural = default_step(job, knob)
+    if step is None:
+        return natural
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1 or step % natural:
+        raise MemshardError(f"the step of {knob} must be a positive multiple of {natural}, got {step!r}")
+    return step
+
+
+# -- one strategy's search ---------------------------------------------------------------------------
+class KnobSearch:
+    """The largest multiple of ``step`` whose ``probe`` fits (see the module docstring);
+    ``fixed_bytes``: what the probes' peaks hold whatever the knob (for the first
+    extrapolation), ``memory``: the device memory the peaks are held against."""
+
+    def __init__(self, strategy: str, probe: Callable[[int], tuple[Probe, Plan | None]], memory: float, step: int,
+                 fixed_bytes: Callable[[Plan], float] | None, limit: int = MAX_VALUE):
+        self.answer = Answer(strategy)
+        self.probe, self.memory, self.step, self.fixed_bytes = probe, memory, step, fixed_bytes
+        self.limit = _round(limit, step)
+        self.seen: dict[int, Probe] = {}
+        self.plans: dict[int, Plan | None] = {}
+        self.sides: list[bool] = []
+
+    def run(self, start: int) -> Answer:
+        lo = hi = None  # the largest fitting and the smallest failing value so far
+        value = min(_round(start, self.step), self.limit)
+        while True:
+            p = self.look(value)
+            self.sides.append(p.fits)
+            lo, hi = (value, hi) if p.fits else (lo, value)
+            if lo is not None and hi is not None and hi - lo <= self.step:
+                break
+            if (lo is None and value == self.step) or (hi is None and value >= self.limit):
+                break
+            value = self.next_value(lo, hi)
+        a = self.answer
+        a.value, a.plan = lo, self.plans.get(lo)
+        if lo is not None:
+            a.next_probe = self.seen.get(lo + self.step)
+        else:  # nothing fits: the least any value seen needs
+            a.next_probe = min(self.seen.values(), key=lambda p: (not math.isfinite(p.bound_bytes), p.bound_bytes))
+        return a
+
+    def look(self, value: int) -> Probe:
+        if value not in self.seen:
+            self.seen[value], self.plans[value] = self.probe(value)
+            self.answer.probes.append(self.seen[value])
+        return self.seen[value]
+
+    def next_value(self, lo: int | None, hi: int | None) -> int:
+        """False position between the two sides, halving where a side came up twice in a
+        row; before both sides are known, the line through the last two probes (or through
+        the first one and its fixed bytes), at most GROWTH times further."""
+        step = self.step
+        if lo is not None and hi is not None:
+            guess = None if self.sides[-1] == self.sides[-2] else self.crossing(self.seen[lo], self.seen[hi])
+            return min(max(_round(guess if guess is not None else (lo + hi) / 2, step), lo + step), hi - step)
+        known = sorted(self.seen.values(), key=lambda p: p.value)
+        if len(known) >= 2:
+            guess = self.crossing(known[-2], known[-1]) if lo is not None else self.crossing(known[0], known[1])
+        else:
+            plan = self.plans.get(known[0].value)
+            fixed = self.fixed_bytes(plan) if self.fixed_bytes and plan is not None else 0.0
+            guess = self.crossing(Probe(0, fixed, fixed, True), known[0])
+        if lo is not None:  # everything so far fits: upwards
+            last = known[-1].value
+            guess = guess if guess is not None and guess > last else 2 * last
+            return min(max(_round(guess, step), last + step), GROWTH * last, self.limit)
+        first = known[0].value  # nothing fits yet: downwards
+        guess = guess if guess is not None and 0 < guess < first else first / 2
+        return min(max(_round(guess, step), step, first // GROWTH), first - step)
+
+    def crossing(self, a: Probe, b: Probe) -> float | None:
+        """Where the line through two probes' peaks reaches the memory."""
+        if not (math.isfinite(a.peak_bytes) and math.isfinite(b.peak_bytes)) or b.peak_bytes == a.peak_bytes:
+            return None
+        return a.value + (self.memory - a.peak_bytes) * (b.value - a.value) / (b.peak_bytes - a.peak_bytes)
+
+
+def _round(value: float, step: int) -> int:
+    return int(min(max(step, value // step * step), MAX_VALUE))
+
+
+# -- probes ------------------------------------------------------------------------------------------
+def _model_states(plan: Plan) -> float:
+    b = plan.memory.breakdown
+    return b["parameters"] + b["gradients"] + b["optimizer_states"]
+
+
+class Prober:
+    """The probes of one job's knob: memshard's least-memory search and every baseline's plan
+    at a value, each job built once."""
+
+    def __init__(self, job: Job, knob: str, options: SearchOptions, memory: float):
+        self.job, self.knob, self.options, self.memory = job, knob, options, memory
+        self.jobs: dict[int, tuple[Job, object]] = {}  # value → (job, its problem on the real mesh)
+        self.baselines: dict[tuple[int, str], Plan | None] = {}
+
+    def memshard(self, value: int) -> tuple[Probe, Plan | None]:
+        job = job_at(self.job, self.knob, value)
+        problem = searched_problem(job, self.options)
+        bound = peak_lower_bound(problem)
+        if bound > self.memory:
+            return Probe(value, bound, bound, False, note="its lower bound is over the memory: not searched"), None
+        try:
+            plan = plan_job(job, self.options, problem=problem)
+        except Infeasible:
+            return Probe(value, math.inf, bound, False, note="no plan within the step-time budget"), None
+        except MemshardError as e:
+            if "step" not in str(e):
+                raise
+            return Probe(value, math.inf, bound, False, note=str(e)), None
+        proved = max(bound, plan.peak_bytes * (1 - plan.solver.gap))
+        return Probe(value, plan.peak_bytes, proved, plan.peak_bytes <= self.memory, plan.step_time_s), plan
+
+    def baseline_plans(self, value: int, names: set[str] | None = None) -> dict[str, Plan]:
+        """The baselines' plans of the job at ``value`` (``names``: only these), priced on
+        the real mesh."""
+        if value not in self.jobs:
+            job, o = job_at(self.job, self.knob, value), self.options
+            self.jobs[value] = job, build_problem(job.graph, job.mesh, shared_layers=not o.exact,
+                                                  micro_batches=job.micro_batches, zero3_unit=o.zero3_unit,
+                                                  recompute=o.recompute)
+        job, problem = self.jobs[value]
+        if names is None or any((value, n) not in self.baselines for n in names):
+            plans = baseline_plans(job, problem, None if names is None else names.__contains__)[0]
+            self.baselines.update(((value, p.strategy), p) for p in plans)
+            self.baselines.update(((value, n), self.baselines.get((value, n))) for n in names or ())
+        return {n: p for (v, n), p in self.baselines.items() if v == value and p is not None
+                and (names is None or n in names)}
+
+    def baseline(self, name: str, value: int) -> tuple[Probe, Plan | None]:
+        plan = self.baseline_plans(value, {name}).get(name)
+        if plan is None:
+            return Probe(value, math.inf, math.inf, False, note=f"{name} does not lay out this job"), None
+        budget = self.options.max_step_time_s
+        slow = budget is not None and plan.step_time_s > budget
+        return (Probe(value, plan.peak_bytes, plan.peak_bytes, plan.peak_bytes <= self.memory and not slow,
+                      plan.step_time_s, note="over the step-time budget" if slow else ""), plan)
+
+
+def fit_job(job: Job, knob: str = "batch", options: SearchOptions | None = None, step: int | None = None,
+            baselines: bool = True) -> FitResult:
+    """The largest value of ``knob`` (``KNOBS``) that fits ``job``'s device memory, for
+    memshard and (``baselines``) every baseline; ``options``: memshard's search (its
+    ``max_step_time_s`` bounds every strategy's step time; the objective is least memory)."""
+    started = time.perf_counter()
+    step = _check(job, knob, step)
+    options = options or SearchOptions()
+    if options.objective != "memory":
+        raise MemshardError("fit searches the least memory at each value; bound the step time with --max-step-time")
+    memory = job.mesh.device_memory_bytes
+    prober = Prober(job, knob, options, memory)
+    fixed = _model_states if knob in ("batch", "seq") else None
+    start, limit = knob_value(job, knob), knob_limit(job, knob)
+    answers = [KnobSearch("memshard", prober.memshard, memory, step, fixed, limit).run(start)]
+    if answers[0].value is None:
+        p = answers[0].next_probe
+        raise MemshardError(f"no {knob} fits in {format_bytes(memory)} per device: {knob} {p.value:,} needs "
+                            f"{format_bytes(p.bound_bytes)} at least" + (f" ({p.note})" if p.note else ""))
+    if baselines:
+        found = [KnobSearch(name, lambda v, n=name: prober.baseline(n, v), memory, step, fixed, limit).run(start)
+                 for name in prober.baseline_plans(min(_round(start, step), _round(limit, step)))]
+        answers += sorted(found, key=lambda a: (-(a.value or 0), a.strategy))
+    return FitResult(knob, step, memory, options.max_step_time_s, tuple(answers), time.perf_counter() - started,
+                     limit)
+
+
+def describe(answer: Answer, knob: str) -> str:
+    """One line: the largest value and the proof about the next one."""
+    if answer.value is None:
+        return f"{answer.strategy}: no {knob} fits"
+    p = answer.next_probe
+    after = "" if p is None else f"; {knob} {p.value:,} needs {format_bytes(p.bound_bytes)} at least"
+    return f"{answer.strategy}: {knob} {answer.value:,}{after}"
+
+
+def draw_fit(result: FitResult, title: str, path: str) -> None:
+    """The knob against the peak of every probe of every strategy (a line each, memshard's
+    bold), the device memory dashed, each strategy's largest fitting value marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5.5), dpi=120, layout="constrained")
+    gib = 2.0**30
+    for a in result.answers:
+        probes = sorted((p for p in a.probes if math.isfinite(p.peak_bytes)), key=lambda p: p.value)
+        if not probes:
+            continue
+        first = a.strategy == "memshard"
+        (line,) = ax.plot([p.value for p in probes], [p.peak_bytes / gib for p in probes], marker=".",
+                          linewidth=2.5 if first else 1, zorder=3 if first else 2,
+                          label=f"{a.strategy}: {'none' if a.value is None else f'{a.value:,}'}")
+        if a.plan is not None:
+            ax.plot([a.value], [a.plan.peak_bytes / gib], marker="*", markersize=12, color=line.get_color(), zorder=4)
+    ax.axhline(result.device_memory_bytes / gib, linestyle="--", color="gray",
+               label=f"device memory {format_bytes(result.device_memory_bytes)}")
+    ax.set_xlabel(result.knob)
+    ax.set_ylabel("peak memory per device (GiB)")
+    ax.set_title(f"{title}: the largest {result.knob} that fits (*)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.savefig(path)
+    plt.close(fig)

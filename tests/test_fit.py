@@ -1,0 +1,127 @@
+"""``memshard fit``: the largest value of a knob that fits, against every value searched one by
+one, and its proof about the next value."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+import memshard
+from memshard.errors import MemshardError
+from memshard.fitting import KNOBS, fit_job, job_at
+from memshard.job import Job
+from memshard.planner import SearchOptions, plan_job
+from tests.test_cli import run
+
+MIB = 2**20
+
+
+def tiny_job(memory_mib: float, **kwargs) -> Job:
+    mesh = memshard.parse_mesh("4", device_memory_bytes=int(memory_mib * MIB))
+    return Job("tiny-gpt", mesh, precision="fp32", **kwargs)
+
+
+def least_peaks(job: Job, knob: str, values) -> dict[int, float]:
+    return {v: plan_job(job_at(job, knob, v), SearchOptions()).peak_bytes for v in values}
+
+
+def test_the_largest_batch_is_the_last_one_a_full_scan_fits():
+    job = tiny_job(4.0, batch=4)
+    result = fit_job(job, "batch", baselines=False)
+    memshard_answer = result.answers[0]
+    peaks = least_peaks(job, "batch", range(1, memshard_answer.value + 3))
+    fitting = [b for b, peak in peaks.items() if peak <= 4 * MIB]
+    assert memshard_answer.value == max(fitting) and fitting == list(range(1, max(fitting) + 1))
+    assert memshard_answer.plan.peak_bytes == pytest.approx(peaks[memshard_answer.value])
+    after = memshard_answer.next_probe  # the proof: the next batch needs more than the device has
+    assert after.value == memshard_answer.value + 1 and not after.fits
+    assert 4 * MIB < after.bound_bytes <= peaks[after.value]
+    assert len(memshard_answer.probes) <= 6  # far fewer than the values below the answer
+
+
+def test_every_baselines_answer_is_its_own_scans():
+    job = tiny_job(6.0, batch=4)
+    result = fit_job(job, "batch")
+    plans = {}
+    for b in range(1, max(a.value or 0 for a in result.answers) + 2):
+        for p in memshard.planner.baseline_plans(job_at(job, "batch", b), memshard.pricing.build_problem(
+                job_at(job, "batch", b).graph, job.mesh))[0]:
+            plans.setdefault(p.strategy, {})[b] = p.peak_bytes
+    for answer in result.answers[1:]:
+        fitting = [b for b, peak in plans.get(answer.strategy, {}).items() if peak <= 6 * MIB]
+        if answer.value is None:
+            assert not fitting, answer.strategy
+            continue
+        assert answer.value in fitting and answer.value + 1 not in fitting, answer.strategy
+    assert result.answers[0].value >= max(a.value or 0 for a in result.answers[1:])  # memshard never worse
+
+
+@pytest.mark.parametrize("knob", ["seq", "layers", "hidden"])
+def test_other_knobs_find_their_boundary(knob):
+    job = tiny_job(8.0, batch=4) if knob != "seq" else replace(tiny_job(8.0, batch=4), model="tiny-llama")
+    answer = fit_job(job, knob, baselines=False).answers[0]
+    step = 1 if knob != "hidden" else 32
+    assert answer.value % step == 0
+    fits, after = least_peaks(job, knob, [answer.value, answer.value + step]).values()
+    assert fits <= 8 * MIB < after
+    if knob == "hidden":  # the head size stays 32: heads scale, and the MLP keeps its ratio
+        cfg = job_at(job, knob, answer.value).config
+        assert cfg.hidden // cfg.heads == 32 and cfg.ffn == 4 * cfg.hidden
+
+
+def test_learned_positions_bound_the_sequence():
+    result = fit_job(tiny_job(64.0, batch=4), "seq", baselines=False)
+    assert result.limit == 128 and result.answers[0].value == 128 and result.answers[0].next_probe is None
+
+
+def test_a_step_time_budget_bounds_every_answer():
+    job = tiny_job(5.0, batch=4)
+    free = fit_job(job, "batch", baselines=False).answers[0]
+    budget = free.plan.step_time_s * 0.6
+    bound = fit_job(job, "batch", SearchOptions(max_step_time_s=budget, mip_gap=0.01))
+    for answer in bound.answers:
+        if answer.plan is not None:
+            assert answer.plan.step_time_s <= budget, answer.strategy
+    assert bound.answers[0].value < free.value
+
+
+def test_fit_is_deterministic():
+    job = tiny_job(5.0, batch=4)
+    a, b = (fit_job(job, "layers").to_dict() for _ in range(2))
+    for d in (a, b):
+        d.pop("time_s")
+        for answer in d["answers"]:
+            if answer["plan"]:
+                answer["plan"]["solver"].pop("time_s")
+    assert a == b
+
+
+def test_nothing_fits_is_an_error_with_the_least_figure():
+    with pytest.raises(MemshardError, match=r"no batch fits in 1 MiB per device: batch 1 needs .* at least"):
+        fit_job(tiny_job(1.0), "batch")
+
+
+def test_the_cli_writes_the_answers_and_the_plot(tmp_path):
+    out, plot = tmp_path / "fit.json", tmp_path / "fit.png"
+    r = run("fit", "--model", "tiny-gpt", "--mesh", "4", "--precision", "fp32", "--device-memory", "4MiB",
+            "--max", "batch", "--json", str(out), "--plot", str(plot))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["schema"] == "memshard.fit/1" and data["answers"][0]["strategy"] == "memshard"
+    assert data["answers"][0]["value"] == fit_job(tiny_job(4.0), "batch", baselines=False).answers[0].value
+    assert "largest batch" in r.stdout and plot.stat().st_size > 10_000
+
+
+def test_the_api_takes_plans_keywords():
+    result = memshard.fit("tiny-gpt", memshard.parse_mesh("4", device_memory_bytes=4 * MIB), knob="batch",
+                          baselines=False, precision="fp32", num_layers=1)
+    cfg = result.answers[0].plan.job.config
+    assert cfg.num_layers == 1 and result.answers[0].plan.job.global_batch == result.answers[0].value
+
+
+def test_the_cli_and_the_module_list_the_same_knobs():
+    from memshard.cli import FIT_KNOBS
+
+    assert FIT_KNOBS == KNOBS
