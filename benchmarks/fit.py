@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/fit.py [--write]
 
 For GPT-3 and LLaMA-3 jobs on 8–64 devices (mixed precision, no recomputation): the largest
-global batch (or the longest sequence) whose least-memory plan fits an 80 GiB device, for
+global batch (or the longest sequence) whose least-memory plan fits an 80 GiB device (and the
+fewest devices two of them need), for
 memshard, for the best Megatron-LM configuration (every TP degree × DP × sequence parallelism
 × distributed optimizer, priced by the same model) and for FSDP2 (``fully_shard`` as it runs,
 ``fsdp2``); the ratio memshard / Megatron; and the search's own time (memshard alone, and with
@@ -57,6 +58,29 @@ def row(model: str, mesh: str, batch: int, seq: int, knob: str) -> str:
             f"{cell(fsdp2)} | **{ratio}** | {alone_s:.1f} s ({len(ours.probes)} probes) | {result.time_s:.0f} s |")
 
 
+DEVICE_JOBS = (  # (model, mesh to start from, batch, seq): the fewest devices
+    ("gpt3-13b", "2x8", 16, 2048),
+    ("llama3-70b", "8x8", 64, 4096),
+)
+
+
+def devices_row(model: str, mesh: str, batch: int, seq: int) -> str:
+    result = fit_job(Job(model, mesh, batch=batch, seq=seq), "devices")
+    ours, others = result.answers[0], result.answers[1:]
+    megatron = min((a for a in others if a.strategy.startswith("megatron") and a.value is not None),
+                   key=lambda a: a.value, default=None)
+    best = min((a for a in others if a.value is not None), key=lambda a: a.value, default=None)
+
+    def cell(a):
+        return "none" if a is None or a.value is None else f"{a.strategy}: {a.value:,}"
+
+    fsdp2 = next((a for a in others if a.strategy == "fsdp2"), None)
+    return (f"| {model} {batch} × {seq} | {ours.value:,} ({format_bytes(ours.plan.peak_bytes)}) | "
+            f"{ours.next_probe.value:,}: ≥ {format_bytes(ours.next_probe.bound_bytes)} | {cell(megatron)} | "
+            f"{cell(best)} | {'none' if fsdp2 is None or fsdp2.value is None else f'{fsdp2.value:,}'} | "
+            f"{result.time_s:.0f} s |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--write", action="store_true")
@@ -67,6 +91,12 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---:|---:|---:|"]
     for job in JOBS:
         lines.append(row(*job))
+        print(lines[-1], flush=True)
+    lines += ["", "The fewest devices (whole nodes of 8, the global batch kept):", "",
+              "| job | memshard: fewest (its peak) | one node fewer needs | best Megatron-LM configuration "
+              "| best baseline | FSDP2 | search with every baseline |", "|---|---|---|---|---|---|---:|"]
+    for job in DEVICE_JOBS:
+        lines.append(devices_row(*job))
         print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(text)

@@ -10,7 +10,7 @@ import pytest
 
 import memshard
 from memshard.errors import MemshardError
-from memshard.fitting import KNOBS, fit_job, job_at
+from memshard.fitting import KNOBS, Prober, family, fit_job, job_at
 from memshard.job import Job
 from memshard.planner import SearchOptions, plan_job
 from tests.test_cli import run
@@ -23,8 +23,8 @@ def tiny_job(memory_mib: float, **kwargs) -> Job:
     return Job("tiny-gpt", mesh, precision="fp32", **kwargs)
 
 
-def least_peaks(job: Job, knob: str, values) -> dict[int, float]:
-    return {v: plan_job(job_at(job, knob, v), SearchOptions()).peak_bytes for v in values}
+def least_peaks(job: Job, knob: str, values, options: SearchOptions | None = None) -> dict[int, float]:
+    return {v: plan_job(job_at(job, knob, v), options or SearchOptions()).peak_bytes for v in values}
 
 
 def test_the_largest_batch_is_the_last_one_a_full_scan_fits():
@@ -71,6 +71,24 @@ def test_other_knobs_find_their_boundary(knob):
         assert cfg.hidden // cfg.heads == 32 and cfg.ffn == 4 * cfg.hidden
 
 
+def test_the_fewest_devices_are_the_first_node_count_a_scan_fits():
+    """Nodes of 2 (the inner axis), the global batch kept at 120: more nodes, less per device."""
+    mesh = memshard.parse_mesh("2x2", device_memory_bytes=12 * MIB)
+    job = Job("tiny-gpt", mesh, batch=120, precision="fp32")
+    coarse = SearchOptions(mip_gap=0.02)  # tiny two-axis problems: a 2% gap is quick, and the scan uses it too
+    answer = fit_job(job, "devices", coarse, baselines=False).answers[0]
+    peaks = least_peaks(job, "devices", range(2, answer.value + 3, 2), coarse)
+    assert answer.value == min(d for d, peak in peaks.items() if peak <= 12 * MIB)
+    assert answer.value % 2 == 0 and answer.plan.job.mesh.shape == (answer.value // 2, 2)
+    assert answer.plan.job.global_batch == 120 and answer.next_probe.value == answer.value - 2
+    assert not answer.next_probe.fits and answer.next_probe.bound_bytes > 12 * MIB
+
+
+def test_a_baseline_on_more_devices_is_the_same_recipe():
+    assert [family(n) for n in ("megatron-tp8-dp16-sp-distopt", "tp8-fsdp16", "fsdp2", "zero3-fsdp", "dp")] == [
+        "megatron-tp8-sp-distopt", "tp8-fsdp", "fsdp2", "zero3-fsdp", "dp"]
+
+
 def test_learned_positions_bound_the_sequence():
     result = fit_job(tiny_job(64.0, batch=4), "seq", baselines=False)
     assert result.limit == 128 and result.answers[0].value == 128 and result.answers[0].next_probe is None
@@ -85,6 +103,22 @@ def test_a_step_time_budget_bounds_every_answer():
         if answer.plan is not None:
             assert answer.plan.step_time_s <= budget, answer.strategy
     assert bound.answers[0].value < free.value
+
+
+def test_a_slowdown_bound_is_against_memshards_fastest_plan_at_each_value():
+    job, coarse = tiny_job(5.0, batch=4), SearchOptions(mip_gap=0.02)
+    answer = fit_job(job, "batch", coarse, baselines=False, max_slowdown=1.05).answers[0]
+
+    def fastest(value):
+        return plan_job(job_at(job, "batch", value),
+                        SearchOptions(objective="time", memory_budget=5 * MIB, mip_gap=0.02))
+
+    assert answer.plan.step_time_s <= 1.05 * fastest(answer.value).step_time_s * (1 + 1e-6)
+    assert answer.value <= fit_job(job, "batch", coarse, baselines=False).answers[0].value
+    prober = Prober(job, "batch", coarse, 5 * MIB, slowdown=1.05)  # a baseline, against the same
+    probe, plan = prober.baseline("zero3-fsdp", 4)
+    assert probe.fits == (plan.peak_bytes <= 5 * MIB and plan.step_time_s <= 1.05 * fastest(4).step_time_s)
+    assert probe.note == ("" if plan.step_time_s <= 1.05 * fastest(4).step_time_s else "over the step-time budget")
 
 
 def test_fit_is_deterministic():

@@ -45,6 +45,8 @@ NOT_RUN = {
         "40 s of baselines; tests/test_fit.py checks every baseline's answer against a full scan",
     "memshard fit --model llama3-8b --mesh 8x8 --seq 8192 --max batch":
         "the same as with --plot and --json",
+    "memshard fit --model llama3-70b --mesh 8x8 --batch 64 --seq 4096 --min devices":
+        "100 s of baselines; tests/test_fit.py checks the fewest devices against a full scan",
     "memshard pareto --model gpt3-2.7b --mesh 2x4 --batch 16 --seq 2048 --out pareto.png":
         "minutes of solving; tests/test_pareto.py sweeps smaller jobs and checks the PNG",
     "memshard simulate --model gpt3-6.7b --mesh 8x8 --batch 64 --seq 2048":

@@ -161,14 +161,15 @@ def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: 
 
 
 def fit(model: Model | Job, mesh: str | Mesh = "2x4", *, knob: str = "batch", step: int | None = None,
-        baselines: bool = True, **arguments) -> FitResult:
+        baselines: bool = True, max_slowdown: float | None = None, **arguments) -> FitResult:
     """The largest value of ``knob`` (``"batch"``, ``"seq"``, ``"layers"``, ``"hidden"``) whose
     peak fits the mesh's device memory, for memshard and (``baselines``) every baseline, each
     with its plan and the proof about the next value (``fitting.py``). ``model`` and the keyword
     ``arguments`` are what :func:`plan` takes (the job at its own value is where the search
-    starts); ``max_step_time_s`` bounds every strategy's step; the objective is least memory."""
+    starts); ``max_step_time_s`` bounds every strategy's step, or ``max_slowdown`` to that many
+    times memshard's fastest plan that fits at each value; the objective is least memory."""
     job, options = job_and_options(model, mesh, arguments)
-    return fit_job(job, knob, options, step=step, baselines=baselines)
+    return fit_job(job, knob, options, step=step, baselines=baselines, max_slowdown=max_slowdown)
 
 
 def runtime_plan(job: Job, strategy: str = "memshard", options: SearchOptions | None = None) -> Plan:

@@ -295,7 +295,8 @@ def _cmd_fit(args, console) -> None:
         _check_plot_path(args.plot, "--plot")
     job, options = job_of(args), options_of(args)
     with console.status(f"fitting the {args.knob}…"):
-        result = fit_job(job, args.knob, options, step=args.step, baselines=not args.no_baselines)
+        result = fit_job(job, args.knob, options, step=args.step, baselines=not args.no_baselines,
+                         max_slowdown=args.max_slowdown)
     if args.json is not None:
         _write_json(args.json, result.to_dict())
     if args.plot is not None:
@@ -405,17 +406,25 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--points", type=_positive_int, default=8, help="frontier points (at least 2)")
     f.add_argument("--out", default="pareto.png", help="PNG path (default pareto.png)")
 
-    t = sub.add_parser("fit", help="the largest batch, sequence, layer count or hidden size that fits the device "
-                                   "memory, for memshard and every baseline")
+    t = sub.add_parser("fit", help="the largest batch, sequence, layer count or hidden size, or the fewest devices, "
+                                   "that fit the device memory, for memshard and every baseline")
     add_job_arguments(t, required=True)
     add_search_arguments(t, objective=False)
-    t.add_argument("--max", required=True, choices=FIT_KNOBS, dest="knob",
-                   help="the knob to push: the global batch, the sequence length, the layers or the hidden size "
-                        "(keeping the head size: heads, kv-heads and MLP width scale with it)")
+    which = t.add_mutually_exclusive_group(required=True)
+    which.add_argument("--max", choices=FIT_KNOBS, dest="knob",
+                       help="the knob to push: the global batch, the sequence length, the layers or the hidden "
+                            "size (keeping the head size: heads, kv-heads and MLP width scale with it)")
+    which.add_argument("--min", choices=("devices",), dest="knob",
+                       help="the fewest devices: whole nodes of the mesh's inner axes, the outermost axis free, "
+                            "the global batch kept")
     t.add_argument("--step", type=_positive_int,
                    help="search multiples of this (default: 1; the micro-batches for the batch; a whole group of "
                         "heads for the hidden size)")
-    t.add_argument("--max-step-time", type=_seconds, help="every strategy's step within this, e.g. 2.5s")
+    budget = t.add_mutually_exclusive_group()
+    budget.add_argument("--max-step-time", type=_seconds, help="every strategy's step within this, e.g. 2.5s")
+    budget.add_argument("--max-slowdown", type=float,
+                        help="every strategy's step within this × memshard's fastest plan that fits at the same "
+                             "value, e.g. 1.1")
     t.add_argument("--no-baselines", action="store_true", help="memshard only (the baselines take most of the time)")
     t.add_argument("--json", metavar="PATH", help="write every strategy's answer and probes, and memshard's plan")
     t.add_argument("--plot", metavar="PATH", help="draw the knob against the peak of every strategy (.png/.pdf/.svg)")

@@ -21,6 +21,7 @@ exceeds the memory is rejected without a search. Values are multiples of ``step`
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -29,6 +30,7 @@ from memshard.bounds import peak_lower_bound
 from memshard.errors import MemshardError
 from memshard.ilp.highs import Infeasible
 from memshard.job import HFModel, Job
+from memshard.mesh import MAX_DEVICES
 from memshard.models import ModelConfig
 from memshard.models.config import MAX_LAYERS
 from memshard.planner import SearchOptions, baseline_plans, plan_job, searched_problem
@@ -36,9 +38,10 @@ from memshard.plans import Plan
 from memshard.pricing import build_problem
 from memshard.units import format_bytes
 
-KNOBS = ("batch", "seq", "layers", "hidden")
+KNOBS = ("batch", "seq", "layers", "hidden")  # pushed as far as they fit (--max)
+DEVICES = "devices"  # pulled as low as fits (--min): nodes of the mesh's inner axes
 MAX_VALUE = 1 << 24  # no knob is searched past this (16M sequences, tokens, layers or hidden)
-GROWTH = 64  # one extrapolated probe goes at most this many times further
+GROWTH = 64  # one extrapolated probe goes at most this many times further; devices no further
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class FitResult:
     answers: tuple[Answer, ...]  # memshard first, then the baselines by largest value
     time_s: float
     limit: int = MAX_VALUE  # the largest value the model takes (``knob_limit``)
+    max_slowdown: float | None = None  # every step within this × memshard's fastest fitting plan
 
     def to_dict(self) -> dict:
         def probe(p: Probe | None):
@@ -82,6 +86,7 @@ class FitResult:
 
         return {"schema": "memshard.fit/1", "knob": self.knob, "step": self.step, "limit": self.limit,
                 "device_memory_bytes": self.device_memory_bytes, "max_step_time_s": self.max_step_time_s,
+                "max_slowdown": self.max_slowdown,
                 "time_s": self.time_s,
                 "answers": [{"strategy": a.strategy, "value": a.value,
                              "peak_bytes": a.plan.peak_bytes if a.plan else None,
@@ -94,6 +99,8 @@ class FitResult:
 # -- the knob -------------------------------------------------------------------------------------
 def knob_value(job: Job, knob: str) -> int:
     """The job's own value of ``knob``."""
+    if knob == DEVICES:
+        return job.mesh.num_devices
     if knob == "batch":
         return job.global_batch
     if knob == "seq":
@@ -104,7 +111,9 @@ def knob_value(job: Job, knob: str) -> int:
 
 def default_step(job: Job, knob: str) -> int:
     """The granularity of ``knob``: whole micro-batches of the batch; for the hidden size a
-    whole number of heads per key/value head; else 1."""
+    whole number of heads per key/value head; whole nodes (the inner axes) of devices; else 1."""
+    if knob == DEVICES:
+        return math.prod(job.mesh.shape[1:])
     if knob == "batch":
         return job.micro_batches
     if knob == "hidden":
@@ -118,6 +127,8 @@ def knob_limit(job: Job, knob: str) -> int:
     guard the layers."""
     if knob == "layers":
         return MAX_LAYERS
+    if knob == DEVICES:
+        return min(MAX_DEVICES, GROWTH * job.mesh.num_devices)
     if knob != "seq":
         return MAX_VALUE
     if isinstance(job.model, HFModel):
@@ -131,7 +142,11 @@ def knob_limit(job: Job, knob: str) -> int:
 
 
 def job_at(job: Job, knob: str, value: int) -> Job:
-    """``job`` with ``knob`` at ``value``."""
+    """``job`` with ``knob`` at ``value`` (devices: the outermost mesh axis resized, the
+    global batch kept)."""
+    if knob == DEVICES:
+        outer = replace(job.mesh.axes[0], size=value // default_step(job, DEVICES))
+        return replace(job, mesh=replace(job.mesh, axes=(outer, *job.mesh.axes[1:])), batch=job.global_batch)
     if knob == "batch":
         return replace(job, batch=value)
     if knob == "seq":
@@ -146,8 +161,8 @@ def job_at(job: Job, knob: str, value: int) -> Job:
 
 
 def _check(job: Job, knob: str, step: int | None) -> int:
-    if knob not in KNOBS:
-        raise MemshardError(f"fit varies one of {', '.join(KNOBS)}, got {knob!r}")
+    if knob not in (*KNOBS, DEVICES):
+        raise MemshardError(f"fit varies one of {', '.join((*KNOBS, DEVICES))}, got {knob!r}")
     if not isinstance(job.model, (str, ModelConfig, HFModel)):
         raise MemshardError("fit rebuilds the job at every value: give a preset, a ModelConfig or a Hugging Face "
                             "model, not a graph or a module")
@@ -163,35 +178,37 @@ def _check(job: Job, knob: str, step: int | None) -> int:
 
 # -- one strategy's search ---------------------------------------------------------------------------
 class KnobSearch:
-    """The largest multiple of ``step`` whose ``probe`` fits (see the module docstring);
+    """The boundary multiple of ``step`` whose ``probe`` fits (see the module docstring): the
+    largest where a larger value needs more memory (``rising``), else (devices) the smallest.
     ``fixed_bytes``: what the probes' peaks hold whatever the knob (for the first
     extrapolation), ``memory``: the device memory the peaks are held against."""
 
     def __init__(self, strategy: str, probe: Callable[[int], tuple[Probe, Plan | None]], memory: float, step: int,
-                 fixed_bytes: Callable[[Plan], float] | None, limit: int = MAX_VALUE):
+                 fixed_bytes: Callable[[Plan], float] | None, limit: int = MAX_VALUE, rising: bool = True):
         self.answer = Answer(strategy)
         self.probe, self.memory, self.step, self.fixed_bytes = probe, memory, step, fixed_bytes
-        self.limit = _round(limit, step)
+        self.limit, self.rising = _round(limit, step), rising
         self.seen: dict[int, Probe] = {}
         self.plans: dict[int, Plan | None] = {}
         self.sides: list[bool] = []
 
     def run(self, start: int) -> Answer:
-        lo = hi = None  # the largest fitting and the smallest failing value so far
+        good = bad = None  # the best fitting and the nearest failing value so far
         value = min(_round(start, self.step), self.limit)
+        demanding, easy = (self.limit, self.step) if self.rising else (self.step, self.limit)  # the two ends
         while True:
             p = self.look(value)
             self.sides.append(p.fits)
-            lo, hi = (value, hi) if p.fits else (lo, value)
-            if lo is not None and hi is not None and hi - lo <= self.step:
+            good, bad = (value, bad) if p.fits else (good, value)
+            if good is not None and bad is not None and abs(bad - good) <= self.step:
                 break
-            if (lo is None and value == self.step) or (hi is None and value >= self.limit):
+            if (good is None and value == easy) or (bad is None and value == demanding):
                 break
-            value = self.next_value(lo, hi)
+            value = self.next_value(good, bad)
         a = self.answer
-        a.value, a.plan = lo, self.plans.get(lo)
-        if lo is not None:
-            a.next_probe = self.seen.get(lo + self.step)
+        a.value, a.plan = good, self.plans.get(good)
+        if good is not None:  # the proof: the next, more demanding value
+            a.next_probe = self.seen.get(good + (self.step if self.rising else -self.step))
         else:  # nothing fits: the least any value seen needs
             a.next_probe = min(self.seen.values(), key=lambda p: (not math.isfinite(p.bound_bytes), p.bound_bytes))
         return a
@@ -202,26 +219,30 @@ class KnobSearch:
             self.answer.probes.append(self.seen[value])
         return self.seen[value]
 
-    def next_value(self, lo: int | None, hi: int | None) -> int:
+    def next_value(self, good: int | None, bad: int | None) -> int:
         """False position between the two sides, halving where a side came up twice in a
-        row; before both sides are known, the line through the last two probes (or through
-        the first one and its fixed bytes), at most GROWTH times further."""
+        row; before both sides are known, the line through the two probes nearest the unknown
+        side (or through the first one and its fixed bytes), at most GROWTH times further."""
         step = self.step
-        if lo is not None and hi is not None:
-            guess = None if self.sides[-1] == self.sides[-2] else self.crossing(self.seen[lo], self.seen[hi])
+        if good is not None and bad is not None:
+            lo, hi = sorted((good, bad))
+            guess = None if self.sides[-1] == self.sides[-2] else self.crossing(self.seen[good], self.seen[bad])
             return min(max(_round(guess if guess is not None else (lo + hi) / 2, step), lo + step), hi - step)
+        upwards = (good is not None) == self.rising  # towards larger values
         known = sorted(self.seen.values(), key=lambda p: p.value)
+        pair = known[-2:] if upwards else known[:2]
         if len(known) >= 2:
-            guess = self.crossing(known[-2], known[-1]) if lo is not None else self.crossing(known[0], known[1])
-        else:
-            plan = self.plans.get(known[0].value)
-            fixed = self.fixed_bytes(plan) if self.fixed_bytes and plan is not None else 0.0
+            guess = self.crossing(*pair)
+        elif self.fixed_bytes is not None and self.plans.get(known[0].value) is not None:
+            fixed = self.fixed_bytes(self.plans[known[0].value])
             guess = self.crossing(Probe(0, fixed, fixed, True), known[0])
-        if lo is not None:  # everything so far fits: upwards
+        else:
+            guess = None
+        if upwards:
             last = known[-1].value
             guess = guess if guess is not None and guess > last else 2 * last
             return min(max(_round(guess, step), last + step), GROWTH * last, self.limit)
-        first = known[0].value  # nothing fits yet: downwards
+        first = known[0].value
         guess = guess if guess is not None and 0 < guess < first else first / 2
         return min(max(_round(guess, step), step, first // GROWTH), first - step)
 
@@ -246,10 +267,25 @@ class Prober:
     """The probes of one job's knob: memshard's least-memory search and every baseline's plan
     at a value, each job built once."""
 
-    def __init__(self, job: Job, knob: str, options: SearchOptions, memory: float):
-        self.job, self.knob, self.options, self.memory = job, knob, options, memory
+    def __init__(self, job: Job, knob: str, options: SearchOptions, memory: float, slowdown: float | None = None):
+        self.job, self.knob, self.options, self.memory, self.slowdown = job, knob, options, memory, slowdown
         self.jobs: dict[int, tuple[Job, object]] = {}  # value → (job, its problem on the real mesh)
         self.baselines: dict[tuple[int, str], Plan | None] = {}
+        self.fastest: dict[int, float] = {}  # value → memshard's fastest step within the memory
+
+    def step_budget(self, value: int) -> float | None:
+        """The step-time budget at ``value``: the given one, or ``slowdown`` × memshard's
+        fastest plan that fits the memory there (infinite where none fits: then nothing does)."""
+        if self.slowdown is None:
+            return self.options.max_step_time_s
+        if value not in self.fastest:
+            job = job_at(self.job, self.knob, value)
+            try:
+                fastest = plan_job(job, replace(self.options, objective="time", memory_budget=self.memory))
+                self.fastest[value] = fastest.step_time_s * self.slowdown
+            except MemshardError:  # no plan fits: the least-memory search proves it
+                self.fastest[value] = math.inf
+        return self.fastest[value]
 
     def memshard(self, value: int) -> tuple[Probe, Plan | None]:
         job = job_at(self.job, self.knob, value)
@@ -257,8 +293,10 @@ class Prober:
         bound = peak_lower_bound(problem)
         if bound > self.memory:
             return Probe(value, bound, bound, False, note="its lower bound is over the memory: not searched"), None
+        budget = self.step_budget(value)
+        options = replace(self.options, max_step_time_s=None if budget == math.inf else budget)
         try:
-            plan = plan_job(job, self.options, problem=problem)
+            plan = plan_job(job, options, problem=problem)
         except Infeasible:
             return Probe(value, math.inf, bound, False, note="no plan within the step-time budget"), None
         except MemshardError as e:
@@ -268,15 +306,19 @@ class Prober:
         proved = max(bound, plan.peak_bytes * (1 - plan.solver.gap))
         return Probe(value, plan.peak_bytes, proved, plan.peak_bytes <= self.memory, plan.step_time_s), plan
 
-    def baseline_plans(self, value: int, names: set[str] | None = None) -> dict[str, Plan]:
-        """The baselines' plans of the job at ``value`` (``names``: only these), priced on
-        the real mesh."""
+    def job_and_problem(self, value: int):
+        """The job at ``value`` and its problem on the real mesh, built once."""
         if value not in self.jobs:
             job, o = job_at(self.job, self.knob, value), self.options
             self.jobs[value] = job, build_problem(job.graph, job.mesh, shared_layers=not o.exact,
                                                   micro_batches=job.micro_batches, zero3_unit=o.zero3_unit,
                                                   recompute=o.recompute)
-        job, problem = self.jobs[value]
+        return self.jobs[value]
+
+    def baseline_plans(self, value: int, names: set[str] | None = None) -> dict[str, Plan]:
+        """The baselines' plans of the job at ``value`` (``names``: only these), priced on
+        the real mesh."""
+        job, problem = self.job_and_problem(value)
         if names is None or any((value, n) not in self.baselines for n in names):
             plans = baseline_plans(job, problem, None if names is None else names.__contains__)[0]
             self.baselines.update(((value, p.strategy), p) for p in plans)
@@ -284,41 +326,72 @@ class Prober:
         return {n: p for (v, n), p in self.baselines.items() if v == value and p is not None
                 and (names is None or n in names)}
 
+    def family_plan(self, name: str, value: int) -> Plan | None:
+        """The plan of the baseline of family ``name`` (see :func:`family`) at ``value``."""
+        cached = [p for (v, n), p in self.baselines.items() if v == value and family(n) == name]
+        if not cached:
+            job, problem = self.job_and_problem(value)
+            plans = baseline_plans(job, problem, lambda n: family(n) == name)[0]
+            self.baselines.update(((value, p.strategy), p) for p in plans)
+            cached = plans or [None]
+            self.baselines.setdefault((value, name), None)
+        return next((p for p in cached if p is not None), None)
+
     def baseline(self, name: str, value: int) -> tuple[Probe, Plan | None]:
-        plan = self.baseline_plans(value, {name}).get(name)
+        if self.knob == DEVICES:  # the data-parallel degree follows the devices
+            plan = self.family_plan(name, value)
+        else:
+            plan = self.baseline_plans(value, {name}).get(name)
         if plan is None:
             return Probe(value, math.inf, math.inf, False, note=f"{name} does not lay out this job"), None
-        budget = self.options.max_step_time_s
+        budget = self.step_budget(value)
         slow = budget is not None and plan.step_time_s > budget
         return (Probe(value, plan.peak_bytes, plan.peak_bytes, plan.peak_bytes <= self.memory and not slow,
                       plan.step_time_s, note="over the step-time budget" if slow else ""), plan)
 
 
+def family(name: str) -> str:
+    """A baseline's name without its data-parallel degree (``megatron-tp8-dp16-sp`` →
+    ``megatron-tp8-sp``, ``tp8-fsdp16`` → ``tp8-fsdp``): the same recipe on more devices."""
+    return re.sub(r"^(tp\d+-fsdp)\d+", r"\1", re.sub(r"-dp\d+", "", name))
+
+
 def fit_job(job: Job, knob: str = "batch", options: SearchOptions | None = None, step: int | None = None,
-            baselines: bool = True) -> FitResult:
-    """The largest value of ``knob`` (``KNOBS``) that fits ``job``'s device memory, for
-    memshard and (``baselines``) every baseline; ``options``: memshard's search (its
-    ``max_step_time_s`` bounds every strategy's step time; the objective is least memory)."""
+            baselines: bool = True, max_slowdown: float | None = None) -> FitResult:
+    """The largest value of ``knob`` (``KNOBS``; the fewest ``devices``) that fits ``job``'s
+    device memory, for memshard and (``baselines``) every baseline; ``options``: memshard's
+    search (its ``max_step_time_s`` bounds every strategy's step time; the objective is least
+    memory); ``max_slowdown``: instead, every strategy's step within that many times memshard's
+    fastest plan that fits at the same value."""
     started = time.perf_counter()
     step = _check(job, knob, step)
     options = options or SearchOptions()
     if options.objective != "memory":
         raise MemshardError("fit searches the least memory at each value; bound the step time with --max-step-time")
+    if max_slowdown is not None:
+        if isinstance(max_slowdown, bool) or not isinstance(max_slowdown, (int, float)) or not 1 <= max_slowdown < math.inf:
+            raise MemshardError(f"the slowdown bound must be a number ≥ 1, got {max_slowdown!r}")
+        if options.max_step_time_s is not None:
+            raise MemshardError("give a step-time budget or a slowdown bound, not both")
     memory = job.mesh.device_memory_bytes
-    prober = Prober(job, knob, options, memory)
+    prober = Prober(job, knob, options, memory, max_slowdown)
     fixed = _model_states if knob in ("batch", "seq") else None
-    start, limit = knob_value(job, knob), knob_limit(job, knob)
-    answers = [KnobSearch("memshard", prober.memshard, memory, step, fixed, limit).run(start)]
+    start, limit, rising = knob_value(job, knob), knob_limit(job, knob), knob != DEVICES
+    answers = [KnobSearch("memshard", prober.memshard, memory, step, fixed, limit, rising).run(start)]
     if answers[0].value is None:
         p = answers[0].next_probe
-        raise MemshardError(f"no {knob} fits in {format_bytes(memory)} per device: {knob} {p.value:,} needs "
+        what = f"{knob} fits" if rising else f"mesh of up to {limit:,} devices fits this job"
+        raise MemshardError(f"no {what} in {format_bytes(memory)} per device: {knob} {p.value:,} needs "
                             f"{format_bytes(p.bound_bytes)} at least" + (f" ({p.note})" if p.note else ""))
     if baselines:
-        found = [KnobSearch(name, lambda v, n=name: prober.baseline(n, v), memory, step, fixed, limit).run(start)
-                 for name in prober.baseline_plans(min(_round(start, step), _round(limit, step)))]
-        answers += sorted(found, key=lambda a: (-(a.value or 0), a.strategy))
+        names = dict.fromkeys((family(n) if knob == DEVICES else n)
+                              for n in prober.baseline_plans(min(_round(start, step), limit)))
+        found = [KnobSearch(name, lambda v, n=name: prober.baseline(n, v), memory, step, fixed, limit,
+                            rising).run(start) for name in names]
+        answers += sorted(found, key=lambda a: (a.value is None, -(a.value or 0) if rising else a.value or 0,
+                                                a.strategy))
     return FitResult(knob, step, memory, options.max_step_time_s, tuple(answers), time.perf_counter() - started,
-                     limit)
+                     limit, max_slowdown)
 
 
 def describe(answer: Answer, knob: str) -> str:

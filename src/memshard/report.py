@@ -280,11 +280,13 @@ def render_fit(result, console: Console) -> None:
     """``memshard fit``: each strategy's largest value of the knob and the proof about the
     next one, then memshard's plan at its largest value."""
     knob, memory = result.knob, format_bytes(result.device_memory_bytes)
-    budget = f" and a step within {format_seconds(result.max_step_time_s)}" if result.max_step_time_s else ""
-    console.print(f"the largest {knob} (in steps of {result.step:,}) that fits in {memory} per device{budget}, "
+    budget = (f" and a step within {format_seconds(result.max_step_time_s)}" if result.max_step_time_s else
+              f" and a step within {result.max_slowdown:g}× memshard's fastest" if result.max_slowdown else "")
+    most = "fewest" if knob == "devices" else "largest"
+    console.print(f"the {most} {knob} (in steps of {result.step:,}) that fits in {memory} per device{budget}, "
                   f"found in {format_seconds(result.time_s)}")
     t = Table(title_justify="left")
-    for col in ("strategy", f"largest {knob}", "peak", "step time", f"next {knob}", "needs at least", "probes"):
+    for col in ("strategy", f"{most} {knob}", "peak", "step time", f"next {knob}", "needs at least", "probes"):
         t.add_column(col, justify="left" if col == "strategy" else "right")
     for a in result.answers:
         nxt = a.next_probe
