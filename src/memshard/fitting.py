@@ -1,15 +1,16 @@
 """Inverse queries: how far one knob of a job can go within a device's memory (``memshard fit``).
 
 The knob is the global batch, the sequence length, the number of layers or the hidden size
-(which keeps the model's head size: the heads, key/value heads and MLP width scale with it).
-A value *fits* a strategy when the strategy's peak at that value is within the device memory
-(and, with a step-time budget, its step within the budget): for memshard the least peak any
-plan has (a full least-memory search, under the step-time budget if one is given), for a
-baseline its own plan's peak. The answer for each strategy is the largest value that fits, its
-plan, and the least peak of the next value (``step`` more): the proof it does not fit, by the
+(which keeps the model's head size: the heads, key/value heads and MLP width scale with it),
+pushed as far as it fits; or the devices (whole nodes of the mesh's inner axes, the global
+batch kept), pulled as low as fits. A value *fits* a strategy when the strategy's peak at that
+value is within the device memory (and, with a step-time budget or a slowdown bound, its step
+within it): for memshard the least peak any plan has (a full least-memory search), for a
+baseline its own plan's peak. The answer for each strategy is the boundary value, its plan,
+and the least peak of the next value (``step`` further): the proof it does not fit, by the
 solver's bound for memshard.
 
-Search, per strategy: the peak of the best plan grows nearly affinely with each knob (tokens
+Search, per strategy: the peak of the best plan changes nearly affinely with each knob (tokens
 and layers hold activations; a layer's states grow with it), so after the job's own value the
 next probe is where the line through the last two probes (one probe: through the model states,
 which the knob does not change, for batch and sequence) meets the memory; once a value fits
@@ -392,15 +393,6 @@ def fit_job(job: Job, knob: str = "batch", options: SearchOptions | None = None,
                                                 a.strategy))
     return FitResult(knob, step, memory, options.max_step_time_s, tuple(answers), time.perf_counter() - started,
                      limit, max_slowdown)
-
-
-def describe(answer: Answer, knob: str) -> str:
-    """One line: the largest value and the proof about the next one."""
-    if answer.value is None:
-        return f"{answer.strategy}: no {knob} fits"
-    p = answer.next_probe
-    after = "" if p is None else f"; {knob} {p.value:,} needs {format_bytes(p.bound_bytes)} at least"
-    return f"{answer.strategy}: {knob} {answer.value:,}{after}"
 
 
 def draw_fit(result: FitResult, title: str, path: str) -> None:
