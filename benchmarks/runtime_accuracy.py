@@ -2,9 +2,9 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/runtime_accuracy.py [--write]
 
-Runs the 26 plans of ``tests/test_runtime.py`` (tiny GPT and LLaMA, fp32, batch 8 × 32
-tokens; memshard's plans under both objectives on meshes 4, 2x2, 1x4, 2x2x2, baselines, and
-three with ZeRO-3 gathered per layer) on forked gloo ranks, 3 Adam steps, the last one
+Runs the 36 plans of ``tests/test_runtime.py`` (tiny GPT and LLaMA, fp32, batch 8 × 32
+tokens; memshard's plans under both objectives on meshes 4, 2x2, 1x4, 2x2x2, baselines, plans
+with ZeRO-3 gathered per layer, and ten recomputing ones) on forked gloo ranks, 3 Adam steps, the last one
 measured on every rank; then ``simulate`` (fake process group, one process) for rank 0 of
 memshard's plans of GPT-3 6.7B on 8x8 and LLaMA-3 8B on 4x8, and of GPT-3 6.7B's TP8 +
 ZeRO-3 plan with ZeRO-3 gathered per layer.
