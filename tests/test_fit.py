@@ -106,7 +106,7 @@ def test_a_step_time_budget_bounds_every_answer():
 
 
 def test_a_slowdown_bound_is_against_memshards_fastest_plan_at_each_value():
-    job, coarse = tiny_job(5.0, batch=4), SearchOptions(mip_gap=0.02)
+    job, coarse = tiny_job(5.0, batch=16), SearchOptions(mip_gap=0.02)  # (starts near the answer: few probes)
     answer = fit_job(job, "batch", coarse, baselines=False, max_slowdown=1.05).answers[0]
 
     def fastest(value):
