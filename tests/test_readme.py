@@ -206,3 +206,15 @@ def test_the_fit_figures_in_the_text():
     assert list(found.groups()) == [f"{answer.value:,}", format_bytes(answer.plan.peak_bytes),
                                     f"{answer.next_probe.value:,}", format_bytes(answer.next_probe.bound_bytes),
                                     str(len(answer.probes))]
+
+
+def test_the_large_mesh_fit_figures_in_the_text():
+    from memshard.fitting import fit_job
+
+    text = " ".join(README.split())
+    found = re.search(r"GPT-3 175B on 8x8x16: `--step 128` finds batch (\S+) in \d+ s, batch (\S+) needing (\S+ \S+) at "
+                      r"least", text)
+    assert found, "the large-mesh fit sentence changed: update this test"
+    answer = fit_job(memshard.Job("gpt3-175b", "8x8x16", seq=2048), "batch", step=128, baselines=False).answers[0]
+    assert list(found.groups()) == [f"{answer.value:,}", f"{answer.next_probe.value:,}",
+                                    format_bytes(answer.next_probe.bound_bytes)]
