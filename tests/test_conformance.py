@@ -13,6 +13,8 @@ predicted peak within 2% on the first and the last rank.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -38,34 +40,41 @@ def blocks_of(model) -> list[torch.nn.Module]:
     return list(getattr(inner, "layers", None) or inner.h)
 
 
+@contextlib.contextmanager
+def fake_rank(family: str, world: int, rank: int):
+    """Rank ``rank`` of a ``world``-rank fake process group, with the family's model (seed 0)."""
+    init_fake_world(rank, world)
+    try:
+        torch.manual_seed(0)
+        yield build_model(load_config(family, **FAMILIES[family]), "fp32", device="cpu")
+    finally:
+        destroy()
+
+
+def train_step(module, opt, seed: int) -> None:
+    """One step on one sequence of ``SEQ`` random tokens: forward to the loss, backward, Adam."""
+    ids = torch.randint(0, 512, (1, SEQ), generator=torch.Generator().manual_seed(seed))
+    module(ids, labels=ids, use_cache=False).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def fully_sharded_peak(family: str, world: int, rank: int) -> int:
     """The peak bytes of the second training step of rank ``rank`` under FSDP2."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    init_fake_world(rank, world)
-    try:
-        torch.manual_seed(0)
-        model = build_model(load_config(family, **FAMILIES[family]), "fp32", device="cpu")
+    with fake_rank(family, world, rank) as model:
         mesh = init_device_mesh("cpu", (world,))
         for block in blocks_of(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-
-        def step(seed: int) -> None:
-            ids = torch.randint(0, 512, (1, SEQ), generator=torch.Generator().manual_seed(seed))
-            model(ids, labels=ids, use_cache=False).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        step(0)
+        train_step(model, opt, 0)
         meter = MemoryMeter(model, opt)
         with meter:
-            step(1)
+            train_step(model, opt, 1)
         return meter.peak_bytes
-    finally:
-        destroy()
 
 
 def ddp_peak(family: str, world: int, rank: int) -> int:
@@ -78,10 +87,7 @@ def ddp_peak(family: str, world: int, rank: int) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    init_fake_world(rank, world)
-    try:
-        torch.manual_seed(0)
-        model = build_model(load_config(family, **FAMILIES[family]), "fp32", device="cpu")
+    with fake_rank(family, world, rank) as model:
         wrapped = DistributedDataParallel(model)
         buckets: dict[int, torch.Tensor] = {}
 
@@ -94,21 +100,12 @@ def ddp_peak(family: str, world: int, rank: int) -> int:
 
         wrapped.register_comm_hook(None, allreduce)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-
-        def step(seed: int) -> None:
-            ids = torch.randint(0, 512, (1, SEQ), generator=torch.Generator().manual_seed(seed))
-            wrapped(ids, labels=ids, use_cache=False).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        step(0)
-        step(1)
+        train_step(wrapped, opt, 0)
+        train_step(wrapped, opt, 1)
         meter = MemoryMeter(model, opt, *buckets.values())
         with meter:
-            step(2)
+            train_step(wrapped, opt, 2)
         return meter.peak_bytes
-    finally:
-        destroy()
 
 
 MEASURED = {"fsdp2": fully_sharded_peak, "ddp": ddp_peak}

@@ -290,8 +290,10 @@ def render_fit(result, console: Console) -> None:
         t.add_column(col, justify="left" if col == "strategy" else "right")
     for a in result.answers:
         nxt = a.next_probe
-        proof = "" if nxt is None else " ".join(
-            [format_bytes(nxt.bound_bytes)] * (nxt.bound_bytes < float("inf")) + [f"({nxt.note})"] * bool(nxt.note))
+        proof = ""
+        if nxt is not None:
+            figure = format_bytes(nxt.bound_bytes) if nxt.bound_bytes < float("inf") else ""
+            proof = f"{figure} ({nxt.note})".strip() if nxt.note else figure
         t.add_row(a.strategy, "none" if a.value is None else f"{a.value:,}",
                   format_bytes(a.plan.peak_bytes) if a.plan else "-",
                   format_seconds(a.plan.step_time_s) if a.plan else "-",
