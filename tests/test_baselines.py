@@ -107,3 +107,42 @@ def test_compare_command_writes_json(tmp_path, capsys):
     assert data["schema"] == "memshard.compare/1"
     assert [r["strategy"] for r in data["rows"][:1]] == ["memshard"]
     assert "megatron-tp4-sp" in capsys.readouterr().out
+
+
+@pytest.mark.trace
+@pytest.mark.parametrize("family, sizes", [
+    # LLaMA: vocabulary (embedding), kv heads (q as kv head × group), MLP width, vocabulary (lm_head)
+    ("llama", [512, 2, 256, 512]),
+    # GPT-2: the tied vocabulary, heads (c_attn's [3, heads, head dim]: the fusion atom passed
+    # over), MLP width; the position table stays whole
+    ("gpt2", [512, 4, 512]),
+])
+def test_a_traced_model_is_laid_out_for_tensor_parallelism_by_its_weights(family, sizes):
+    from memshard.baselines import tensor_parallel_dims
+    from memshard.trace.hf import trace_hf
+
+    configs = {"llama": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=256, vocab_size=512),
+               "gpt2": dict(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64)}
+    graph = trace_hf(family, batch=4, seq=32, precision="fp32", **configs[family])
+    dims = tensor_parallel_dims(graph)
+    size = {d: n for op in graph.ops for d, n in graph.dim_sizes(op).items()}
+    assert [size[d] for d in dims] == sizes
+    problem = build_problem(graph, parse_mesh("2x2"))
+    found, skipped = baselines(problem)
+    names = {b.name for b in found}
+    assert {"megatron-tp2-dp2", "megatron-tp2-dp2-sp", "megatron-tp2-dp2-sp-distopt", "tp2-fsdp2"} <= names
+    # Megatron needs the kv heads divisible by TP (2 kv heads: no TP 4), as torch's Colwise does
+    assert ({s for s, _ in skipped} == {"megatron-tp4", "megatron-tp4-sp"}) == (family == "llama")
+    tp = next(b for b in found if b.name == "megatron-tp2-dp2")
+    for p in build_plan(tp.problem, tp.selection).to_dict()["parameters"]:
+        # every matrix split in two on the TP axis (weights and their biases), norms and positions whole
+        whole = p["names"][0].endswith(("norm.weight", "ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias",
+                                        "ln_f.weight", "ln_f.bias", "wpe.weight", "c_proj.bias"))
+        assert (p["layout"] == "RR") == whole, p
+    best = memshard.plan(graph, "2x2").peak_bytes
+    for b in found:
+        direct = evaluate(b.problem, b.selection)
+        forced = solve(b.problem, "memory", fixed=b.selection, mip_gap=0.0)
+        assert forced.ilp_peak_bytes == pytest.approx(direct.peak_bytes, rel=1e-6), b.name
+        assert best <= direct.peak_bytes * (1 + 1e-3), b.name

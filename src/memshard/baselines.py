@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from memshard.graph import Origin
+from memshard.graph import Graph, Op, Origin, TensorKind
 from memshard.mesh import Mesh
 from memshard.placement import local_numel
 from memshard.pricing import build_problem
@@ -44,7 +45,42 @@ from memshard.problem import DDP, FSDP2, Problem, Selection, complete_selection
 from memshard.recompute import core_attention, replayable_ops
 from memshard.selections import SplitUnavailable, assign_strategies, data_parallel, uniform_storage
 
-TP_DIMS = ("v", "f", "e", "n")  # the dim tensor parallelism splits, first found in the op
+TP_DIMS = ("v", "f", "e", "n")  # a built model's dims tensor parallelism splits, first found in the op
+
+
+def tensor_parallel_dims(graph: Graph) -> tuple[str, ...]:
+    """The dims tensor parallelism splits, in the order an op picks its first: a built
+    model's :data:`TP_DIMS`; for a traced one, the outermost feature atom of every weight that
+    is not the model dim (the dim most weights have): the q/k/v and MLP weights' outputs, the
+    output projections' inputs, the vocabulary. ``ColwiseParallel`` and ``RowwiseParallel``
+    split a linear's features contiguously, i.e. that atom: heads (kv heads × group for
+    grouped queries), never the head dim. Two exceptions, as Megatron-LM lays them out: a
+    fused weight's fusion atom (GPT-2's ``[3, heads, head dim]``: the atom its output's
+    consumers select away) is passed over for the next, and tables other than the token
+    embedding (looked up by the batch's tokens) stay whole (positions)."""
+    if graph.origin is Origin.BUILT:
+        return TP_DIMS
+    weights = []
+    for p in graph.parameters:
+        for i, j in graph.consumers.get(p, ())[:1]:
+            op = graph.ops[i]
+            tokens = any(graph.tensors[o.tensor].kind is TensorKind.INPUT and "b" in o.dims for o in op.inputs)
+            if op.kind != "embedding" or tokens:
+                weights.append((op, op.inputs[j].dims))
+    model_dim = Counter(d for _, dims in weights for d in set(dims)).most_common(1)[0][0]
+    out: dict[str, None] = {}
+    for op, dims in weights:
+        features = [d for d in dims if d != model_dim and not _selected_away(graph, op, d)]
+        if features:
+            out[features[0]] = None
+    return tuple(out)
+
+
+def _selected_away(graph: Graph, op: Op, dim: str) -> bool:
+    """Whether every op reading ``op``'s output selects ``dim`` away (a fused weight's q/k/v index)."""
+    readers = [graph.ops[i] for i, _ in graph.consumers.get(op.output.tensor, ())]
+    return (bool(readers) and dim in op.output.dims
+            and all(r.kind == "select" and dim not in r.output.dims for r in readers))
 
 
 @dataclass(frozen=True)
@@ -66,9 +102,10 @@ def megatron_tp(
     n = mesh.ndim
     tp = set(range(n - tp_axes, n))
     dp = tuple(a for a in range(n) if a not in tp)
+    tp_dims = tensor_parallel_dims(problem.graph)
 
     def per_op(op):
-        tp_dim = next((d for d in TP_DIMS if d in op.dims and d not in op.unsplittable_dims), None)
+        tp_dim = next((d for d in tp_dims if d in op.dims and d not in op.unsplittable_dims), None)
         if tp_dim is None and sequence_parallel and "s" in op.dims:
             tp_dim = "s"
         return tuple(
@@ -181,11 +218,6 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     for stage in (1, 2, 3):
         add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, r, s=stage: zero(p, s, r))
     add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2))
-    if problem.graph.origin is Origin.TRACED:
-        # Megatron's layouts are written for the built-in models' dims (heads, MLP width,
-        # vocabulary); a traced graph's dims are anonymous, so they are not laid out.
-        skipped.append(("megatron-*, tp*-fsdp*", "tensor-parallel baselines need a built-in model (--model)"))
-        return out, skipped
     for on, k, tp in tensor_parallel_layouts(problem):
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")
