@@ -41,6 +41,10 @@ COMMANDS = {
     "memshard fit --model llama3-8b --mesh 8x8 --seq 8192 --max batch --no-baselines": (),
 }
 NOT_RUN = {
+    "memshard export --hf-config examples/tiny_llama.json --mesh 4 --batch 4 --seq 32 --strategy fsdp2":
+        "run and compared with its output block in tests/test_export.py",
+    "memshard export --model gpt3-6.7b --mesh 2x4 --batch 16 --seq 2048 --strategy megatron-tp4-dp2-sp-distopt":
+        "run and compared with its output block in tests/test_export.py",
     "memshard fit --model llama3-8b --mesh 8x8 --seq 8192 --max batch --plot fit.png --json fit.json":
         "40 s of baselines; tests/test_fit.py checks every baseline's answer against a full scan",
     "memshard fit --model llama3-8b --mesh 8x8 --seq 8192 --max batch":

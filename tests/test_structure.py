@@ -25,7 +25,7 @@ LAYERS = [
     ("memshard.pricing", "memshard.bounds", "memshard.evaluate", "memshard.selections"),
     ("memshard.ilp", "memshard.coarsen", "memshard.baselines", "memshard.advice"),
     ("memshard.plans",),
-    ("memshard.planner", "memshard.report", "memshard.runtime"),
+    ("memshard.planner", "memshard.report", "memshard.runtime", "memshard.exporting"),
     ("memshard.api", "memshard.pareto", "memshard.fitting"),
     ("memshard.cli",),
     ("memshard",),  # the package's lazy entry points

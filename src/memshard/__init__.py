@@ -14,6 +14,7 @@ _LAZY = {
     "parse_mesh": ("memshard.mesh", "parse_mesh"),
     "make_mesh": ("memshard.mesh", "make_mesh"),
     "compare": ("memshard.api", "compare"),
+    "export": ("memshard.api", "export"),
     "fit": ("memshard.api", "fit"),
     "build_graph": ("memshard.models", "build_graph"),
     "get_config": ("memshard.models", "get_config"),

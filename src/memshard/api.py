@@ -11,6 +11,7 @@ from dataclasses import fields, replace
 
 from memshard.baselines import baselines
 from memshard.errors import MemshardError
+from memshard.exporting import check_exportable, export_target, render
 from memshard.fitting import FitResult, fit_job
 from memshard.graph import Graph
 from memshard.job import HFModel, Job, TracedModule, is_module
@@ -158,6 +159,27 @@ def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: 
         raise MemshardError(f"strategy {strategy} does not fit {job.graph.name} on {job.mesh}: {reason}")
     known = ", ".join(["memshard", *(b.name for b in fixed)])
     raise MemshardError(f"unknown strategy {strategy!r} for this mesh; known: {known}")
+
+
+def export(model: Model | Job, mesh: str | Mesh = "2x4", strategy: str = "memshard", **job_arguments) -> str:
+    """A baseline written for the framework it is named after (``exporting.py``): ``fsdp2`` and
+    ``ddp`` as a Python function ``parallelize(model, mesh)`` that applies PyTorch's
+    ``fully_shard`` or ``DistributedDataParallel`` as the baseline is priced, ``megatron-…`` as
+    Megatron-LM's arguments for a built-in preset; a header gives the job, the predicted peak
+    per device and the command that writes it. ``model`` and the keywords are what
+    :func:`strategy_plan` takes; the precision defaults to what the exported code runs (fp32,
+    PyTorch's default, for ``fsdp2`` and ``ddp``; the model's own for Megatron-LM). memshard's
+    own plans and the idealised baselines raise :class:`MemshardError`, pointing to
+    ``memshard.parallelize``."""
+    target = export_target(strategy)
+    search = sorted(set(job_arguments) & SEARCH_FIELDS)
+    if search:
+        raise MemshardError(f"export writes a baseline as it is named, without a search: give no {', '.join(search)}")
+    job, _ = job_and_options(model, mesh, job_arguments)
+    if job.precision is None and target.precision and not isinstance(job.model, (Graph, TracedModule)):
+        job = replace(job, precision=target.precision)
+    check_exportable(target, job)
+    return render(target, strategy_plan(job, strategy=strategy, recompute=target.recompute))
 
 
 def fit(model: Model | Job, mesh: str | Mesh = "2x4", *, knob: str = "batch", step: int | None = None,

@@ -365,6 +365,27 @@ def _cmd_simulate(args, console) -> None:
     render_run([report], console, title=f"memshard simulate ({n} ranks, fake process group)")
 
 
+def _cmd_export(args, console) -> None:
+    from memshard.api import export
+
+    if args.out is not None:
+        from memshard.files import check_output_path
+
+        check_output_path(args.out, "--out")
+        if os.path.isfile(args.out) and not args.force:
+            raise MemshardError(f"--out {args.out} exists: give --force to replace it")
+    elif args.force:
+        raise MemshardError("--force replaces an --out file: give --out")
+    text = export(job_of(args), strategy=args.strategy)
+    if args.out is None:
+        sys.stdout.write(text)
+        return
+    from memshard.files import write_text_atomically
+
+    write_text_atomically(args.out, text)
+    print(f"{args.strategy} written to {args.out}")
+
+
 def _cmd_models(args, console) -> None:
     from rich.table import Table
 
@@ -447,12 +468,21 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             r.add_argument("--rank", type=int, default=0, help="the rank to play (default 0)")
 
+    e = sub.add_parser("export", help="write a baseline for the framework it is named after: PyTorch code "
+                                      "(fsdp2, ddp) or Megatron-LM's arguments (megatron-…)")
+    add_job_arguments(e, required=True)
+    e.add_argument("--strategy", default="memshard",
+                   help="fsdp2 (fully_shard per block and root), ddp (DistributedDataParallel) or megatron-tp… "
+                        "(`memshard compare` lists them); memshard's own plans run with memshard.parallelize")
+    e.add_argument("--out", metavar="FILE", help="write to FILE, atomically, instead of standard output")
+    e.add_argument("--force", action="store_true", help="replace an existing --out file")
+
     sub.add_parser("models", help="list the built-in model presets")
     return parser
 
 
 COMMANDS = {"plan": _cmd_plan, "compare": _cmd_compare, "pareto": _cmd_pareto, "fit": _cmd_fit, "run": _cmd_run,
-            "simulate": _cmd_simulate, "models": _cmd_models}
+            "simulate": _cmd_simulate, "export": _cmd_export, "models": _cmd_models}
 
 
 def main(argv: list[str] | None = None) -> int:

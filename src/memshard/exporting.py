@@ -1,0 +1,315 @@
+"""``memshard export``: a baseline handed to the framework it is named after, as text.
+
+This module owns which strategies can be exported and why the others cannot
+(:func:`export_target`, :func:`check_exportable`), and the text written for each from its
+plan (:func:`render`):
+
+- ``fsdp2``: a Python function ``parallelize(model, mesh)`` applying PyTorch's ``fully_shard``
+  to every transformer block, then to the root module, with its defaults: what the ``fsdp2``
+  baseline prices (``pricing.fsdp2_units``). The blocks are the modules ``<container>.<i>``
+  the graph's layer ops name (``model.layers.0.self_attn.q_proj``…).
+- ``ddp``: the same function wrapping the model in ``DistributedDataParallel`` with its
+  defaults (its gradient buckets priced).
+- ``megatron-tp…``: Megatron-LM's command-line arguments for a built-in GPT or LLaMA preset,
+  with the layout the baseline's name says (tensor, sequence and data parallelism, the
+  distributed optimizer, recomputation).
+
+memshard's own plans mix strategies per op, and the idealised baselines (``dp``, ``zero*``,
+``tp*-fsdp*``) are priced as memshard's runtime executes them: neither is expressible with
+PyTorch's public APIs as priced, so both are refused with a pointer to
+``memshard.parallelize``. The code is text (no torch here); ``api.export`` makes the plan.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass
+
+from memshard.errors import MemshardError
+from memshard.graph import Graph, Origin
+from memshard.job import HFModel, Job, TracedModule
+from memshard.plans import Plan
+from memshard.units import counted, format_bytes, format_parameters
+
+TORCH_STRATEGIES = ("fsdp2", "ddp")
+MEGATRON_NAME = re.compile(r"megatron-tp(?P<tp>\d+)(?:-dp(?P<dp>\d+))?(?P<sp>-sp)?(?P<distopt>-distopt)?")
+RECOMPUTE_SUFFIX = re.compile(r"\+(selective|full)$")
+LAYER_OP = re.compile(r"^(?P<container>.+?)\.(?P<index>\d+)\.")  # <container>.<i>.<op in the block>
+# memshard's model knobs as the command line spells them (``cli.KNOB_FLAGS``)
+KNOB_FLAGS = {"num_layers": "--layers", "hidden": "--hidden", "heads": "--heads", "kv_heads": "--kv-heads",
+              "ffn": "--ffn", "vocab": "--vocab", "dropout": "--dropout"}
+PARALLELIZE = ("run it with memshard.parallelize(model, plan) (README: \"Using a plan from Python\"), or export a "
+               "baseline PyTorch or Megatron-LM runs as priced: --strategy fsdp2, ddp or megatron-tp… "
+               "(memshard compare lists them)")
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """The layout a ``megatron-tp<T>[-dp<D>][-sp][-distopt]`` baseline's name says."""
+
+    tensor_parallel: int
+    data_parallel: int
+    sequence_parallel: bool
+    distributed_optimizer: bool
+
+
+@dataclass(frozen=True)
+class ExportTarget:
+    """An exportable strategy: ``kind`` is ``fsdp2``, ``ddp`` or ``megatron``; ``recompute`` the
+    policy its name carries (``+selective``, ``+full``), under which its baseline is built;
+    ``precision`` the precision its code runs unless the job says otherwise (None: the model's)."""
+
+    strategy: str
+    kind: str
+    recompute: str
+    precision: str | None
+    megatron: MegatronLayout | None = None
+
+
+@dataclass(frozen=True)
+class BlockContainer:
+    """A module holding transformer blocks (``model.layers``) and how many the graph has."""
+
+    path: str
+    blocks: int
+
+
+def export_target(strategy: str) -> ExportTarget:
+    """What ``strategy`` exports as, or one MemshardError saying why it cannot be."""
+    if not isinstance(strategy, str) or not strategy:
+        raise MemshardError(f"a strategy is a name such as fsdp2, ddp or megatron-tp4-sp, got {strategy!r}")
+    suffix = RECOMPUTE_SUFFIX.search(strategy)
+    recompute = suffix.group(1) if suffix else "none"
+    base = strategy[:suffix.start()] if suffix else strategy
+    megatron = MEGATRON_NAME.fullmatch(base)
+    if megatron:
+        layout = MegatronLayout(int(megatron["tp"]), int(megatron["dp"] or 1), bool(megatron["sp"]),
+                                bool(megatron["distopt"]))
+        return ExportTarget(strategy, "megatron", recompute, None, layout)
+    if base in TORCH_STRATEGIES:
+        if suffix:
+            raise MemshardError(f"{strategy} cannot be exported: memshard's recomputation is not yet checked "
+                                f"against torch.utils.checkpoint; export {base} without it, or run it with "
+                                "memshard.parallelize(model, plan) (README: \"Using a plan from Python\")")
+        return ExportTarget(strategy, base, "none", "fp32")
+    raise MemshardError(f"{strategy} cannot be exported: {_why_not(base)}; {PARALLELIZE}")
+
+
+def _why_not(base: str) -> str:
+    if base == "memshard":
+        return ("memshard's plan picks each operator's sharding, each parameter's ZeRO storage and each reshard "
+                "apart (per-op mixing), which PyTorch's public APIs cannot express")
+    if base == "dp":
+        return ("dp is data parallelism as memshard's runtime runs it (gradients all-reduced in place, no "
+                "buckets); PyTorch's DistributedDataParallel is --strategy ddp")
+    if re.fullmatch(r"zero[123](-fsdp)?", base):
+        return (f"{base} is an idealised ZeRO stage as memshard's runtime executes it, which no PyTorch API "
+                "allocates as priced; PyTorch's fully_shard is --strategy fsdp2")
+    if re.fullmatch(r"tp\d+-fsdp\d+", base):
+        return (f"{base} prices an idealised TP × FSDP (memshard's runtime), not yet parallelize_module × "
+                "fully_shard as PyTorch runs them")
+    return f"unknown strategy {base!r}"
+
+
+def check_exportable(target: ExportTarget, job: Job) -> None:
+    """Refuse, before any planning, a job the target's code cannot run as priced."""
+    given = isinstance(job.model, (Graph, TracedModule))  # the graph or module fixes its precision
+    precision = job.graph.precision.name if given else job.precision
+    if target.kind in TORCH_STRATEGIES and precision not in (None, "fp32"):
+        raise MemshardError(f"{target.strategy} is exported as PyTorch's defaults run it, in fp32 (the precision "
+                            "memshard checks it in against PyTorch): give --precision fp32")
+    if target.megatron is None:
+        return
+    if isinstance(job.model, (Graph, HFModel, TracedModule)):
+        raise MemshardError(f"{target.strategy}: Megatron-LM arguments are written for built-in models (--model), "
+                            "whose sizes Megatron-LM builds its own model from")
+    if job.config.family not in ("gpt", "llama"):
+        raise MemshardError(f"{target.strategy}: Megatron-LM arguments are written for GPT and LLaMA presets, "
+                            f"not {job.config.family}")
+    layout, n = target.megatron, job.mesh.num_devices
+    if layout.tensor_parallel * layout.data_parallel == n:
+        per_step = layout.data_parallel * job.micro_batches
+        if job.global_batch % per_step:
+            raise MemshardError(f"{target.strategy}: Megatron-LM needs the global batch ({job.global_batch}) to be a "
+                                f"multiple of data-parallel size × micro-batches ({per_step})")
+
+
+def block_containers(graph: Graph) -> tuple[BlockContainer, ...]:
+    """The modules holding the graph's repeated blocks, from its layer ops' names
+    (``model.layers.0.self_attn.q_proj/linear#0`` → ``model.layers``), in forward order."""
+    found: dict[str, set[int]] = {}
+    for op in graph.ops:
+        if op.layer is None:
+            continue
+        m = LAYER_OP.match(op.name)
+        if m is None or int(m["index"]) != op.layer:
+            raise MemshardError(f"op {op.name} of layer {op.layer} is not in a <container>.{op.layer}. module: "
+                                "cannot say which module fully_shard should wrap")
+        found.setdefault(m["container"], set()).add(op.layer)
+    return tuple(BlockContainer(path, len(layers)) for path, layers in found.items())
+
+
+def render(target: ExportTarget, plan: Plan) -> str:
+    """The exported text of ``plan``, the target's baseline: a header, then the code or arguments."""
+    body = {"fsdp2": fsdp2_code, "ddp": ddp_code, "megatron": megatron_script}[target.kind](target, plan)
+    return "\n".join([*header(plan), *body]) + "\n"
+
+
+def header(plan: Plan) -> list[str]:
+    """Comment lines: the strategy, the job, the predicted peak, the command that made it."""
+    job, model = plan.job, plan.model
+    shape = ""
+    if not isinstance(job.model, (Graph, TracedModule)):
+        shape = f", global batch {job.global_batch} × {job.seq_length} tokens"
+        if job.micro_batches > 1:
+            shape += f" in {job.micro_batches} micro-batches"
+    return [
+        f"# memshard export: {plan.strategy}",
+        f"# Job: {model.name} ({format_parameters(model.num_parameters)}, {model.precision}){shape}, "
+        f"on mesh {job.mesh} ({counted(job.mesh.num_devices, 'device')})",
+        f"# Predicted peak per device: {format_bytes(plan.peak_bytes)} ({round(plan.peak_bytes):,} bytes), "
+        f"at {plan.memory.peak_at}",
+        f"# Made by: {command_of(job, plan.strategy)}",
+        "#",
+    ]
+
+
+def command_of(job: Job, strategy: str) -> str:
+    """The ``memshard export`` command that writes this export (a model the command line cannot
+    name, such as a graph or a module, is described instead)."""
+    model = job.model
+    if isinstance(model, str) and set(job.overrides) <= set(KNOB_FLAGS):
+        source = ["--model", model]
+    elif isinstance(model, HFModel) and isinstance(model.source, str):
+        is_path = model.source.endswith(".json") or os.sep in model.source or os.path.isdir(model.source)
+        source = ["--hf-config" if is_path else "--hf-model", model.source]
+        if model.attn_implementation:
+            source += ["--attn-implementation", model.attn_implementation]
+    else:
+        return f"memshard.export(<{type(model).__name__}>, {str(job.mesh)!r}, strategy={strategy!r}) in Python"
+    knobs = []
+    for knob, value in job.overrides.items():
+        knobs += [KNOB_FLAGS[knob], ("on" if value else "off") if isinstance(value, bool) else str(value)]
+    micro = ["--micro-batches", str(job.micro_batches)] if job.micro_batches > 1 else []
+    return shlex.join(["memshard", "export", *source, "--mesh", str(job.mesh), "--batch", str(job.global_batch),
+                       "--seq", str(job.seq_length), *micro, *knobs, "--precision", job.graph.precision.name,
+                       "--strategy", strategy])
+
+
+# -- PyTorch ------------------------------------------------------------------------------------------
+def _usage(plan: Plan, what: str) -> list[str]:
+    """What the function applies, how to call it, and the optimizer the peak assumes."""
+    n = plan.job.mesh.num_devices
+    return [f"# {what}",
+            "# On every rank: build the model in fp32, then call parallelize(model, mesh) with a 1-D DeviceMesh",
+            f"# of all {n} devices (init_device_mesh(\"cuda\", ({n},))) and make the optimizer from the result:",
+            "# torch.optim.Adam(model.parameters(), foreach=True). memshard prices Adam's foreach step (one",
+            "# square root of every state at once, PyTorch's default on GPUs). Each rank trains on its share",
+            "# of the global batch."]
+
+
+def _mesh_check(plan: Plan, what: str) -> list[str]:
+    n = plan.job.mesh.num_devices
+    return [f"    if mesh.ndim != 1 or mesh.size() != {n}:",
+            f"        raise ValueError(f\"memshard priced {what} over one mesh axis of {n} devices, got {{mesh}}\")"]
+
+
+def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
+    """``fully_shard`` on every block of each container, then on the root (FSDP2's defaults)."""
+    graph = plan.problem.graph
+    named = []
+    if graph.origin is Origin.BUILT:  # memshard's own module names, not necessarily the user's
+        named = [f"# The blocks' container is named as memshard's built-in {plan.model.name} names it; give your "
+                 "model's."]
+    lines = [*_usage(plan, "PyTorch's fully_shard (FSDP2) on every transformer block, then on the root module, "
+                           "with its defaults."),
+             *named,
+             "",
+             "from torch import nn",
+             "from torch.distributed.device_mesh import DeviceMesh",
+             "from torch.distributed.fsdp import fully_shard",
+             "",
+             "",
+             "def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:",
+             "    \"\"\"FSDP2 as memshard priced it: fully_shard on every transformer block, then on the root module.\"\"\"",
+             *_mesh_check(plan, "fsdp2")]
+    for container in block_containers(graph):
+        blocks, path = container.blocks, container.path
+        lines += [f"    blocks = list(model.get_submodule(\"{path}\").children())",
+                  f"    if len(blocks) != {blocks}:",
+                  f"        raise ValueError(f\"memshard priced {blocks} blocks in {path}, the model has "
+                  "{len(blocks)}\")",
+                  "    for block in blocks:",
+                  "        fully_shard(block, mesh=mesh)"]
+    return [*lines, "    fully_shard(model, mesh=mesh)", "    return model"]
+
+
+def ddp_code(target: ExportTarget, plan: Plan) -> list[str]:
+    """``DistributedDataParallel`` with its defaults: 25 MiB buckets holding a second copy of the
+    gradients all step (``gradient_as_bucket_view=False``), which the ``ddp`` baseline prices."""
+    return [*_usage(plan, "PyTorch's DistributedDataParallel with its defaults; train the module it returns."),
+            "",
+            "from torch import nn",
+            "from torch.distributed.device_mesh import DeviceMesh",
+            "from torch.nn.parallel import DistributedDataParallel",
+            "",
+            "",
+            "def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:",
+            "    \"\"\"DistributedDataParallel with its defaults, as memshard priced it (its gradient buckets",
+            "    hold a second copy of the gradients all step).\"\"\"",
+            *_mesh_check(plan, "ddp"),
+            "    return DistributedDataParallel(model, device_mesh=mesh)"]
+
+
+# -- Megatron-LM --------------------------------------------------------------------------------------
+def megatron_arguments(target: ExportTarget, plan: Plan) -> list[str]:
+    """Megatron-LM's arguments (``megatron/training/arguments.py``) for the layout and the model."""
+    layout, job = target.megatron, plan.job
+    cfg = job.config
+    args = [f"--tensor-model-parallel-size {layout.tensor_parallel}", "--pipeline-model-parallel-size 1"]
+    args += ["--sequence-parallel"] * layout.sequence_parallel
+    args += ["--use-distributed-optimizer"] * layout.distributed_optimizer
+    args += [f"--num-layers {cfg.num_layers}", f"--hidden-size {cfg.hidden}",
+             f"--num-attention-heads {cfg.heads}", f"--ffn-hidden-size {cfg.ffn}",
+             f"--seq-length {job.seq_length}", f"--max-position-embeddings {cfg.max_positions}"]
+    if cfg.family == "llama":  # Megatron-LM's defaults are GPT's: LayerNorm, GeLU, biases, tied, learned
+        args += ["--normalization RMSNorm", "--swiglu", "--position-embedding-type rope", "--disable-bias-linear",
+                 "--untie-embeddings-and-output-weights"]
+        if cfg.num_kv_heads != cfg.heads:
+            args += ["--group-query-attention", f"--num-query-groups {cfg.num_kv_heads}"]
+    if not cfg.dropout:
+        args += ["--hidden-dropout 0", "--attention-dropout 0"]
+    micro = job.global_batch // (layout.data_parallel * job.micro_batches)
+    args += [f"--micro-batch-size {micro}", f"--global-batch-size {job.global_batch}"]
+    if target.recompute == "selective":  # Megatron-LM's selective recomputes the core attention
+        args += ["--recompute-granularity selective"]
+    elif target.recompute == "full":  # every layer keeps its input
+        args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
+    if plan.model.precision == "mixed":
+        args += ["--bf16"]
+    return args
+
+
+def megatron_script(target: ExportTarget, plan: Plan) -> list[str]:
+    """A bash fragment: the arguments as an array and the launch with ``torchrun``."""
+    job, layout = plan.job, target.megatron
+    per_node = job.mesh.shape[-1]
+    notes = [f"# Megatron-LM: tensor parallelism {layout.tensor_parallel}"
+             + (" with sequence parallelism" if layout.sequence_parallel else "")
+             + f", data parallelism {layout.data_parallel}"
+             + (" with the distributed optimizer" if layout.distributed_optimizer else "") + ",",
+             "# no pipeline, Adam (Megatron-LM's default optimizer).",
+             f"# Add your data, tokenizer (the vocabulary is {job.config.vocab:,} tokens; Megatron-LM pads it to a "
+             "multiple of 128 × TP),",
+             "# learning-rate schedule and checkpointing arguments."]
+    if plan.model.precision == "mixed":
+        notes += ["# memshard prices this layout idealised: with --bf16 Megatron-LM accumulates gradients in fp32",
+                  "# (4 bytes per parameter where memshard prices 2) and keeps buffers memshard does not price."]
+    return [*notes,
+            "MEGATRON_ARGS=(",
+            *(f"    {a}" for a in megatron_arguments(target, plan)),
+            ")",
+            f"torchrun --nnodes {job.mesh.num_devices // per_node} --nproc-per-node {per_node} pretrain_gpt.py "
+            "\"${MEGATRON_ARGS[@]}\""]

@@ -1,0 +1,315 @@
+"""``memshard export``: baselines written for the frameworks they are named after.
+
+The exported ``fsdp2`` and ``ddp`` code is executed on tiny Hugging Face LLaMA and GPT-2
+models, one rank of a 4-rank world under the ``fake`` process group, and must allocate what
+the plan predicts (``MemoryMeter``, within 2%, as ``test_conformance.py`` checks the
+baselines); the Megatron-LM arguments must say the preset's sizes and the baseline's layout;
+``--out`` is written atomically and never replaces a file unasked; memshard's own plans and the
+idealised baselines are refused with a pointer to ``memshard.parallelize``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+import memshard
+from memshard.cli import main
+from memshard.errors import MemshardError
+from memshard.models import get_config
+from memshard.units import format_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 4
+
+
+def megatron_arguments(text: str) -> dict[str, str | None]:
+    """The ``MEGATRON_ARGS=( … )`` array of an export: flag → value (None for a switch)."""
+    body = re.search(r"^MEGATRON_ARGS=\(\n(.*?)^\)$", text, re.S | re.M)
+    assert body, text
+    out: dict[str, str | None] = {}
+    for line in body.group(1).splitlines():
+        flag, *value = line.split()
+        assert flag.startswith("--") and flag not in out and len(value) <= 1, line
+        out[flag] = value[0] if value else None
+    return out
+
+
+def parallelize_of(text: str):
+    """The ``parallelize`` function an fsdp2 or ddp export defines."""
+    scope: dict = {}
+    exec(compile(text, "exported", "exec"), scope)
+    return scope["parallelize"]
+
+
+# -- the exported PyTorch code allocates what the plan predicts ------------------------------------------
+@pytest.fixture(scope="module")
+def traced():
+    """The conformance tests' tiny HF models, traced once: one sequence of 32 tokens per rank."""
+    pytest.importorskip("transformers")
+    from memshard.trace.hf import trace_hf
+    from tests.test_conformance import FAMILIES, SEQ
+
+    return {f: trace_hf(f, batch=WORLD, seq=SEQ, precision="fp32", **FAMILIES[f]) for f in FAMILIES}
+
+
+def measured_fsdp2(parallelize, family: str, rank: int) -> int:
+    """The second step's peak of rank ``rank`` with the exported fsdp2 function applied."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memshard.runtime.measure import MemoryMeter
+    from tests.test_conformance import fake_rank, train_step
+
+    with fake_rank(family, WORLD, rank) as model:
+        model = parallelize(model, init_device_mesh("cpu", (WORLD,)))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+        train_step(model, opt, 0)
+        meter = MemoryMeter(model, opt)
+        with meter:
+            train_step(model, opt, 1)
+        return meter.peak_bytes
+
+
+def measured_ddp(parallelize, family: str, rank: int) -> int:
+    """The third step's peak (DDP rebuilds its buckets in the second) with the exported ddp
+    function applied. As in ``test_conformance.ddp_peak``: the fake process group's all-reduce
+    returns no tensor, so a hook does what DDP's built-in one does, in place; the buckets DDP
+    allocates in C++ are handed to the meter."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memshard.runtime.measure import MemoryMeter
+    from tests.test_conformance import fake_rank, train_step
+
+    with fake_rank(family, WORLD, rank) as model:
+        wrapped = parallelize(model, init_device_mesh("cpu", (WORLD,)))
+        buckets: dict[int, torch.Tensor] = {}
+
+        def allreduce(_, bucket):
+            buckets[bucket.index()] = buffer = bucket.buffer()
+            dist.all_reduce(buffer.div_(WORLD))
+            future = torch.futures.Future()
+            future.set_result(buffer)
+            return future
+
+        wrapped.register_comm_hook(None, allreduce)
+        opt = torch.optim.Adam(wrapped.parameters(), lr=1e-3, foreach=True)
+        train_step(wrapped, opt, 0)
+        train_step(wrapped, opt, 1)
+        meter = MemoryMeter(model, opt, *buckets.values())
+        with meter:
+            train_step(wrapped, opt, 2)
+        return meter.peak_bytes
+
+
+MEASURED = {"fsdp2": measured_fsdp2, "ddp": measured_ddp}
+CONTAINERS = {"llama": "model.layers", "gpt2": "transformer.h"}
+
+
+@pytest.mark.runtime
+@pytest.mark.parametrize("strategy", sorted(MEASURED))
+@pytest.mark.parametrize("family", sorted(CONTAINERS))
+def test_the_exported_code_allocates_what_the_plan_predicts(strategy, family, traced):
+    graph = traced[family]
+    text = memshard.export(graph, str(WORLD), strategy=strategy)
+    predicted = memshard.strategy_plan(graph, str(WORLD), strategy).peak_bytes
+    assert f"# Predicted peak per device: {format_bytes(predicted)} ({round(predicted):,} bytes)" in text
+    if strategy == "fsdp2":  # the blocks come from the graph: a loop over their container
+        assert text.count("fully_shard(") == 2
+        assert f'model.get_submodule("{CONTAINERS[family]}").children()' in text
+        code = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+        assert not re.search(r"\.\d+\b", code)  # no block named one by one
+    for rank in (0, WORLD - 1):
+        peak = MEASURED[strategy](parallelize_of(text), family, rank)
+        print(f"{strategy} {family} rank {rank}: measured {peak:,} B, predicted {round(predicted):,} B, "
+              f"{peak / predicted - 1:+.2%}")
+        assert peak == pytest.approx(predicted, rel=0.02), rank
+
+
+@pytest.mark.runtime
+def test_the_exported_code_refuses_a_model_or_mesh_it_was_not_planned_for(traced):
+    """The function checks what the prediction depends on: the block count and the mesh."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.test_conformance import fake_rank
+
+    fsdp2 = parallelize_of(memshard.export(traced["llama"], str(WORLD), strategy="fsdp2"))
+    with fake_rank("llama", WORLD, 0) as model:
+        with pytest.raises(ValueError, match="one mesh axis of 4 devices"):
+            fsdp2(model, init_device_mesh("cpu", (2, 2)))
+        del model.model.layers[1]
+        with pytest.raises(ValueError, match="2 blocks in model.layers, the model has 1"):
+            fsdp2(model, init_device_mesh("cpu", (WORLD,)))
+        assert not any(type(p).__name__ == "DTensor" for p in model.parameters())
+        assert isinstance(model, torch.nn.Module)
+
+
+@pytest.mark.trace
+def test_a_hugging_face_config_exports_in_fp32_with_its_command(tmp_path, capsys):
+    """From a config file: fp32 by default (what PyTorch's defaults run), and the header's
+    command writes the very same text."""
+    config = ROOT / "examples" / "tiny_llama.json"
+    text = memshard.export(memshard.HFModel(str(config)), "4", strategy="fsdp2", batch=4, seq=32)
+    plan = memshard.strategy_plan(memshard.HFModel(str(config)), "4", "fsdp2", batch=4, seq=32, precision="fp32")
+    assert f"({round(plan.peak_bytes):,} bytes)" in text
+    command = re.search(r"^# Made by: (.*)$", text, re.M).group(1)
+    assert command == (f"memshard export --hf-config {config} --mesh 4 --batch 4 --seq 32 --precision fp32 "
+                       "--strategy fsdp2")
+    assert main(command.split()[1:]) == 0
+    assert capsys.readouterr().out == text
+    with pytest.raises(MemshardError, match="--precision fp32"):
+        memshard.export(memshard.HFModel(str(config)), "4", strategy="ddp", precision="mixed")
+
+
+# -- Megatron-LM ---------------------------------------------------------------------------------------
+def test_megatron_arguments_say_the_preset_and_the_layout():
+    name = "megatron-tp4-dp2-sp-distopt"
+    text = memshard.export("gpt3-6.7b", "2x4", strategy=name, batch=16, seq=2048)
+    cfg = get_config("gpt3-6.7b")
+    assert megatron_arguments(text) == {
+        "--tensor-model-parallel-size": "4", "--pipeline-model-parallel-size": "1", "--sequence-parallel": None,
+        "--use-distributed-optimizer": None, "--num-layers": str(cfg.num_layers), "--hidden-size": str(cfg.hidden),
+        "--num-attention-heads": str(cfg.heads), "--ffn-hidden-size": str(cfg.ffn), "--seq-length": "2048",
+        "--max-position-embeddings": str(cfg.max_positions), "--micro-batch-size": "8",  # 16 over 2 replicas
+        "--global-batch-size": "16", "--bf16": None,  # a preset's own precision: mixed
+    }
+    assert (cfg.num_layers, cfg.hidden, cfg.heads, cfg.ffn) == (32, 4096, 32, 16384)
+    assert text.rstrip().endswith('torchrun --nnodes 2 --nproc-per-node 4 pretrain_gpt.py "${MEGATRON_ARGS[@]}"')
+    predicted = memshard.strategy_plan("gpt3-6.7b", "2x4", name, batch=16, seq=2048).peak_bytes
+    assert f"({round(predicted):,} bytes)" in text
+
+
+def test_megatron_arguments_for_llama_with_recomputation_and_micro_batches():
+    """LLaMA's architecture flags (grouped-query attention), the name's recomputation, the
+    micro-batches; without -sp and -distopt neither switch; fp32 without --bf16."""
+    args = megatron_arguments(memshard.export("llama3-8b", "1x8", strategy="megatron-tp2-dp4+selective", batch=32,
+                                              seq=1024, micro_batches=2))
+    assert args["--tensor-model-parallel-size"] == "2" and args["--micro-batch-size"] == "4"  # 32 / (4 × 2)
+    assert args["--num-query-groups"] == "8" and args["--ffn-hidden-size"] == "14336"
+    for switch in ("--group-query-attention", "--swiglu", "--disable-bias-linear",
+                   "--untie-embeddings-and-output-weights"):
+        assert switch in args and args[switch] is None, switch
+    assert args["--normalization"] == "RMSNorm" and args["--position-embedding-type"] == "rope"
+    assert args["--recompute-granularity"] == "selective" and "--recompute-method" not in args
+    assert "--sequence-parallel" not in args and "--use-distributed-optimizer" not in args
+
+    full = megatron_arguments(memshard.export("tiny-gpt", "4", strategy="megatron-tp4-sp+full"))
+    assert (full["--recompute-granularity"], full["--recompute-method"], full["--recompute-num-layers"]) == (
+        "full", "uniform", "1")
+    assert "--bf16" not in full and "--swiglu" not in full and "--sequence-parallel" in full
+    assert full["--micro-batch-size"] == "4" and full["--global-batch-size"] == "4"  # one replica
+
+
+def test_megatron_needs_a_batch_its_replicas_split_evenly():
+    with pytest.raises(MemshardError, match=r"global batch \(6\) to be a multiple of .* \(4\)"):
+        memshard.export("tiny-gpt", "1x8", strategy="megatron-tp2-dp4", batch=6)
+
+
+# -- what cannot be exported ----------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["memshard", "dp", "zero1", "zero2", "zero3-fsdp", "tp2-fsdp2",
+                                      "fsdp2+full", "ddp+selective"])
+def test_what_pytorch_cannot_run_as_priced_points_to_parallelize(strategy):
+    with pytest.raises(MemshardError) as raised:
+        memshard.export("tiny-gpt", "2x2", strategy=strategy)
+    message = str(raised.value)
+    assert message.startswith(f"{strategy} cannot be exported: ") and "memshard.parallelize(model, plan)" in message
+    assert "\n" not in message
+
+
+def test_the_default_is_memshards_own_plan_which_is_refused(capsys):
+    assert main(["export", "--model", "tiny-gpt", "--mesh", "4"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("memshard: error: memshard cannot be exported: memshard's plan picks each operator's")
+    assert "memshard.parallelize(model, plan)" in err
+
+
+# -- the text: deterministic, the same from the command line and the API --------------------------------
+def test_the_same_job_gives_the_same_text_from_the_api_and_the_command_line(capsys):
+    argv = ["export", "--model", "tiny-llama", "--mesh", "2x2", "--strategy", "fsdp2"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    text = memshard.export("tiny-llama", "2x2", strategy="fsdp2")
+    assert printed == text == memshard.export(memshard.Job("tiny-llama", "2x2"), strategy="fsdp2")
+    assert main(argv) == 0 and capsys.readouterr().out == printed
+    assert "# Made by: memshard export --model tiny-llama --mesh 2x2 --batch 4 --seq 32 --precision fp32 " \
+           "--strategy fsdp2\n" in text
+    compile(text, "exported", "exec")  # a Python module
+
+
+def test_the_header_names_the_job_and_the_peak():
+    plan = memshard.strategy_plan("tiny-gpt", "4", "ddp", batch=8, num_layers=3)
+    text = memshard.export("tiny-gpt", "4", strategy="ddp", batch=8, num_layers=3)
+    assert text.splitlines()[:4] == [
+        "# memshard export: ddp",
+        "# Job: tiny-gpt (677K parameters, fp32), global batch 8 × 32 tokens, on mesh 4 (4 devices)",
+        f"# Predicted peak per device: {format_bytes(plan.peak_bytes)} ({round(plan.peak_bytes):,} bytes), "
+        f"at {plan.memory.peak_at}",
+        "# Made by: memshard export --model tiny-gpt --mesh 4 --batch 8 --seq 32 --layers 3 --precision fp32 "
+        "--strategy ddp",
+    ]
+    assert "torch.optim.Adam(model.parameters(), foreach=True)" in text
+    assert "return DistributedDataParallel(model, device_mesh=mesh)" in text
+
+
+# -- --out ---------------------------------------------------------------------------------------------
+FSDP2 = ["export", "--model", "tiny-gpt", "--mesh", "4", "--strategy", "fsdp2"]
+
+
+def test_out_writes_the_file_and_replaces_one_only_with_force(tmp_path, capsys):
+    out = tmp_path / "parallelize.py"
+    assert main([*FSDP2, "--out", str(out)]) == 0
+    assert capsys.readouterr().out == f"fsdp2 written to {out}\n"
+    assert out.read_text() == memshard.export("tiny-gpt", "4", strategy="fsdp2")
+
+    out.write_text("mine\n")
+    assert main([*FSDP2, "--out", str(out)]) == 2
+    assert f"--out {out} exists: give --force to replace it" in capsys.readouterr().err
+    assert out.read_text() == "mine\n"
+
+    assert main([*FSDP2, "--force"]) == 2  # --force without --out: nothing to replace
+    assert capsys.readouterr() == ("", "memshard: error: --force replaces an --out file: give --out\n")
+
+    assert main([*FSDP2, "--strategy", "ddp", "--out", str(out), "--force"]) == 0
+    assert out.read_text() == memshard.export("tiny-gpt", "4", strategy="ddp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["parallelize.py"]
+
+
+def test_out_is_never_half_written(tmp_path, monkeypatch, capsys):
+    """The text goes to a temporary file renamed over the target: a failure before the rename
+    leaves the old file whole and no temporary file behind."""
+    import memshard.files
+
+    out = tmp_path / "parallelize.py"
+    out.write_text("mine\n")
+
+    def fail(src, dst):
+        assert Path(src).read_text() == memshard.export("tiny-gpt", "4", strategy="fsdp2")  # written in full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(memshard.files.os, "replace", fail)
+    assert main([*FSDP2, "--out", str(out), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"memshard: error: cannot write {out}: No space left on device\n"
+    assert out.read_text() == "mine\n"
+    assert os.listdir(tmp_path) == ["parallelize.py"]
+
+
+# -- the README --------------------------------------------------------------------------------------------
+README = (ROOT / "README.md").read_text()
+EXAMPLES = re.findall(r"```console\n\$ (memshard export [^\n]*)\n(.*?)```", README, re.S)
+
+
+@pytest.mark.trace
+def test_the_readme_examples_print_what_the_readme_shows(monkeypatch, capsys):
+    assert [c.split("--strategy ")[1].split()[0] for c, _ in EXAMPLES] == ["fsdp2", "megatron-tp4-dp2-sp-distopt"]
+    monkeypatch.chdir(ROOT)  # the example's config path is relative to the clone
+    for command, shown in EXAMPLES:
+        assert main(command.split()[1:]) == 0
+        assert capsys.readouterr().out == shown, command
