@@ -25,12 +25,10 @@ import itertools
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.test_conformance import FAMILIES, MEASURED, SEQ, blocks_of, fake_rank  # noqa: E402
+from tests.test_conformance import FAMILIES, MEASURED, SEQ, tp_fsdp2_peak  # noqa: E402
 
 import memshard  # noqa: E402
 from benchmarks_md import provenance, write_section  # noqa: E402
@@ -55,66 +53,6 @@ def rows() -> list[str]:
                                f"{predicted / measured - 1:+.2%} | {ideal_name} | {ideal:,.0f} | "
                                f"{ideal / measured - 1:+.2%} |")
     return out
-
-
-WORLDS = itertools.count()  # fresh mesh dim names per world: DTensor caches meshes by their names
-
-
-def tensor_parallel(model, mesh) -> None:
-    """torchtitan's LLaMA plan on the ``mesh`` (its TP axis) for a Hugging Face LLaMA."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    parallelize_module(model, mesh, {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
-    gather = {"input_kwarg_layouts": {"hidden_states": Shard(1)},
-              "desired_input_kwarg_layouts": {"hidden_states": Replicate()}}
-    for block in blocks_of(model):
-        parallelize_module(block, mesh, {
-            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-            "self_attn": PrepareModuleInput(**gather),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            **dict.fromkeys(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-                             "mlp.up_proj"), ColwiseParallel()),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
-
-
-def tp_fsdp2_peak(dp: int, tp: int, rank: int, seq: int) -> int:
-    """Rank ``rank``'s peak in the second step of the LLaMA under TP (inner axis) × FSDP2."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    from memshard.runtime.measure import MemoryMeter
-
-    def step(model, opt, seed):
-        ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(seed))
-        with loss_parallel():  # positions given: HF derives them from the sharded embedding otherwise
-            model(ids, labels=ids, use_cache=False, position_ids=torch.arange(seq)[None]).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    with fake_rank("llama", dp * tp, rank) as model:
-        n = next(WORLDS)
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=(f"dp{n}", f"tp{n}"))
-        tensor_parallel(model, mesh[f"tp{n}"])
-        for module in (*blocks_of(model), model):
-            fully_shard(module, mesh=mesh[f"dp{n}"])
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-        step(model, opt, 0)
-        meter = MemoryMeter(model, opt)
-        with meter:
-            step(model, opt, 1)
-        return meter.peak_bytes
 
 
 def tensor_parallel_rows() -> list[str]:

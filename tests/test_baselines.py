@@ -118,7 +118,7 @@ def test_compare_command_writes_json(tmp_path, capsys):
     ("gpt2", [512, 4, 512]),
 ])
 def test_a_traced_model_is_laid_out_for_tensor_parallelism_by_its_weights(family, sizes):
-    from memshard.baselines import tensor_parallel_dims
+    from memshard.tensor_parallel import tensor_parallel_dims
     from memshard.trace.hf import trace_hf
 
     configs = {"llama": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -146,3 +146,24 @@ def test_a_traced_model_is_laid_out_for_tensor_parallelism_by_its_weights(family
         forced = solve(b.problem, "memory", fixed=b.selection, mip_gap=0.0)
         assert forced.ilp_peak_bytes == pytest.approx(direct.peak_bytes, rel=1e-6), b.name
         assert best <= direct.peak_bytes * (1 + 1e-3), b.name
+
+
+def test_pytorch_tensor_parallelism_gathers_each_block_input_once():
+    """PrepareModuleInput before a block's attention and MLP: one redistribution per input
+    that several column-parallel projections read, the projections reading its output."""
+    from memshard.tensor_parallel import REDISTRIBUTE, with_input_gathers
+
+    graph = build_graph("tiny-llama", batch=4, seq=32, num_layers=2)
+    gathered = with_input_gathers(graph)
+    gathers = [op for op in gathered.ops if op.kind == REDISTRIBUTE]
+    readers = [[gathered.ops[i].name for i, _ in gathered.consumers[op.output.tensor]] for op in gathers]
+    assert [len(r) for r in readers] == [3, 2, 3, 2]  # q, k, v; gate, up — per layer
+    for op, names in zip(gathers, readers):
+        # the projections read the gathered copy only, after it is made
+        assert not {gathered.ops[i].name for i, _ in gathered.consumers[op.inputs[0].tensor]} & set(names)
+        assert gathered.producer[op.output.tensor] < min(i for i, _ in gathered.consumers[op.output.tensor])
+    assert len(gathered.ops) == len(graph.ops) + 4
+    # the projections' input gradients reach the gathered copy unreduced
+    problem = build_problem(graph, parse_mesh("2x4"), framework="torch-tp")
+    assert {e.key.split(" -> ")[1] for e in problem.edges if e.gradient_through} == {
+        "attn.q[0]", "attn.k[0]", "attn.v[0]", "mlp.gate[0]", "mlp.up[0]"}

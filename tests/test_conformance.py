@@ -14,6 +14,7 @@ predicted peak within 2% on the first and the last rank.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import pytest
 
@@ -29,6 +30,8 @@ pytestmark = pytest.mark.runtime
 SEQ = 32
 FAMILIES = {
     "llama": {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 256, "vocab_size": 512},
+    "qwen2": {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 256, "vocab_size": 512},
     "gpt2": {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 512, "n_positions": 64,
              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
@@ -111,8 +114,71 @@ def ddp_peak(family: str, world: int, rank: int) -> int:
 MEASURED = {"fsdp2": fully_sharded_peak, "ddp": ddp_peak}
 
 
+WORLDS = itertools.count()  # fresh mesh dim names per world: DTensor caches meshes by their names
+
+
+def tensor_parallel(model, mesh) -> None:
+    """torchtitan's LLaMA plan on ``mesh`` (the TP axis) for a Hugging Face LLaMA-like model:
+    vocabulary-parallel embedding and ``lm_head``, ``SequenceParallel`` norms, each block's
+    attention and MLP input gathered once (``PrepareModuleInput``), column- then row-parallel
+    projections."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+    gather = {"input_kwarg_layouts": {"hidden_states": Shard(1)},
+              "desired_input_kwarg_layouts": {"hidden_states": Replicate()}}
+    for block in blocks_of(model):
+        parallelize_module(block, mesh, {
+            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(**gather),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            **dict.fromkeys(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                             "mlp.up_proj"), ColwiseParallel()),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
+
+
+def tp_fsdp2_peak(dp: int, tp: int, rank: int, seq: int, family: str = "llama") -> int:
+    """Rank ``rank``'s peak in the second step of ``family`` (LLaMA-like) under PyTorch's TP
+    (the mesh's inner axis, :func:`tensor_parallel`, ``loss_parallel``) × FSDP2 (the outer)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    def step(model, opt, seed):
+        ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(seed))
+        with loss_parallel():  # positions given: HF derives them from the sharded embedding otherwise
+            model(ids, labels=ids, use_cache=False, position_ids=torch.arange(seq)[None]).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with fake_rank(family, dp * tp, rank) as model:
+        n = next(WORLDS)
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=(f"dp{n}", f"tp{n}"))
+        tensor_parallel(model, mesh[f"tp{n}"])
+        for module in (*blocks_of(model), model):
+            fully_shard(module, mesh=mesh[f"dp{n}"])
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+        step(model, opt, 0)
+        meter = MemoryMeter(model, opt)
+        with meter:
+            step(model, opt, 1)
+        return meter.peak_bytes
+
+
+
 @pytest.mark.parametrize("baseline", sorted(MEASURED))
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("world", [4, 8])
 def test_a_baseline_is_what_its_pytorch_implementation_allocates(baseline, family, world):
     graph = trace_hf(family, batch=world, seq=SEQ, precision="fp32", **FAMILIES[family])
@@ -133,3 +199,17 @@ def test_fsdp2_holds_more_than_the_idealised_zero3():
     # (lm_head, the final norm) are all-gathered once less, (N−1)/N of their bytes each.
     saved = ideal.communication.bytes_per_step - fsdp2.communication.bytes_per_step
     assert saved == pytest.approx(3 / 4 * (512 * 128 + 128) * 4)
+
+
+@pytest.mark.parametrize("family, dp, tp, seq", [("llama", 2, 2, SEQ), ("llama", 4, 2, 256),
+                                                 ("qwen2", 2, 2, 256), ("qwen2", 4, 2, SEQ)])
+def test_torch_tensor_parallel_times_fsdp2_is_what_pytorch_allocates(family, dp, tp, seq):
+    graph = trace_hf(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
+    predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}").peak_bytes
+    idealised = memshard.strategy_plan(graph, f"{dp}x{tp}", f"tp{tp}-fsdp{dp}").peak_bytes
+    for rank in (0, dp * tp - 1):
+        measured = tp_fsdp2_peak(dp, tp, rank, seq, family)
+        assert measured == pytest.approx(predicted, rel=0.02), rank
+        # what the idealised plan leaves out (FSDP2's buffers, the gathered inputs PyTorch
+        # saves, loss_parallel's buffers) is real memory
+        assert idealised < 0.9 * measured

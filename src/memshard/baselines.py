@@ -33,54 +33,16 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from memshard.graph import Graph, Op, Origin, TensorKind
 from memshard.mesh import Mesh
 from memshard.placement import local_numel
 from memshard.pricing import build_problem
-from memshard.problem import DDP, FSDP2, Problem, Selection, complete_selection
+from memshard.problem import DDP, FSDP2, TORCH_TP, Problem, Selection, complete_selection
 from memshard.recompute import core_attention, replayable_ops
 from memshard.selections import SplitUnavailable, assign_strategies, data_parallel, uniform_storage
-
-TP_DIMS = ("v", "f", "e", "n")  # a built model's dims tensor parallelism splits, first found in the op
-
-
-def tensor_parallel_dims(graph: Graph) -> tuple[str, ...]:
-    """The dims tensor parallelism splits, in the order an op picks its first: a built
-    model's :data:`TP_DIMS`; for a traced one, the outermost feature atom of every weight that
-    is not the model dim (the dim most weights have): the q/k/v and MLP weights' outputs, the
-    output projections' inputs, the vocabulary. ``ColwiseParallel`` and ``RowwiseParallel``
-    split a linear's features contiguously, i.e. that atom: heads (kv heads × group for
-    grouped queries), never the head dim. Two exceptions, as Megatron-LM lays them out: a
-    fused weight's fusion atom (GPT-2's ``[3, heads, head dim]``: the atom its output's
-    consumers select away) is passed over for the next, and tables other than the token
-    embedding (looked up by the batch's tokens) stay whole (positions)."""
-    if graph.origin is Origin.BUILT:
-        return TP_DIMS
-    weights = []
-    for p in graph.parameters:
-        for i, j in graph.consumers.get(p, ())[:1]:
-            op = graph.ops[i]
-            tokens = any(graph.tensors[o.tensor].kind is TensorKind.INPUT and "b" in o.dims for o in op.inputs)
-            if op.kind != "embedding" or tokens:
-                weights.append((op, op.inputs[j].dims))
-    model_dim = Counter(d for _, dims in weights for d in set(dims)).most_common(1)[0][0]
-    out: dict[str, None] = {}
-    for op, dims in weights:
-        features = [d for d in dims if d != model_dim and not _selected_away(graph, op, d)]
-        if features:
-            out[features[0]] = None
-    return tuple(out)
-
-
-def _selected_away(graph: Graph, op: Op, dim: str) -> bool:
-    """Whether every op reading ``op``'s output selects ``dim`` away (a fused weight's q/k/v index)."""
-    readers = [graph.ops[i] for i, _ in graph.consumers.get(op.output.tensor, ())]
-    return (bool(readers) and dim in op.output.dims
-            and all(r.kind == "select" and dim not in r.output.dims for r in readers))
+from memshard.tensor_parallel import REDISTRIBUTE, tensor_parallel_dim, tensor_parallel_dims
 
 
 @dataclass(frozen=True)
@@ -97,6 +59,7 @@ def megatron_tp(
     distributed_optimizer: bool = False,
     fsdp: bool = False,
     replayed: Callable[[int], bool] = lambda i: False,
+    keep_split: bool = True,
 ) -> Selection:
     mesh = problem.mesh
     n = mesh.ndim
@@ -105,8 +68,8 @@ def megatron_tp(
     tp_dims = tensor_parallel_dims(problem.graph)
 
     def per_op(op):
-        tp_dim = next((d for d in tp_dims if d in op.dims and d not in op.unsplittable_dims), None)
-        if tp_dim is None and sequence_parallel and "s" in op.dims:
+        tp_dim = tensor_parallel_dim(op, tp_dims)
+        if tp_dim is None and sequence_parallel and "s" in op.dims and op.kind != REDISTRIBUTE:
             tp_dim = "s"
         return tuple(
             None if mesh.shape[a] == 1 else (tp_dim if a in tp else ("b" if "b" in op.dims else None))
@@ -116,7 +79,7 @@ def megatron_tp(
     strategies = assign_strategies(problem, per_op, replayed)
     stage = 3 if fsdp else (1 if distributed_optimizer else 0)
     selection = complete_selection(problem, strategies, uniform_storage(problem, stage, dp))
-    if not sequence_parallel:
+    if not (sequence_parallel and keep_split):
         return selection
     # Sequence parallelism keeps the split activations for backward and gathers them again
     # (Korthikanti et al. 2022): keep wherever the producer's layout is the smaller one.
@@ -155,6 +118,13 @@ def megatron_tp_sp_distributed_optimizer(problem: Problem, tp_axes: int, replaye
 def tp_fsdp(problem: Problem, tp_axes: int, replayed: Replayed) -> Selection:
     """torchtitan's 2D recipe: TP + SP on the inner axes, FSDP (ZeRO-3) on the outer ones."""
     return megatron_tp(problem, tp_axes, sequence_parallel=True, fsdp=True, replayed=replayed)
+
+
+def torch_tp_fsdp2(problem: Problem, tp_axes: int, replayed: Replayed) -> Selection:
+    """PyTorch's tensor parallelism with torchtitan's plan × ``fully_shard`` (on a problem
+    built for ``TORCH_TP``): TP + SP on the inner axes, each block's attention and MLP input
+    gathered once (the redistributions stay whole on them) and saved gathered, FSDP2 outside."""
+    return megatron_tp(problem, tp_axes, sequence_parallel=True, fsdp=True, replayed=replayed, keep_split=False)
 
 
 def recompute_variants(problem: Problem) -> list[tuple[str, Replayed]]:
@@ -196,8 +166,9 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     mesh = problem.mesh
     variants = recompute_variants(problem)
 
-    def add(name, make, on: Callable[[], Problem] = lambda: problem):
-        names = [(name + suffix, replayed) for suffix, replayed in variants if wanted is None or wanted(name + suffix)]
+    def add(name, make, on: Callable[[], Problem] = lambda: problem, recomputes: bool = True):
+        names = [(name + suffix, replayed) for suffix, replayed in (variants if recomputes else variants[:1])
+                 if wanted is None or wanted(name + suffix)]
         if names:
             on = on()
         for full_name, replayed in names:
@@ -226,6 +197,10 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
         if dp > 1:
             add(f"megatron-{tag}-sp-distopt", lambda p, r, k=k: megatron_tp_sp_distributed_optimizer(p, k, r), on)
             add(f"tp{tp}-fsdp{dp}", lambda p, r, k=k: tp_fsdp(p, k, r), on)
+            # (recomputation with torch.utils.checkpoint is not priced for it yet)
+            if problem.recompute in ("none", "auto"):
+                add(f"torch-tp{tp}-fsdp{dp}", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
+                    lambda on=on: as_run_by(on(), TORCH_TP), recomputes=False)
     return out, skipped
 
 

@@ -52,6 +52,7 @@ from memshard.problem import (
     RETAINED,
     SAVED,
     SOURCE,
+    TORCH_TP,
     ZERO3_UNITS,
     Choice,
     Conflict,
@@ -78,6 +79,7 @@ from memshard.strategies import (
     input_grad_layout,
     parameter_inputs,
 )
+from memshard.tensor_parallel import REDISTRIBUTE, redistribute_grad_layout, with_input_gathers
 
 ADAM_SQRT_BYTES = 4  # one fp32 element per parameter element: torch Adam's sqrt(exp_avg_sq)
 
@@ -210,7 +212,7 @@ class _Builder:
         self.micro_batches = micro_batches
         self.sched = Schedule(len(graph.ops))
         self.framework = framework
-        units = fsdp2_units if framework == FSDP2 else layer_units if zero3_unit == "layer" else None
+        units = fsdp2_units if framework in (FSDP2, TORCH_TP) else layer_units if zero3_unit == "layer" else None
         self.units = units(graph, self.sched, recompute) if units else {}
         self.replay_flags = replay_flags(graph, recompute)
         self.conflicts: list[Conflict] = []
@@ -290,8 +292,11 @@ class _Builder:
             choices += self.op_choices(op, strategies, replayed)
             every += strategies
             replays += [replayed] * len(strategies)
-        return OpGroup(key=_role_key(op, self.shared), choices=choices, strategies=every,
-                       input_grads=[[input_grad_layout(s, op, j) for s in every] for j in range(len(op.inputs))],
+        if op.kind == REDISTRIBUTE:
+            input_grads = [[redistribute_grad_layout(s.output_layout, self.mesh.shape) for s in every]]
+        else:
+            input_grads = [[input_grad_layout(s, op, j) for s in every] for j in range(len(op.inputs))]
+        return OpGroup(key=_role_key(op, self.shared), choices=choices, strategies=every, input_grads=input_grads,
                        replays=replays if any(replays) else [])
 
     def add_ops(self) -> list[int]:
@@ -320,6 +325,8 @@ class _Builder:
                 chunk = self.cached((gid, "workspace"), lambda op=op, strategies=strategies: self.chunk_prices(
                     self.graph.tensors[op.inputs[0].tensor], [s.input_layouts[0] for s in strategies]))
                 self.slot(gid, S.forward(i), S.forward(i), "transients", *chunk)
+                if self.framework == TORCH_TP:
+                    self.loss_parallel_slots(i, gid)
             out = self.graph.tensors[op.output.tensor]
             if op.output.tensor in self.last_consumer:
                 # The gradient of the output in our layout, from its last consumer's reshard of
@@ -335,6 +342,25 @@ class _Builder:
                 # The last consumer's is the tensor's whole gradient until it is resharded.
                 unique = self.graph.tensors[t].nbytes if self.last_consumer[t] == i else 0.0
                 self.slot(gid, S.backward(i), S.backward(i), "transients", *prices, unique)
+
+    def loss_parallel_slots(self, i: int, gid: int) -> None:
+        """PyTorch's ``loss_parallel`` (``torch/distributed/tensor/parallel/loss.py``) where the
+        classes are split: its log-softmax holds the shifted logits while it makes the result,
+        and its backward builds the gradient as ``(zeros + exp(x)) * grad`` — each one local
+        logits tensor more than the fused kernels an unsplit loss runs, forward and backward."""
+        S, op = self.sched, self.graph.ops[i]
+        logits = self.graph.tensors[op.inputs[0].tensor]
+        classes = op.inputs[0].dims[-1]
+
+        def prices():
+            strategies = self.groups[gid].strategies
+            nbytes, redundant = self.layout_prices(logits, [s.input_layouts[0] for s in strategies])
+            split = np.array([classes in s.assignment for s in strategies], dtype=float)
+            return nbytes * split, redundant * split
+
+        extra = self.cached((gid, "loss_parallel"), prices)
+        for point in (S.forward(i), S.backward(i)):
+            self.slot(gid, point, point, "transients", *extra)
 
     def buffer_slots(self, i: int, gid: int, buffers: tuple[list, list]) -> None:
         """An op's private buffers (a dropout mask) from its forward to its backward; a
@@ -367,8 +393,9 @@ class _Builder:
                 saves = j in op.saves_inputs
                 if key not in self.edge_index:
                     self.edge_index[key] = len(self.edges)
+                    through = self.graph.ops[self.graph.producer[t]].kind == REDISTRIBUTE
                     self.edges.append(Edge(f"{key[0]} -> {key[1]}[{j}]", self.graph.tensors[t], pg, cg, j, saves,
-                                           replay=self.edge_replay(pg, cg, saves)))
+                                           replay=self.edge_replay(pg, cg, saves), gradient_through=through))
                 e = self.edge_index[key]
                 self.edges[e].instances += 1
                 edge_of_input[(i, j)] = e
@@ -727,6 +754,8 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         raise MemshardError(f"the framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     if recompute not in RECOMPUTE_POLICIES:
         raise MemshardError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {recompute!r}")
+    if framework == TORCH_TP:
+        graph = with_input_gathers(graph)
     b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute, framework)
     op_group = b.add_ops()
     b.op_slots(op_group)

@@ -64,10 +64,12 @@ SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout 
 # What runs a plan, and so what it allocates besides the model's own tensors: memshard's
 # runtime; or, for the baselines named after them, PyTorch's fully_shard on every layer and
 # the root module (``pricing.fsdp2_units``: ZeRO-3 gathered by layer, the root all step,
-# prefetch, flat buffers) and DistributedDataParallel (its gradient buckets). Not a search
-# option: memshard's runtime executes "memshard" plans only.
-MEMSHARD, FSDP2, DDP = "memshard", "fsdp2", "ddp"
-FRAMEWORKS = (MEMSHARD, FSDP2, DDP)
+# prefetch, flat buffers) and DistributedDataParallel (its gradient buckets); TORCH_TP: PyTorch's
+# parallelize_module with torchtitan's plan (``tensor_parallel.with_input_gathers``: each
+# block's attention and MLP input gathered once) × fully_shard as FSDP2. Not a search option:
+# memshard's runtime executes "memshard" plans only.
+MEMSHARD, FSDP2, DDP, TORCH_TP = "memshard", "fsdp2", "ddp", "torch-tp"
+FRAMEWORKS = (MEMSHARD, FSDP2, DDP, TORCH_TP)
 
 INPUT_COPY = "input_copy"  # the consumer's input during its forward
 REGATHER = "regather"  # a kept copy gathered again during the consumer's backward
@@ -186,6 +188,9 @@ class Edge:
     instances: int = 0
     executions: int = 0  # per step: instances × micro-batches
     replay: str = ""  # REPLAYED_BY_PRODUCER, READ_BY_REPLAY or "" (recomputation never touches it)
+    # The producer is a redistribution (``tensor_parallel.REDISTRIBUTE``): the consumer's input
+    # gradient is added to the producer's output gradient as it is, partial sums and all.
+    gradient_through: bool = False
 
     def can_keep(self, producer_layout: Layout, consumer_layout: Layout) -> bool:
         return self.saves and not any(isinstance(p, Partial) for p in producer_layout)
@@ -327,11 +332,12 @@ class Problem:
         """The layouts of edge ``e`` under ``selection``."""
         edge = self.edges[e]
         producer = self.strategy(selection, edge.producer).output_layout
+        consumer_grad = self.groups[edge.consumer].input_grads[edge.input_index][selection.choices[edge.consumer]]
         return EdgeLayouts(
             producer=producer,
             consumer=self.strategy(selection, edge.consumer).input_layouts[edge.input_index],
-            consumer_grad=self.groups[edge.consumer].input_grads[edge.input_index][selection.choices[edge.consumer]],
-            producer_grad=without_partial(producer),
+            consumer_grad=consumer_grad,
+            producer_grad=consumer_grad if edge.gradient_through else without_partial(producer),
             kept=bool(selection.keeps[e]),
             replayed=self.edge_replay(selection, e),
         )

@@ -74,6 +74,7 @@ class EdgeFlows:
         keeps = flow_copies(problem, e)
         steps, cost_cols, cost_vals = {}, [], []
         flow_states = step_states(spec.shape, spec.dtype_bytes, tuple(producer_layouts), tuple(consumer_keys), keeps,
+                                  edge.gradient_through,
                                   problem.mesh)
         for step, (states, times) in flow_states.items():
             cols = self.model.columns(len(states), integer=False)
@@ -189,9 +190,10 @@ def flow_copies(problem: Problem, e: int) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=512)
 def step_states(shape: tuple[int, ...], dtype_bytes: int, producer_layouts: tuple[Layout, ...],
-                consumer_keys: tuple[tuple, ...], keeps: tuple[int, ...], mesh: Mesh) -> dict:
+                consumer_keys: tuple[tuple, ...], keeps: tuple[int, ...], gradient_through: bool, mesh: Mesh) -> dict:
     """Per (keep, step a): the flow states σ and each one's time (shared by every edge and
-    every solve of one shape and layouts; read only)."""
+    every solve of one shape and layouts; read only); ``gradient_through``: no gradient
+    step back (``Edge.gradient_through``)."""
     axes = mesh.ndim
     suffixes = [{L[a:] for L in producer_layouts} for a in range(axes + 1)]
     prefixes = [{K[:a] for K in consumer_keys} for a in range(axes + 1)]
@@ -203,20 +205,25 @@ def step_states(shape: tuple[int, ...], dtype_bytes: int, producer_layouts: tupl
                       for prefix in prefixes[a]
                       for suffix in suffixes[a] if not (k == 1 and any(isinstance(x, Partial) for x in suffix))
                       for placement in placements[a] if prefix + (placement,) in prefixes[a + 1]]
-            times = np.array([step_time(shape, dtype_bytes, a, *state, k, mesh) for state in states], dtype=float)
+            times = np.array([step_time(shape, dtype_bytes, a, *state, k, mesh, gradient_through) for state in states],
+                             dtype=float)
             times.setflags(write=False)
             out[(k, a)] = (tuple(states), times)
     return out
 
 
-def step_time(shape: tuple[int, ...], dtype_bytes: int, a: int, prefix, suffix, placement, keep: int, mesh) -> float:
+def step_time(shape: tuple[int, ...], dtype_bytes: int, a: int, prefix, suffix, placement, keep: int, mesh,
+              gradient_through: bool = False) -> float:
     """Seconds of resharding step ``a`` in one state: the forward step (twice if the copy is
-    kept and gathered again, or replayed) and the gradient's step back."""
+    kept and gathered again, or replayed) and the gradient's step back (none through a
+    redistribution)."""
     consumer_prefix = tuple(pl for pl, _ in prefix)
     grad_prefix = tuple(g for _, g in prefix)
     grad_suffix = tuple(without_partial(suffix))
     calls = comm.reshard_step(shape, dtype_bytes, consumer_prefix + suffix, a, placement[0], mesh)
     calls = calls * (2 if keep else 1)
+    if gradient_through:
+        return comm.total_time(calls, mesh)
     backward = grad_prefix + (placement[1],) + grad_suffix[1:]
     calls += comm.reshard_step(shape, dtype_bytes, backward, a, grad_suffix[0], mesh, reverse=True)
     return comm.total_time(calls, mesh)

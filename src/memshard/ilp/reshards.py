@@ -82,6 +82,8 @@ class ReshardRows:
         edge = problem.edges[e]
         if kind in KEPT_PRICES and e not in self.keep_columns:  # a copy its consumer's replay reads whole
             return None
+        if kind in BACKWARD_PRICES and edge.gradient_through:  # the gradient passes as it is
+            return None
         producer = problem.groups[edge.producer].strategies
         if kind in BACKWARD_PRICES:
             a_of = [without_partial(s.output_layout) for s in producer]

@@ -1,0 +1,111 @@
+"""Tensor parallelism's view of a graph: the dims it splits, and the gathers PyTorch adds.
+
+- :func:`tensor_parallel_dims`: which dims Megatron-style tensor parallelism splits, in the
+  order an op picks its first (the baselines lay every op out by it).
+- :func:`with_input_gathers`: the graph as PyTorch's ``parallelize_module`` runs it with
+  torchtitan's plan, where ``PrepareModuleInput`` gathers a sequence-parallel activation once
+  for every projection reading it (q, k, v; gate and up): one :data:`REDISTRIBUTE` op before
+  them, whose output they all read, save and send their gradients to.
+
+A redistribution computes nothing; its output's gradient is the sum of its readers' partial
+gradients (PyTorch sums them before the redistribution's backward reduce-scatters once), so
+the edges out of it reshard no gradient (``Edge.gradient_through``) and its own input
+gradient is partial wherever it is replicated (``redistribute_grad_layout``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+from memshard.graph import Graph, Op, Operand, Origin, TensorKind
+from memshard.placement import PARTIAL, REPLICATE, Layout
+
+TP_DIMS = ("v", "f", "e", "n")  # a built model's dims tensor parallelism splits, first found in the op
+REDISTRIBUTE = "redistribute"  # op kind: an input gathered once for several readers
+
+
+def tensor_parallel_dims(graph: Graph) -> tuple[str, ...]:
+    """The dims tensor parallelism splits, in the order an op picks its first: a built
+    model's :data:`TP_DIMS`; for a traced one, the outermost feature atom of every weight that
+    is not the model dim (the dim most weights have): the q/k/v and MLP weights' outputs, the
+    output projections' inputs, the vocabulary. ``ColwiseParallel`` and ``RowwiseParallel``
+    split a linear's features contiguously, i.e. that atom: heads (kv heads × group for
+    grouped queries), never the head dim. Two exceptions, as Megatron-LM lays them out: a
+    fused weight's fusion atom (GPT-2's ``[3, heads, head dim]``: the atom its output's
+    consumers select away) is passed over for the next, and tables other than the token
+    embedding (looked up by the batch's tokens) stay whole (positions)."""
+    if graph.origin is Origin.BUILT:
+        return TP_DIMS
+    weights = []
+    for p in graph.parameters:
+        for i, j in graph.consumers.get(p, ())[:1]:
+            op = graph.ops[i]
+            tokens = any(graph.tensors[o.tensor].kind is TensorKind.INPUT and "b" in o.dims for o in op.inputs)
+            if op.kind != "embedding" or tokens:
+                weights.append((op, op.inputs[j].dims))
+    model_dim = Counter(d for _, dims in weights for d in set(dims)).most_common(1)[0][0]
+    out: dict[str, None] = {}
+    for op, dims in weights:
+        features = [d for d in dims if d != model_dim and not _selected_away(graph, op, d)]
+        if features:
+            out[features[0]] = None
+    return tuple(out)
+
+
+def _selected_away(graph: Graph, op: Op, dim: str) -> bool:
+    """Whether every op reading ``op``'s output selects ``dim`` away (a fused weight's q/k/v index)."""
+    readers = [graph.ops[i] for i, _ in graph.consumers.get(op.output.tensor, ())]
+    return (bool(readers) and dim in op.output.dims
+            and all(r.kind == "select" and dim not in r.output.dims for r in readers))
+
+
+def tensor_parallel_dim(op: Op, dims: tuple[str, ...]) -> str | None:
+    """The dim tensor parallelism splits in ``op``: the first of ``dims`` it has and can split."""
+    return next((d for d in dims if d in op.dims and d not in op.unsplittable_dims), None)
+
+
+def with_input_gathers(graph: Graph) -> Graph:
+    """``graph`` with a :data:`REDISTRIBUTE` op before every activation that two or more
+    projections read in one layer without a tensor-parallel dim of their own input
+    (``ColwiseParallel`` projections, whose weight carries the split), those readers rewired
+    to its output: ``PrepareModuleInput`` before a block's attention and MLP."""
+    dims = tensor_parallel_dims(graph)
+    ops, tensors = list(graph.ops), dict(graph.tensors)
+    inserted: list[tuple[int, Op]] = []
+    for name, readers in graph.consumers.items():
+        if graph.tensors[name].kind is not TensorKind.ACTIVATION:
+            continue
+        projections = [(i, j) for i, j in readers if _column_parallel(graph, graph.ops[i], j, dims)]
+        if len(projections) < 2 or len({graph.ops[i].layer for i, _ in projections}) != 1:
+            continue
+        first = graph.ops[projections[0][0]]
+        gathered = f"{name}.gathered"
+        tensors[gathered] = replace(graph.tensors[name], name=gathered)
+        dims_of = first.inputs[projections[0][1]].dims
+        module = first.name.rsplit(".", 1)[0] if "." in first.name else first.name
+        gather = Op(name=f"{module}/gather#{name}", kind=REDISTRIBUTE, inputs=(Operand(name, dims_of),),
+                    output=Operand(gathered, dims_of), flops_per_point=0.0, backward_flops_ratio=0.0,
+                    layer=first.layer, role=None if first.role is None else f"{first.role}/gather")
+        inserted.append((projections[0][0], gather))
+        for i, j in projections:
+            op = ops[i]
+            inputs = tuple(Operand(gathered, o.dims) if k == j else o for k, o in enumerate(op.inputs))
+            ops[i] = replace(op, inputs=inputs)
+    for position, gather in sorted(inserted, key=lambda x: x[0], reverse=True):
+        ops.insert(position, gather)
+    return replace(graph, ops=tuple(ops), tensors=tensors)
+
+
+def _column_parallel(graph: Graph, op: Op, j: int, dims: tuple[str, ...]) -> bool:
+    """Whether ``op`` reads input ``j`` as a column-parallel projection: a weight input, and
+    the op's tensor-parallel dim absent from input ``j``."""
+    has_weight = any(graph.tensors[o.tensor].kind is TensorKind.PARAMETER for o in op.inputs)
+    tp_dim = tensor_parallel_dim(op, dims)
+    return has_weight and tp_dim is not None and tp_dim not in op.inputs[j].dims
+
+
+def redistribute_grad_layout(output_layout: Layout, mesh_shape: tuple[int, ...]) -> Layout:
+    """The input gradient of a redistribution laid out as ``output_layout``: its readers'
+    partial sums wherever it is replicated (on axes of more than one device)."""
+    return tuple(PARTIAL if p == REPLICATE and n > 1 else p for p, n in zip(output_layout, mesh_shape))
