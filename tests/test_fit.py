@@ -85,8 +85,9 @@ def test_the_fewest_devices_are_the_first_node_count_a_scan_fits():
 
 
 def test_a_baseline_on_more_devices_is_the_same_recipe():
-    assert [family(n) for n in ("megatron-tp8-dp16-sp-distopt", "tp8-fsdp16", "fsdp2", "zero3-fsdp", "dp")] == [
-        "megatron-tp8-sp-distopt", "tp8-fsdp", "fsdp2", "zero3-fsdp", "dp"]
+    assert [family(n) for n in ("megatron-tp8-dp16-sp-distopt", "tp8-fsdp16", "torch-tp8-fsdp16", "fsdp2",
+                                "zero3-fsdp", "dp")] == [
+        "megatron-tp8-sp-distopt", "tp8-fsdp", "torch-tp8-fsdp", "fsdp2", "zero3-fsdp", "dp"]
 
 
 def test_learned_positions_bound_the_sequence():

@@ -353,8 +353,9 @@ class Prober:
 
 def family(name: str) -> str:
     """A baseline's name without its data-parallel degree (``megatron-tp8-dp16-sp`` →
-    ``megatron-tp8-sp``, ``tp8-fsdp16`` → ``tp8-fsdp``): the same recipe on more devices."""
-    return re.sub(r"^(tp\d+-fsdp)\d+", r"\1", re.sub(r"-dp\d+", "", name))
+    ``megatron-tp8-sp``, ``tp8-fsdp16`` → ``tp8-fsdp``, ``torch-tp8-fsdp16`` → ``torch-tp8-fsdp``):
+    the same recipe on more devices."""
+    return re.sub(r"^((?:torch-)?tp\d+-fsdp)\d+", r"\1", re.sub(r"-dp\d+", "", name))
 
 
 def fit_job(job: Job, knob: str = "batch", options: SearchOptions | None = None, step: int | None = None,
