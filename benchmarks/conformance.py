@@ -1,4 +1,4 @@
-"""memshard's FSDP2 and DDP baselines against PyTorch's own (issue #20).
+"""memshard's FSDP2, DDP and TP × FSDP2 baselines against PyTorch's own (issue #20).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/conformance.py [--write]
 
@@ -9,13 +9,13 @@ process group; a step's peak as ``MemoryMeter`` (MemTracker) measures it
 (``tests/test_conformance.py``) against the ``fsdp2`` and ``ddp`` baselines' predicted peaks,
 and against the idealised plans memshard's runtime executes (``zero3-fsdp`` with
 ``--zero3-unit layer``, ``dp``).
-The second table runs PyTorch's tensor parallelism as torchtitan applies it to a LLaMA
+The second table runs PyTorch's tensor parallelism as torchtitan applies it to LLaMA and Qwen2
 (``parallelize_module``: vocabulary-parallel embedding, ``SequenceParallel`` norms,
 ``PrepareModuleInput`` gathering each block's attention and MLP input once,
 ``ColwiseParallel``/``RowwiseParallel`` projections, a vocabulary-parallel ``lm_head`` under
-``loss_parallel``) × ``fully_shard`` over the data-parallel axis, against the idealised
-``tp<T>-fsdp<D>`` baseline (TP + SP + ZeRO-3 as memshard's runtime executes them), at 32 and
-256 tokens per sequence. ``--write`` puts the tables into BENCHMARKS.md between its markers.
+``loss_parallel``) × ``fully_shard`` over the data-parallel axis, against the
+``torch-tp<T>-fsdp<D>`` baseline and the idealised ``tp<T>-fsdp<D>`` (TP + SP + ZeRO-3 as
+memshard's runtime executes them), at 32 and 256 tokens per sequence. ``--write`` puts the tables into BENCHMARKS.md between its markers.
 """
 
 from __future__ import annotations
@@ -56,16 +56,17 @@ def rows() -> list[str]:
 
 
 def tensor_parallel_rows() -> list[str]:
-    out = ["| PyTorch | model | mesh (DP × TP) | tokens per sequence | rank | measured | idealised | its prediction "
-           "| error |", "|---|---|---|---:|---:|---:|---|---:|---:|"]
-    for (dp, tp), seq in itertools.product(((2, 2), (4, 2)), (32, 256)):
-        graph = trace_hf("llama", batch=dp, seq=seq, precision="fp32", **FAMILIES["llama"])
-        name = f"tp{tp}-fsdp{dp}"
-        ideal = memshard.strategy_plan(graph, f"{dp}x{tp}", name).peak_bytes
+    out = ["| baseline | model | mesh (DP × TP) | tokens per sequence | rank | measured (PyTorch) | predicted | error "
+           "| idealised | its prediction | error |", "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for family, (dp, tp), seq in itertools.product(("llama", "qwen2"), ((2, 2), (4, 2)), (32, 256)):
+        graph = trace_hf(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
+        name, ideal_name = f"torch-tp{tp}-fsdp{dp}", f"tp{tp}-fsdp{dp}"
+        predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", name).peak_bytes
+        ideal = memshard.strategy_plan(graph, f"{dp}x{tp}", ideal_name).peak_bytes
         for rank in (0, dp * tp - 1):
-            measured = tp_fsdp2_peak(dp, tp, rank, seq)
-            out.append(f"| parallelize_module × fully_shard | llama | {dp} × {tp} | {seq} | {rank} | {measured:,} | "
-                       f"{name} | {ideal:,.0f} | {ideal / measured - 1:+.2%} |")
+            measured = tp_fsdp2_peak(dp, tp, rank, seq, family)
+            out.append(f"| {name} | {family} | {dp} × {tp} | {seq} | {rank} | {measured:,} | {predicted:,.0f} | "
+                       f"{predicted / measured - 1:+.2%} | {ideal_name} | {ideal:,.0f} | {ideal / measured - 1:+.2%} |")
     return out
 
 
@@ -74,7 +75,7 @@ def main() -> None:
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     text = "\n".join([provenance("OMP_NUM_THREADS=1 python benchmarks/conformance.py --write"), "", *rows(), "",
-                      "Tensor parallelism × FSDP2, not yet priced as PyTorch runs it:", "",
+                      "PyTorch's tensor parallelism (torchtitan's plan) × FSDP2:", "",
                       *tensor_parallel_rows()])
     print(text)
     if args.write:
