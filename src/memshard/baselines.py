@@ -18,7 +18,9 @@ space, no baseline beats memshard's minimal-memory plan by more than the solver'
   dropouts, residuals) and keeps their outputs split for backward;
   ``megatron_tp_sp_distributed_optimizer`` adds ZeRO-1 over the data-parallel axes
   (Megatron's ``--use-distributed-optimizer``).
-- ``tp_fsdp``: torchtitan's 2D recipe: tensor + sequence parallelism inside, FSDP outside.
+- ``tp_fsdp``: torchtitan's 2D recipe: tensor + sequence parallelism inside, FSDP outside,
+  idealised; ``torch_tp_fsdp2``: the same as PyTorch runs it (``parallelize_module`` with
+  torchtitan's plan × ``fully_shard``, on a problem built for ``TORCH_TP``).
 
 Recomputation (``recompute.py``): on a problem whose policy is ``selective`` or ``full`` every
 baseline recomputes so; under ``auto`` each baseline comes without (its plain name), with
