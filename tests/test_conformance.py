@@ -148,11 +148,23 @@ def tensor_parallel(model, mesh) -> None:
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
 
 
-def tp_fsdp2_peak(dp: int, tp: int, rank: int, seq: int, family: str = "llama") -> int:
-    """Rank ``rank``'s peak in the second step of ``family`` (LLaMA-like) under PyTorch's TP
-    (the mesh's inner axis, :func:`tensor_parallel`, ``loss_parallel``) × FSDP2 (the outer)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def tensor_parallel_fsdp2(model, mesh):
+    """:func:`tensor_parallel` on the 2-D ``mesh``'s inner axis, ``fully_shard`` on every block
+    and the root over the outer one."""
     from torch.distributed.fsdp import fully_shard
+
+    dp_mesh, tp_mesh = (mesh[name] for name in mesh.mesh_dim_names)
+    tensor_parallel(model, tp_mesh)
+    for module in (*blocks_of(model), model):
+        fully_shard(module, mesh=dp_mesh)
+    return model
+
+
+def tp_fsdp2_peak(dp: int, tp: int, rank: int, seq: int, family: str = "llama",
+                  parallelize=tensor_parallel_fsdp2) -> int:
+    """Rank ``rank``'s peak in the second step of ``family`` (LLaMA-like) under PyTorch's TP
+    × FSDP2 (``parallelize(model, mesh)`` on a named dp × tp mesh, then ``loss_parallel``)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
     def step(model, opt, seed):
@@ -164,10 +176,7 @@ def tp_fsdp2_peak(dp: int, tp: int, rank: int, seq: int, family: str = "llama") 
 
     with fake_rank(family, dp * tp, rank) as model:
         n = next(WORLDS)
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=(f"dp{n}", f"tp{n}"))
-        tensor_parallel(model, mesh[f"tp{n}"])
-        for module in (*blocks_of(model), model):
-            fully_shard(module, mesh=mesh[f"dp{n}"])
+        model = parallelize(model, init_device_mesh("cpu", (dp, tp), mesh_dim_names=(f"dp{n}", f"tp{n}")))
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
         step(model, opt, 0)
         meter = MemoryMeter(model, opt)

@@ -132,6 +132,38 @@ def test_the_exported_code_allocates_what_the_plan_predicts(strategy, family, tr
 
 
 @pytest.mark.runtime
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_exported_tensor_parallel_code_is_torchtitans_plan_and_allocates_what_is_predicted(family):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memshard.trace.hf import trace_hf
+    from tests.test_conformance import (
+        FAMILIES,
+        SEQ,
+        WORLDS,
+        fake_rank,
+        tensor_parallel_fsdp2,
+        tp_fsdp2_peak,
+    )
+
+    graph = trace_hf(family, batch=2, seq=SEQ, precision="fp32", **FAMILIES[family])  # a sequence per replica
+    text = memshard.export(graph, "2x2", strategy="torch-tp2-fsdp2")
+    predicted = memshard.strategy_plan(graph, "2x2", "torch-tp2-fsdp2").peak_bytes
+    exported = parallelize_of(text)
+    placements = []
+    for parallelize in (exported, tensor_parallel_fsdp2):  # every weight laid out as torchtitan's plan
+        with fake_rank(family, WORLD, 0) as model:
+            n = next(WORLDS)
+            model = parallelize(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=(f"dp{n}", f"tp{n}")))
+            placements.append({name: tuple(map(repr, p.placements)) for name, p in model.named_parameters()})
+    assert placements[0] == placements[1]
+    assert any(p[1].startswith("Shard") for p in placements[0].values())  # split on the TP axis too
+    for rank in (0, WORLD - 1):
+        peak = tp_fsdp2_peak(2, 2, rank, SEQ, family, exported)
+        assert peak == pytest.approx(predicted, rel=0.02), rank
+
+
+@pytest.mark.runtime
 def test_the_exported_code_refuses_a_model_or_mesh_it_was_not_planned_for(traced):
     """The function checks what the prediction depends on: the block count and the mesh."""
     import torch
@@ -220,6 +252,14 @@ def test_what_pytorch_cannot_run_as_priced_points_to_parallelize(strategy):
     message = str(raised.value)
     assert message.startswith(f"{strategy} cannot be exported: ") and "memshard.parallelize(model, plan)" in message
     assert "\n" not in message
+
+
+def test_tensor_parallelism_is_exported_for_a_traced_model_only():
+    # its plan names the model's own modules; a built-in preset's are memshard's
+    with pytest.raises(MemshardError, match=r"torch-tp2-fsdp2: .*traced model \(--hf-config or --hf-model\)"):
+        memshard.export("tiny-llama", "2x2", strategy="torch-tp2-fsdp2")
+    with pytest.raises(MemshardError, match="torch-tp2-fsdp2\\+full cannot be exported"):
+        memshard.export("tiny-llama", "2x2", strategy="torch-tp2-fsdp2+full")
 
 
 def test_the_default_is_memshards_own_plan_which_is_refused(capsys):

@@ -10,6 +10,11 @@ plan (:func:`render`):
   the graph's layer ops name (``model.layers.0.self_attn.q_proj``…).
 - ``ddp``: the same function wrapping the model in ``DistributedDataParallel`` with its
   defaults (its gradient buckets priced).
+- ``torch-tp<T>-fsdp<D>``: ``parallelize_module`` with one ``ParallelStyle`` per module, read
+  off the plan (:func:`tensor_parallel_styles`: column- and row-parallel projections,
+  sequence-parallel norms, ``PrepareModuleInput`` where the plan gathers a block input once),
+  on the inner mesh axis, then ``fully_shard`` over the outer one; for traced models, whose
+  module names it writes.
 - ``megatron-tp…``: Megatron-LM's command-line arguments for a built-in GPT or LLaMA preset,
   with the layout the baseline's name says (tensor, sequence and data parallelism, the
   distributed optimizer, recomputation).
@@ -28,14 +33,20 @@ import shlex
 from dataclasses import dataclass
 
 from memshard.errors import MemshardError
-from memshard.graph import Graph, Origin
+from memshard.graph import Graph, Origin, TensorKind
 from memshard.job import HFModel, Job, TracedModule
 from memshard.plans import Plan
+from memshard.tensor_parallel import REDISTRIBUTE
 from memshard.units import counted, format_bytes, format_parameters
 
-TORCH_STRATEGIES = ("fsdp2", "ddp")
+TORCH_STRATEGIES = ("fsdp2", "ddp", "torch-tp")
+TORCH_TP_NAME = re.compile(r"torch-tp(?P<tp>\d+)-fsdp(?P<dp>\d+)")
 MEGATRON_NAME = re.compile(r"megatron-tp(?P<tp>\d+)(?:-dp(?P<dp>\d+))?(?P<sp>-sp)?(?P<distopt>-distopt)?")
 RECOMPUTE_SUFFIX = re.compile(r"\+(selective|full)$")
+# PrepareModuleInput gathering a sequence-parallel input once for the projections that read it
+GATHER_POSITIONAL = "PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))"
+GATHER_KEYWORD = ("PrepareModuleInput(input_kwarg_layouts={\"hidden_states\": Shard(1)}, "
+                  "desired_input_kwarg_layouts={\"hidden_states\": Replicate()})")
 LAYER_OP = re.compile(r"^(?P<container>.+?)\.(?P<index>\d+)\.")  # <container>.<i>.<op in the block>
 # memshard's model knobs as the command line spells them (``cli.KNOB_FLAGS``)
 KNOB_FLAGS = {"num_layers": "--layers", "hidden": "--hidden", "heads": "--heads", "kv_heads": "--kv-heads",
@@ -88,12 +99,13 @@ def export_target(strategy: str) -> ExportTarget:
         layout = MegatronLayout(int(megatron["tp"]), int(megatron["dp"] or 1), bool(megatron["sp"]),
                                 bool(megatron["distopt"]))
         return ExportTarget(strategy, "megatron", recompute, None, layout)
-    if base in TORCH_STRATEGIES:
+    kind = "torch-tp" if TORCH_TP_NAME.fullmatch(base) else base
+    if kind in TORCH_STRATEGIES:
         if suffix:
             raise MemshardError(f"{strategy} cannot be exported: memshard's recomputation is not yet checked "
                                 f"against torch.utils.checkpoint; export {base} without it, or run it with "
                                 "memshard.parallelize(model, plan) (README: \"Using a plan from Python\")")
-        return ExportTarget(strategy, base, "none", "fp32")
+        return ExportTarget(strategy, kind, "none", "fp32")
     raise MemshardError(f"{strategy} cannot be exported: {_why_not(base)}; {PARALLELIZE}")
 
 
@@ -108,8 +120,8 @@ def _why_not(base: str) -> str:
         return (f"{base} is an idealised ZeRO stage as memshard's runtime executes it, which no PyTorch API "
                 "allocates as priced; PyTorch's fully_shard is --strategy fsdp2")
     if re.fullmatch(r"tp\d+-fsdp\d+", base):
-        return (f"{base} prices an idealised TP × FSDP (memshard's runtime), not yet parallelize_module × "
-                "fully_shard as PyTorch runs them")
+        return (f"{base} prices an idealised TP × FSDP (memshard's runtime); PyTorch's parallelize_module × "
+                f"fully_shard is --strategy torch-{base}")
     return f"unknown strategy {base!r}"
 
 
@@ -120,6 +132,11 @@ def check_exportable(target: ExportTarget, job: Job) -> None:
     if target.kind in TORCH_STRATEGIES and precision not in (None, "fp32"):
         raise MemshardError(f"{target.strategy} is exported as PyTorch's defaults run it, in fp32 (the precision "
                             "memshard checks it in against PyTorch): give --precision fp32")
+    traced = isinstance(job.model, (HFModel, TracedModule)) or (
+        isinstance(job.model, Graph) and job.model.origin is Origin.TRACED)
+    if target.kind == "torch-tp" and not traced:
+        raise MemshardError(f"{target.strategy}: the tensor-parallel plan names the model's own modules; export it "
+                            "for a traced model (--hf-config or --hf-model)")
     if target.megatron is None:
         return
     if isinstance(job.model, (Graph, HFModel, TracedModule)):
@@ -153,7 +170,8 @@ def block_containers(graph: Graph) -> tuple[BlockContainer, ...]:
 
 def render(target: ExportTarget, plan: Plan) -> str:
     """The exported text of ``plan``, the target's baseline: a header, then the code or arguments."""
-    body = {"fsdp2": fsdp2_code, "ddp": ddp_code, "megatron": megatron_script}[target.kind](target, plan)
+    body = {"fsdp2": fsdp2_code, "ddp": ddp_code, "torch-tp": torch_tp_code,
+            "megatron": megatron_script}[target.kind](target, plan)
     return "\n".join([*header(plan), *body]) + "\n"
 
 
@@ -261,6 +279,94 @@ def ddp_code(target: ExportTarget, plan: Plan) -> list[str]:
             "    hold a second copy of the gradients all step).\"\"\"",
             *_mesh_check(plan, "ddp"),
             "    return DistributedDataParallel(model, device_mesh=mesh)"]
+
+
+def tensor_parallel_styles(plan: Plan) -> dict[str, str]:
+    """Module path → the ``ParallelStyle`` (as code) that lays it out as the ``torch-tp``
+    baseline's plan does, from each op's split on the tensor-parallel (innermost) axis."""
+    problem, selection = plan.problem, plan.selection
+    graph, axis = problem.graph, problem.mesh.ndim - 1
+    styles: dict[str, str] = {}
+    for i, op in enumerate(graph.ops):
+        module = op.name.split("/")[0]
+        split = problem.strategy(selection, problem.op_group[i]).assignment[axis]
+        weights = [o for o in op.inputs if graph.tensors[o.tensor].kind is TensorKind.PARAMETER]
+        inputs = [o for o in op.inputs if graph.tensors[o.tensor].kind is TensorKind.ACTIVATION]
+        if op.kind == REDISTRIBUTE:  # HF attention modules take their input as a keyword
+            styles[module] = (GATHER_KEYWORD if module.endswith("self_attn") else GATHER_POSITIONAL)
+        elif not weights or split is None:
+            continue
+        elif split == "s":
+            styles[module] = "SequenceParallel()"
+        elif op.kind == "embedding":
+            styles[module] = "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))"
+        elif any(split in o.dims for o in inputs):
+            styles[module] = "RowwiseParallel(output_layouts=Shard(1))"
+        elif any(graph.ops[graph.producer[o.tensor]].kind == REDISTRIBUTE for o in inputs):
+            styles[module] = "ColwiseParallel()"
+        elif any(graph.ops[c].kind == "cross_entropy" for c, _ in graph.consumers.get(op.output.tensor, ())):
+            styles[module] = "ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)"
+        else:
+            styles[module] = "ColwiseParallel(input_layouts=Shard(1))"
+    return styles
+
+
+def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
+    """``parallelize_module`` with the plan's styles on the inner axis, then ``fully_shard`` on
+    every block and the root over the outer one: what the ``torch-tp`` baseline prices."""
+    (container,) = block_containers(plan.problem.graph)
+    tp = int(TORCH_TP_NAME.fullmatch(target.strategy)["tp"])
+    dp = plan.job.mesh.num_devices // tp
+    prefix = f"{container.path}.0."
+    styles = tensor_parallel_styles(plan)
+    root = {m: s for m, s in styles.items() if not m.startswith(f"{container.path}.")}
+    block = {m[len(prefix):]: s for m, s in styles.items() if m.startswith(prefix)}
+
+    def entries(plan_of: dict[str, str]) -> list[str]:
+        return [f"        \"{m}\": {s}," for m, s in plan_of.items()]
+
+    return ["# PyTorch's tensor parallelism (parallelize_module, torchtitan's plan) on the inner mesh axis, then",
+            "# fully_shard (FSDP2) on every block and the root module over the outer axis, with their defaults.",
+            f"# On every rank: build the model in fp32, call parallelize(model, mesh) with a 2-D DeviceMesh of {dp} × {tp}",
+            f"# devices (init_device_mesh(\"cuda\", ({dp}, {tp}), mesh_dim_names=(\"dp\", \"tp\"))), make",
+            "# torch.optim.Adam(model.parameters(), foreach=True), and run each step's forward and backward under",
+            "# torch.distributed.tensor.parallel.loss_parallel(), passing position_ids (a Hugging Face model",
+            "# derives them from the sequence-sharded embedding otherwise). Each data-parallel rank trains on its",
+            "# share of the global batch; the ranks of one tensor-parallel group read the same sequences.",
+            "",
+            "from torch import nn",
+            "from torch.distributed.device_mesh import DeviceMesh",
+            "from torch.distributed.fsdp import fully_shard",
+            "from torch.distributed.tensor import Replicate, Shard",
+            "from torch.distributed.tensor.parallel import (",
+            "    ColwiseParallel,",
+            "    PrepareModuleInput,",
+            "    RowwiseParallel,",
+            "    SequenceParallel,",
+            "    parallelize_module,",
+            ")",
+            "",
+            "",
+            "def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:",
+            f"    \"\"\"{target.strategy} as memshard priced it: TP × SP inside, FSDP2 outside.\"\"\"",
+            f"    if mesh.ndim != 2 or tuple(mesh.shape) != ({dp}, {tp}) or mesh.mesh_dim_names is None:",
+            f"        raise ValueError(f\"memshard priced a named {dp} × {tp} mesh (data, tensor parallel), got {{mesh}}\")",
+            "    dp_mesh, tp_mesh = (mesh[name] for name in mesh.mesh_dim_names)",
+            "    parallelize_module(model, tp_mesh, {",
+            *entries(root),
+            "    })",
+            f"    blocks = list(model.get_submodule(\"{container.path}\").children())",
+            f"    if len(blocks) != {container.blocks}:",
+            f"        raise ValueError(f\"memshard priced {container.blocks} blocks in {container.path}, the model has "
+            "{len(blocks)}\")",
+            "    for block in blocks:",
+            "        parallelize_module(block, tp_mesh, {",
+            *("    " + e for e in entries(block)),
+            "        })",
+            "    for block in blocks:",
+            "        fully_shard(block, mesh=dp_mesh)",
+            "    fully_shard(model, mesh=dp_mesh)",
+            "    return model"]
 
 
 # -- Megatron-LM --------------------------------------------------------------------------------------
