@@ -167,3 +167,25 @@ def test_pytorch_tensor_parallelism_gathers_each_block_input_once():
     problem = build_problem(graph, parse_mesh("2x4"), framework="torch-tp")
     assert {e.key.split(" -> ")[1] for e in problem.edges if e.gradient_through} == {
         "attn.q[0]", "attn.k[0]", "attn.v[0]", "mlp.gate[0]", "mlp.up[0]"}
+
+
+@pytest.mark.parametrize("precision, plain, distributed", [
+    # Megatron-LM's distributed-optimizer guide: bytes per parameter, d the data-parallel size
+    ("mixed", lambda d: 18, lambda d: 6 + 12 / d),  # bf16 parameters, fp32 gradients
+    ("fp32", lambda d: 16, lambda d: 8 + 8 / d),
+])
+def test_megatron_model_states_are_megatrons_bytes_per_parameter(precision, plain, distributed):
+    graph = build_graph("gpt2", batch=8, seq=64, precision=precision, **SMALL)
+    problem = build_problem(graph, parse_mesh("2x4"))
+    found = {b.name: b for b in baselines(problem, lambda n: n in ("megatron-tp2-dp4-sp",
+                                                                   "megatron-tp2-dp4-sp-distopt"))[0]}
+    param_bytes = {"mixed": 2, "fp32": 4}[precision]
+    for name, formula in (("megatron-tp2-dp4-sp", plain), ("megatron-tp2-dp4-sp-distopt", distributed)):
+        b = found[name]
+        plan = build_plan(b.problem, b.selection)
+        local_numel = sum(p["instances"] * p["bytes_per_device"]["parameters"] for p in plan.to_dict()["parameters"]
+                          ) / param_bytes
+        assert _model_state_bytes(plan) == pytest.approx(formula(4) * local_numel, rel=1e-9), name
+        # its contiguous gradient buffer holds every gradient from the step's start
+        ev = evaluate(b.problem, b.selection)
+        assert ev.breakdown_at(0)["gradients"] == pytest.approx(4 * local_numel, rel=1e-9)

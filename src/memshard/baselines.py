@@ -12,7 +12,8 @@ space, no baseline beats memshard's minimal-memory plan by more than the solver'
   ZeRO-3 gathered as the search's ``zero3_unit`` says (``zero3-fsdp``: an idealised FSDP);
   ``fsdp2``: the same plan priced as PyTorch's ``fully_shard`` runs it, each layer and the
   root module wrapped, its defaults (``pricing.fsdp2_units``).
-- ``megatron_tp``: tensor parallelism over the innermost ``tp`` axes (column/row-parallel
+- ``megatron_tp``, priced as Megatron-LM runs it (``framework="megatron"``: its gradient
+  buffer, fp32 under bf16, all step): tensor parallelism over the innermost ``tp`` axes (column/row-parallel
   linears, attention split by heads, vocab-parallel embedding and loss), data parallelism over
   the others; ``megatron_tp_sp`` also splits the sequence of the ops between (norms,
   dropouts, residuals) and keeps their outputs split for backward;
@@ -41,7 +42,7 @@ from dataclasses import dataclass, replace
 from memshard.mesh import Mesh
 from memshard.placement import local_numel
 from memshard.pricing import build_problem
-from memshard.problem import DDP, FSDP2, TORCH_TP, Problem, Selection, complete_selection
+from memshard.problem import DDP, FSDP2, MEGATRON, TORCH_TP, Problem, Selection, complete_selection
 from memshard.recompute import core_attention, replayable_ops
 from memshard.selections import SplitUnavailable, assign_strategies, data_parallel, uniform_storage
 from memshard.tensor_parallel import REDISTRIBUTE, tensor_parallel_dim, tensor_parallel_dims
@@ -194,10 +195,12 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     for on, k, tp in tensor_parallel_layouts(problem):
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")
-        add(f"megatron-{tag}", lambda p, r, k=k: megatron_tp(p, k, replayed=r), on)
-        add(f"megatron-{tag}-sp", lambda p, r, k=k: megatron_tp_sp(p, k, r), on)
+        as_megatron = functools.cache(lambda on=on: as_run_by(on(), MEGATRON))
+        add(f"megatron-{tag}", lambda p, r, k=k: megatron_tp(p, k, replayed=r), as_megatron)
+        add(f"megatron-{tag}-sp", lambda p, r, k=k: megatron_tp_sp(p, k, r), as_megatron)
         if dp > 1:
-            add(f"megatron-{tag}-sp-distopt", lambda p, r, k=k: megatron_tp_sp_distributed_optimizer(p, k, r), on)
+            add(f"megatron-{tag}-sp-distopt", lambda p, r, k=k: megatron_tp_sp_distributed_optimizer(p, k, r),
+                as_megatron)
             add(f"tp{tp}-fsdp{dp}", lambda p, r, k=k: tp_fsdp(p, k, r), on)
             # (recomputation with torch.utils.checkpoint is not priced for it yet)
             if problem.recompute in ("none", "auto"):

@@ -411,8 +411,8 @@ def megatron_script(target: ExportTarget, plan: Plan) -> list[str]:
              "multiple of 128 × TP),",
              "# learning-rate schedule and checkpointing arguments."]
     if plan.model.precision == "mixed":
-        notes += ["# memshard prices this layout idealised: with --bf16 Megatron-LM accumulates gradients in fp32",
-                  "# (4 bytes per parameter where memshard prices 2) and keeps buffers memshard does not price."]
+        notes += ["# memshard prices Megatron-LM's gradient buffer: with --bf16 it accumulates and reduces",
+                  "# gradients in fp32 (4 bytes per parameter, all step)."]
     return [*notes,
             "MEGATRON_ARGS=(",
             *(f"    {a}" for a in megatron_arguments(target, plan)),

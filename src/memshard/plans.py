@@ -191,10 +191,12 @@ def check_runnable(plan: Plan) -> None:
         raise MemshardError("the runtime executes fp32 plans; plan with --precision fp32")
     framework = plan.problem.framework
     if framework != MEMSHARD:
-        torch_name, instead = {"fsdp2": ("fully_shard (FSDP2)", "zero3-fsdp with --zero3-unit layer"),
-                               "ddp": ("DistributedDataParallel", "dp")}[framework]
-        raise MemshardError(f"the {plan.strategy} baseline prices PyTorch's {torch_name}, which memshard's runtime "
-                            f"does not run; run {instead} (memshard's runtime of the same plan)")
+        name, instead = {"fsdp2": ("PyTorch's fully_shard (FSDP2)", "zero3-fsdp with --zero3-unit layer"),
+                         "ddp": ("PyTorch's DistributedDataParallel", "dp"),
+                         "torch-tp": ("PyTorch's parallelize_module × fully_shard", plan.strategy.removeprefix("torch-")),
+                         "megatron": ("Megatron-LM", f"--strategy {plan.strategy}")}[framework]
+        raise MemshardError(f"the {plan.strategy} baseline prices {name}, which memshard's runtime does not run; "
+                            f"run {instead} (memshard's runtime of the same layout)")
 
 
 def _plan_dict(plan: Plan) -> dict[str, Any]:

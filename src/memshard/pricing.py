@@ -43,6 +43,7 @@ from memshard.problem import (
     FRAMEWORKS,
     FSDP2,
     INPUT_COPY,
+    MEGATRON,
     MEMSHARD,
     PRODUCER,
     READ_BY_REPLAY,
@@ -52,6 +53,7 @@ from memshard.problem import (
     RETAINED,
     SAVED,
     SOURCE,
+    TORCH_FRAMEWORKS,
     TORCH_TP,
     ZERO3_UNITS,
     Choice,
@@ -548,9 +550,10 @@ class _Builder:
         v = self.cached((gid, "storage"), lambda: self.storage_prices(grp))
         self.slot(gid, 0, S.optimizer, "parameters", *v["parameters"], spec.numel * prec.param_bytes)
         self.slot(gid, 0, S.optimizer, "optimizer_states", *v["optimizer_states"], spec.numel * prec.optimizer_bytes)
-        if self.framework != MEMSHARD:
+        if self.framework in TORCH_FRAMEWORKS:
             # torch.optim.Adam as it runs by default on GPUs (foreach): the step's square roots
-            # of every local exp_avg_sq at once, fp32 (memshard's runtime updates in place).
+            # of every local exp_avg_sq at once, fp32 (memshard's runtime updates in place;
+            # Megatron-LM's fused Adam too).
             states, red = v["optimizer_states"]
             self.slot(gid, S.optimizer, S.optimizer, "transients", *(x * ADAM_SQRT_BYTES / prec.optimizer_bytes
                                                                      for x in (states, red)))
@@ -569,8 +572,10 @@ class _Builder:
         if reduced_at > grads_from:
             whole = np.array([opt.stage < 2 for _, opt in grp.options], float)
             nbytes, red = v["gradients"]
-            self.slot(gid, grads_from, summed_at - 1, "transients", nbytes * whole, red * whole, grad_bytes)
-            self.slot(gid, summed_at, reduced_at - 1, "gradients", nbytes * whole, red * whole, grad_bytes)
+            # Megatron-LM's contiguous gradient buffer holds every gradient all step
+            held_from = 0 if self.framework == MEGATRON else summed_at
+            self.slot(gid, grads_from, held_from - 1, "transients", nbytes * whole, red * whole, grad_bytes)
+            self.slot(gid, held_from, reduced_at - 1, "gradients", nbytes * whole, red * whole, grad_bytes)
         for i, _ in uses[:-1]:
             # A tied weight's earlier uses (later in backward): autograd sums their two
             # gradient contributions into a new buffer while both are still alive.
@@ -756,6 +761,8 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         raise MemshardError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {recompute!r}")
     if framework == TORCH_TP:
         graph = with_input_gathers(graph)
+    if framework == MEGATRON:  # bf16 training accumulates and reduces gradients in fp32 (main_grad)
+        graph = replace(graph, precision=replace(graph.precision, grad_bytes=4))
     b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute, framework)
     op_group = b.add_ops()
     b.op_slots(op_group)

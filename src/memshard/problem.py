@@ -66,10 +66,12 @@ SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout 
 # the root module (``pricing.fsdp2_units``: ZeRO-3 gathered by layer, the root all step,
 # prefetch, flat buffers) and DistributedDataParallel (its gradient buckets); TORCH_TP: PyTorch's
 # parallelize_module with torchtitan's plan (``tensor_parallel.with_input_gathers``: each
-# block's attention and MLP input gathered once) × fully_shard as FSDP2. Not a search option:
-# memshard's runtime executes "memshard" plans only.
-MEMSHARD, FSDP2, DDP, TORCH_TP = "memshard", "fsdp2", "ddp", "torch-tp"
-FRAMEWORKS = (MEMSHARD, FSDP2, DDP, TORCH_TP)
+# block's attention and MLP input gathered once) × fully_shard as FSDP2; MEGATRON: Megatron-LM's
+# gradient buffer (``pricing.build_problem``: every local gradient in fp32, all step, reduced in
+# fp32). Not a search option: memshard's runtime executes "memshard" plans only.
+MEMSHARD, FSDP2, DDP, TORCH_TP, MEGATRON = "memshard", "fsdp2", "ddp", "torch-tp", "megatron"
+FRAMEWORKS = (MEMSHARD, FSDP2, DDP, TORCH_TP, MEGATRON)
+TORCH_FRAMEWORKS = (FSDP2, DDP, TORCH_TP)  # run with torch.optim.Adam (foreach)
 
 INPUT_COPY = "input_copy"  # the consumer's input during its forward
 REGATHER = "regather"  # a kept copy gathered again during the consumer's backward
