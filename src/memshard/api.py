@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from memshard.baselines import as_run_by, baselines
+from memshard.baselines import baselines
 from memshard.errors import MemshardError
 from memshard.exporting import check_exportable, export_target, render
 from memshard.fitting import FitResult, fit_job
@@ -18,9 +18,8 @@ from memshard.job import HFModel, Job, TracedModule, is_module
 from memshard.mesh import Mesh
 from memshard.models import ModelConfig
 from memshard.planner import SearchOptions, baseline_plans, plan_job, searched_problem
-from memshard.plans import Plan, build_plan, check_runnable
+from memshard.plans import Plan, build_plan, runnable
 from memshard.pricing import build_problem
-from memshard.problem import MEGATRON, MEMSHARD
 
 Model = str | ModelConfig | Graph | HFModel
 SEARCH_FIELDS = frozenset(f.name for f in fields(SearchOptions))
@@ -208,8 +207,4 @@ def runtime_plan(job: Job, strategy: str = "memshard", options: SearchOptions | 
     if strategy == "memshard":
         return plan_job(job, options)
     plan = strategy_plan(job, strategy=strategy, zero3_unit=options.zero3_unit, recompute=options.recompute)
-    if plan.problem.framework == MEGATRON:  # its layout, priced as memshard's runtime executes it
-        problem = as_run_by(plan.problem, MEMSHARD)
-        plan = build_plan(problem, plan.selection, job, strategy=strategy, advice=False)
-    check_runnable(plan)
-    return plan
+    return runnable(plan)

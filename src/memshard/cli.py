@@ -316,11 +316,9 @@ def _runtime_plan(args):
                  if getattr(args, d, None) not in (None, False)]
         if given:
             raise MemshardError(f"--plan replaces the job, its search and its strategy: give no {', '.join(given)}")
-        from memshard.plans import check_runnable, load_plan
+        from memshard.plans import load_plan, runnable
 
-        plan = load_plan(args.plan)
-        check_runnable(plan)
-        return plan
+        return runnable(load_plan(args.plan))
     if (args.model, args.hf_config, args.hf_model) == (None, None, None) or args.mesh is None:
         raise MemshardError("give --plan, or a model (--model, --hf-config or --hf-model) and --mesh")
     return runtime_plan(job_of(args, precision="fp32"), args.strategy or "memshard", options_of(args, gap=0.02))

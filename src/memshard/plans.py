@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from memshard.advice import RedundantOp, advise
+from memshard.baselines import as_run_by
 from memshard.coarsen import lift_selection
 from memshard.cost import comm
 from memshard.cost.memory import CATEGORIES, StorageOption, param_layout
@@ -32,7 +33,7 @@ from memshard.job import Job, mesh_to_dict
 from memshard.mesh import Mesh
 from memshard.placement import format_layout
 from memshard.pricing import build_problem
-from memshard.problem import MEMSHARD, OpGroup, Problem, Selection, StorageGroup
+from memshard.problem import MEGATRON, MEMSHARD, OpGroup, Problem, Selection, StorageGroup
 
 SCHEMA = "memshard.plan/2"
 READABLE_SCHEMAS = ("memshard.plan/1", SCHEMA)
@@ -184,19 +185,24 @@ class Plan:
         write_text_atomically(path, self.to_json())
 
 
-def check_runnable(plan: Plan) -> None:
-    """Refuse what memshard's runtime does not execute: plans not in fp32 (its tensors are),
-    and the baselines priced as PyTorch's implementations run them (``fsdp2``, ``ddp``)."""
+def runnable(plan: Plan) -> Plan:
+    """The plan memshard's runtime executes for ``plan``: ``plan`` itself, or a Megatron-LM
+    baseline's layout priced as memshard's runtime runs it (no gradient buffer). Refused:
+    plans not in fp32 (the runtime's tensors are) and the baselines priced as PyTorch's
+    implementations run them (``fsdp2``, ``ddp``, ``torch-tp*``)."""
     if plan.problem.graph.precision.name != "fp32":
         raise MemshardError("the runtime executes fp32 plans; plan with --precision fp32")
     framework = plan.problem.framework
+    if framework == MEGATRON:
+        return build_plan(as_run_by(plan.problem, MEMSHARD), plan.selection, plan.job, strategy=plan.strategy,
+                          advice=False)
     if framework != MEMSHARD:
-        name, instead = {"fsdp2": ("PyTorch's fully_shard (FSDP2)", "zero3-fsdp with --zero3-unit layer"),
-                         "ddp": ("PyTorch's DistributedDataParallel", "dp"),
-                         "torch-tp": ("PyTorch's parallelize_module × fully_shard", plan.strategy.removeprefix("torch-")),
-                         "megatron": ("Megatron-LM", f"--strategy {plan.strategy}")}[framework]
-        raise MemshardError(f"the {plan.strategy} baseline prices {name}, which memshard's runtime does not run; "
-                            f"run {instead} (memshard's runtime of the same layout)")
+        name, instead = {"fsdp2": ("fully_shard (FSDP2)", "zero3-fsdp with --zero3-unit layer"),
+                         "ddp": ("DistributedDataParallel", "dp"),
+                         "torch-tp": ("parallelize_module × fully_shard", plan.strategy.removeprefix("torch-"))}[framework]
+        raise MemshardError(f"the {plan.strategy} baseline prices PyTorch's {name}, which memshard's runtime does not "
+                            f"run; run {instead} (memshard's runtime of the same layout)")
+    return plan
 
 
 def _plan_dict(plan: Plan) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from memshard.errors import MemshardError
-from memshard.plans import check_runnable
+from memshard.plans import runnable
 from memshard.runtime.measure import destroy, init_fake_world
 from memshard.runtime.train import train
 
@@ -44,7 +44,7 @@ def simulate(plan, rank: int = 0, steps: int = 2, seed: int = 0, lr: float = 1e-
     world = mesh_spec.num_devices
     if not 0 <= rank < world:
         raise MemshardError(f"rank {rank} is outside the plan's {world} devices")
-    check_runnable(plan)
+    plan = runnable(plan)
     if dist.is_initialized():
         raise MemshardError(
             "a process group is already initialised in this process; "

@@ -31,7 +31,7 @@ from memshard.cost.comm import KINDS
 from memshard.cost.memory import CATEGORIES
 from memshard.errors import MemshardError
 from memshard.files import write_text_atomically
-from memshard.plans import check_runnable, load_plan
+from memshard.plans import load_plan, runnable
 from memshard.runtime.measure import CommCounter, MemoryMeter
 from memshard.runtime.optim import LeanAdam
 from memshard.runtime.parallel import sharded_model
@@ -143,8 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        plan = load_plan(args.plan)
-        check_runnable(plan)
+        plan = runnable(load_plan(args.plan))
         backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         timeout = float(os.environ.get("MEMSHARD_COLLECTIVE_TIMEOUT_S", "300"))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
