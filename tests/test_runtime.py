@@ -26,6 +26,7 @@ import torch
 import memshard
 from memshard.api import strategy_plan
 from memshard.evaluate import evaluate
+from memshard.plans import runnable
 from memshard.runtime.report import error
 from memshard.runtime.simulate import simulate
 from tests.runtime_harness import BATCH, INSPECT_STEP, least_memory_plan, reference, run_cases
@@ -91,8 +92,8 @@ def _recomputing(case):
         budget = int(least_memory_plan(model, mesh, unit).peak_bytes * 1.02)
         return memshard.plan(model, mesh, batch=BATCH, precision="fp32", objective="time", memory_budget=budget,
                              mip_gap=0.05, time_limit_s=20, zero3_unit=unit, recompute=policy)
-    return strategy_plan(model, mesh, what, batch=BATCH, seq=seq, precision="fp32", zero3_unit=unit,
-                         recompute=policy)
+    return runnable(strategy_plan(model, mesh, what, batch=BATCH, seq=seq, precision="fp32", zero3_unit=unit,
+                                  recompute=policy))
 
 
 def _make(case):
@@ -102,7 +103,8 @@ def _make(case):
     unit = "layer" if case in LAYER_UNIT else "op"
     if what in ("memory", "time"):
         return _memshard(model, mesh, what, unit)
-    return strategy_plan(model, mesh, what, batch=BATCH, precision="fp32", zero3_unit=unit)
+    # (a Megatron-LM layout as memshard's runtime executes and prices it)
+    return runnable(strategy_plan(model, mesh, what, batch=BATCH, precision="fp32", zero3_unit=unit))
 
 
 @functools.cache

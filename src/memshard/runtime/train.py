@@ -68,6 +68,7 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
     before the optimizer uses them, outside the measured region (tests read gradients)."""
     if steps < 2:
         raise MemshardError("run at least 2 steps: the last one is measured with optimizer states in place")
+    plan = runnable(plan)  # (a Megatron-LM layout: re-priced for this runtime)
     model, make_inputs = sharded_model(plan, device_mesh, seed, module)
     del module  # the shards are the model now
     optimizer = LeanAdam(model.optimizer_parameters(), lr=lr)
