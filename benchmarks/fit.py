@@ -54,12 +54,13 @@ def row(model: str, mesh: str, batch: int, seq: int, knob: str, step: int | None
     def cell(a):
         return "none" if a is None or a.value is None else f"{a.value:,} ({format_bytes(a.plan.peak_bytes)})"
 
+    best_megatron = f"{megatron.strategy}: {cell(megatron)}" if megatron.value else "none fits"
     ratio = f"{ours.value / megatron.value:.2f}" if megatron.value else "∞"
     bounded_ratio = f"{bounded.value / megatron.value:.2f}" if megatron.value else "∞"
     nxt = ours.next_probe
     proof = f"{nxt.value:,}: ≥ {format_bytes(nxt.bound_bytes)}" if nxt is not None else "model's limit"
     fixed = f"batch {batch}" if knob == "seq" else f"seq {seq}"
-    return (f"| {model} {fixed} | {mesh} | {knob} | {cell(ours)} | {proof} | {megatron.strategy}: {cell(megatron)} | "
+    return (f"| {model} {fixed} | {mesh} | {knob} | {cell(ours)} | {proof} | {best_megatron} | "
             f"{cell(fsdp2)} | **{ratio}** | {cell(bounded)}: **{bounded_ratio}** | "
             f"{alone_s:.1f} s ({len(ours.probes)} probes) | {result.time_s:.0f} s |")
 
