@@ -218,6 +218,13 @@ class KnobSearch:
         if value not in self.seen:
             self.seen[value], self.plans[value] = self.probe(value)
             self.answer.probes.append(self.seen[value])
+            # A plan holds its whole problem: keep only the best fitting one, and the first
+            # probe's while it alone places the next (its fixed bytes)
+            fitting = [v for v, p in self.seen.items() if p.fits]
+            keep = {(max if self.rising else min)(fitting)} if fitting else set()
+            if len(self.seen) == 1:
+                keep.add(value)
+            self.plans = {v: p for v, p in self.plans.items() if v in keep}
         return self.seen[value]
 
     def next_value(self, good: int | None, bad: int | None) -> int:
@@ -343,6 +350,7 @@ class Prober:
             plan = self.family_plan(name, value)
         else:
             plan = self.baseline_plans(value, {name}).get(name)
+            self.baselines.pop((value, name), None)  # its search keeps what it needs
         if plan is None:
             return Probe(value, math.inf, math.inf, False, note=f"{name} does not lay out this job"), None
         budget = self.step_budget(value)
