@@ -262,6 +262,13 @@ def test_tensor_parallelism_is_exported_for_a_traced_model_only():
         memshard.export("tiny-llama", "2x2", strategy="torch-tp2-fsdp2+full")
 
 
+@pytest.mark.trace
+def test_tensor_parallelism_needs_linear_projections(traced):
+    # GPT-2's projections are Conv1D modules, which torch's tensor-parallel styles cannot take
+    with pytest.raises(MemshardError, match=r"torch-tp2-fsdp2 cannot be exported: .*transformer\.h\.0\.attn\.c_attn"):
+        memshard.export(traced["gpt2"], "2x2", strategy="torch-tp2-fsdp2")
+
+
 def test_the_default_is_memshards_own_plan_which_is_refused(capsys):
     assert main(["export", "--model", "tiny-gpt", "--mesh", "4"]) == 2
     out, err = capsys.readouterr()

@@ -298,6 +298,10 @@ def tensor_parallel_styles(plan: Plan) -> dict[str, str]:
             continue
         elif split == "s":
             styles[module] = "SequenceParallel()"
+        elif not re.search(r"/(linear|embedding)#", op.name):  # the aten op the module ran
+            raise MemshardError(f"{plan.strategy} cannot be exported: PyTorch's ColwiseParallel and RowwiseParallel "
+                                f"take nn.Linear and nn.Embedding modules, and {module} is neither (GPT-2's Conv1D "
+                                "is one such); run it with memshard.parallelize(model, plan)")
         elif op.kind == "embedding":
             styles[module] = "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))"
         elif any(split in o.dims for o in inputs):
@@ -314,7 +318,11 @@ def tensor_parallel_styles(plan: Plan) -> dict[str, str]:
 def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
     """``parallelize_module`` with the plan's styles on the inner axis, then ``fully_shard`` on
     every block and the root over the outer one: what the ``torch-tp`` baseline prices."""
-    (container,) = block_containers(plan.problem.graph)
+    containers = block_containers(plan.problem.graph)
+    if len(containers) != 1:
+        raise MemshardError(f"{target.strategy} cannot be exported: its code is written for one stack of blocks, "
+                            f"the model has {len(containers)}")
+    (container,) = containers
     tp = int(TORCH_TP_NAME.fullmatch(target.strategy)["tp"])
     dp = plan.job.mesh.num_devices // tp
     prefix = f"{container.path}.0."
