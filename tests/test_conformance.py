@@ -62,36 +62,58 @@ def train_step(module, opt, seed: int) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def fully_sharded_peak(family: str, world: int, rank: int) -> int:
-    """The peak bytes of the second training step of rank ``rank`` under FSDP2."""
-    from torch.distributed.device_mesh import init_device_mesh
+def last_step_peak(model, run, steps: int = 2, tracked=tuple) -> int:
+    """The peak bytes of the last of ``steps`` training steps ``run(opt, seed)`` of ``model``
+    with ``torch.optim.Adam`` (foreach), as ``MemoryMeter`` measures it; ``tracked()``: the
+    tensors made before the meter that count too."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+    for seed in range(steps - 1):
+        run(opt, seed)
+    meter = MemoryMeter(model, opt, *tracked())
+    with meter:
+        run(opt, steps - 1)
+    return meter.peak_bytes
+
+
+def fully_shard_blocks(model, mesh):
+    """FSDP2 as users apply it: ``fully_shard`` on every block, then on the root module."""
     from torch.distributed.fsdp import fully_shard
 
+    for block in blocks_of(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def fully_sharded_peak(family: str, world: int, rank: int, parallelize=fully_shard_blocks) -> int:
+    """The peak bytes of the second training step of rank ``rank`` under FSDP2
+    (``parallelize(model, mesh)`` on a 1-D mesh of the world)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     with fake_rank(family, world, rank) as model:
-        mesh = init_device_mesh("cpu", (world,))
-        for block in blocks_of(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-        train_step(model, opt, 0)
-        meter = MemoryMeter(model, opt)
-        with meter:
-            train_step(model, opt, 1)
-        return meter.peak_bytes
+        model = parallelize(model, init_device_mesh("cpu", (world,)))
+        return last_step_peak(model, lambda opt, seed: train_step(model, opt, seed))
 
 
-def ddp_peak(family: str, world: int, rank: int) -> int:
-    """The peak bytes of the third training step of rank ``rank`` under
-    ``DistributedDataParallel`` (DDP rebuilds its buckets in the second). DDP allocates its
-    gradient buckets in C++ when it wraps the model, where MemTracker cannot see them: they are
-    handed to the meter. The fake process group's all-reduce returns no tensor, which DDP's
-    built-in hook needs; the hook here does what that one does (average the bucket in place,
-    all-reduce it in place) and allocates nothing either."""
-    import torch.distributed as dist
+def data_parallel(model, mesh):
+    """``DistributedDataParallel`` with its defaults."""
     from torch.nn.parallel import DistributedDataParallel
 
+    return DistributedDataParallel(model)
+
+
+def ddp_peak(family: str, world: int, rank: int, parallelize=data_parallel) -> int:
+    """The peak bytes of the third training step of rank ``rank`` under
+    ``DistributedDataParallel`` (``parallelize(model, mesh)``; DDP rebuilds its buckets in the
+    second). DDP allocates its gradient buckets in C++ when it wraps the model, where MemTracker
+    cannot see them: they are handed to the meter. The fake process group's all-reduce returns
+    no tensor, which DDP's built-in hook needs; the hook here does what that one does (average
+    the bucket in place, all-reduce it in place) and allocates nothing either."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
     with fake_rank(family, world, rank) as model:
-        wrapped = DistributedDataParallel(model)
+        wrapped = parallelize(model, init_device_mesh("cpu", (world,)))
         buckets: dict[int, torch.Tensor] = {}
 
         def allreduce(_, bucket):
@@ -102,13 +124,8 @@ def ddp_peak(family: str, world: int, rank: int) -> int:
             return future
 
         wrapped.register_comm_hook(None, allreduce)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-        train_step(wrapped, opt, 0)
-        train_step(wrapped, opt, 1)
-        meter = MemoryMeter(model, opt, *buckets.values())
-        with meter:
-            train_step(wrapped, opt, 2)
-        return meter.peak_bytes
+        return last_step_peak(model, lambda opt, seed: train_step(wrapped, opt, seed), steps=3,
+                              tracked=lambda: buckets.values())
 
 
 MEASURED = {"fsdp2": fully_sharded_peak, "ddp": ddp_peak}
@@ -151,13 +168,9 @@ def tensor_parallel(model, mesh) -> None:
 def tensor_parallel_fsdp2(model, mesh):
     """:func:`tensor_parallel` on the 2-D ``mesh``'s inner axis, ``fully_shard`` on every block
     and the root over the outer one."""
-    from torch.distributed.fsdp import fully_shard
-
     dp_mesh, tp_mesh = (mesh[name] for name in mesh.mesh_dim_names)
     tensor_parallel(model, tp_mesh)
-    for module in (*blocks_of(model), model):
-        fully_shard(module, mesh=dp_mesh)
-    return model
+    return fully_shard_blocks(model, dp_mesh)
 
 
 def tp_fsdp2_peak(dp: int, tp: int, rank: int, seq: int, family: str = "llama",
@@ -177,12 +190,7 @@ def tp_fsdp2_peak(dp: int, tp: int, rank: int, seq: int, family: str = "llama",
     with fake_rank(family, dp * tp, rank) as model:
         n = next(WORLDS)
         model = parallelize(model, init_device_mesh("cpu", (dp, tp), mesh_dim_names=(f"dp{n}", f"tp{n}")))
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-        step(model, opt, 0)
-        meter = MemoryMeter(model, opt)
-        with meter:
-            step(model, opt, 1)
-        return meter.peak_bytes
+        return last_step_peak(model, lambda opt, seed: step(model, opt, seed))
 
 
 

@@ -56,58 +56,15 @@ def traced():
     return {f: trace_hf(f, batch=WORLD, seq=SEQ, precision="fp32", **FAMILIES[f]) for f in FAMILIES}
 
 
-def measured_fsdp2(parallelize, family: str, rank: int) -> int:
-    """The second step's peak of rank ``rank`` with the exported fsdp2 function applied."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
+def measured(strategy: str, parallelize, family: str, rank: int) -> int:
+    """The measured peak of rank ``rank`` with the exported function applied, as
+    ``test_conformance`` measures the baseline (DDP's buckets and comm hook included)."""
+    from tests.test_conformance import ddp_peak, fully_sharded_peak
 
-    from memshard.runtime.measure import MemoryMeter
-    from tests.test_conformance import fake_rank, train_step
-
-    with fake_rank(family, WORLD, rank) as model:
-        model = parallelize(model, init_device_mesh("cpu", (WORLD,)))
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-        train_step(model, opt, 0)
-        meter = MemoryMeter(model, opt)
-        with meter:
-            train_step(model, opt, 1)
-        return meter.peak_bytes
+    return {"fsdp2": fully_sharded_peak, "ddp": ddp_peak}[strategy](family, WORLD, rank, parallelize)
 
 
-def measured_ddp(parallelize, family: str, rank: int) -> int:
-    """The third step's peak (DDP rebuilds its buckets in the second) with the exported ddp
-    function applied. As in ``test_conformance.ddp_peak``: the fake process group's all-reduce
-    returns no tensor, so a hook does what DDP's built-in one does, in place; the buckets DDP
-    allocates in C++ are handed to the meter."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from memshard.runtime.measure import MemoryMeter
-    from tests.test_conformance import fake_rank, train_step
-
-    with fake_rank(family, WORLD, rank) as model:
-        wrapped = parallelize(model, init_device_mesh("cpu", (WORLD,)))
-        buckets: dict[int, torch.Tensor] = {}
-
-        def allreduce(_, bucket):
-            buckets[bucket.index()] = buffer = bucket.buffer()
-            dist.all_reduce(buffer.div_(WORLD))
-            future = torch.futures.Future()
-            future.set_result(buffer)
-            return future
-
-        wrapped.register_comm_hook(None, allreduce)
-        opt = torch.optim.Adam(wrapped.parameters(), lr=1e-3, foreach=True)
-        train_step(wrapped, opt, 0)
-        train_step(wrapped, opt, 1)
-        meter = MemoryMeter(model, opt, *buckets.values())
-        with meter:
-            train_step(wrapped, opt, 2)
-        return meter.peak_bytes
-
-
-MEASURED = {"fsdp2": measured_fsdp2, "ddp": measured_ddp}
+MEASURED = ("ddp", "fsdp2")
 CONTAINERS = {"llama": "model.layers", "gpt2": "transformer.h"}
 
 
@@ -125,7 +82,7 @@ def test_the_exported_code_allocates_what_the_plan_predicts(strategy, family, tr
         code = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
         assert not re.search(r"\.\d+\b", code)  # no block named one by one
     for rank in (0, WORLD - 1):
-        peak = MEASURED[strategy](parallelize_of(text), family, rank)
+        peak = measured(strategy, parallelize_of(text), family, rank)
         print(f"{strategy} {family} rank {rank}: measured {peak:,} B, predicted {round(predicted):,} B, "
               f"{peak / predicted - 1:+.2%}")
         assert peak == pytest.approx(predicted, rel=0.02), rank
