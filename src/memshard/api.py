@@ -162,13 +162,14 @@ def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: 
 
 
 def export(model: Model | Job, mesh: str | Mesh = "2x4", strategy: str = "memshard", **job_arguments) -> str:
-    """A baseline written for the framework it is named after (``exporting.py``): ``fsdp2`` and
-    ``ddp`` as a Python function ``parallelize(model, mesh)`` that applies PyTorch's
-    ``fully_shard`` or ``DistributedDataParallel`` as the baseline is priced, ``megatron-…`` as
+    """A baseline written for the framework it is named after (``exporting.py``): ``fsdp2``,
+    ``ddp`` and ``torch-tp…`` as a Python function ``parallelize(model, mesh)`` that applies
+    PyTorch's ``fully_shard``, ``DistributedDataParallel`` or ``parallelize_module`` ×
+    ``fully_shard`` as the baseline is priced, ``megatron-…`` as
     Megatron-LM's arguments for a built-in preset; a header gives the job, the predicted peak
     per device and the command that writes it. ``model`` and the keywords are what
     :func:`strategy_plan` takes; the precision defaults to what the exported code runs (fp32,
-    PyTorch's default, for ``fsdp2`` and ``ddp``; the model's own for Megatron-LM). memshard's
+    PyTorch's default, for PyTorch's; the model's own for Megatron-LM). memshard's
     own plans and the idealised baselines raise :class:`MemshardError`, pointing to
     ``memshard.parallelize``."""
     target = export_target(strategy)

@@ -467,10 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--rank", type=int, default=0, help="the rank to play (default 0)")
 
     e = sub.add_parser("export", help="write a baseline for the framework it is named after: PyTorch code "
-                                      "(fsdp2, ddp) or Megatron-LM's arguments (megatron-…)")
+                                      "(fsdp2, ddp, torch-tp…) or Megatron-LM's arguments (megatron-…)")
     add_job_arguments(e, required=True)
     e.add_argument("--strategy", default="memshard",
-                   help="fsdp2 (fully_shard per block and root), ddp (DistributedDataParallel) or megatron-tp… "
+                   help="fsdp2 (fully_shard per block and root), ddp (DistributedDataParallel), torch-tp…-fsdp… "
+                        "(parallelize_module × fully_shard, traced models) or megatron-tp… "
                         "(`memshard compare` lists them); memshard's own plans run with memshard.parallelize")
     e.add_argument("--out", metavar="FILE", help="write to FILE, atomically, instead of standard output")
     e.add_argument("--force", action="store_true", help="replace an existing --out file")
