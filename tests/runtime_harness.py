@@ -3,7 +3,8 @@
 ``run_plans(plans, steps)`` runs every plan of one mesh shape in one forked world, so the
 ranks start once; each rank returns ``train``'s report plus the full gradients of every
 parameter at the second step (rank 0 only). ``reference(graph, steps)`` is the unsharded
-model with ``torch.optim.Adam``: an independent optimizer, so the check covers LeanAdam too.
+model with ``torch.optim.Adam`` (on fp32 master weights under mixed precision): an independent
+optimizer, so the check covers LeanAdam too.
 ``least_memory_plan`` is memshard's plan of a tiny job as the runtime tests make it, planned
 once per test session.
 """
@@ -30,8 +31,9 @@ BATCH = 8
 
 
 @functools.cache
-def least_memory_plan(model: str, mesh: str, unit: str = "op"):
-    return memshard.plan(model, mesh, batch=BATCH, precision="fp32", mip_gap=0.05, time_limit_s=20, zero3_unit=unit)
+def least_memory_plan(model: str, mesh: str, unit: str = "op", precision: str = "fp32"):
+    return memshard.plan(model, mesh, batch=BATCH, precision=precision, mip_gap=0.05, time_limit_s=20,
+                         zero3_unit=unit)
 
 
 def free_port() -> int:
@@ -59,9 +61,18 @@ def forked_world(worker, world: int, out_dir) -> list[dict]:
     return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def reference(graph, steps: int, seed: int = 0, lr: float = 1e-3, dtype=torch.float32):
-    model = GraphModel(graph, seed).to(dtype)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+def reference(graph, steps: int, seed: int = 0, lr: float = 1e-3, dtype: torch.dtype | None = None):
+    """The single-process run: the graph's model (its weights in ``dtype``, default the graph's
+    compute dtype) and ``torch.optim.Adam``; below fp32 (mixed precision) Adam updates fp32
+    master copies of the weights from their gradients and the weights are the masters
+    rounded. Returns every step's loss and the gradients at ``INSPECT_STEP``."""
+    model = GraphModel(graph, seed)
+    if dtype is not None:
+        model = model.to(dtype)
+    weights = list(model.parameters())
+    mixed = weights[0].dtype not in (torch.float32, torch.float64)
+    masters = [w.detach().float() for w in weights] if mixed else weights
+    opt = torch.optim.Adam(masters, lr=lr)
     losses, grads = [], {}
     for step in range(steps):
         model.step = step
@@ -70,8 +81,15 @@ def reference(graph, steps: int, seed: int = 0, lr: float = 1e-3, dtype=torch.fl
         losses.append(loss.item())
         if step == INSPECT_STEP:
             grads = {n: model.parameter(n).grad.double() for n in graph.parameters}
+        if mixed:
+            for w, master in zip(weights, masters):
+                master.grad, w.grad = w.grad.float(), None
         opt.step()
         opt.zero_grad()
+        if mixed:
+            with torch.no_grad():
+                for w, master in zip(weights, masters):
+                    w.copy_(master)
     return losses, grads
 
 
@@ -91,7 +109,7 @@ def _worker(rank: int, world: int, port: int, plans, steps: int, queue, module_f
             def inspect(model, step, grads=grads):
                 if step == INSPECT_STEP:
                     for name in model.graph.parameters:
-                        grads[name] = model.full_gradient(name).numpy().copy()
+                        grads[name] = model.full_gradient(name).double().numpy().copy()
 
             module = module_factory() if module_factory is not None else None
             report = train(plan, mesh, steps=steps, inspect=inspect, module=module)

@@ -133,7 +133,6 @@ CLI = {
     # run and simulate
     "run-no-model": (["run", "--mesh", "2"], "--plan"),
     "run-one-step": (["run", "--model", "tiny-gpt", "--mesh", "2", "--steps", "1"], "--steps"),
-    "run-mixed": (["run", "--model", "tiny-gpt", "--mesh", "2", "--precision", "mixed"], "fp32"),
     "run-bert": (["run", "--model", "bert-large", "--mesh", "2", "--layers", "1", "--seq", "16"], "BERT"),
     "run-unknown-strategy": (["run", "--model", "tiny-gpt", "--mesh", "2", "--strategy", "nonsense"], "nonsense"),
     # fit

@@ -64,7 +64,7 @@ NOT_RUN = {
         "4 gloo ranks for 15 s: the shipped config is traced and planned in test_the_shipped_llama_config_plans; "
         "traced LLaMA runs on gloo ranks in tests/test_traced_runtime.py",
     "memshard plan --hf-config path/to/config.json --mesh 2x4 --batch 8 --seq 2048": "a placeholder path",
-    "memshard plan --model gpt3-6.7b --mesh 2x8 --batch 32 --seq 2048 --precision fp32 --json plan.json":
+    "memshard plan --model gpt3-6.7b --mesh 2x8 --batch 32 --seq 2048 --json plan.json":
         "the cluster example's first step (its torchrun step needs 16 ranks)",
 }
 

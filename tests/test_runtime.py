@@ -2,14 +2,16 @@
 
 Every plan below (memshard's, under both objectives, on meshes 4, 2×2, 1×4 and 2×2×2, and
 the baselines; a few with ZeRO-3 gathered per layer; ten that recompute activations, whose
-replays' collectives count in the bytes compared) runs 3 Adam steps on forked gloo ranks; the results are compared with
+replays' collectives count in the bytes compared; twelve in mixed precision) runs 3 Adam
+steps on forked gloo ranks; the results are compared with
 
 - the unsharded single-process model with ``torch.optim.Adam``: the losses of every step
-  equal its fp32 losses (rtol 1e-5); the gradients of the second step are as close to the
-  exact (float64) gradients as its own fp32 gradients are, within a factor of 10 (a
-  mistake in the sharding shows at the scale of the gradients themselves, 1e4× larger). An
-  elementwise rtol of 1e-5 against the fp32 run is not a fair test: that run is itself up to
-  5e-5 of the largest gradient away from float64, from summation order alone.
+  equal its fp32 losses (rtol 1e-5; mixed precision: its bf16 losses, rtol 1e-3); the
+  gradients of the second step are as close to the exact (float64) gradients as its own
+  gradients are, within a factor of 10 (a mistake in the sharding shows at the scale of the
+  gradients themselves, 1e4× larger in fp32, 20× in bf16). An elementwise rtol of 1e-5
+  against the fp32 run is not a fair test: that run is itself up to 5e-5 of the largest
+  gradient away from float64, from summation order alone.
 - the plan's predictions: bytes each rank sends per step, per collective kind, within 1%;
   the peak memory of every rank (MemTracker) within 2%, and each category at the peak
   within 5% (see ``test_memory_categories_match_the_prediction``).
@@ -26,6 +28,7 @@ import torch
 import memshard
 from memshard.api import strategy_plan
 from memshard.evaluate import evaluate
+from memshard.graph import MIXED as MIXED_PRECISION
 from memshard.plans import runnable
 from memshard.runtime.report import error
 from memshard.runtime.simulate import simulate
@@ -34,11 +37,11 @@ from tests.runtime_harness import BATCH, INSPECT_STEP, least_memory_plan, refere
 STEPS = 3
 
 
-def _memshard(model, mesh, objective, unit="op"):
-    best = least_memory_plan(model, mesh, unit)  # also the time plan's start and budget
+def _memshard(model, mesh, objective, unit="op", precision="fp32"):
+    best = least_memory_plan(model, mesh, unit, precision)  # also the time plan's start and budget
     if objective == "memory":
         return best
-    return memshard.plan(model, mesh, batch=BATCH, precision="fp32", objective="time", start=best,
+    return memshard.plan(model, mesh, batch=BATCH, precision=precision, objective="time", start=best,
                          memory_budget=int(best.peak_bytes * 1.3), mip_gap=0.05, time_limit_s=20)
 
 
@@ -81,6 +84,21 @@ RECOMPUTE = {  # plans that recompute activations: (recomputation searched or fo
     "tiny-gpt-dp+selective-4": ("tiny-gpt", "4", "dp+selective", "selective", "op", None),
 }
 CASES.update({case: spec[:3] for case, spec in RECOMPUTE.items()})
+MIXED = {  # mixed precision: bf16 weights, activations and gradients, fp32 master weights and Adam
+    "tiny-gpt-memshard-memory-4-mixed": ("tiny-gpt", "4", "memory", "none", "op"),
+    "tiny-llama-memshard-memory-2x2-mixed": ("tiny-llama", "2x2", "memory", "none", "op"),
+    "tiny-gpt-memshard-memory-2x2x2-mixed": ("tiny-gpt", "2x2x2", "memory", "none", "op"),
+    "tiny-gpt-memshard-memory-full-4-mixed": ("tiny-gpt", "4", "memory", "full", "op"),
+    "tiny-llama-memshard-time-1x4-mixed": ("tiny-llama", "1x4", "time", "none", "op"),
+    "tiny-gpt-dp-4-mixed": ("tiny-gpt", "4", "dp", "none", "op"),
+    "tiny-llama-zero3-fsdp-2x2-mixed": ("tiny-llama", "2x2", "zero3-fsdp", "none", "op"),
+    "tiny-gpt-tp2-fsdp2-layer-2x2-mixed": ("tiny-gpt", "2x2", "tp2-fsdp2", "none", "layer"),
+    "tiny-llama-tp2-fsdp4-2x2x2-mixed": ("tiny-llama", "2x2x2", "tp2-fsdp4", "none", "op"),
+    "tiny-gpt-megatron-tp4-sp-1x4-mixed": ("tiny-gpt", "1x4", "megatron-tp4-sp", "none", "op"),
+    "tiny-llama-megatron-tp2-dp2-sp-distopt-2x2-mixed": ("tiny-llama", "2x2", "megatron-tp2-dp2-sp-distopt", "none", "op"),
+    "tiny-gpt-megatron-tp2-dp2-sp+full-2x2-mixed": ("tiny-gpt", "2x2", "megatron-tp2-dp2-sp+full", "full", "op"),
+}
+CASES.update({case: spec[:3] for case, spec in MIXED.items()})
 
 
 def _recomputing(case):
@@ -96,9 +114,22 @@ def _recomputing(case):
                                   recompute=policy))
 
 
+def _mixed(case):
+    model, mesh, what, policy, unit = MIXED[case]
+    if what in ("memory", "time") and policy == "none":
+        return _memshard(model, mesh, what, unit, "mixed")
+    if what == "memory":
+        return memshard.plan(model, mesh, batch=BATCH, precision="mixed", mip_gap=0.05, time_limit_s=20,
+                             zero3_unit=unit, recompute=policy)
+    return runnable(strategy_plan(model, mesh, what, batch=BATCH, precision="mixed", zero3_unit=unit,
+                                  recompute=policy))
+
+
 def _make(case):
     if case in RECOMPUTE:
         return _recomputing(case)
+    if case in MIXED:
+        return _mixed(case)
     model, mesh, what = CASES[case]
     unit = "layer" if case in LAYER_UNIT else "op"
     if what in ("memory", "time"):
@@ -114,8 +145,9 @@ def _results() -> dict[str, tuple]:
 
 
 @functools.cache
-def _reference(model: str, seq: int | None = None, dtype=torch.float32):
-    return reference(memshard.build_graph(model, batch=BATCH, seq=seq, precision="fp32"), STEPS, dtype=dtype)
+def _reference(model: str, seq: int | None = None, precision: str = "fp32", dtype: torch.dtype | None = None):
+    """The single-process run of the case's job (in ``dtype``: the float64 one is exact)."""
+    return reference(memshard.build_graph(model, batch=BATCH, seq=seq, precision=precision), STEPS, dtype=dtype)
 
 
 def test_at_least_twenty_plans_on_four_meshes():
@@ -131,15 +163,31 @@ def test_at_least_ten_plans_recompute():
         assert any(op.recomputed for op in _results()[case][0].ops), case
 
 
+def test_at_least_ten_plans_in_mixed_precision():
+    """memshard's under both objectives, with and without recomputation, and the baselines
+    (data parallel, ZeRO-3, TP × FSDP, Megatron-LM's layouts): bf16 weights, fp32 optimizer
+    states (master weights and moments)."""
+    assert len(MIXED) >= 10
+    assert {spec[2] for spec in MIXED.values()} >= {"memory", "time", "dp", "zero3-fsdp"}
+    for case in MIXED:
+        assert _results()[case][0].problem.graph.precision is MIXED_PRECISION, case
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_losses_and_gradients_equal_the_single_process_run(case):
-    """(A recomputing plan's run equals the run without recomputation: the single process.)"""
+    """(A recomputing plan's run equals the run without recomputation: the single process.)
+    Mixed precision: the single process is the same bf16 model with fp32 master weights;
+    the losses agree to 1e-3 (a quarter of bf16's epsilon: the sharded run sums in other
+    orders in bf16), the gradients by the same rule as fp32's against the exact run of the
+    same (bf16-rounded) initial weights."""
     plan, reports = _results()[case]
     seq = RECOMPUTE[case][5] if case in RECOMPUTE else None
-    ref_losses, ref_grads = _reference(CASES[case][0], seq)
+    precision = plan.problem.graph.precision.name
+    ref_losses, ref_grads = _reference(CASES[case][0], seq, precision)
     for r in reports:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    _, exact = _reference(CASES[case][0], seq, torch.float64)
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses),
+                                   rtol=1e-5 if precision == "fp32" else 1e-3, atol=0)
+    _, exact = _reference(CASES[case][0], seq, precision, torch.float64)
     grads = reports[0]["gradients"]
     assert set(grads) == set(ref_grads)
 

@@ -1,6 +1,7 @@
 """Traced modules run under their plans: Hugging Face GPT-2, LLaMA and Qwen2 (tiny configs)
 and a module with an op memshard does not know, on 4 gloo ranks, against the single-process
-module itself (fp32 and float64), the plan's communication and its memory."""
+module itself (fp32 or bf16 with fp32 master weights, and float64), the plan's communication
+and its memory."""
 
 from __future__ import annotations
 
@@ -27,17 +28,21 @@ CONFIGS = {
     "llama": {"model_type": "llama", **TINY, "num_key_value_heads": 2},
     "qwen2": {"model_type": "qwen2", **TINY, "num_key_value_heads": 2},
 }
-RUNS = {**{family: (family, "none") for family in CONFIGS},  # run name → (config, recomputation)
-        "llama-recompute-full": ("llama", "full")}
+RUNS = {**{family: (family, "none", "fp32") for family in CONFIGS},  # run → (config, recomputation, precision)
+        "llama-recompute-full": ("llama", "full", "fp32"),
+        "llama-mixed": ("llama", "none", "mixed"), "gpt2-mixed": ("gpt2", "none", "mixed")}
 def _cast(t, dtype):
     return t.to(dtype) if t.is_floating_point() else t
 
 
 def reference(graph, module_factory, dtype):
-    """The module itself, one process, torch.optim.Adam: losses and step-2 gradients."""
+    """The module itself, one process, torch.optim.Adam: losses and step-2 gradients. In
+    bf16, Adam updates fp32 master weights and the module's weights are those rounded."""
     module = module_factory().to(dtype)
     params = dict(module.named_parameters(remove_duplicate=False))
-    opt = torch.optim.Adam(module.parameters(), lr=1e-3)
+    weights = list(module.parameters())
+    masters = [w.detach().float() for w in weights] if dtype == torch.bfloat16 else weights
+    opt = torch.optim.Adam(masters, lr=1e-3)
     losses, grads = [], {}
     for step in range(STEPS):
         (args, kwargs), = traced.make_batch(graph, 1, step)
@@ -49,21 +54,31 @@ def reference(graph, module_factory, dtype):
         losses.append(loss.item())
         if step == INSPECT_STEP:
             grads = {n: params[n].grad.double().clone() for n in graph.parameters}
+        if masters is not weights:
+            for w, master in zip(weights, masters):
+                master.grad, w.grad = w.grad.float(), None
         opt.step()
         opt.zero_grad()
+        if masters is not weights:
+            with torch.no_grad():
+                for w, master in zip(weights, masters):
+                    w.copy_(master)
     return losses, grads
 
 
 def check_run(plan, reports, module_factory):
+    """Losses equal the module's (fp32: rtol 1e-5; bf16: 1e-3), gradients as close to the
+    exact ones (float64 from the same initial weights) as the module's own, within 10×."""
     graph = plan.problem.graph
-    losses32, grads32 = reference(graph, module_factory, torch.float32)
+    mixed = graph.precision.name == "mixed"
+    losses, own_grads = reference(graph, module_factory, torch.bfloat16 if mixed else torch.float32)
     _, grads64 = reference(graph, module_factory, torch.float64)
     for r in reports:
-        np.testing.assert_allclose(r["losses"], losses32, rtol=1e-5)
+        np.testing.assert_allclose(r["losses"], losses, rtol=1e-3 if mixed else 1e-5)
     got = reports[0]["gradients"]
     for name, g64 in grads64.items():
         g = torch.from_numpy(got[name]).double().reshape(g64.shape)
-        own = (grads32[name] - g64).abs().max().item()  # the fp32 run's own rounding
+        own = (own_grads[name] - g64).abs().max().item()  # the single run's own rounding
         bound = max(10 * own, 1e-6 * g64.abs().max().item())
         assert (g - g64).abs().max().item() <= bound, name
     for r in reports:
@@ -73,9 +88,9 @@ def check_run(plan, reports, module_factory):
 
 @pytest.fixture(scope="module")
 def hf_runs():
-    plans = {name: memshard.plan(memshard.HFModel(CONFIGS[family]), "4", batch=4, seq=16, precision="fp32",
+    plans = {name: memshard.plan(memshard.HFModel(CONFIGS[family]), "4", batch=4, seq=16, precision=precision,
                                  mip_gap=0.02, recompute=recompute)
-             for name, (family, recompute) in RUNS.items()}
+             for name, (family, recompute, precision) in RUNS.items()}
     return plans, dict(zip(plans, run_plans(list(plans.values()), STEPS)))
 
 

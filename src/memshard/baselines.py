@@ -39,6 +39,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from memshard.graph import PRECISIONS
 from memshard.mesh import Mesh
 from memshard.placement import local_numel
 from memshard.pricing import build_problem
@@ -154,7 +155,10 @@ def as_run_by(problem: Problem, framework: str) -> Problem:
     """``problem`` priced as ``framework`` (``problem.FRAMEWORKS``) runs its plans."""
     if problem.framework == framework:
         return problem
-    return build_problem(problem.graph, problem.mesh, problem.shared_layers, problem.micro_batches,
+    graph = problem.graph
+    if problem.framework == MEGATRON:  # its fp32 gradient buffer is Megatron-LM's, not the job's
+        graph = replace(graph, precision=PRECISIONS[graph.precision.name])
+    return build_problem(graph, problem.mesh, problem.shared_layers, problem.micro_batches,
                          problem.zero3_unit, problem.recompute, framework)
 
 

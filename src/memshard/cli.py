@@ -105,7 +105,8 @@ def add_job_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
         else:
             g.add_argument(flag, type=_positive_int, dest=knob)
     g.add_argument("--precision", choices=("mixed", "fp32"),
-                   help="mixed (bf16 with fp32 master weights, default) or fp32 (run and simulate: fp32)")
+                   help="mixed (bf16 with fp32 master weights and Adam states; the default, but the tiny "
+                        "models are fp32) or fp32")
     m = parser.add_argument_group("hardware (defaults: A100/H100-class)")
     m.add_argument("--axis-names", help="comma-separated mesh axis names")
     m.add_argument("--bandwidth", type=_floats, help="GB/s per device for each mesh axis, comma-separated")
@@ -139,15 +140,15 @@ def add_search_arguments(parser: argparse.ArgumentParser, objective: bool) -> No
                    help="relative optimality gap the solver may stop at (default 0.002 = 0.2%%; run, simulate: 0.02)")
 
 
-def job_of(args, precision: str | None = None):
-    """The job the options describe (``precision``: the default when none is given)."""
+def job_of(args):
+    """The job the options describe."""
     from memshard.job import Job
 
     knobs = {k: getattr(args, k) for k in KNOB_FLAGS if k != "dropout"}
     if args.dropout:
         knobs["dropout"] = args.dropout == "on"
     return Job(_model_of(args), _mesh_of(args), batch=args.batch, seq=args.seq, micro_batches=args.micro_batches or 1,
-               overrides=knobs, precision=args.precision or precision)
+               overrides=knobs, precision=args.precision)
 
 
 def options_of(args, gap: float = 2e-3):
@@ -308,7 +309,7 @@ def _cmd_fit(args, console) -> None:
 
 
 def _runtime_plan(args):
-    """The plan ``run`` and ``simulate`` execute: ``--plan``, or the job's (fp32 by default)."""
+    """The plan ``run`` and ``simulate`` execute: ``--plan``, or the job's."""
     from memshard.api import runtime_plan
 
     if args.plan is not None:
@@ -321,7 +322,7 @@ def _runtime_plan(args):
         return runnable(load_plan(args.plan))
     if (args.model, args.hf_config, args.hf_model) == (None, None, None) or args.mesh is None:
         raise MemshardError("give --plan, or a model (--model, --hf-config or --hf-model) and --mesh")
-    return runtime_plan(job_of(args, precision="fp32"), args.strategy or "memshard", options_of(args, gap=0.02))
+    return runtime_plan(job_of(args), args.strategy or "memshard", options_of(args, gap=0.02))
 
 
 def _cmd_run(args, console) -> None:

@@ -188,10 +188,8 @@ class Plan:
 def runnable(plan: Plan) -> Plan:
     """The plan memshard's runtime executes for ``plan``: ``plan`` itself, or a Megatron-LM
     baseline's layout priced as memshard's runtime runs it (no gradient buffer). Refused:
-    plans not in fp32 (the runtime's tensors are) and the baselines priced as PyTorch's
+    the baselines priced as PyTorch's
     implementations run them (``fsdp2``, ``ddp``, ``torch-tp*``)."""
-    if plan.problem.graph.precision.name != "fp32":
-        raise MemshardError("the runtime executes fp32 plans; plan with --precision fp32")
     framework = plan.problem.framework
     if framework == MEGATRON:
         return build_plan(as_run_by(plan.problem, MEMSHARD), plan.selection, plan.job, strategy=plan.strategy,

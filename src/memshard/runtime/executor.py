@@ -53,6 +53,12 @@ def _key(name: str) -> str:
     return name.replace(".", "/")
 
 
+def compute_dtype(graph: Graph) -> torch.dtype:
+    """The dtype of a built graph's weights and activations: bf16 under mixed precision
+    (its fp32 master weights are the optimizer's, ``optim.LeanAdam``), else fp32."""
+    return torch.bfloat16 if graph.precision.param_bytes == 2 else torch.float32
+
+
 def init_parameter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """Deterministic initial value of a parameter from its name: the same on every rank
     and in every sharding. Norm weights start at 1, biases at 0, the rest N(0, 0.02)."""
@@ -155,10 +161,12 @@ class GraphModel(nn.Module):
         super().__init__()
         self.graph = graph
         self.seed = seed
+        dtype = compute_dtype(graph)
         self.weights = nn.ParameterDict({
             _key(name): nn.Parameter(
-                init_parameter(name, graph.tensors[name].shape, seed).to(device)
-                if torch.device(device).type != "meta" else torch.empty(graph.tensors[name].shape, device="meta")
+                init_parameter(name, graph.tensors[name].shape, seed).to(device, dtype)
+                if torch.device(device).type != "meta"
+                else torch.empty(graph.tensors[name].shape, device="meta", dtype=dtype)
             )
             for name in graph.parameters
         })
@@ -253,7 +261,7 @@ class ParamStore:
     def _reduce_now(self) -> None:
         g = self.param.grad
         self.param.grad = None
-        local = torch.zeros(self.local_shape, device=self.param.device) if g is None else (g.to_local() if isinstance(g, DTensor) else g)
+        local = torch.zeros(self.local_shape, device=self.param.device, dtype=self.param.dtype) if g is None else (g.to_local() if isinstance(g, DTensor) else g)
         self._accumulate(self._reduce(local))
 
     def finish_gradients(self) -> None:

@@ -195,13 +195,13 @@ class SplitNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, n_global, groups, rms, eps):
         if rms:  # no mean: RMSNorm keeps one statistic per row
             mean = None
-            stats = all_reduce(_row_dot(x, x), groups)
+            stats = all_reduce(_row_dot(x, x).float(), groups)
             rstd = torch.rsqrt(stats / n_global + eps)
         else:
-            stats = all_reduce(torch.cat([x.sum(-1, keepdim=True), _row_dot(x, x)], -1), groups)
+            stats = all_reduce(torch.cat([x.sum(-1, keepdim=True), _row_dot(x, x)], -1).float(), groups)
             mean = stats[..., :1] / n_global
             rstd = torch.rsqrt(stats[..., 1:] / n_global - mean * mean + eps)
-        y = _centred(x, mean).mul_(rstd).mul_(weight)
+        y = _centred(x, mean).mul_(rstd.to(x.dtype)).mul_(weight)
         if bias is not None:
             y.add_(bias)
         ctx.save_for_backward(x, weight, rstd, mean)
@@ -213,24 +213,26 @@ class SplitNorm(torch.autograd.Function):
         x, weight, rstd, mean = ctx.saved_tensors
         n_global, groups, rms, has_bias = ctx.meta
         red = tuple(range(g.dim() - 1))
-        grad_w = _centred(x, mean).mul_(rstd).mul_(g).sum(red)
+        r = rstd.to(x.dtype)
+        grad_w = _centred(x, mean).mul_(r).mul_(g).sum(red)
         grad_b = g.sum(red) if has_bias else None
         gw = g * weight
         # x̂ = (x − μ)·r;  Σ gw·x̂ = r·(Σ gw·x − μ·Σ gw)
-        s1 = None if rms else gw.sum(-1, keepdim=True)
-        s2 = rstd * (_row_dot(gw, x) if rms else _row_dot(gw, x) - mean * s1)
+        s1 = None if rms else gw.sum(-1, keepdim=True).float()
+        s2 = rstd * (_row_dot(gw, x).float() if rms else _row_dot(gw, x).float() - mean * s1)
         stats = all_reduce(s2 if rms else torch.cat([s1, s2], -1), groups)
         c2 = rstd * stats[..., -1:] / n_global
-        # gx = r·(gw − Σgw/n − x̂·Σgw·x̂/n), built in gw's buffer
-        gw.addcmul_(x, c2, value=-1)
+        # gx = r·(gw − Σgw/n − x̂·Σgw·x̂/n), built in gw's buffer (row statistics in fp32,
+        # cast to gw's dtype before they meet it: no input-sized fp32 temporary)
+        gw.addcmul_(x, c2.to(gw.dtype), value=-1)
         if not rms:
-            gw.sub_(stats[..., :1] / n_global).add_(mean * c2)
-        return gw.mul_(rstd), grad_w, grad_b, None, None, None, None
+            gw.sub_((stats[..., :1] / n_global - mean * c2).to(gw.dtype))
+        return gw.mul_(r), grad_w, grad_b, None, None, None, None
 
 
 def _centred(x: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
     """``x − mean`` as a new tensor (a copy of ``x`` for RMSNorm, which has no mean)."""
-    return x.clone() if mean is None else x - mean
+    return x.clone() if mean is None else x - mean.to(x.dtype)
 
 
 def norm(ctx: OpContext, x, weight, bias=None):
@@ -242,13 +244,13 @@ def norm(ctx: OpContext, x, weight, bias=None):
     return SplitNorm.apply(x, weight, bias, ctx.sizes[h], tuple(ctx.groups[a] for a in axes), rms, NORM_EPS)
 
 
-def _causal_bias(ctx: OpContext, q_dim: str, k_dim: str) -> torch.Tensor:
+def _causal_bias(ctx: OpContext, q_dim: str, k_dim: str, dtype: torch.dtype) -> torch.Tensor:
     """0 where key ≤ query (global positions), −inf above the diagonal: [s_local, t_local]."""
     s0, sn = ctx.dim_range(q_dim)
     t0, tn = ctx.dim_range(k_dim)
     q = torch.arange(s0, s0 + sn, device=ctx.device).unsqueeze(1)
     k = torch.arange(t0, t0 + tn, device=ctx.device).unsqueeze(0)
-    return torch.zeros(sn, tn, device=ctx.device).masked_fill(k > q, float("-inf"))
+    return torch.zeros(sn, tn, device=ctx.device, dtype=dtype).masked_fill(k > q, float("-inf"))
 
 
 class SplitSoftmax(torch.autograd.Function):
@@ -257,10 +259,10 @@ class SplitSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, groups):
-        m = all_reduce(x.amax(-1, keepdim=True), groups, dist.ReduceOp.MAX)
-        e = torch.exp(x - m)
-        s = all_reduce(e.sum(-1, keepdim=True), groups)
-        y = e.div_(s)
+        m = all_reduce(x.amax(-1, keepdim=True).float(), groups, dist.ReduceOp.MAX)  # fp32 statistics
+        e = torch.exp(x - m.to(x.dtype))
+        s = all_reduce(e.sum(-1, keepdim=True).float(), groups)
+        y = e.div_(s.to(e.dtype))
         ctx.save_for_backward(y)
         ctx.groups = groups
         return y
@@ -268,14 +270,14 @@ class SplitSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
-        s = all_reduce((g * y).sum(-1, keepdim=True), ctx.groups)
-        return y * (g - s), None
+        s = all_reduce((g * y).sum(-1, keepdim=True).float(), ctx.groups)
+        return y * (g - s.to(g.dtype)), None
 
 
 def softmax(ctx: OpContext, x):
     """Causal softmax of attention scores ``[b, n, s, t]`` over ``t``."""
     dims = ctx.op.output.dims
-    x = x + _causal_bias(ctx, dims[-2], dims[-1])
+    x = x + _causal_bias(ctx, dims[-2], dims[-1], x.dtype)
     axes = ctx.split_axes(ctx.op.reduced_dims)
     if not axes:
         return torch.softmax(x, -1)
@@ -290,12 +292,13 @@ class SplitCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, v0, groups, scale, ignore_index):
-        m = all_reduce(logits.amax(-1, keepdim=True).detach().clone(), groups, dist.ReduceOp.MAX)
+        # The row statistics are fp32 (3 per row), whatever the logits' dtype.
+        m = all_reduce(logits.amax(-1, keepdim=True).detach().to(torch.float32, copy=True), groups, dist.ReduceOp.MAX)
         n = logits.shape[-1]
         inside = (labels >= v0) & (labels < v0 + n)
         idx = torch.where(inside, labels - v0, torch.zeros_like(labels)).unsqueeze(-1)
         target = torch.gather(logits, -1, idx).squeeze(-1) * inside
-        sums = torch.stack([_sum_exp(logits, m), target], -1)
+        sums = torch.stack([_sum_exp(logits, m), target.float()], -1)
         sums = all_reduce(sums, groups)
         rows = torch.log(sums[..., 0]) + m.squeeze(-1) - sums[..., 1]
         if ignore_index is not None:
@@ -309,7 +312,7 @@ class SplitCrossEntropy(torch.autograd.Function):
     def backward(ctx, g):
         logits, labels, m, total = ctx.saved_tensors
         v0, scale, ignore_index = ctx.meta
-        p = logits.sub(m).exp_().div_(total)  # one buffer: the gradient
+        p = logits.sub(m.to(logits.dtype)).exp_().div_(total.to(logits.dtype))  # one buffer: the gradient
         n = logits.shape[-1]
         inside = (labels >= v0) & (labels < v0 + n)
         idx = torch.where(inside, labels - v0, torch.zeros_like(labels)).unsqueeze(-1)
@@ -323,8 +326,8 @@ def _sum_exp(logits: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Σ_v exp(logits − m) per row, CROSS_ENTROPY_CHUNKS row chunks at a time: the buffer of
     exponentials is a chunk, not the logits' size (``memshard.problem`` prices one chunk)."""
     rows = logits.flatten(0, -2)
-    shift = m.flatten(0, -2)
-    out = rows.new_empty(rows.shape[0])
+    shift = m.flatten(0, -2).to(rows.dtype)
+    out = rows.new_empty(rows.shape[0], dtype=torch.float32)
     step = max(1, -(-rows.shape[0] // CROSS_ENTROPY_CHUNKS))
     for r in range(0, rows.shape[0], step):
         out[r:r + step] = rows[r:r + step].sub(shift[r:r + step]).exp_().sum(-1)
@@ -461,7 +464,7 @@ def sdpa(ctx: OpContext, q, k, v):
     if s0 == 0 and s == k.shape[1]:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
-        mask = _causal_bias(ctx, "s", "t") == 0
+        mask = _causal_bias(ctx, "s", "t", q.dtype) == 0
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
     return o.transpose(1, 2).unflatten(2, (e, g))  # a view: the saved output is the output
 

@@ -133,7 +133,7 @@ def _measured(meter: MemoryMeter, counter: CommCounter) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memshard.runtime.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--plan", required=True,
-                   help="a plan written by `memshard plan --json --precision fp32` (or `memshard run`)")
+                   help="a plan written by `memshard plan --json` (or `memshard run`)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
