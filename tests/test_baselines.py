@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 
 import memshard
-from memshard.baselines import baselines, megatron_tp
+from memshard.baselines import as_run_by, baselines, megatron_tp
 from memshard.evaluate import evaluate
 from memshard.ilp.solve import solve
 from memshard.mesh import make_mesh, parse_mesh
 from memshard.models import build_graph
 from memshard.plans import build_plan
 from memshard.pricing import build_problem
+from memshard.problem import MEMSHARD
 from memshard.schedule import Schedule
 from memshard.selections import data_parallel
 
@@ -189,3 +190,11 @@ def test_megatron_model_states_are_megatrons_bytes_per_parameter(precision, plai
         # its contiguous gradient buffer holds every gradient from the step's start
         ev = evaluate(b.problem, b.selection)
         assert ev.breakdown_at(0)["gradients"] == pytest.approx(4 * local_numel, rel=1e-9)
+        # memshard's runtime runs the layout with gradients in the job's precision (no buffer)
+        ours = as_run_by(b.problem, MEMSHARD)
+        assert ours.graph.precision is graph.precision
+        ev = evaluate(ours, b.selection)
+        assert ev.breakdown_at(0)["gradients"] == 0
+        assert _model_state_bytes(build_plan(ours, b.selection)) == pytest.approx(
+            (param_bytes + graph.precision.grad_bytes + graph.precision.optimizer_bytes / (4 if "distopt" in name else 1))
+            * local_numel, rel=1e-9), name
