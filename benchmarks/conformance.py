@@ -4,11 +4,13 @@
 
 Hugging Face LLaMA and GPT-2 (tiny configs, fp32, dropout off), ``fully_shard`` on every block
 and on the root module, or ``DistributedDataParallel`` (defaults), ``torch.optim.Adam``
-(foreach), one sequence of 32 tokens per rank, one rank of a 4- or 8-rank world under the fake
+(foreach), with and without torchtitan's full activation checkpointing (``checkpoint_wrapper``,
+``torch.utils.checkpoint``, around every block: ``fsdp2+full``, ``ddp+full``), one sequence
+of 32 tokens per rank, one rank of a 4- or 8-rank world under the fake
 process group; a step's peak as ``MemoryMeter`` (MemTracker) measures it
 (``tests/test_conformance.py``) against the ``fsdp2`` and ``ddp`` baselines' predicted peaks,
 and against the idealised plans memshard's runtime executes (``zero3-fsdp`` with
-``--zero3-unit layer``, ``dp``).
+``--zero3-unit layer``, ``dp``, and their ``+full``).
 The second table runs PyTorch's tensor parallelism as torchtitan applies it to LLaMA and Qwen2
 (``parallelize_module``: vocabulary-parallel embedding, ``SequenceParallel`` norms,
 ``PrepareModuleInput`` gathering each block's attention and MLP input once,
@@ -34,7 +36,8 @@ import memshard  # noqa: E402
 from benchmarks_md import provenance, write_section  # noqa: E402
 from memshard.trace.hf import trace_hf  # noqa: E402
 
-IDEALISED = {"fsdp2": ("zero3-fsdp", {"zero3_unit": "layer"}), "ddp": ("dp", {})}
+IDEALISED = {"fsdp2": ("zero3-fsdp", {"zero3_unit": "layer"}), "ddp": ("dp", {}),
+             "fsdp2+full": ("zero3-fsdp+full", {"zero3_unit": "layer"}), "ddp+full": ("dp+full", {})}
 
 
 def rows() -> list[str]:
@@ -45,8 +48,10 @@ def rows() -> list[str]:
         for family in sorted(FAMILIES):
             for world in (4, 8):
                 graph = trace_hf(family, batch=world, seq=SEQ, precision="fp32", **FAMILIES[family])
-                predicted = memshard.strategy_plan(graph, str(world), baseline).peak_bytes
-                ideal = memshard.strategy_plan(graph, str(world), ideal_name, **ideal_options).peak_bytes
+                recompute = "full" if baseline.endswith("+full") else "none"
+                predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute).peak_bytes
+                ideal = memshard.strategy_plan(graph, str(world), ideal_name, recompute=recompute,
+                                               **ideal_options).peak_bytes
                 for rank in (0, world - 1):
                     measured = measure(family, world, rank)
                     out.append(f"| {baseline} | {family} | {world} | {rank} | {measured:,} | {predicted:,.0f} | "

@@ -165,7 +165,7 @@ CLI = {
                                "{dir}/x.py"], "memshard.parallelize"),
     "export-unknown-strategy": (["export", "--model", "tiny-gpt", "--mesh", "4", "--strategy", "nonsense", "--out",
                                  "{dir}/x.py"], "nonsense"),
-    "export-fsdp2-recompute": (["export", "--model", "tiny-gpt", "--mesh", "4", "--strategy", "fsdp2+full", "--out",
+    "export-fsdp2-recompute": (["export", "--model", "tiny-gpt", "--mesh", "4", "--strategy", "fsdp2+selective", "--out",
                                 "{dir}/x.py"], "torch.utils.checkpoint"),
     "export-fsdp2-mixed": (["export", "--model", "tiny-gpt", "--mesh", "4", "--strategy", "fsdp2", "--precision",
                             "mixed", "--out", "{dir}/x.py"], "--precision fp32"),

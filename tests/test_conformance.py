@@ -2,7 +2,8 @@
 
 The ``fsdp2`` baseline prices ``torch.distributed.fsdp.fully_shard`` as users apply it (every
 transformer block, then the root module; defaults), ``ddp`` ``DistributedDataParallel`` with
-its defaults. Here the real thing runs: a Hugging Face
+its defaults, and ``fsdp2+full``/``ddp+full`` the same with torchtitan's full activation
+checkpointing (``torch.utils.checkpoint`` around every block). Here the real thing runs: a Hugging Face
 model (tiny configs, fp32, dropout off: on CPU a dropout keeps an fp32 mask and makes SDPA take
 its math path, neither what the GPUs planned for do), one rank of a 4- or 8-rank world under
 the ``fake`` process group, ``torch.optim.Adam`` as on GPUs by default (``foreach``: one
@@ -14,6 +15,7 @@ predicted peak within 2% on the first and the last rank.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import pytest
@@ -128,7 +130,24 @@ def ddp_peak(family: str, world: int, rank: int, parallelize=data_parallel) -> i
                               tracked=lambda: buckets.values())
 
 
-MEASURED = {"fsdp2": fully_sharded_peak, "ddp": ddp_peak}
+def checkpointed(parallelize):
+    """``parallelize`` after torchtitan's full activation checkpointing: every block wrapped
+    in ``checkpoint_wrapper`` (``torch.utils.checkpoint``, non-reentrant; its input saved,
+    everything else recomputed in backward)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def apply(model, mesh):
+        inner = getattr(model, "model", None) or model.transformer
+        blocks = getattr(inner, "layers", None) or inner.h
+        for k, block in enumerate(blocks):
+            blocks[k] = checkpoint_wrapper(block, preserve_rng_state=False)
+        return parallelize(model, mesh)
+    return apply
+
+
+MEASURED = {"fsdp2": fully_sharded_peak, "ddp": ddp_peak,
+            "fsdp2+full": functools.partial(fully_sharded_peak, parallelize=checkpointed(fully_shard_blocks)),
+            "ddp+full": functools.partial(ddp_peak, parallelize=checkpointed(data_parallel))}
 
 
 WORLDS = itertools.count()  # fresh mesh dim names per world: DTensor caches meshes by their names
@@ -198,8 +217,12 @@ def tp_fsdp2_peak(dp: int, tp: int, rank: int, seq: int, family: str = "llama",
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("world", [4, 8])
 def test_a_baseline_is_what_its_pytorch_implementation_allocates(baseline, family, world):
+    """(``+full``: the blocks recomputed by ``torch.utils.checkpoint``, which replays a block
+    when backward first unpacks one of its saved tensors, after FSDP2 has gathered its
+    weights.)"""
     graph = trace_hf(family, batch=world, seq=SEQ, precision="fp32", **FAMILIES[family])
-    predicted = memshard.strategy_plan(graph, str(world), baseline).peak_bytes
+    recompute = "full" if baseline.endswith("+full") else "none"
+    predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute).peak_bytes
     for rank in (0, world - 1):
         assert MEASURED[baseline](family, world, rank) == pytest.approx(predicted, rel=0.02), rank
 

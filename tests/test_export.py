@@ -1,6 +1,6 @@
 """``memshard export``: baselines written for the frameworks they are named after.
 
-The exported ``fsdp2`` and ``ddp`` code is executed on tiny Hugging Face LLaMA and GPT-2
+The exported ``fsdp2`` and ``ddp`` code (and their ``+full``, with ``torch.utils.checkpoint``) is executed on tiny Hugging Face LLaMA and GPT-2
 models, one rank of a 4-rank world under the ``fake`` process group, and must allocate what
 the plan predicts (``MemoryMeter``, within 2%, as ``test_conformance.py`` checks the
 baselines); the Megatron-LM arguments must say the preset's sizes and the baseline's layout;
@@ -61,10 +61,11 @@ def measured(strategy: str, parallelize, family: str, rank: int) -> int:
     ``test_conformance`` measures the baseline (DDP's buckets and comm hook included)."""
     from tests.test_conformance import ddp_peak, fully_sharded_peak
 
-    return {"fsdp2": fully_sharded_peak, "ddp": ddp_peak}[strategy](family, WORLD, rank, parallelize)
+    return {"fsdp2": fully_sharded_peak, "ddp": ddp_peak}[strategy.removesuffix("+full")](
+        family, WORLD, rank, parallelize)
 
 
-MEASURED = ("ddp", "fsdp2")
+MEASURED = ("ddp", "fsdp2", "ddp+full", "fsdp2+full")
 CONTAINERS = {"llama": "model.layers", "gpt2": "transformer.h"}
 
 
@@ -72,15 +73,19 @@ CONTAINERS = {"llama": "model.layers", "gpt2": "transformer.h"}
 @pytest.mark.parametrize("strategy", sorted(MEASURED))
 @pytest.mark.parametrize("family", sorted(CONTAINERS))
 def test_the_exported_code_allocates_what_the_plan_predicts(strategy, family, traced):
+    """(``+full``: every block wrapped in ``checkpoint_wrapper``, as the conformance test's
+    ``torch.utils.checkpoint`` run.)"""
     graph = traced[family]
     text = memshard.export(graph, str(WORLD), strategy=strategy)
-    predicted = memshard.strategy_plan(graph, str(WORLD), strategy).peak_bytes
+    recompute = "full" if strategy.endswith("+full") else "none"
+    predicted = memshard.strategy_plan(graph, str(WORLD), strategy, recompute=recompute).peak_bytes
     assert f"# Predicted peak per device: {format_bytes(predicted)} ({round(predicted):,} bytes)" in text
-    if strategy == "fsdp2":  # the blocks come from the graph: a loop over their container
+    assert (text.count("checkpoint_wrapper(") == 1) == (recompute == "full")
+    code = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    assert not re.search(r"\.\d+\b", code)  # no block named one by one
+    if strategy.startswith("fsdp2"):  # the blocks come from the graph: a loop over their container
         assert text.count("fully_shard(") == 2
-        assert f'model.get_submodule("{CONTAINERS[family]}").children()' in text
-        code = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
-        assert not re.search(r"\.\d+\b", code)  # no block named one by one
+        assert f'model.get_submodule("{CONTAINERS[family]}")' in text
     for rank in (0, WORLD - 1):
         peak = measured(strategy, parallelize_of(text), family, rank)
         print(f"{strategy} {family} rank {rank}: measured {peak:,} B, predicted {round(predicted):,} B, "
@@ -202,7 +207,7 @@ def test_megatron_needs_a_batch_its_replicas_split_evenly():
 
 # -- what cannot be exported ----------------------------------------------------------------------------
 @pytest.mark.parametrize("strategy", ["memshard", "dp", "zero1", "zero2", "zero3-fsdp", "tp2-fsdp2",
-                                      "fsdp2+full", "ddp+selective"])
+                                      "fsdp2+selective", "ddp+selective"])
 def test_what_pytorch_cannot_run_as_priced_points_to_parallelize(strategy):
     with pytest.raises(MemshardError) as raised:
         memshard.export("tiny-gpt", "2x2", strategy=strategy)

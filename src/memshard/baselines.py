@@ -174,13 +174,14 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     variants = recompute_variants(problem)
 
     def add(name, make, on: Callable[[], Problem] = lambda: problem, recomputes: bool = True):
-        names = [(name + suffix, replayed) for suffix, replayed in (variants if recomputes else variants[:1])
+        names = [(name + suffix, suffix) for suffix, _ in (variants if recomputes else variants[:1])
                  if wanted is None or wanted(name + suffix)]
         if names:
             on = on()
-        for full_name, replayed in names:
+            replayed_by = dict(recompute_variants(on))  # its own op indices (torch-tp adds ops)
+        for full_name, suffix in names:
             try:
-                selection = make(on, replayed)
+                selection = make(on, replayed_by[suffix])
             except SplitUnavailable as e:
                 skipped.append((full_name, str(e)))
                 continue
@@ -206,7 +207,9 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
             add(f"megatron-{tag}-sp-distopt", lambda p, r, k=k: megatron_tp_sp_distributed_optimizer(p, k, r),
                 as_megatron)
             add(f"tp{tp}-fsdp{dp}", lambda p, r, k=k: tp_fsdp(p, k, r), on)
-            # (recomputation with torch.utils.checkpoint is not priced for it yet)
+            # Not with recomputation: measured against torch.utils.checkpoint it prices the
+            # region's input as memshard's runtime holds it (each reader's reduce-scattered copy
+            # of the embedding's partial output, and that output until the replay), 6-8% high.
             if problem.recompute in ("none", "auto"):
                 add(f"torch-tp{tp}-fsdp{dp}", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
                     lambda on=on: as_run_by(on(), TORCH_TP), recomputes=False)

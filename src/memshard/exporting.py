@@ -101,11 +101,13 @@ def export_target(strategy: str) -> ExportTarget:
         return ExportTarget(strategy, "megatron", recompute, None, layout)
     kind = "torch-tp" if TORCH_TP_NAME.fullmatch(base) else base
     if kind in TORCH_STRATEGIES:
-        if suffix:
-            raise MemshardError(f"{strategy} cannot be exported: memshard's recomputation is not yet checked "
-                                f"against torch.utils.checkpoint; export {base} without it, or run it with "
-                                "memshard.parallelize(model, plan) (README: \"Using a plan from Python\")")
-        return ExportTarget(strategy, kind, "none", "fp32")
+        # full recomputation is checked against torch.utils.checkpoint around every block
+        if recompute != "none" and (kind == "torch-tp" or recompute != "full"):
+            raise MemshardError(f"{strategy} cannot be exported: its recomputation is not checked against "
+                                f"torch.utils.checkpoint (only {base}+full is, for fsdp2 and ddp); export {base} "
+                                "or run it with memshard.parallelize(model, plan) (README: \"Using a plan from "
+                                "Python\")")
+        return ExportTarget(strategy, kind, recompute, "fp32")
     raise MemshardError(f"{strategy} cannot be exported: {_why_not(base)}; {PARALLELIZE}")
 
 
@@ -234,6 +236,35 @@ def _mesh_check(plan: Plan, what: str) -> list[str]:
             f"        raise ValueError(f\"memshard priced {what} over one mesh axis of {n} devices, got {{mesh}}\")"]
 
 
+def _blocks_lines(plan: Plan, target: ExportTarget, per_block: list[str]) -> list[str]:
+    """Per block container: its blocks counted against the graph's, each wrapped in
+    ``checkpoint_wrapper`` (torchtitan's full activation checkpointing) under ``+full``, then
+    ``per_block`` (lines applied to each ``block`` of the ``container``)."""
+    lines = []
+    for container in block_containers(plan.problem.graph):
+        count, path = container.blocks, container.path
+        lines += [f"    container = model.get_submodule(\"{path}\")",
+                  f"    if len(container) != {count}:",
+                  f"        raise ValueError(f\"memshard priced {count} blocks in {path}, the model has "
+                  "{len(container)}\")"]
+        if target.recompute == "full":
+            lines += ["    for k, block in enumerate(container):  # recomputed in backward from its input",
+                      "        container[k] = checkpoint_wrapper(block, preserve_rng_state=False)"]
+        lines += per_block
+    return lines
+
+
+def _checkpoint_import(target: ExportTarget) -> list[str]:
+    if target.recompute != "full":
+        return []
+    return ["from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper"]
+
+
+def _checkpointing(target: ExportTarget) -> str:
+    return (" Every transformer block is recomputed in backward from its input (torchtitan's full activation "
+            "checkpointing, torch.utils.checkpoint).") if target.recompute == "full" else ""
+
+
 def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
     """``fully_shard`` on every block of each container, then on the root (FSDP2's defaults)."""
     graph = plan.problem.graph
@@ -242,10 +273,11 @@ def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
         named = [f"# The blocks' container is named as memshard's built-in {plan.model.name} names it; give your "
                  "model's."]
     lines = [*_usage(plan, "PyTorch's fully_shard (FSDP2) on every transformer block, then on the root module, "
-                           "with its defaults."),
+                           "with its defaults." + _checkpointing(target)),
              *named,
              "",
              "from torch import nn",
+             *_checkpoint_import(target),
              "from torch.distributed.device_mesh import DeviceMesh",
              "from torch.distributed.fsdp import fully_shard",
              "",
@@ -253,23 +285,19 @@ def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
              "def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:",
              "    \"\"\"FSDP2 as memshard priced it: fully_shard on every transformer block, then on the root module.\"\"\"",
              *_mesh_check(plan, "fsdp2")]
-    for container in block_containers(graph):
-        blocks, path = container.blocks, container.path
-        lines += [f"    blocks = list(model.get_submodule(\"{path}\").children())",
-                  f"    if len(blocks) != {blocks}:",
-                  f"        raise ValueError(f\"memshard priced {blocks} blocks in {path}, the model has "
-                  "{len(blocks)}\")",
-                  "    for block in blocks:",
-                  "        fully_shard(block, mesh=mesh)"]
+    lines += _blocks_lines(plan, target, ["    for block in container:", "        fully_shard(block, mesh=mesh)"])
     return [*lines, "    fully_shard(model, mesh=mesh)", "    return model"]
 
 
 def ddp_code(target: ExportTarget, plan: Plan) -> list[str]:
     """``DistributedDataParallel`` with its defaults: 25 MiB buckets holding a second copy of the
     gradients all step (``gradient_as_bucket_view=False``), which the ``ddp`` baseline prices."""
-    return [*_usage(plan, "PyTorch's DistributedDataParallel with its defaults; train the module it returns."),
+    checkpointing = _blocks_lines(plan, target, []) if target.recompute == "full" else []
+    return [*_usage(plan, "PyTorch's DistributedDataParallel with its defaults; train the module it returns."
+                    + _checkpointing(target)),
             "",
             "from torch import nn",
+            *_checkpoint_import(target),
             "from torch.distributed.device_mesh import DeviceMesh",
             "from torch.nn.parallel import DistributedDataParallel",
             "",
@@ -278,6 +306,7 @@ def ddp_code(target: ExportTarget, plan: Plan) -> list[str]:
             "    \"\"\"DistributedDataParallel with its defaults, as memshard priced it (its gradient buckets",
             "    hold a second copy of the gradients all step).\"\"\"",
             *_mesh_check(plan, "ddp"),
+            *checkpointing,
             "    return DistributedDataParallel(model, device_mesh=mesh)"]
 
 

@@ -71,7 +71,7 @@ from memshard.problem import (
     StorageGroup,
     without_partial,
 )
-from memshard.recompute import RECOMPUTE_POLICIES, layer_ends, replay_flags, replay_point
+from memshard.recompute import RECOMPUTE_POLICIES, layer_ends, replay_flags, replay_starts
 from memshard.schedule import Schedule, candidate_points
 from memshard.strategies import (
     Strategy,
@@ -217,6 +217,8 @@ class _Builder:
         units = fsdp2_units if framework in (FSDP2, TORCH_TP) else layer_units if zero3_unit == "layer" else None
         self.units = units(graph, self.sched, recompute) if units else {}
         self.replay_flags = replay_flags(graph, recompute)
+        # Where each layer's replay runs: PyTorch's checkpoint at its first unpack.
+        self.replay_starts = replay_starts(graph, on_first_unpack=framework in TORCH_FRAMEWORKS)
         self.conflicts: list[Conflict] = []
         self.groups: list[Group] = []
         self.index: dict[tuple, int] = {}
@@ -263,6 +265,10 @@ class _Builder:
         return nbytes, np.array(self.redundant(nbytes, layouts))
 
     # -- ops ---------------------------------------------------------------------------------
+    def replay_point(self, i: int) -> int:
+        """The schedule point from which op ``i``'s replayed tensors live."""
+        return self.sched.backward(self.replay_starts[self.graph.ops[i].layer])
+
     def op_choices(self, op: Op, strategies: list[Strategy], replayed: bool = False) -> list[Choice]:
         """Each strategy's compute and statistics all-reduces per step; a replayed op runs its
         forward (and its forward's all-reduces) a second time."""
@@ -374,7 +380,7 @@ class _Builder:
             return
         kept = np.array([not r for r in grp.replays], float)
         nbytes, redundant = np.asarray(buffers[0]), np.asarray(buffers[1])
-        replay = replay_point(self.graph, S, i)
+        replay = self.replay_point(i)
         self.slot(gid, S.forward(i), replay - 1, "activations", nbytes * kept, redundant * kept,
                   0.0 if kept.min() == 0 else unique)
         # From the replay on: the kept buffer (an activation), or the one the replay made.
@@ -408,12 +414,12 @@ class _Builder:
                     entry.append((REGATHER, e, S.backward(i), S.backward(i)))
                 replay = self.edges[e].replay
                 if replay == REPLAYED_BY_PRODUCER:
-                    entry.append((REPLAYED, e, replay_point(self.graph, S, i), S.backward(i)))
+                    entry.append((REPLAYED, e, self.replay_point(i), S.backward(i)))
                 elif replay == READ_BY_REPLAY and not self.groups[pg].may_replay and self.groups[cg].always_replays:
                     # Every plan holds the producer's tensor for the replay: its own holder.
-                    entry.append((PRODUCER, pg, S.forward(self.graph.producer[t]), replay_point(self.graph, S, i)))
+                    entry.append((PRODUCER, pg, S.forward(self.graph.producer[t]), self.replay_point(i)))
                 elif replay == READ_BY_REPLAY:
-                    entry.append((SOURCE, e, S.forward(self.graph.producer[t]), replay_point(self.graph, S, i)))
+                    entry.append((SOURCE, e, S.forward(self.graph.producer[t]), self.replay_point(i)))
         self.add_holders(op_group, holders)
         return edge_of_input
 
@@ -463,12 +469,12 @@ class _Builder:
             hid = len(self.held)
             self.held.append(HeldTensor(t, pg, tuple(layouts), nbytes, red, float(spec.nbytes)))
             if op.saves_output and self.groups[pg].always_replays:
-                replay = replay_point(self.graph, S, p)
+                replay = self.replay_point(p)
                 self.holders += [Holder(hid, PRODUCER, pg, S.forward(p), forward_end),
                                  Holder(hid, PRODUCER, pg, replay, end)]
             elif op.saves_output and self.groups[pg].may_replay:
                 # Dropped after its last forward use unless kept; made again by the replay.
-                replay = replay_point(self.graph, S, p)
+                replay = self.replay_point(p)
                 self.holders += [Holder(hid, PRODUCER, pg, S.forward(p), forward_end),
                                  Holder(hid, RETAINED, pg, forward_end + 1, replay - 1),
                                  Holder(hid, PRODUCER, pg, replay, end)]

@@ -26,7 +26,6 @@ policies:
 from __future__ import annotations
 
 from memshard.graph import Graph
-from memshard.schedule import Schedule
 
 RECOMPUTE_POLICIES = ("none", "selective", "full", "auto")
 
@@ -91,7 +90,15 @@ def layer_ends(graph: Graph) -> dict[int, int]:
     return ends
 
 
-def replay_point(graph: Graph, schedule: Schedule, i: int) -> int:
-    """The schedule point from which op ``i``'s replayed tensors live: its layer's first
-    backward point."""
-    return schedule.backward(layer_ends(graph)[graph.ops[i].layer])
+def replay_starts(graph: Graph, on_first_unpack: bool = False) -> dict[int, int]:
+    """Layer → the op at whose backward the layer's replay runs (its replayed tensors live
+    from there). memshard's runtime and Megatron-LM replay as the layer's backward begins:
+    at its last op. PyTorch's non-reentrant checkpoint (``on_first_unpack``) recomputes when
+    backward first unpacks a tensor the region saved: at the layer's last op that saves one
+    (the ops after it, such as a residual add, run their backward before it)."""
+    starts = layer_ends(graph)
+    if on_first_unpack:
+        for i, op in enumerate(graph.ops):
+            if op.layer is not None and (op.saves_inputs or op.saves_output or op.buffers):
+                starts[op.layer] = i
+    return starts
