@@ -134,7 +134,7 @@ def test_the_simulate_example_predicts_what_the_readme_shows():
     """The predicted column is the plan's (the measured one needs the 1.3B simulate itself)."""
     from memshard.api import runtime_plan
 
-    plan = runtime_plan(memshard.Job("gpt3-1.3b", "2x4", batch=8, seq=1024, precision="fp32"))
+    plan = runtime_plan(memshard.Job("gpt3-1.3b", "2x4", batch=8, seq=1024))  # mixed precision
     rows = {row.split("│")[1].strip(): row.split("│")[2].strip()
             for row in _block_after(SIMULATED) if row.startswith("│")}
     predicted = {"peak memory": plan.peak_bytes, "communication / step": plan.communication.bytes_per_step}
