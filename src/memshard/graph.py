@@ -65,6 +65,10 @@ class SavedBuffer:
 # Forward FLOPs per element of the activation functions, for built-in and traced models alike
 # (so that an op costs the same time whichever path made it).
 ACTIVATION_FLOPS_PER_POINT = {"gelu": 8.0, "silu": 8.0}
+# Op kind: a copy that memshard's runtime makes (its reshards lay a tensor out in its dims'
+# order) where eager PyTorch has a view of a kernel's output (the transposed output of a fused
+# attention); priced as a view for the frameworks that run the eager module (``pricing``).
+LAYOUT_COPY = "layout_copy"
 
 
 @dataclass(frozen=True)

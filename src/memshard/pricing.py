@@ -31,6 +31,7 @@ from memshard.cost.memory import (
     tensor_bytes,
 )
 from memshard.cost.reshard_memory import reshard_peak_bytes
+from memshard.eager import as_eager
 from memshard.errors import MemshardError
 from memshard.graph import Graph, Op, TensorKind, TensorSpec
 from memshard.mesh import Mesh
@@ -330,11 +331,7 @@ class _Builder:
                 [buffer_redundant_bytes(op, s, mesh) for s in strategies]))
             self.buffer_slots(i, gid, buffers)
             if op.kind == "cross_entropy":
-                chunk = self.cached((gid, "workspace"), lambda op=op, strategies=strategies: self.chunk_prices(
-                    self.graph.tensors[op.inputs[0].tensor], [s.input_layouts[0] for s in strategies]))
-                self.slot(gid, S.forward(i), S.forward(i), "transients", *chunk)
-                if self.framework == TORCH_TP:
-                    self.loss_parallel_slots(i, gid)
+                self.loss_slots(i, gid)
             out = self.graph.tensors[op.output.tensor]
             if op.output.tensor in self.last_consumer:
                 # The gradient of the output in our layout, from its last consumer's reshard of
@@ -351,24 +348,36 @@ class _Builder:
                 unique = self.graph.tensors[t].nbytes if self.last_consumer[t] == i else 0.0
                 self.slot(gid, S.backward(i), S.backward(i), "transients", *prices, unique)
 
-    def loss_parallel_slots(self, i: int, gid: int) -> None:
-        """PyTorch's ``loss_parallel`` (``torch/distributed/tensor/parallel/loss.py``) where the
-        classes are split: its log-softmax holds the shifted logits while it makes the result,
-        and its backward builds the gradient as ``(zeros + exp(x)) * grad`` — each one local
-        logits tensor more than the fused kernels an unsplit loss runs, forward and backward."""
+    def loss_slots(self, i: int, gid: int) -> None:
+        """The loss's working set besides its saved logits (or log-probabilities) and their
+        gradient. memshard's kernel and Megatron-LM's fused one: one row chunk of exponentials
+        (``CROSS_ENTROPY_CHUNKS``) in forward. PyTorch (the frameworks of ``TORCH_FRAMEWORKS``):
+        ``F.cross_entropy`` is ``log_softmax`` (its log-probabilities made beside the logits,
+        and saved) then ``nll_loss``, whose backward makes the log-probabilities' gradient
+        before ``log_softmax``'s makes the logits': one local logits tensor more forward and
+        backward. Where the classes are split (torch-tp), ``loss_parallel``
+        (``torch/distributed/tensor/parallel/loss.py``) holds as much in forward (its
+        log-softmax holds the shifted logits), plus a row chunk, and two local logits tensors
+        more in backward, which builds the gradient as ``(zeros + exp(x)) * grad`` beside the
+        log-probabilities it saved (four logits-sized tensors at its peak, measured with
+        ``tests/test_conformance.py``'s TP × FSDP2 runs)."""
         S, op = self.sched, self.graph.ops[i]
         logits = self.graph.tensors[op.inputs[0].tensor]
         classes = op.inputs[0].dims[-1]
 
         def prices():
             strategies = self.groups[gid].strategies
-            nbytes, redundant = self.layout_prices(logits, [s.input_layouts[0] for s in strategies])
-            split = np.array([classes in s.assignment for s in strategies], dtype=float)
-            return nbytes * split, redundant * split
+            layouts = [s.input_layouts[0] for s in strategies]
+            chunk = self.chunk_prices(logits, layouts)
+            if self.framework not in TORCH_FRAMEWORKS:
+                return chunk, (np.zeros(len(layouts)), np.zeros(len(layouts)))
+            whole = self.layout_prices(logits, layouts)
+            split = np.array([self.framework == TORCH_TP and classes in s.assignment for s in strategies], float)
+            return tuple(w + c * split for w, c in zip(whole, chunk)), tuple(w * (1 + split) for w in whole)
 
-        extra = self.cached((gid, "loss_parallel"), prices)
-        for point in (S.forward(i), S.backward(i)):
-            self.slot(gid, point, point, "transients", *extra)
+        forward, backward = self.cached((gid, "loss"), prices)
+        self.slot(gid, S.forward(i), S.forward(i), "transients", *forward)
+        self.slot(gid, S.backward(i), S.backward(i), "transients", *backward)
 
     def buffer_slots(self, i: int, gid: int, buffers: tuple[list, list]) -> None:
         """An op's private buffers (a dropout mask) from its forward to its backward; a
@@ -765,6 +774,8 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         raise MemshardError(f"the framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     if recompute not in RECOMPUTE_POLICIES:
         raise MemshardError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {recompute!r}")
+    if framework in TORCH_FRAMEWORKS:  # the eager module's views, not memshard's runtime's copies
+        graph = as_eager(graph)
     if framework == TORCH_TP:
         graph = with_input_gathers(graph)
     if framework == MEGATRON:  # bf16 training accumulates and reduces gradients in fp32 (main_grad)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from memshard.graph import Graph, TensorKind
+from memshard.graph import LAYOUT_COPY, Graph, TensorKind
 from memshard.runtime import ops
 from memshard.runtime.executor import ShardedGraphModel
 from memshard.trace.export import WRAPPER_PREFIX
@@ -236,6 +236,7 @@ KERNELS = ops.KernelTable({  # every other kind, unknown ones included, calls it
     "select": select,
     "cat": cat,
     "copy": copy,
+    LAYOUT_COPY: copy,
 }, default=generic)
 
 

@@ -31,7 +31,16 @@ import torch
 from torch.fx import Node
 
 from memshard.errors import MemshardError
-from memshard.graph import Graph, Op, Operand, Precision, SavedBuffer, TensorKind, TensorSpec
+from memshard.graph import (
+    LAYOUT_COPY,
+    Graph,
+    Op,
+    Operand,
+    Precision,
+    SavedBuffer,
+    TensorKind,
+    TensorSpec,
+)
 from memshard.trace.dims import Atoms, DimConflict
 from memshard.trace.export import WRAPPER_PREFIX
 from memshard.trace.probe import ArgSpec, Saved, probe
@@ -302,7 +311,7 @@ class _Lowering:
 
     def _probe(self, node: Node, inputs: list[Node]) -> Saved:
         source = self._source(node)
-        if source is None or self.descs[node].kind in ("select", "cat", "copy"):
+        if source is None or self.descs[node].kind in ("select", "cat", "copy", LAYOUT_COPY):
             return Saved((), False, ())
         if source is not node and node is not next(iter(source.users)):
             return Saved((), False, ())  # a multi-output op's saved tensors go to its first output

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from memshard.graph import ACTIVATION_FLOPS_PER_POINT
+from memshard.graph import ACTIVATION_FLOPS_PER_POINT, LAYOUT_COPY
 from memshard.trace.dims import Atoms, DimConflict
 from memshard.trace.probe import Saved
 
@@ -130,6 +130,25 @@ def _out_shape(node: Node) -> list | None:
 
 
 # -- the rules ------------------------------------------------------------------------------------
+def _sdpa_output_regrouped(node: Node, packet: str) -> bool:
+    """``attention.transpose(1, 2).contiguous()``, which eager PyTorch makes without a copy:
+    the fused SDPA kernels (CPU flash, CUDA flash and memory-efficient) lay their output out
+    as the query, heads inside sequence, so the transposed output is already contiguous (the
+    exported program's meta kernel returns it contiguous the other way round). It becomes a
+    :data:`LAYOUT_COPY` op: memshard's runtime copies there (its reshards lay a tensor out in
+    its dims' order), the frameworks that run the eager module price it as a view."""
+    if packet != "contiguous":
+        return False
+    x = node.args[0]
+    if not (isinstance(x, Node) and packet_of(x) == "transpose" and sorted(x.args[1:3]) == [1, 2]):
+        return False
+    source = x.args[0]
+    while isinstance(source, Node) and packet_of(source) in ("reshape", "view", "_unsafe_view") and \
+            tuple(source.meta["val"].shape) == tuple(source.args[0].meta["val"].shape):
+        source = source.args[0]  # a reshape to its own shape (transformers' attention does one)
+    return isinstance(source, Node) and packet_of(source) == "scaled_dot_product_attention"
+
+
 @rule(*VIEWS)
 def view(s: RuleState, node: Node, packet: str):
     """Regroup or permute the input's atoms; a view that copies (``contiguous`` of a
@@ -155,7 +174,9 @@ def view(s: RuleState, node: Node, packet: str):
         out = list(xa)
     else:
         out = A.regroup(xa, [int(n) for n in out_shape])
-    return out, (None if alias else Desc("copy"))
+    if alias:
+        return out, None
+    return out, Desc(LAYOUT_COPY if _sdpa_output_regrouped(node, packet) else "copy")
 
 
 def pointwise(s: RuleState, node: Node, packet: str):
