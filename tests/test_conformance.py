@@ -56,9 +56,9 @@ def fake_rank(family: str, world: int, rank: int):
         destroy()
 
 
-def train_step(module, opt, seed: int) -> None:
+def train_step(module, opt, seed: int, seq: int = SEQ) -> None:
     """One step on one sequence of ``SEQ`` random tokens: forward to the loss, backward, Adam."""
-    ids = torch.randint(0, 512, (1, SEQ), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(seed))
     module(ids, labels=ids, use_cache=False).loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -87,14 +87,14 @@ def fully_shard_blocks(model, mesh):
     return model
 
 
-def fully_sharded_peak(family: str, world: int, rank: int, parallelize=fully_shard_blocks) -> int:
+def fully_sharded_peak(family: str, world: int, rank: int, parallelize=fully_shard_blocks, seq: int = SEQ) -> int:
     """The peak bytes of the second training step of rank ``rank`` under FSDP2
     (``parallelize(model, mesh)`` on a 1-D mesh of the world)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     with fake_rank(family, world, rank) as model:
         model = parallelize(model, init_device_mesh("cpu", (world,)))
-        return last_step_peak(model, lambda opt, seed: train_step(model, opt, seed))
+        return last_step_peak(model, lambda opt, seed: train_step(model, opt, seed, seq))
 
 
 def data_parallel(model, mesh):
@@ -104,7 +104,7 @@ def data_parallel(model, mesh):
     return DistributedDataParallel(model)
 
 
-def ddp_peak(family: str, world: int, rank: int, parallelize=data_parallel) -> int:
+def ddp_peak(family: str, world: int, rank: int, parallelize=data_parallel, seq: int = SEQ) -> int:
     """The peak bytes of the third training step of rank ``rank`` under
     ``DistributedDataParallel`` (``parallelize(model, mesh)``; DDP rebuilds its buckets in the
     second). DDP allocates its gradient buckets in C++ when it wraps the model, where MemTracker
@@ -126,7 +126,7 @@ def ddp_peak(family: str, world: int, rank: int, parallelize=data_parallel) -> i
             return future
 
         wrapped.register_comm_hook(None, allreduce)
-        return last_step_peak(model, lambda opt, seed: train_step(wrapped, opt, seed), steps=3,
+        return last_step_peak(model, lambda opt, seed: train_step(wrapped, opt, seed, seq), steps=3,
                               tracked=lambda: buckets.values())
 
 
@@ -225,6 +225,16 @@ def test_a_baseline_is_what_its_pytorch_implementation_allocates(baseline, famil
     predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute).peak_bytes
     for rank in (0, world - 1):
         assert MEASURED[baseline](family, world, rank) == pytest.approx(predicted, rel=0.02), rank
+
+
+@pytest.mark.parametrize("baseline", sorted(MEASURED))
+def test_a_baseline_is_what_its_pytorch_implementation_allocates_at_256_tokens(baseline):
+    """Where activations, the loss's buffers and the recomputation matter more than the
+    weights: LLaMA (GPT-2's config has 64 positions), 4 ranks, 256 tokens per sequence."""
+    graph = trace_hf("llama", batch=4, seq=256, precision="fp32", **FAMILIES["llama"])
+    recompute = "full" if baseline.endswith("+full") else "none"
+    predicted = memshard.strategy_plan(graph, "4", baseline, recompute=recompute).peak_bytes
+    assert MEASURED[baseline]("llama", 4, 0, seq=256) == pytest.approx(predicted, rel=0.02)
 
 
 def test_fsdp2_holds_more_than_the_idealised_zero3():
