@@ -209,7 +209,8 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
             add(f"tp{tp}-fsdp{dp}", lambda p, r, k=k: tp_fsdp(p, k, r), on)
             # Not with recomputation: measured against torch.utils.checkpoint it prices the
             # region's input as memshard's runtime holds it (each reader's reduce-scattered copy
-            # of the embedding's partial output, and that output until the replay), 6-8% high.
+            # of the embedding's partial output, and that output until the replay), 5-6% high
+            # at 256 tokens.
             if problem.recompute in ("none", "auto"):
                 add(f"torch-tp{tp}-fsdp{dp}", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
                     lambda on=on: as_run_by(on(), TORCH_TP), recomputes=False)
