@@ -9,7 +9,7 @@ its math path, neither what the GPUs planned for do), one rank of a 4- or 8-rank
 the ``fake`` process group, ``torch.optim.Adam`` as on GPUs by default (``foreach``: one
 square root of every state at once), one sequence per rank; the second step is
 measured by ``MemoryMeter`` (MemTracker; DDP's third). Its peak must be the baseline's
-predicted peak within 2% on the first and the last rank.
+predicted peak within 2% on the first and the last rank. FSDP2 runs on four real gloo ranks too.
 """
 
 from __future__ import annotations
@@ -263,3 +263,44 @@ def test_torch_tensor_parallel_times_fsdp2_is_what_pytorch_allocates(family, dp,
         # what the idealised plan leaves out (FSDP2's buffers, the gathered inputs PyTorch
         # saves, loss_parallel's buffers) is real memory
         assert idealised < 0.9 * measured
+
+
+def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One real gloo rank: the LLaMA family under FSDP2, with and without checkpointing, its
+    second step's peak into ``rank<r>.json``."""
+    import datetime
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    peaks = {}
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for name, parallelize in (("fsdp2", fully_shard_blocks), ("fsdp2+full", checkpointed(fully_shard_blocks))):
+            torch.manual_seed(0)
+            model = parallelize(build_model(load_config("llama", **FAMILIES["llama"]), "fp32", device="cpu"), mesh)
+            peaks[name] = last_step_peak(model, lambda opt, seed, model=model: train_step(model, opt, seed, 256))
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(peaks))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_on_real_gloo_ranks_is_what_the_baseline_predicts(tmp_path):
+    """The same check on 4 real gloo ranks (forked), LLaMA at 256 tokens: FSDP2 with and
+    without checkpointing within 2% on every rank."""
+    from tests.runtime_harness import forked_world
+
+    graph = trace_hf("llama", batch=4, seq=256, precision="fp32", **FAMILIES["llama"])
+    reports = forked_world(_gloo_worker, 4, tmp_path)
+    for baseline in ("fsdp2", "fsdp2+full"):
+        recompute = "full" if baseline.endswith("+full") else "none"
+        predicted = memshard.strategy_plan(graph, "4", baseline, recompute=recompute).peak_bytes
+        for rank, peaks in enumerate(reports):
+            print(f"gloo {baseline} rank {rank}: measured {peaks[baseline]:,} B, predicted {round(predicted):,} B, "
+                  f"{predicted / peaks[baseline] - 1:+.2%}")
+            assert peaks[baseline] == pytest.approx(predicted, rel=0.02), (baseline, rank)
