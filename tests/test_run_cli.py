@@ -48,11 +48,24 @@ def test_bad_plan_files_give_one_clear_error(tmp_path, capsys, text, message):
     assert message in err and "Traceback" not in err
 
 
-def test_run_refuses_mixed_precision_and_unknown_strategies(capsys):
-    assert main(["run", "--model", "tiny-gpt", "--mesh", "2", "--precision", "mixed"]) == 2
-    assert "fp32" in capsys.readouterr().err
+def test_run_refuses_an_unknown_strategy(capsys):
     assert main(["run", "--model", "tiny-gpt", "--mesh", "2", "--strategy", "nonsense"]) == 2
     assert "unknown strategy" in capsys.readouterr().err
+
+
+def test_memshard_run_runs_a_mixed_precision_plan(tmp_path, capsys):
+    """bf16 weights (2 bytes per element, half of each under ZeRO-3 over 2 ranks), fp32 master
+    weights and moments (12 bytes): the command runs them as planned."""
+    out = tmp_path / "run.json"
+    assert main(["run", "--model", "tiny-gpt", "--mesh", "2", "--strategy", "zero3-fsdp", "--precision", "mixed",
+                 "--steps", "2", "--json", str(out)]) == 0
+    capsys.readouterr()
+    rank = json.loads(out.read_text())["ranks"][0]
+    numel = memshard.build_graph("tiny-gpt", batch=2, precision="mixed").num_parameters
+    breakdown = rank["measured"]["breakdown"]
+    assert numel <= breakdown["parameters"] <= numel + 2 * 64
+    assert breakdown["optimizer_states"] == pytest.approx(rank["predicted"]["breakdown"]["optimizer_states"], rel=0.01)
+    assert breakdown["optimizer_states"] >= 6 * numel
 
 
 def test_memshard_run_trains_and_reports_every_rank(tmp_path, capsys):
