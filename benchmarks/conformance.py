@@ -17,7 +17,8 @@ The second table runs PyTorch's tensor parallelism as torchtitan applies it to L
 ``ColwiseParallel``/``RowwiseParallel`` projections, a vocabulary-parallel ``lm_head`` under
 ``loss_parallel``) × ``fully_shard`` over the data-parallel axis, against the
 ``torch-tp<T>-fsdp<D>`` baseline and the idealised ``tp<T>-fsdp<D>`` (TP + SP + ZeRO-3 as
-memshard's runtime executes them), at 32 and 256 tokens per sequence. ``--write`` puts the tables into BENCHMARKS.md between its markers.
+memshard's runtime executes them), at 32 and 256 tokens per sequence, with and without
+torchtitan's full activation checkpointing (``+full``). ``--write`` puts the tables into BENCHMARKS.md between its markers.
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.test_conformance import FAMILIES, MEASURED, SEQ, tp_fsdp2_peak  # noqa: E402
+from tests.test_conformance import (  # noqa: E402
+    FAMILIES,
+    MEASURED,
+    SEQ,
+    checkpointed_tensor_parallel_fsdp2,
+    tensor_parallel_fsdp2,
+    tp_fsdp2_peak,
+)
 
 import memshard  # noqa: E402
 from benchmarks_md import provenance, write_section  # noqa: E402
@@ -64,13 +72,17 @@ def rows() -> list[str]:
 def tensor_parallel_rows() -> list[str]:
     out = ["| baseline | model | mesh (DP × TP) | tokens per sequence | rank | measured (PyTorch) | predicted | error "
            "| idealised | its prediction | error |", "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
-    for family, (dp, tp), seq in itertools.product(("llama", "qwen2"), ((2, 2), (4, 2)), (32, 256)):
+    for recompute, family, (dp, tp), seq in itertools.product(("none", "full"), ("llama", "qwen2"), ((2, 2), (4, 2)),
+                                                              (32, 256)):
         graph = trace_hf(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
-        name, ideal_name = f"torch-tp{tp}-fsdp{dp}", f"tp{tp}-fsdp{dp}"
-        predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", name).peak_bytes
-        ideal = memshard.strategy_plan(graph, f"{dp}x{tp}", ideal_name).peak_bytes
+        suffix = "+full" if recompute == "full" else ""
+        name, ideal_name = f"torch-tp{tp}-fsdp{dp}{suffix}", f"tp{tp}-fsdp{dp}{suffix}"
+        predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", name, recompute=recompute).peak_bytes
+        ideal = memshard.strategy_plan(graph, f"{dp}x{tp}", ideal_name, recompute=recompute,  # (per-layer
+                                       zero3_unit="layer" if suffix else "op").peak_bytes  # ZeRO-3 to replay)
+        parallelize = checkpointed_tensor_parallel_fsdp2 if suffix else tensor_parallel_fsdp2
         for rank in (0, dp * tp - 1):
-            measured = tp_fsdp2_peak(dp, tp, rank, seq, family)
+            measured = tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize=parallelize)
             out.append(f"| {name} | {family} | {dp} × {tp} | {seq} | {rank} | {measured:,} | {predicted:,.0f} | "
                        f"{predicted / measured - 1:+.2%} | {ideal_name} | {ideal:,.0f} | {ideal / measured - 1:+.2%} |")
     return out

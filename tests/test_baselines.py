@@ -164,10 +164,13 @@ def test_pytorch_tensor_parallelism_gathers_each_block_input_once():
         assert not {gathered.ops[i].name for i, _ in gathered.consumers[op.inputs[0].tensor]} & set(names)
         assert gathered.producer[op.output.tensor] < min(i for i, _ in gathered.consumers[op.output.tensor])
     assert len(gathered.ops) == len(graph.ops) + 4
-    # the projections' input gradients reach the gathered copy unreduced
+    # the projections' input gradients reach the gathered copy unreduced, the embedding's
+    # readers' the scattered one (RowwiseParallel reduce-scatters its output once)
     problem = build_problem(graph, parse_mesh("2x4"), framework="torch-tp")
     assert {e.key.split(" -> ")[1] for e in problem.edges if e.gradient_through} == {
-        "attn.q[0]", "attn.k[0]", "attn.v[0]", "mlp.gate[0]", "mlp.up[0]"}
+        "attn.q[0]", "attn.k[0]", "attn.v[0]", "mlp.gate[0]", "mlp.up[0]", "input_layernorm[0]", "attn.residual[0]"}
+    assert list(problem.graph.consumers["embed.out"]) == [(1, 0)]  # the scatter, then its two readers
+    assert len(problem.graph.consumers["embed.out.scattered"]) == 2
 
 
 @pytest.mark.parametrize("precision, plain, distributed", [

@@ -192,6 +192,15 @@ def tensor_parallel_fsdp2(model, mesh):
     return fully_shard_blocks(model, dp_mesh)
 
 
+def checkpointed_tensor_parallel_fsdp2(model, mesh):
+    """:func:`tensor_parallel_fsdp2` with torchtitan's full activation checkpointing: the
+    blocks wrapped after tensor parallelism (whose plan names their submodules) and before
+    ``fully_shard``."""
+    dp_mesh, tp_mesh = (mesh[name] for name in mesh.mesh_dim_names)
+    tensor_parallel(model, tp_mesh)
+    return checkpointed(lambda m, _: fully_shard_blocks(m, dp_mesh))(model, mesh)
+
+
 def tp_fsdp2_peak(dp: int, tp: int, rank: int, seq: int, family: str = "llama",
                   parallelize=tensor_parallel_fsdp2) -> int:
     """Rank ``rank``'s peak in the second step of ``family`` (LLaMA-like) under PyTorch's TP
@@ -304,3 +313,14 @@ def test_fsdp2_on_real_gloo_ranks_is_what_the_baseline_predicts(tmp_path):
             print(f"gloo {baseline} rank {rank}: measured {peaks[baseline]:,} B, predicted {round(predicted):,} B, "
                   f"{predicted / peaks[baseline] - 1:+.2%}")
             assert peaks[baseline] == pytest.approx(predicted, rel=0.02), (baseline, rank)
+
+
+@pytest.mark.parametrize("family, dp, tp, seq", [("llama", 4, 2, 256), ("qwen2", 2, 2, SEQ)])
+def test_torch_tensor_parallel_with_checkpointing_is_what_pytorch_allocates(family, dp, tp, seq):
+    """``torch-tp…+full``: TP × FSDP2 with every block under ``torch.utils.checkpoint``; the
+    block's input is the embedding's output reduce-scattered once (``RowwiseParallel``)."""
+    graph = trace_hf(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
+    predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}+full", recompute="full").peak_bytes
+    for rank in (0, dp * tp - 1):
+        measured = tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize=checkpointed_tensor_parallel_fsdp2)
+        assert measured == pytest.approx(predicted, rel=0.02), rank

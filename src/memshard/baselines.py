@@ -173,9 +173,8 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     mesh = problem.mesh
     variants = recompute_variants(problem)
 
-    def add(name, make, on: Callable[[], Problem] = lambda: problem, recomputes: bool = True):
-        names = [(name + suffix, suffix) for suffix, _ in (variants if recomputes else variants[:1])
-                 if wanted is None or wanted(name + suffix)]
+    def add(name, make, on: Callable[[], Problem] = lambda: problem):
+        names = [(name + suffix, suffix) for suffix, _ in variants if wanted is None or wanted(name + suffix)]
         if names:
             on = on()
             replayed_by = dict(recompute_variants(on))  # its own op indices (torch-tp adds ops)
@@ -207,13 +206,8 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
             add(f"megatron-{tag}-sp-distopt", lambda p, r, k=k: megatron_tp_sp_distributed_optimizer(p, k, r),
                 as_megatron)
             add(f"tp{tp}-fsdp{dp}", lambda p, r, k=k: tp_fsdp(p, k, r), on)
-            # Not with recomputation: measured against torch.utils.checkpoint it prices the
-            # region's input as memshard's runtime holds it (each reader's reduce-scattered copy
-            # of the embedding's partial output, and that output until the replay), 5-6% high
-            # at 256 tokens.
-            if problem.recompute in ("none", "auto"):
-                add(f"torch-tp{tp}-fsdp{dp}", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
-                    lambda on=on: as_run_by(on(), TORCH_TP), recomputes=False)
+            add(f"torch-tp{tp}-fsdp{dp}", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
+                lambda on=on: as_run_by(on(), TORCH_TP))
     return out, skipped
 
 

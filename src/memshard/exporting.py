@@ -104,7 +104,7 @@ def export_target(strategy: str) -> ExportTarget:
         # full recomputation is checked against torch.utils.checkpoint around every block
         if recompute != "none" and (kind == "torch-tp" or recompute != "full"):
             raise MemshardError(f"{strategy} cannot be exported: its recomputation is not checked against "
-                                f"torch.utils.checkpoint (only {base}+full is, for fsdp2 and ddp); export {base} "
+                                f"torch.utils.checkpoint as exported (fsdp2+full and ddp+full are); export {base} "
                                 "or run it with memshard.parallelize(model, plan) (README: \"Using a plan from "
                                 "Python\")")
         return ExportTarget(strategy, kind, recompute, "fp32")

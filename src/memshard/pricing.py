@@ -82,7 +82,12 @@ from memshard.strategies import (
     input_grad_layout,
     parameter_inputs,
 )
-from memshard.tensor_parallel import REDISTRIBUTE, redistribute_grad_layout, with_input_gathers
+from memshard.tensor_parallel import (
+    REDISTRIBUTIONS,
+    redistribute_grad_layout,
+    with_input_gathers,
+    with_output_scatters,
+)
 
 ADAM_SQRT_BYTES = 4  # one fp32 element per parameter element: torch Adam's sqrt(exp_avg_sq)
 
@@ -301,7 +306,7 @@ class _Builder:
             choices += self.op_choices(op, strategies, replayed)
             every += strategies
             replays += [replayed] * len(strategies)
-        if op.kind == REDISTRIBUTE:
+        if op.kind in REDISTRIBUTIONS:
             input_grads = [[redistribute_grad_layout(s.output_layout, self.mesh.shape) for s in every]]
         else:
             input_grads = [[input_grad_layout(s, op, j) for s in every] for j in range(len(op.inputs))]
@@ -410,7 +415,7 @@ class _Builder:
                 saves = j in op.saves_inputs
                 if key not in self.edge_index:
                     self.edge_index[key] = len(self.edges)
-                    through = self.graph.ops[self.graph.producer[t]].kind == REDISTRIBUTE
+                    through = self.graph.ops[self.graph.producer[t]].kind in REDISTRIBUTIONS
                     self.edges.append(Edge(f"{key[0]} -> {key[1]}[{j}]", self.graph.tensors[t], pg, cg, j, saves,
                                            replay=self.edge_replay(pg, cg, saves), gradient_through=through))
                 e = self.edge_index[key]
@@ -777,7 +782,7 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
     if framework in TORCH_FRAMEWORKS:  # the eager module's views, not memshard's runtime's copies
         graph = as_eager(graph)
     if framework == TORCH_TP:
-        graph = with_input_gathers(graph)
+        graph = with_input_gathers(with_output_scatters(graph))
     if framework == MEGATRON:  # bf16 training accumulates and reduces gradients in fp32 (main_grad)
         graph = replace(graph, precision=replace(graph.precision, grad_bytes=4))
     b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute, framework)

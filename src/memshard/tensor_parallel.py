@@ -5,7 +5,11 @@
 - :func:`with_input_gathers`: the graph as PyTorch's ``parallelize_module`` runs it with
   torchtitan's plan, where ``PrepareModuleInput`` gathers a sequence-parallel activation once
   for every projection reading it (q, k, v; gate and up): one :data:`REDISTRIBUTE` op before
-  them, whose output they all read, save and send their gradients to.
+  them, whose output they all read, save and send their gradients to;
+- :func:`with_output_scatters`: where a row-parallel op's partial output (the vocabulary-parallel
+  embedding's) has several readers, ``RowwiseParallel(output_layouts=Shard(1))`` reduce-scatters
+  it once: one :data:`SCATTER` op after it, whose output they all read (and a checkpointed
+  block saves as its input).
 
 A redistribution computes nothing; its output's gradient is the sum of its readers' partial
 gradients (PyTorch sums them before the redistribution's backward reduce-scatters once), so
@@ -23,6 +27,8 @@ from memshard.placement import PARTIAL, REPLICATE, Layout
 
 TP_DIMS = ("v", "f", "e", "n")  # a built model's dims tensor parallelism splits, first found in the op
 REDISTRIBUTE = "redistribute"  # op kind: an input gathered once for several readers
+SCATTER = "redistribute_scatter"  # op kind: a partial output reduce-scattered once for several readers
+REDISTRIBUTIONS = frozenset({REDISTRIBUTE, SCATTER})
 
 
 def tensor_parallel_dims(graph: Graph) -> tuple[str, ...]:
@@ -94,6 +100,35 @@ def with_input_gathers(graph: Graph) -> Graph:
             ops[i] = replace(op, inputs=inputs)
     for position, gather in sorted(inserted, key=lambda x: x[0], reverse=True):
         ops.insert(position, gather)
+    return replace(graph, ops=tuple(ops), tensors=tensors)
+
+
+def with_output_scatters(graph: Graph) -> Graph:
+    """``graph`` with a :data:`SCATTER` op after every activation of a row-parallel op (a
+    weight, the op's tensor-parallel dim not in its output) that two or more ops read, those
+    readers rewired to its output."""
+    dims = tensor_parallel_dims(graph)
+    ops, tensors = list(graph.ops), dict(graph.tensors)
+    inserted: list[tuple[int, Op]] = []
+    for i, op in enumerate(graph.ops):
+        readers = graph.consumers.get(op.output.tensor, ())
+        tp_dim = tensor_parallel_dim(op, dims)
+        has_weight = any(graph.tensors[o.tensor].kind is TensorKind.PARAMETER for o in op.inputs)
+        if len(readers) < 2 or not has_weight or tp_dim is None or tp_dim in op.output.dims:
+            continue
+        name = op.output.tensor
+        scattered = f"{name}.scattered"
+        tensors[scattered] = replace(graph.tensors[name], name=scattered)
+        module = op.name.split("/")[0]
+        inserted.append((i + 1, Op(name=f"{module}/scatter#{name}", kind=SCATTER, inputs=(op.output,),
+                                   output=Operand(scattered, op.output.dims), flops_per_point=0.0,
+                                   backward_flops_ratio=0.0, layer=op.layer, role=None)))
+        for r, j in readers:
+            reader = ops[r]
+            ops[r] = replace(reader, inputs=tuple(Operand(scattered, o.dims) if k == j else o
+                                                  for k, o in enumerate(reader.inputs)))
+    for position, scatter in sorted(inserted, key=lambda x: x[0], reverse=True):
+        ops.insert(position, scatter)
     return replace(graph, ops=tuple(ops), tensors=tensors)
 
 
