@@ -187,9 +187,9 @@ class Plan:
 
 def runnable(plan: Plan) -> Plan:
     """The plan memshard's runtime executes for ``plan``: ``plan`` itself, or a Megatron-LM
-    baseline's layout priced as memshard's runtime runs it (no gradient buffer). Refused:
-    the baselines priced as PyTorch's
-    implementations run them (``fsdp2``, ``ddp``, ``torch-tp*``)."""
+    baseline's layout priced as memshard's runtime runs it (no gradient buffer, its gradients
+    in the job's precision). Refused: the baselines priced as PyTorch's implementations run
+    them (``fsdp2``, ``ddp``, ``torch-tp*``)."""
     framework = plan.problem.framework
     if framework == MEGATRON:
         return build_plan(as_run_by(plan.problem, MEMSHARD), plan.selection, plan.job, strategy=plan.strategy,
