@@ -94,8 +94,10 @@ def test_the_exported_code_allocates_what_the_plan_predicts(strategy, family, tr
 
 
 @pytest.mark.runtime
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_the_exported_tensor_parallel_code_is_torchtitans_plan_and_allocates_what_is_predicted(family):
+@pytest.mark.parametrize("family, recompute", [("llama", "none"), ("qwen2", "none"), ("llama", "full")])
+def test_the_exported_tensor_parallel_code_is_torchtitans_plan_and_allocates_what_is_predicted(family, recompute):
+    """(``+full``: the blocks wrapped in ``checkpoint_wrapper`` between tensor parallelism and
+    ``fully_shard``, as the conformance test applies it.)"""
     from torch.distributed.device_mesh import init_device_mesh
 
     from memshard.trace.hf import trace_hf
@@ -103,17 +105,20 @@ def test_the_exported_tensor_parallel_code_is_torchtitans_plan_and_allocates_wha
         FAMILIES,
         SEQ,
         WORLDS,
+        checkpointed_tensor_parallel_fsdp2,
         fake_rank,
         tensor_parallel_fsdp2,
         tp_fsdp2_peak,
     )
 
     graph = trace_hf(family, batch=2, seq=SEQ, precision="fp32", **FAMILIES[family])  # a sequence per replica
-    text = memshard.export(graph, "2x2", strategy="torch-tp2-fsdp2")
-    predicted = memshard.strategy_plan(graph, "2x2", "torch-tp2-fsdp2").peak_bytes
+    strategy = "torch-tp2-fsdp2" + ("+full" if recompute == "full" else "")
+    text = memshard.export(graph, "2x2", strategy=strategy)
+    predicted = memshard.strategy_plan(graph, "2x2", strategy, recompute=recompute).peak_bytes
     exported = parallelize_of(text)
+    reference = checkpointed_tensor_parallel_fsdp2 if recompute == "full" else tensor_parallel_fsdp2
     placements = []
-    for parallelize in (exported, tensor_parallel_fsdp2):  # every weight laid out as torchtitan's plan
+    for parallelize in (exported, reference):  # every weight laid out (and wrapped) as torchtitan's plan
         with fake_rank(family, WORLD, 0) as model:
             n = next(WORLDS)
             model = parallelize(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=(f"dp{n}", f"tp{n}")))
@@ -220,8 +225,8 @@ def test_tensor_parallelism_is_exported_for_a_traced_model_only():
     # its plan names the model's own modules; a built-in preset's are memshard's
     with pytest.raises(MemshardError, match=r"torch-tp2-fsdp2: .*traced model \(--hf-config or --hf-model\)"):
         memshard.export("tiny-llama", "2x2", strategy="torch-tp2-fsdp2")
-    with pytest.raises(MemshardError, match="torch-tp2-fsdp2\\+full cannot be exported"):
-        memshard.export("tiny-llama", "2x2", strategy="torch-tp2-fsdp2+full")
+    with pytest.raises(MemshardError, match="torch-tp2-fsdp2\\+selective cannot be exported"):
+        memshard.export("tiny-llama", "2x2", strategy="torch-tp2-fsdp2+selective")
 
 
 @pytest.mark.trace

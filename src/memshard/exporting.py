@@ -102,9 +102,9 @@ def export_target(strategy: str) -> ExportTarget:
     kind = "torch-tp" if TORCH_TP_NAME.fullmatch(base) else base
     if kind in TORCH_STRATEGIES:
         # full recomputation is checked against torch.utils.checkpoint around every block
-        if recompute != "none" and (kind == "torch-tp" or recompute != "full"):
+        if recompute not in ("none", "full"):
             raise MemshardError(f"{strategy} cannot be exported: its recomputation is not checked against "
-                                f"torch.utils.checkpoint as exported (fsdp2+full and ddp+full are); export {base} "
+                                f"torch.utils.checkpoint as exported (+full is); export {base} "
                                 "or run it with memshard.parallelize(model, plan) (README: \"Using a plan from "
                                 "Python\")")
         return ExportTarget(strategy, kind, recompute, "fp32")
@@ -352,7 +352,7 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
         raise MemshardError(f"{target.strategy} cannot be exported: its code is written for one stack of blocks, "
                             f"the model has {len(containers)}")
     (container,) = containers
-    tp = int(TORCH_TP_NAME.fullmatch(target.strategy)["tp"])
+    tp = int(TORCH_TP_NAME.fullmatch(target.strategy.removesuffix("+full"))["tp"])
     dp = plan.job.mesh.num_devices // tp
     prefix = f"{container.path}.0."
     styles = tensor_parallel_styles(plan)
@@ -370,8 +370,10 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
             "# torch.distributed.tensor.parallel.loss_parallel(), passing position_ids (a Hugging Face model",
             "# derives them from the sequence-sharded embedding otherwise). Each data-parallel rank trains on its",
             "# share of the global batch; the ranks of one tensor-parallel group read the same sequences.",
+            *(["#" + _checkpointing(target)] if target.recompute == "full" else []),
             "",
             "from torch import nn",
+            *_checkpoint_import(target),
             "from torch.distributed.device_mesh import DeviceMesh",
             "from torch.distributed.fsdp import fully_shard",
             "from torch.distributed.tensor import Replicate, Shard",
@@ -400,6 +402,10 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
             "        parallelize_module(block, tp_mesh, {",
             *("    " + e for e in entries(block)),
             "        })",
+            *([f"    container = model.get_submodule(\"{container.path}\")",
+               "    for k, block in enumerate(blocks):  # recomputed in backward from its input",
+               "        container[k] = blocks[k] = checkpoint_wrapper(block, preserve_rng_state=False)"]
+              if target.recompute == "full" else []),
             "    for block in blocks:",
             "        fully_shard(block, mesh=dp_mesh)",
             "    fully_shard(model, mesh=dp_mesh)",
