@@ -354,18 +354,13 @@ class _Builder:
                 self.slot(gid, S.backward(i), S.backward(i), "transients", *prices, unique)
 
     def loss_slots(self, i: int, gid: int) -> None:
-        """The loss's working set besides its saved logits (or log-probabilities) and their
-        gradient. memshard's kernel and Megatron-LM's fused one: one row chunk of exponentials
-        (``CROSS_ENTROPY_CHUNKS``) in forward. PyTorch (the frameworks of ``TORCH_FRAMEWORKS``):
-        ``F.cross_entropy`` is ``log_softmax`` (its log-probabilities made beside the logits,
-        and saved) then ``nll_loss``, whose backward makes the log-probabilities' gradient
-        before ``log_softmax``'s makes the logits': one local logits tensor more forward and
-        backward. Where the classes are split (torch-tp), ``loss_parallel``
-        (``torch/distributed/tensor/parallel/loss.py``) holds as much in forward (its
-        log-softmax holds the shifted logits), plus a row chunk, and two local logits tensors
-        more in backward, which builds the gradient as ``(zeros + exp(x)) * grad`` beside the
-        log-probabilities it saved (four logits-sized tensors at its peak, measured with
-        ``tests/test_conformance.py``'s TP × FSDP2 runs)."""
+        """The loss's working set besides its saved logits and their gradient. memshard's and
+        Megatron-LM's kernels: a row chunk of exponentials in forward. PyTorch's
+        ``F.cross_entropy`` (``log_softmax``, then ``nll_loss``): its log-probabilities beside
+        the logits forward, their gradient beside the logits' backward, one logits tensor more
+        each way. ``loss_parallel`` (classes split, torch-tp) holds a row chunk more forward and
+        a second extra tensor backward (its ``(zeros + exp(x)) * grad``: four logits-sized at
+        its peak, measured in ``tests/test_conformance.py``)."""
         S, op = self.sched, self.graph.ops[i]
         logits = self.graph.tensors[op.inputs[0].tensor]
         classes = op.inputs[0].dims[-1]

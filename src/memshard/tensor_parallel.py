@@ -77,8 +77,7 @@ def with_input_gathers(graph: Graph) -> Graph:
     (``ColwiseParallel`` projections, whose weight carries the split), those readers rewired
     to its output: ``PrepareModuleInput`` before a block's attention and MLP."""
     dims = tensor_parallel_dims(graph)
-    ops, tensors = list(graph.ops), dict(graph.tensors)
-    inserted: list[tuple[int, Op]] = []
+    additions = []
     for name, readers in graph.consumers.items():
         if graph.tensors[name].kind is not TensorKind.ACTIVATION:
             continue
@@ -87,20 +86,13 @@ def with_input_gathers(graph: Graph) -> Graph:
             continue
         first = graph.ops[projections[0][0]]
         gathered = f"{name}.gathered"
-        tensors[gathered] = replace(graph.tensors[name], name=gathered)
         dims_of = first.inputs[projections[0][1]].dims
         module = first.name.rsplit(".", 1)[0] if "." in first.name else first.name
         gather = Op(name=f"{module}/gather#{name}", kind=REDISTRIBUTE, inputs=(Operand(name, dims_of),),
                     output=Operand(gathered, dims_of), flops_per_point=0.0, backward_flops_ratio=0.0,
                     layer=first.layer, role=None if first.role is None else f"{first.role}/gather")
-        inserted.append((projections[0][0], gather))
-        for i, j in projections:
-            op = ops[i]
-            inputs = tuple(Operand(gathered, o.dims) if k == j else o for k, o in enumerate(op.inputs))
-            ops[i] = replace(op, inputs=inputs)
-    for position, gather in sorted(inserted, key=lambda x: x[0], reverse=True):
-        ops.insert(position, gather)
-    return replace(graph, ops=tuple(ops), tensors=tensors)
+        additions.append((projections[0][0], gather, projections))
+    return _with_redistributions(graph, additions)
 
 
 def with_output_scatters(graph: Graph) -> Graph:
@@ -108,8 +100,7 @@ def with_output_scatters(graph: Graph) -> Graph:
     weight, the op's tensor-parallel dim not in its output) that two or more ops read, those
     readers rewired to its output."""
     dims = tensor_parallel_dims(graph)
-    ops, tensors = list(graph.ops), dict(graph.tensors)
-    inserted: list[tuple[int, Op]] = []
+    additions = []
     for i, op in enumerate(graph.ops):
         readers = graph.consumers.get(op.output.tensor, ())
         tp_dim = tensor_parallel_dim(op, dims)
@@ -117,18 +108,25 @@ def with_output_scatters(graph: Graph) -> Graph:
         if len(readers) < 2 or not has_weight or tp_dim is None or tp_dim in op.output.dims:
             continue
         name = op.output.tensor
-        scattered = f"{name}.scattered"
-        tensors[scattered] = replace(graph.tensors[name], name=scattered)
-        module = op.name.split("/")[0]
-        inserted.append((i + 1, Op(name=f"{module}/scatter#{name}", kind=SCATTER, inputs=(op.output,),
-                                   output=Operand(scattered, op.output.dims), flops_per_point=0.0,
-                                   backward_flops_ratio=0.0, layer=op.layer, role=None)))
-        for r, j in readers:
-            reader = ops[r]
-            ops[r] = replace(reader, inputs=tuple(Operand(scattered, o.dims) if k == j else o
-                                                  for k, o in enumerate(reader.inputs)))
-    for position, scatter in sorted(inserted, key=lambda x: x[0], reverse=True):
-        ops.insert(position, scatter)
+        scatter = Op(name=f"{op.name.split('/')[0]}/scatter#{name}", kind=SCATTER, inputs=(op.output,),
+                     output=Operand(f"{name}.scattered", op.output.dims), flops_per_point=0.0,
+                     backward_flops_ratio=0.0, layer=op.layer, role=None)
+        additions.append((i + 1, scatter, readers))
+    return _with_redistributions(graph, additions)
+
+
+def _with_redistributions(graph: Graph, additions: list[tuple[int, Op, list[tuple[int, int]]]]) -> Graph:
+    """``graph`` with each ``(position, redistribution, readers)``: the op inserted before
+    ``position``, its output a tensor like its input, each reader's input ``j`` rewired to it."""
+    ops, tensors = list(graph.ops), dict(graph.tensors)
+    for _, op, readers in additions:
+        out = op.output.tensor
+        tensors[out] = replace(graph.tensors[op.inputs[0].tensor], name=out)
+        for i, j in readers:
+            ops[i] = replace(ops[i], inputs=tuple(Operand(out, o.dims) if k == j else o
+                                                  for k, o in enumerate(ops[i].inputs)))
+    for position, op, _ in sorted(additions, key=lambda x: x[0], reverse=True):
+        ops.insert(position, op)
     return replace(graph, ops=tuple(ops), tensors=tensors)
 
 
