@@ -377,7 +377,8 @@ class _Builder:
 
         forward, backward = self.cached((gid, "loss"), prices)
         self.slot(gid, S.forward(i), S.forward(i), "transients", *forward)
-        self.slot(gid, S.backward(i), S.backward(i), "transients", *backward)
+        if self.framework in TORCH_FRAMEWORKS:  # (memshard's problems as they were: no empty slot)
+            self.slot(gid, S.backward(i), S.backward(i), "transients", *backward)
 
     def buffer_slots(self, i: int, gid: int, buffers: tuple[list, list]) -> None:
         """An op's private buffers (a dropout mask) from its forward to its backward; a
