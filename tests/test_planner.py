@@ -240,7 +240,7 @@ def test_a_layer_unit_is_all_or_nothing():
 
     from memshard.api import strategy_plan
     from memshard.evaluate import InconsistentPlan, evaluate
-    from memshard.pricing import layer_units
+    from memshard.gathers import layer_units
     from tests.runtime_harness import least_memory_plan
 
     base = strategy_plan("tiny-gpt", "2x2", "zero3-fsdp", batch=8, precision="fp32", zero3_unit="layer")

@@ -20,7 +20,7 @@ LAYERS = [
     ("memshard.errors", "memshard.units", "memshard.files"),
     ("memshard.graph", "memshard.mesh", "memshard.placement"),
     ("memshard.strategies", "memshard.schedule", "memshard.recompute", "memshard.cost", "memshard.models",
-     "memshard.trace", "memshard.tensor_parallel", "memshard.eager"),
+     "memshard.trace", "memshard.tensor_parallel", "memshard.eager", "memshard.gathers"),
     ("memshard.problem", "memshard.job"),
     ("memshard.pricing", "memshard.bounds", "memshard.evaluate", "memshard.selections"),
     ("memshard.ilp", "memshard.coarsen", "memshard.baselines", "memshard.advice"),

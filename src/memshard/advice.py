@@ -25,6 +25,9 @@ from memshard.problem import (
     INPUT_COPY,
     PRODUCER,
     REGATHER,
+    REPLAY_INPUT,
+    REPLAY_OUT,
+    REPLAY_READ,
     REPLAYED,
     RETAINED,
     SAVED,
@@ -200,7 +203,7 @@ def _held_at(problem: Problem, selection: Selection, point: int):
         if lid in seen.setdefault(h.tensor, set()):
             continue
         seen[h.tensor].add(lid)
-        yield h, held, lid, layout, (h.source if h.kind in (PRODUCER, RETAINED) else problem.edges[h.source].consumer)
+        yield h, held, lid, layout, (h.source if h.kind in (PRODUCER, RETAINED, REPLAY_OUT) else problem.edges[h.source].consumer)
 
 
 def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict[str, float]:
@@ -237,7 +240,7 @@ def redundancy_parts(problem: Problem, selection: Selection, point: int, ops: se
     for h, held, lid, layout, gid in _held_at(problem, selection, point):
         axes = tuple(problem.mesh.axis_names[a] for a, p in enumerate(layout)
                      if not isinstance(p, Shard) and problem.mesh.shape[a] > 1)
-        what = ("output" if h.kind in (PRODUCER, RETAINED)
+        what = ("output" if h.kind in (PRODUCER, RETAINED, REPLAY_OUT)
                 else f"{_HELD_AS[h.kind]} ({problem.groups[held.key].key}'s output)")
         add(problem.groups[gid].key, what, axes, float(held.redundant[lid]))
     return {op: [Holding(what, b, axes) for (what, axes), b in sorted(p.items(), key=lambda kv: (-kv[1], kv[0]))]
@@ -245,7 +248,8 @@ def redundancy_parts(problem: Problem, selection: Selection, point: int, ops: se
 
 
 _HELD_AS = {SAVED: "saved input", INPUT_COPY: "input", REGATHER: "re-gathered input", REPLAYED: "recomputed input",
-            SOURCE: "input held for the replay"}
+            SOURCE: "input held for the replay", REPLAY_READ: "input read by the replay",
+            REPLAY_INPUT: "input of the replay"}
 _STORED_AS = {"parameters": "", "gradients": " gradient", "optimizer_states": " optimizer states",
               "transients": " (transient copy)", "activations": " (activation)"}
 _ZERO_STAGE = {"parameters": 3, "gradients": 2, "optimizer_states": 1}  # the stage that shards it

@@ -11,7 +11,7 @@ space, no baseline beats memshard's minimal-memory plan by more than the solver'
   optimizer states, + gradients, + weights sharded over all axes (ZeRO-3 = FSDP full shard),
   ZeRO-3 gathered as the search's ``zero3_unit`` says (``zero3-fsdp``: an idealised FSDP);
   ``fsdp2``: the same plan priced as PyTorch's ``fully_shard`` runs it, each layer and the
-  root module wrapped, its defaults (``pricing.fsdp2_units``).
+  root module wrapped, its defaults (``gathers.fsdp2_units``).
 - ``megatron_tp``, priced as Megatron-LM runs it (``framework="megatron"``: its gradient
   buffer, fp32 under bf16, all step): tensor parallelism over the innermost ``tp`` axes (column/row-parallel
   linears, attention split by heads, vocab-parallel embedding and loss), data parallelism over

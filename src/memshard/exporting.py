@@ -6,7 +6,7 @@ plan (:func:`render`):
 
 - ``fsdp2``: a Python function ``parallelize(model, mesh)`` applying PyTorch's ``fully_shard``
   to every transformer block, then to the root module, with its defaults: what the ``fsdp2``
-  baseline prices (``pricing.fsdp2_units``). The blocks are the modules ``<container>.<i>``
+  baseline prices (``gathers.fsdp2_units``). The blocks are the modules ``<container>.<i>``
   the graph's layer ops name (``model.layers.0.self_attn.q_proj``…).
 - ``ddp``: the same function wrapping the model in ``DistributedDataParallel`` with its
   defaults (its gradient buckets priced).

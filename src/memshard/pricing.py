@@ -11,7 +11,7 @@ reshard points. The records are described in ``problem.py``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from memshard.cost.memory import (
 from memshard.cost.reshard_memory import reshard_peak_bytes
 from memshard.eager import as_eager
 from memshard.errors import MemshardError
+from memshard.gathers import LayerUnit, fsdp2_units, gather_points, layer_units
 from memshard.graph import Graph, Op, TensorKind, TensorSpec
 from memshard.mesh import Mesh
 from memshard.placement import PARTIAL, REPLICATE, Layout, Shard, local_numel, local_shape
@@ -49,7 +50,13 @@ from memshard.problem import (
     PRODUCER,
     READ_BY_REPLAY,
     REGATHER,
+    REPLAY_INPUT,
+    REPLAY_INPUTS,
+    REPLAY_OUT,
+    REPLAY_READ,
+    REPLAY_TICKETS,
     REPLAYED,
+    REPLAYED_AHEAD,
     REPLAYED_BY_PRODUCER,
     RETAINED,
     SAVED,
@@ -72,7 +79,7 @@ from memshard.problem import (
     StorageGroup,
     without_partial,
 )
-from memshard.recompute import RECOMPUTE_POLICIES, layer_ends, replay_flags, replay_starts
+from memshard.recompute import RECOMPUTE_POLICIES, replay_flags, replay_starts
 from memshard.schedule import Schedule, candidate_points
 from memshard.strategies import (
     Strategy,
@@ -91,122 +98,6 @@ from memshard.tensor_parallel import (
 
 ADAM_SQRT_BYTES = 4  # one fp32 element per parameter element: torch Adam's sqrt(exp_avg_sq)
 
-# Ops whose backward does not read their weight (a lookup's gradient is a scatter of the
-# output gradient): under ZeRO-3 their weight is gathered for forward only.
-NO_WEIGHT_IN_BACKWARD = frozenset({"embedding", "embedding_add"})
-
-
-def _gather_points(S: Schedule, graph: Graph, i: int) -> tuple[int, ...]:
-    """The schedule points where ZeRO-3 holds op ``i``'s gathered weight: backward needs it
-    only for the gradient of an activation input (a first layer on the raw input has none)."""
-    op = graph.ops[i]
-    if op.kind in NO_WEIGHT_IN_BACKWARD or not activation_inputs(graph, op):
-        return (S.forward(i),)
-    return (S.forward(i), S.backward(i))
-
-
-@dataclass(frozen=True)
-class LayerUnit:
-    """The schedule of one layer's ZeRO-3 weights gathered as one unit (``zero3_unit="layer"``).
-
-    Members are the parameters whose every use is an op of the layer. The gathered weights
-    are held from the forward of the first op using a member to that of the last; again in
-    backward from the backward of the last op that reads a member to that of the first; the
-    members' gradients wait unsharded until the first op's backward, are copied into one flat
-    buffer there and reduce-scattered together (at that op's gradient reshard point). The
-    members are all ZeRO-3 alike or none is (``link_layer_units``): the runtime
-    gathers the members it holds from the first use of one to the last, so a unit of only
-    some of them would span less than priced."""
-
-    forward_span: tuple[int, int]
-    backward_span: tuple[int, int] | None
-    reduce_point: int
-    members: int
-    # FSDP2 only (``fsdp2_units``): where its flat all-gather output is held besides the
-    # gathered weights, in forward and in backward, and its flat reduce-scatter input after
-    # the reduce point.
-    forward_buffer: tuple[int, int] | None = None
-    backward_buffer: tuple[int, int] | None = None
-    scatter_buffer: tuple[int, int] | None = None
-    root: bool = False  # FSDP2's root unit: its members' layouts need not agree
-
-
-def layer_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str, LayerUnit]:
-    """Parameter name → its layer's unit, for the parameters all of whose uses are in one
-    layer. Where the layer may replay ops (``recompute``), its backward gather starts with the
-    layer's backward, before the replay that needs the weights (FSDP2 gathers there too)."""
-    ends = layer_ends(graph) if recompute != "none" else {}
-    uses: dict[str, set[int]] = {}
-    for i, op in enumerate(graph.ops):
-        for j in parameter_inputs(graph, op):
-            uses.setdefault(op.inputs[j].tensor, set()).add(i)
-    members: dict[int, list[str]] = {}
-    for name, ops_ in uses.items():
-        layers = {graph.ops[i].layer for i in ops_}
-        if len(layers) == 1 and None not in layers:
-            members.setdefault(layers.pop(), []).append(name)
-    units = {}
-    for names in members.values():
-        ops_ = sorted(set().union(*(uses[n] for n in names)))
-        back = [i for i in ops_ if len(_gather_points(S, graph, i)) > 1]
-        layer = graph.ops[ops_[0]].layer
-        back_from = S.backward(ends[layer]) if layer in ends else S.backward(back[-1]) if back else None
-        unit = LayerUnit(
-            forward_span=(S.forward(ops_[0]), S.forward(ops_[-1])),
-            backward_span=(back_from, S.backward(back[0])) if back else None,
-            reduce_point=S.reshard_out(ops_[0]),
-            members=len(names),
-        )
-        units.update(dict.fromkeys(names, unit))
-    return units
-
-
-def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str, LayerUnit]:
-    """PyTorch's ``fully_shard`` applied to every layer, then to the root module, with its
-    defaults (torch 2.13, ``_fully_shard/_fsdp_param_group.py``): the layer units of
-    :func:`layer_units` and a root unit of every other weight, with what FSDP2 holds besides.
-
-    - A layer unit is gathered by its module's hooks: from before the layer's first op in
-      forward and before its last op's backward (its pre-backward), not at the first op
-      that reads a weight.
-    - The root is not resharded after forward: its weights are gathered from its first use
-      to the end of backward, its gradients wait unsharded until then (its post-backward
-      runs last).
-    - Forward: a unit's flat all-gather output is kept (``all_gather_state``) until the next
-      unit's copy-out; the last one until the root's post-forward (the end of forward).
-    - Backward: each unit's pre-backward, after its own copy-out, prefetches the previous
-      layer's all-gather (the root's prefetches the last layer's), held until that layer's
-      copy-out.
-    - A unit's flat reduce-scatter input is kept (``reduce_scatter_states``) until the next
-      unit's post-backward; the first layer's until the root's."""
-    layers = layer_units(graph, S, recompute)
-    ordered = sorted({id(u): u for u in layers.values()}.values(), key=lambda u: u.forward_span[0])
-    first_op, last_op = {}, {}
-    for i, op in enumerate(graph.ops):
-        first_op.setdefault(op.layer, i)
-        last_op[op.layer] = i
-    of_layer = [graph.ops[(u.forward_span[0] - 1) // 2].layer for u in ordered]
-    pre_forward = [S.reshard_in(first_op[k]) for k in of_layer]
-    pre_backward = [S.backward(last_op[k]) for k in of_layer]
-    root_names = [n for n in graph.parameters if n not in layers and graph.consumers.get(n)]
-    first_use = min((i for n in root_names for i, _ in graph.consumers[n]), default=0)
-    end, n = S.reshard_out(0), len(graph.ops)
-    root = LayerUnit((S.forward(first_use), end), None, end, len(root_names), root=True,
-                     forward_buffer=(S.forward(first_use), pre_forward[0] if ordered else end))
-    units = dict.fromkeys(root_names, root)
-    for k, unit in enumerate(ordered):
-        later = k + 1 < len(ordered)  # a next unit in forward
-        backward_span = (pre_backward[k], unit.backward_span[1]) if unit.backward_span else None
-        fsdp = replace(
-            unit, forward_span=(pre_forward[k], unit.forward_span[1]), backward_span=backward_span,
-            forward_buffer=(pre_forward[k], pre_forward[k + 1] if later else S.forward(n - 1)),
-            backward_buffer=((pre_backward[k + 1] + 1 if later else S.backward(n - 1), pre_backward[k])
-                             if backward_span else None),
-            scatter_buffer=(unit.reduce_point + 1, (ordered[k - 1] if k else root).reduce_point - 1))
-        units.update((name, fsdp) for name, u in layers.items() if u is unit)
-    return units
-
-
 def _role_key(op: Op, shared: bool) -> str:
     return op.role if shared and op.role is not None else op.name
 
@@ -218,13 +109,17 @@ class _Builder:
         self.mesh = mesh
         self.shared = shared
         self.micro_batches = micro_batches
-        self.sched = Schedule(len(graph.ops))
         self.framework = framework
-        units = fsdp2_units if framework in (FSDP2, TORCH_TP) else layer_units if zero3_unit == "layer" else None
-        self.units = units(graph, self.sched, recompute) if units else {}
         self.replay_flags = replay_flags(graph, recompute)
         # Where each layer's replay runs: PyTorch's checkpoint at its first unpack.
-        self.replay_starts = replay_starts(graph, on_first_unpack=framework in TORCH_FRAMEWORKS)
+        starts = replay_starts(graph, on_first_unpack=framework in TORCH_FRAMEWORKS)
+        replayed: dict[int, tuple[int, ...]] = {}
+        for i, op in enumerate(graph.ops):
+            if True in self.replay_flags[i]:
+                replayed[starts[op.layer]] = (*replayed.get(starts[op.layer], ()), i)
+        self.sched = Schedule(len(graph.ops), tuple(sorted(replayed.items())))
+        units = fsdp2_units if framework in (FSDP2, TORCH_TP) else layer_units if zero3_unit == "layer" else None
+        self.units = units(graph, self.sched, recompute) if units else {}
         self.conflicts: list[Conflict] = []
         self.groups: list[Group] = []
         self.index: dict[tuple, int] = {}
@@ -271,9 +166,6 @@ class _Builder:
         return nbytes, np.array(self.redundant(nbytes, layouts))
 
     # -- ops ---------------------------------------------------------------------------------
-    def replay_point(self, i: int) -> int:
-        """The schedule point from which op ``i``'s replayed tensors live."""
-        return self.sched.backward(self.replay_starts[self.graph.ops[i].layer])
 
     def op_choices(self, op: Op, strategies: list[Strategy], replayed: bool = False) -> list[Choice]:
         """Each strategy's compute and statistics all-reduces per step; a replayed op runs its
@@ -390,7 +282,7 @@ class _Builder:
             return
         kept = np.array([not r for r in grp.replays], float)
         nbytes, redundant = np.asarray(buffers[0]), np.asarray(buffers[1])
-        replay = self.replay_point(i)
+        replay = S.replay(i)
         self.slot(gid, S.forward(i), replay - 1, "activations", nbytes * kept, redundant * kept,
                   0.0 if kept.min() == 0 else unique)
         # From the replay on: the kept buffer (an activation), or the one the replay made.
@@ -422,16 +314,35 @@ class _Builder:
                 if saves:
                     entry.append((SAVED, e, S.forward(i), S.backward(i)))
                     entry.append((REGATHER, e, S.backward(i), S.backward(i)))
-                replay = self.edges[e].replay
-                if replay == REPLAYED_BY_PRODUCER:
-                    entry.append((REPLAYED, e, self.replay_point(i), S.backward(i)))
-                elif replay == READ_BY_REPLAY and not self.groups[pg].may_replay and self.groups[cg].always_replays:
-                    # Every plan holds the producer's tensor for the replay: its own holder.
-                    entry.append((PRODUCER, pg, S.forward(self.graph.producer[t]), self.replay_point(i)))
-                elif replay == READ_BY_REPLAY:
-                    entry.append((SOURCE, e, S.forward(self.graph.producer[t]), self.replay_point(i)))
+                entry += self.replay_holders(i, j, e)
         self.add_holders(op_group, holders)
         return edge_of_input
+
+    def replay_holders(self, i: int, j: int, e: int) -> list[tuple[str, int, int, int]]:
+        """Who holds op ``i``'s input ``j`` (edge ``e``) for recomputation. A ticket (a saved
+        copy the replay makes) lives from its producer's replay; a replaying consumer reads
+        the producer's tensor held since the forward (or, where every plan holds it, the
+        producer's own holder), or the replayed producer's output, kept from that op's
+        replay to its reader's; a reader that does not save it makes its copy there."""
+        S, edge = self.sched, self.edges[e]
+        p = self.graph.producer[self.graph.ops[i].inputs[j].tensor]
+        producer, consumer = self.groups[edge.producer], self.groups[edge.consumer]
+        out = []
+        if edge.replay == REPLAYED_BY_PRODUCER and not consumer.may_replay:
+            out.append((REPLAYED, e, S.replay(p), S.backward(i)))
+        elif edge.replay == REPLAYED_BY_PRODUCER:  # made by its own replay, or (not replayed) by p's
+            out.append((REPLAYED, e, S.replay(i), S.backward(i)))
+            if not consumer.always_replays:
+                out.append((REPLAYED_AHEAD, e, S.replay(p), S.replay_reshard(i)))
+        elif edge.replay == READ_BY_REPLAY and not producer.may_replay and consumer.always_replays:
+            out.append((PRODUCER, edge.producer, S.forward(p), S.replay(i)))
+        elif edge.replay == READ_BY_REPLAY:
+            out.append((SOURCE, e, S.forward(p), S.replay(i)))
+        if edge.replay and producer.may_replay and consumer.may_replay and self.graph.ops[p].layer == self.graph.ops[i].layer:
+            out.append((REPLAY_READ, e, S.replay(p), S.replay(i)))
+        if edge.replay == READ_BY_REPLAY:
+            out.append((REPLAY_INPUT, e, S.replay(i), S.replay(i)))
+        return out
 
     def edge_replay(self, producer: int, consumer: int, saves: bool) -> str:
         """How recomputation touches an edge (``problem.Edge.replay``)."""
@@ -455,6 +366,24 @@ class _Builder:
             kept = tuple(e for e, j in zip(edges, inputs) if j in op.saves_inputs)
             if kept and i + 1 < len(self.graph.ops):  # re-gathers don't use ``last``
                 points.append(ReshardPoint(S.reshard_out(i + 1), False, kept, (False,) * len(kept), regather=True))
+        return points + self.replay_reshard_points(edge_of_input)
+
+    def replay_reshard_points(self, edge_of_input: dict[tuple[int, int], int]) -> list[ReshardPoint]:
+        """The replay's reshards: a replayed op's inputs at RR(i); the saved copies its output
+        is resharded into for consumers that are not replayed, at R(i)."""
+        S, graph, points = self.sched, self.graph, []
+        for i, op in enumerate(graph.ops):
+            if True not in self.replay_flags[i]:
+                continue
+            edges = tuple(edge_of_input[(i, j)] for j in activation_inputs(graph, op)
+                          if self.edges[edge_of_input[(i, j)]].replay)
+            if edges:
+                points.append(ReshardPoint(S.replay_reshard(i), False, edges, (False,) * len(edges), replay=REPLAY_INPUTS))
+            tickets = tuple(e for c, j in graph.consumers.get(op.output.tensor, ()) if (c, j) in edge_of_input
+                            and self.edges[e := edge_of_input[(c, j)]].replay == REPLAYED_BY_PRODUCER
+                            and not self.groups[self.edges[e].consumer].always_replays)
+            if tickets:
+                points.append(ReshardPoint(S.replay(i), False, tickets, (False,) * len(tickets), replay=REPLAY_TICKETS))
         return points
 
     def add_holders(self, op_group: list[int], edge_holders: dict[str, list[tuple]]) -> None:
@@ -478,13 +407,15 @@ class _Builder:
             layouts, nbytes, red = self.cached(("held", pg, edges), prices)
             hid = len(self.held)
             self.held.append(HeldTensor(t, pg, tuple(layouts), nbytes, red, float(spec.nbytes)))
+            if self.groups[pg].may_replay:  # its output as its replay makes it
+                self.holders.append(Holder(hid, REPLAY_OUT, pg, S.replay(p), S.replay(p)))
             if op.saves_output and self.groups[pg].always_replays:
-                replay = self.replay_point(p)
+                replay = S.replay(p)
                 self.holders += [Holder(hid, PRODUCER, pg, S.forward(p), forward_end),
                                  Holder(hid, PRODUCER, pg, replay, end)]
             elif op.saves_output and self.groups[pg].may_replay:
                 # Dropped after its last forward use unless kept; made again by the replay.
-                replay = self.replay_point(p)
+                replay = S.replay(p)
                 self.holders += [Holder(hid, PRODUCER, pg, S.forward(p), forward_end),
                                  Holder(hid, RETAINED, pg, forward_end + 1, replay - 1),
                                  Holder(hid, PRODUCER, pg, replay, end)]
@@ -615,7 +546,7 @@ class _Builder:
                   phase=BEFORE_RESHARDS)
         if unit is None:
             for i, _ in uses:
-                for point in _gather_points(S, self.graph, i):
+                for point in gather_points(S, self.graph, i):
                     self.slot(gid, point, point, "transients", *v["gathered"])
         else:
             self.unit_slots(gid, v, unit, in_unit, S.backward(first))
@@ -686,7 +617,7 @@ class _Builder:
         its layer unit's (one for forward, one for backward if any op there reads it)."""
         unit = self.units.get(name)
         if unit is None:
-            return sum(len(_gather_points(self.sched, self.graph, i)) for i, _ in uses)
+            return sum(len(gather_points(self.sched, self.graph, i)) for i, _ in uses)
         return 1 + (unit.backward_span is not None)
 
     def storage_prices(self, grp: StorageGroup) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -25,7 +25,7 @@ and a mesh. A plan is a :class:`Selection`: one choice per group, a keep flag pe
   that uses it (least memory); ``"layer"`` gathers all of a layer's ZeRO-3 weights at once
   for the layer's forward and again for its backward, and reduces their gradients together
   (FSDP's unit: far fewer collectives, the layer's weights held across it). See
-  ``pricing.layer_units``.
+  ``gathers.layer_units``.
 - **framework**: what runs the plan (``FRAMEWORKS``): memshard's runtime, or the PyTorch
   implementation a baseline is named after, priced as it allocates (``fsdp2``, ``ddp``).
 - **constants**: memory no choice changes (the input batch).
@@ -63,7 +63,7 @@ PRODUCER = "producer"  # the producer's output until its last forward use (or it
 SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout when kept
 # What runs a plan, and so what it allocates besides the model's own tensors: memshard's
 # runtime; or, for the baselines named after them, PyTorch's fully_shard on every layer and
-# the root module (``pricing.fsdp2_units``: ZeRO-3 gathered by layer, the root all step,
+# the root module (``gathers.fsdp2_units``: ZeRO-3 gathered by layer, the root all step,
 # prefetch, flat buffers) and DistributedDataParallel (its gradient buckets); TORCH_TP: PyTorch's
 # parallelize_module with torchtitan's plan (``tensor_parallel.with_input_gathers``: each
 # block's attention and MLP input gathered once) × fully_shard as FSDP2; MEGATRON: Megatron-LM's
@@ -81,7 +81,14 @@ REGATHER = "regather"  # a kept copy gathered again during the consumer's backwa
 RETAINED = "retained"
 REPLAYED = "replayed"
 SOURCE = "source"
-OWN_KINDS = (PRODUCER, RETAINED, SOURCE)  # holders of the producer's own tensor
+# During the replay (``schedule.Schedule.replay``): a replayed op's output as it makes it; the
+# replayed producer's output kept for a replayed reader until that reader's replay; a
+# replayed reader's input copy (an input it does not save) while it runs.
+REPLAYED_AHEAD = "replayed_ahead"  # a ticket the producer's replay makes for a consumer not replayed
+REPLAY_OUT = "replay_out"
+REPLAY_READ = "replay_read"
+REPLAY_INPUT = "replay_input"
+OWN_KINDS = (PRODUCER, RETAINED, SOURCE, REPLAY_OUT, REPLAY_READ)  # holders of the producer's own tensor
 
 
 @dataclass(frozen=True)
@@ -267,6 +274,9 @@ class ReshardPoint:
     edges: tuple[int, ...]
     last: tuple[bool, ...]
     regather: bool = False
+    # A replay's reshards (``REPLAY_RESHARDS``): a replayed op's inputs again, or the tickets
+    # a replayed op's output is resharded into for consumers that are not replayed.
+    replay: str = ""
 
 
 class EdgeLayouts(NamedTuple):
@@ -353,6 +363,8 @@ class Problem:
             return self.strategy(selection, h.source).output_layout
         if h.kind == RETAINED:
             return None if self.replayed(selection, h.source) else self.strategy(selection, h.source).output_layout
+        if h.kind == REPLAY_OUT:
+            return self.strategy(selection, h.source).output_layout if self.replayed(selection, h.source) else None
         edge = self.edge_layouts(selection, h.source)
         if h.kind == SAVED:
             if edge.replayed == FROM_REPLAY and self.edges[h.source].replay == REPLAYED_BY_PRODUCER:
@@ -362,21 +374,29 @@ class Problem:
             return edge.consumer
         if h.kind == REPLAYED:
             return edge.consumer if edge.replayed == FROM_REPLAY else None
+        if h.kind == REPLAYED_AHEAD:
+            ahead = edge.replayed == FROM_REPLAY and not self.replayed(selection, self.edges[h.source].consumer)
+            return edge.consumer if ahead else None
         if h.kind == SOURCE:
             return edge.producer if edge.replayed == FROM_SOURCE else None
+        if h.kind == REPLAY_READ:
+            replayed = edge.replayed == FROM_REPLAY and self.replayed(selection, self.edges[h.source].consumer)
+            return edge.producer if replayed else None
+        if h.kind == REPLAY_INPUT:
+            return edge.consumer if edge.replayed in (FROM_REPLAY, FROM_SOURCE) else None
         return edge.consumer if edge.kept else None
 
     def made_in_backward(self, selection: Selection, h: Holder) -> bool:
         """Whether ``h`` holds a tensor made for the backward (a re-gathered copy, what a replay
         makes): a transient, as PyTorch's memory tracker files it."""
-        if h.kind in (REGATHER, REPLAYED):
+        if h.kind in (REGATHER, REPLAYED, REPLAYED_AHEAD, REPLAY_OUT, REPLAY_READ, REPLAY_INPUT):
             return True
         return h.kind == PRODUCER and h.start >= 2 * self.schedule.num_ops and self.replayed(selection, h.source)
 
     def may_drop(self, h: Holder) -> bool:
         """Whether some plan holds nothing for ``h`` because of recomputation (a saved copy or
         saved output a replay makes again, a replay's source)."""
-        if h.kind in (RETAINED, SOURCE):
+        if h.kind in (RETAINED, SOURCE, REPLAYED_AHEAD, REPLAY_OUT, REPLAY_READ, REPLAY_INPUT):
             return True
         return h.kind == SAVED and self.edges[h.source].replay == REPLAYED_BY_PRODUCER
 
@@ -400,6 +420,10 @@ class Problem:
                 layouts = self.edge_layouts(selection, e)
                 if kind in KEPT_PRICES and not layouts.kept:
                     continue
+                edge = self.edges[e]
+                if kind in REPLAY_PRICES and not replay_price_paid(
+                        kind, edge, self.replayed(selection, edge.producer), self.replayed(selection, edge.consumer)):
+                    continue
                 sides = ((layouts.producer_grad, layouts.consumer_grad) if kind in BACKWARD_PRICES
                          else (layouts.producer, layouts.consumer))
                 total += reshard_price(self.edges[e].tensor, kind, *sides, self.mesh, last)
@@ -415,7 +439,20 @@ class Problem:
 # re-gathered before it, "regathered"), paid only if the edge keeps.
 BACKWARD_PRICES = ("held", "held+during")
 KEPT_PRICES = ("regathered", "regathering")
-COPY_PRICES = ("after", "regathered", "held")  # a finished copy, not a reshard in flight
+COPY_PRICES = ("after", "regathered", "held", "replay-after")  # a finished copy, not a reshard in flight
+# A replay runs the forward reshards of a replayed op's inputs again ("replay-after",
+# "replay-during": paid where the op is replayed and reads the input from the replayed producer
+# or the producer's held tensor), and reshards a replayed op's output into the saved copies of
+# consumers that are not replayed ("ticket-during", the copy itself priced by its holder).
+REPLAY_PRICES = ("replay-after", "replay-during", "ticket-during")
+REPLAY_INPUTS, REPLAY_TICKETS = "inputs", "tickets"  # ReshardPoint.replay
+
+
+def replay_price_paid(kind: str, edge: Edge, producer_replayed: bool, consumer_replayed: bool) -> bool:
+    """Whether a replay price of ``edge`` is paid under these replay choices."""
+    if kind == "ticket-during":
+        return producer_replayed and not consumer_replayed
+    return consumer_replayed and (edge.replay == READ_BY_REPLAY or producer_replayed)
 
 
 def reshard_terms(rp: ReshardPoint) -> list[list[tuple[int, str, bool]]]:
@@ -425,7 +462,10 @@ def reshard_terms(rp: ReshardPoint) -> list[list[tuple[int, str, bool]]]:
     if rp.backward:
         return [[(f, "held", lf) for f, lf in zip(rp.edges[:k] + rp.edges[k + 1:], rp.last[:k] + rp.last[k + 1:])]
                 + [(e, "held+during", last)] for k, (e, last) in enumerate(zip(rp.edges, rp.last))]
-    after, during = ("regathered", "regathering") if rp.regather else ("after", "during")
+    if rp.replay == REPLAY_TICKETS:
+        return [[(e, "ticket-during", False)] for e in rp.edges]
+    after, during = (("regathered", "regathering") if rp.regather else
+                     ("replay-after", "replay-during") if rp.replay else ("after", "during"))
     return [[(f, after, False) for f in rp.edges[:k]] + [(e, during, False)] for k, e in enumerate(rp.edges)]
 
 
@@ -435,6 +475,9 @@ def reshard_price(spec: TensorSpec, kind: str, producer_side: Layout, consumer_s
         return 0.0
     if kind in COPY_PRICES:
         return _copy_bytes(spec, kind, consumer_side, mesh)
+    if kind == "ticket-during":  # beyond the finished copy
+        during = reshard_peak_bytes(spec.shape, spec.dtype_bytes, producer_side, consumer_side, mesh)
+        return float(max(0.0, during - tensor_bytes(spec, consumer_side, mesh)))
     if kind in BACKWARD_PRICES:  # "held+during"
         gp, gc = producer_side, consumer_side
         held = tensor_bytes(spec, without_partial(gc), mesh)

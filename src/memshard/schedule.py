@@ -3,7 +3,7 @@
 One step runs every op's forward in graph order, every op's backward in reverse order, then
 the optimizer. Each op's forward is preceded by the reshards of its inputs into its layouts,
 and its backward followed by the reshards of its input gradients back to the producers'
-layouts. With ``n`` ops the schedule points are numbered::
+layouts. With ``n`` ops and no recomputation the schedule points are numbered::
 
     RF(i) = 2i              the inputs of op i being resharded for its forward
     F(i)  = 2i + 1          forward of op i
@@ -11,15 +11,21 @@ layouts. With ``n`` ops the schedule points are numbered::
     RB(i) = 4n − 1 − 2i     op i's input gradients being resharded
     O     = 4n              optimizer step
 
-Every memory item is live on a closed interval of F, B and O points; an item spanning a
-reshard point is live during it (what is held while the reshard runs), and the reshard's own
-buffers are priced at its point. The peak is the largest sum of live bytes over the points,
-never the sum of everything.
+With recomputation a layer's replay runs just before the backward of its start op ``s``
+(``recompute.replay_starts``): two points per op k of the layer that may be replayed, in
+forward order, between RB(s + 1) and B(s) — RR(k), its inputs resharded again, and R(k), its
+forward run again: the replay is a forward pass of its own, and what it makes lives from the
+moment it is made. Every later point moves on by the replay points before it.
+
+Every memory item is live on a closed interval of points; an item spanning a reshard point
+is live during it (what is held while the reshard runs), and the reshard's own buffers are
+priced at its point. The peak is the largest sum of live bytes over the points, never the
+sum of everything.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memshard.graph import Graph
 
@@ -27,6 +33,22 @@ from memshard.graph import Graph
 @dataclass(frozen=True)
 class Schedule:
     num_ops: int
+    # (start op s, the ops its replay may run in forward order), one entry per replaying layer
+    replays: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    _backward: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _replay: dict[int, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n, before = self.num_ops, dict(self.replays)
+        backward, replay, point = [0] * n, {}, 2 * n
+        for i in reversed(range(n)):
+            for k in before.get(i, ()):
+                replay[k] = point + 1
+                point += 2
+            backward[i] = point
+            point += 2
+        object.__setattr__(self, "_backward", tuple(backward))
+        object.__setattr__(self, "_replay", replay)
 
     def reshard_in(self, i: int) -> int:
         return 2 * i
@@ -35,18 +57,31 @@ class Schedule:
         return 2 * i + 1
 
     def backward(self, i: int) -> int:
-        return 4 * self.num_ops - 2 - 2 * i
+        return self._backward[i]
 
     def reshard_out(self, i: int) -> int:
-        return 4 * self.num_ops - 1 - 2 * i
+        return self._backward[i] + 1
+
+    def replay_reshard(self, k: int) -> int:
+        """RR(k): op k's inputs resharded again by its layer's replay."""
+        return self._replay[k] - 1
+
+    def replay(self, k: int) -> int:
+        """R(k): op k's forward run again by its layer's replay."""
+        return self._replay[k]
+
+    def backward_begins(self, i: int) -> int:
+        """The first point of op i's backward: its layer's replay if one runs before it."""
+        ops = dict(self.replays).get(i, ())
+        return self.replay_reshard(ops[0]) if ops else self._backward[i]
 
     @property
     def optimizer(self) -> int:
-        return 4 * self.num_ops
+        return 4 * self.num_ops + 2 * len(self._replay)
 
     @property
     def num_points(self) -> int:
-        return 4 * self.num_ops + 1
+        return self.optimizer + 1
 
     def describe(self, point: int, graph: Graph) -> str:
         n = self.num_ops
@@ -55,8 +90,14 @@ class Schedule:
         if point < 2 * n:
             name = graph.ops[point // 2].name
             return f"forward {name}" if point % 2 else f"resharding the inputs of {name}"
-        name = graph.ops[(4 * n - 1 - point) // 2].name
-        return f"resharding the input gradients of {name}" if point % 2 else f"backward {name}"
+        for k, p in self._replay.items():
+            if p == point:
+                return f"recomputing {graph.ops[k].name}"
+            if p - 1 == point:
+                return f"resharding the inputs of {graph.ops[k].name} for its recomputation"
+        i = min(i for i in range(n) if self._backward[i] <= point)  # the latest backward begun
+        name = graph.ops[i].name
+        return f"backward {name}" if point == self._backward[i] else f"resharding the input gradients of {name}"
 
 
 def candidate_points(graph: Graph, schedule: Schedule, shared_layers: bool) -> list[int]:
@@ -75,5 +116,7 @@ def candidate_points(graph: Graph, schedule: Schedule, shared_layers: bool) -> l
         if op.layer is None or op.layer in keep_layers:
             points += [schedule.reshard_in(i), schedule.forward(i),
                        schedule.backward(i), schedule.reshard_out(i)]
+            if i in schedule._replay:
+                points += [schedule.replay_reshard(i), schedule.replay(i)]
     points.append(schedule.optimizer)
     return sorted(points)

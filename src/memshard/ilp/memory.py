@@ -39,8 +39,13 @@ from memshard.problem import (
     INPUT_COPY,
     OWN_KINDS,
     PRODUCER,
+    READ_BY_REPLAY,
     REGATHER,
+    REPLAY_INPUT,
+    REPLAY_OUT,
+    REPLAY_READ,
     REPLAYED,
+    REPLAYED_AHEAD,
     RETAINED,
     SAVED,
     SOURCE,
@@ -49,8 +54,9 @@ from memshard.problem import (
     without_partial,
 )
 
-# The flow copy k (``edges.flow_copies``) a consumer-side copy holder reads its layout from.
-COPY_OF_FLOW = {REGATHER: 1, REPLAYED: 2}
+# The flow copies k (``edges.flow_copies``) a consumer-side copy holder reads its layout from.
+COPY_OF_FLOW = {REGATHER: (1,), REPLAYED: (2,), REPLAYED_AHEAD: (2,), REPLAY_INPUT: (2, 3)}
+SAVED_KINDS = (SAVED, REPLAYED, REPLAYED_AHEAD)  # a consumer's saved tensor: kept, or made by a replay
 Copies = dict[int, list[tuple[str, dict, dict]]]  # edge → (holder kind, own-copy indicator, any indicator)
 
 
@@ -83,10 +89,11 @@ class LiveBytes:
 
     def _indicator(self, h: Holder, layout: Layout, part: str) -> dict[int, float]:
         problem, x = self.problem, self.choice_columns
-        if h.kind in (PRODUCER, RETAINED):  # retained: only where the op is not replayed
+        if h.kind in (PRODUCER, RETAINED, REPLAY_OUT):  # retained: where the op is not replayed
             group = problem.groups[h.source]
+            wanted = {PRODUCER: (False, True), RETAINED: (False,), REPLAY_OUT: (True,)}[h.kind]
             return {int(x[h.source][c]): 1.0 for c, s in enumerate(group.strategies)
-                    if without_partial(s.output_layout) == layout and not (h.kind == RETAINED and group.replayed(c))}
+                    if without_partial(s.output_layout) == layout and group.replayed(c) in wanted}
         edge = problem.edges[h.source]
         if h.kind == INPUT_COPY:
             strategies = problem.groups[edge.consumer].strategies
@@ -99,13 +106,35 @@ class LiveBytes:
                 out.update(dict.fromkeys(flow.consumer_layout_columns.get(0, {}).get(layout, ()), 1.0))
             if part != "copy":
                 out.update(dict.fromkeys(flow.producer_layout_columns.get(1, {}).get(layout, ()), 1.0))
-        elif h.kind in COPY_OF_FLOW and COPY_OF_FLOW[h.kind] in flow.keeps:
-            out.update(dict.fromkeys(flow.consumer_layout_columns[COPY_OF_FLOW[h.kind]].get(layout, ()), 1.0))
-        elif h.kind == SOURCE:  # the producer's tensor as it is, partial sums included
-            for produced, cols in flow.producer_layout_columns.get(3, {}).items():
+        elif h.kind in COPY_OF_FLOW:
+            for k in COPY_OF_FLOW[h.kind]:
+                out.update(dict.fromkeys(flow.consumer_layout_columns.get(k, {}).get(layout, ()), 1.0))
+            if h.kind == REPLAYED_AHEAD:
+                out = self.both(out, edge.consumer, replayed=False)
+        elif h.kind in (SOURCE, REPLAY_READ):  # the producer's tensor as it is, partial sums included
+            for produced, cols in flow.producer_layout_columns.get(3 if h.kind == SOURCE else 2, {}).items():
                 if without_partial(produced) == layout:
                     out.update(dict.fromkeys(cols, 1.0))
+            if h.kind == REPLAY_READ and edge.replay != READ_BY_REPLAY:
+                out = self.both(out, edge.consumer)
         return out
+
+    def both(self, indicator: dict[int, float], group: int, replayed: bool = True) -> dict[int, float]:
+        """w ≥ A + r[group] − 1 (or, ``replayed`` False, w ≥ A − r[group]): A and the group's op
+        replayed (not replayed); memory pushes w down to the product. Flow copy 2 of an edge
+        whose consumer saves says only that the producer is replayed: the replayed producer's
+        output is kept for a replayed reader, its ticket made ahead for one not replayed."""
+        grp = self.problem.groups[group]
+        if not indicator or (grp.always_replays if replayed else not grp.may_replay):
+            return indicator
+        w = int(self.model.columns(1, integer=False)[0])
+        row = dict(indicator)
+        for c in grp.replay_choices:
+            col = int(self.choice_columns[group][c])
+            row[col] = row.get(col, 0.0) + (1.0 if replayed else -1.0)
+        row[w] = row.get(w, 0.0) - 1.0
+        self.model.row(row, -highspy.kHighsInf, 1.0 if replayed else 0.0, RowTag("replay-holder", item=grp.key))
+        return {w: 1.0}
 
     def producer_in(self, group: int, layout: Layout) -> dict[int, float]:
         """Π: the producer's output is exactly ``layout`` (a consumer reading it in that
@@ -200,14 +229,14 @@ class LiveBytes:
         elif not copies and len(own) == 1:
             base = own[0]
         elif (len(copies) == 1 and _one_saved_tensor(next(iter(copies.values())))
-              and not any(h.kind in (RETAINED, SOURCE) for h in active)):
+              and not any(h.kind in OWN_KINDS for h in active)):
             # One consumer's saved tensor (a copy, the producer's tensor kept, or the copy a
             # replay makes: disjoint flow copies, so their indicators add up): one tensor,
             # held in L iff "any" says so; a re-gathered copy beside it.
             (e, reps), = copies.items()
             base = defaultdict(float)
             for kind, _, anyone in reps:
-                if kind in (SAVED, REPLAYED):
+                if kind in SAVED_KINDS:
                     for col, v in anyone.items():
                         base[col] += v
             rest = [r for r in reps if r[0] == REGATHER]
@@ -232,7 +261,7 @@ class LiveBytes:
                 copies[h.source].append((h.kind, ind, ind))
             elif h.kind == SAVED:
                 copies[h.source].append((h.kind, self.indicator(h, layout, "copy"), self.indicator(h, layout, "all")))
-            elif h.kind in (REGATHER, REPLAYED):
+            elif h.kind in COPY_OF_FLOW:
                 ind = self.indicator(h, layout, "copy")
                 copies[h.source].append((h.kind, ind, ind))
         copies = {e: [r for r in reps if r[2]] for e, reps in copies.items()}
@@ -262,7 +291,8 @@ class LiveBytes:
                     if kind == INPUT_COPY:
                         prod = self.producer_in(producer, layout)
                     else:
-                        prod = dict.fromkeys(by_keep.get(COPY_OF_FLOW.get(kind, 0), {}).get(layout, ()), 1.0)
+                        prod = {col: 1.0 for k in COPY_OF_FLOW.get(kind, (0,))
+                                for col in by_keep.get(k, {}).get(layout, ())}
                     r = dict(copy)
                     for c, v in prod.items():
                         r[c] = r.get(c, 0.0) - v
@@ -305,7 +335,7 @@ def _one_saved_tensor(reps: list[tuple[str, dict, dict]]) -> bool:
     """The representations of one consumer's saved tensor (saved, made again by a replay),
     with at most its re-gathered copy beside them."""
     kinds = [kind for kind, _, _ in reps]
-    return (bool(kinds) and set(kinds) <= {SAVED, REPLAYED, REGATHER} and kinds.count(REGATHER) <= 1
+    return (bool(kinds) and set(kinds) <= {*SAVED_KINDS, REGATHER} and kinds.count(REGATHER) <= 1
             and len(kinds) > kinds.count(REGATHER))
 
 

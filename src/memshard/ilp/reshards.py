@@ -26,7 +26,9 @@ from memshard.ilp.model import LinearModel, RowTag
 from memshard.problem import (
     BACKWARD_PRICES,
     KEPT_PRICES,
+    REPLAY_PRICES,
     Problem,
+    replay_price_paid,
     reshard_price_table,
     reshard_terms,
     without_partial,
@@ -84,19 +86,24 @@ class ReshardRows:
             return None
         if kind in BACKWARD_PRICES and edge.gradient_through:  # the gradient passes as it is
             return None
-        producer = problem.groups[edge.producer].strategies
+        pg, cg = problem.groups[edge.producer], problem.groups[edge.consumer]
         if kind in BACKWARD_PRICES:
-            a_of = [without_partial(s.output_layout) for s in producer]
-            c_of = problem.groups[edge.consumer].input_grads[edge.input_index]
-        else:
-            a_of = [s.output_layout for s in producer]
-            c_of = [s.input_layouts[edge.input_index] for s in problem.groups[edge.consumer].strategies]
+            a_of = [(without_partial(s.output_layout), False) for s in pg.strategies]
+            c_of = [(g, False) for g in cg.input_grads[edge.input_index]]
+        else:  # (a replay price depends on whether the ops are replayed too)
+            replay = kind in REPLAY_PRICES
+            a_of = [(s.output_layout, replay and pg.replayed(k)) for k, s in enumerate(pg.strategies)]
+            c_of = [(s.input_layouts[edge.input_index], replay and cg.replayed(k)) for k, s in enumerate(cg.strategies)]
         a_set = sorted(set(a_of), key=repr)
         c_set = sorted(set(c_of), key=repr)
         spec = edge.tensor
-        table_key = (spec.shape, spec.dtype_bytes, kind, last, tuple(a_set), tuple(c_set))
+        table_key = (spec.shape, spec.dtype_bytes, kind, last, tuple(a_set), tuple(c_set), edge.replay)
         if table_key not in self.price_tables:  # edges of one shape and layouts (q, k, v's input) share prices
-            self.price_tables[table_key] = reshard_price_table(spec, kind, a_set, c_set, problem.mesh, last) / self.bytes_unit
+            table = reshard_price_table(spec, kind, [a for a, _ in a_set], [c for c, _ in c_set], problem.mesh, last)
+            if kind in REPLAY_PRICES:
+                table = table * np.array([[replay_price_paid(kind, edge, fa, fc) for _, fc in c_set]
+                                          for _, fa in a_set], dtype=float).reshape(table.shape)
+            self.price_tables[table_key] = table / self.bytes_unit
         table = self.price_tables[table_key]
         if not table.any():
             return None

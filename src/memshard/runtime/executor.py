@@ -37,9 +37,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from memshard.cost.memory import param_layout
+from memshard.gathers import layer_units
 from memshard.graph import Graph, TensorKind
 from memshard.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
-from memshard.pricing import layer_units
 from memshard.problem import Problem, Selection
 from memshard.runtime import ops
 from memshard.runtime.replay import LayerReplay, ReplayLinks, again_hooks, storage_id

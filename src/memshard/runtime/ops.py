@@ -109,22 +109,35 @@ def _eq(dims_a, dims_b, dims_out) -> str:
 
 
 class Einsum(torch.autograd.Function):
-    """``out = a·b`` over named dims, saving exactly ``a`` and ``b`` (torch.einsum would save
-    permuted copies, which a kept edge could not re-gather)."""
+    """``out = scale·(a·b) + bias`` over named dims, saving exactly ``a`` and ``b``
+    (torch.einsum would save permuted copies, which a kept edge could not re-gather). The
+    scale and the bias (laid out as ``dims_bias``) are applied to the product in place: it
+    allocates its output only, as the planner prices it."""
 
     @staticmethod
-    def forward(ctx, a, b, dims_a, dims_b, dims_out):
+    def forward(ctx, a, b, dims_a, dims_b, dims_out, scale, bias, dims_bias):
         ctx.save_for_backward(a, b)
-        ctx.dims = (dims_a, dims_b, dims_out)
-        return torch.einsum(_eq(dims_a, dims_b, dims_out), a, b)
+        ctx.dims = (dims_a, dims_b, dims_out, dims_bias)
+        ctx.scale = scale
+        y = torch.einsum(_eq(dims_a, dims_b, dims_out), a, b)
+        if scale != 1.0:
+            y.mul_(scale)
+        if bias is not None:
+            y.add_(_broadcast_to(bias, dims_bias, dims_out))
+        return y
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        dims_a, dims_b, dims_out = ctx.dims
-        ga = torch.einsum(_eq(dims_out, dims_b, dims_a), g, b) if ctx.needs_input_grad[0] else None
-        gb = torch.einsum(_eq(dims_a, dims_out, dims_b), a, g) if ctx.needs_input_grad[1] else None
-        return ga, gb, None, None, None
+        dims_a, dims_b, dims_out, dims_bias = ctx.dims
+        gs = g * ctx.scale if ctx.scale != 1.0 else g
+        ga = torch.einsum(_eq(dims_out, dims_b, dims_a), gs, b) if ctx.needs_input_grad[0] else None
+        gb = torch.einsum(_eq(dims_a, dims_out, dims_b), a, gs) if ctx.needs_input_grad[1] else None
+        gbias = None
+        if ctx.needs_input_grad[6]:
+            L = _letters(dims_out)
+            gbias = torch.einsum("".join(L[d] for d in dims_out) + "->" + "".join(L[d] for d in dims_bias), g)
+        return ga, gb, None, None, None, None, gbias, None
 
 
 def _broadcast_to(t: torch.Tensor, dims, out_dims) -> torch.Tensor:
@@ -139,21 +152,18 @@ def _broadcast_to(t: torch.Tensor, dims, out_dims) -> torch.Tensor:
 def linear(ctx: OpContext, x, w, bias=None):
     op = ctx.op
     xd, wd, od = op.inputs[0].dims, op.inputs[1].dims, op.output.dims
-    y = Einsum.apply(x, w, xd, wd, od)
-    if bias is not None:
-        # a zero bias off the root keeps it in every rank's autograd graph (a zero gradient),
-        # so every rank reduces its gradient in step; scaling the bias, not add's alpha (whose
-        # backward copies the whole output gradient for alpha ≠ 1)
-        y = y + _broadcast_to(bias * float(ctx.is_root_of(op.contracted_dims)), op.inputs[2].dims, od)
-    return y
+    if bias is None:
+        return Einsum.apply(x, w, xd, wd, od, 1.0, None, ())
+    # a zero bias off the root keeps it in every rank's autograd graph (a zero gradient), so
+    # every rank reduces its gradient in step
+    return Einsum.apply(x, w, xd, wd, od, 1.0, bias * float(ctx.is_root_of(op.contracted_dims)), op.inputs[2].dims)
 
 
 def matmul(ctx: OpContext, a, b):
     op = ctx.op
-    y = Einsum.apply(a, b, op.inputs[0].dims, op.inputs[1].dims, op.output.dims)
-    if op.role == "attn.scores":  # Megatron scales the raw scores by 1/sqrt(head dim)
-        y = y * (1.0 / math.sqrt(ctx.sizes["d"]))
-    return y
+    # Megatron scales the raw attention scores by 1/sqrt(head dim)
+    scale = 1.0 / math.sqrt(ctx.sizes["d"]) if op.role == "attn.scores" else 1.0
+    return Einsum.apply(a, b, op.inputs[0].dims, op.inputs[1].dims, op.output.dims, scale, None, ())
 
 
 def embedding(ctx: OpContext, ids, table):
@@ -254,13 +264,15 @@ def _causal_bias(ctx: OpContext, q_dim: str, k_dim: str, dtype: torch.dtype) -> 
 
 
 class SplitSoftmax(torch.autograd.Function):
-    """Softmax over the last dim split across ``groups``: all-reduce max and sum forward,
-    one all-reduce of ``Σ g·y`` backward. Saves its output only."""
+    """Softmax of ``x + bias`` over the last dim, split across ``groups`` (none: whole):
+    all-reduce max and sum forward, one all-reduce of ``Σ g·y`` backward. Allocates its output
+    only (the masked scores, exponentiated and normalised in place) and saves it."""
 
     @staticmethod
-    def forward(ctx, x, groups):
-        m = all_reduce(x.amax(-1, keepdim=True).float(), groups, dist.ReduceOp.MAX)  # fp32 statistics
-        e = torch.exp(x - m.to(x.dtype))
+    def forward(ctx, x, bias, groups):
+        e = x + bias
+        m = all_reduce(e.amax(-1, keepdim=True).float(), groups, dist.ReduceOp.MAX)  # fp32 statistics
+        e = e.sub_(m.to(e.dtype)).exp_()
         s = all_reduce(e.sum(-1, keepdim=True).float(), groups)
         y = e.div_(s.to(e.dtype))
         ctx.save_for_backward(y)
@@ -270,18 +282,17 @@ class SplitSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
-        s = all_reduce((g * y).sum(-1, keepdim=True).float(), ctx.groups)
-        return y * (g - s.to(g.dtype)), None
+        # Σ g·y as a product of rows (no output-sized temporary), then (g − Σ)·y in place:
+        # the input gradient is the one tensor it allocates, as torch's softmax backward
+        s = all_reduce(torch.matmul(g.unsqueeze(-2), y.unsqueeze(-1)).squeeze(-1).float(), ctx.groups)
+        return (g - s.to(g.dtype)).mul_(y), None, None
 
 
 def softmax(ctx: OpContext, x):
     """Causal softmax of attention scores ``[b, n, s, t]`` over ``t``."""
     dims = ctx.op.output.dims
-    x = x + _causal_bias(ctx, dims[-2], dims[-1], x.dtype)
     axes = ctx.split_axes(ctx.op.reduced_dims)
-    if not axes:
-        return torch.softmax(x, -1)
-    return SplitSoftmax.apply(x, tuple(ctx.groups[a] for a in axes))
+    return SplitSoftmax.apply(x, _causal_bias(ctx, dims[-2], dims[-1], x.dtype), tuple(ctx.groups[a] for a in axes))
 
 
 class SplitCrossEntropy(torch.autograd.Function):
@@ -407,12 +418,12 @@ class _Dropout(torch.autograd.Function):
     def forward(ctx, x, keep, p):
         ctx.save_for_backward(keep)
         ctx.p = p
-        return x * keep / (1 - p)
+        return (x * keep).mul_(1 / (1 - p))  # one output-sized tensor, no second for the scale
 
     @staticmethod
     def backward(ctx, g):
         (keep,) = ctx.saved_tensors
-        return g * keep / (1 - ctx.p), None, None
+        return (g * keep).mul_(1 / (1 - ctx.p)), None, None
 
 
 def rotary(ctx: OpContext, x):

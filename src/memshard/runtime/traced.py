@@ -152,7 +152,7 @@ def softmax(ctx, x):
         return _call(ctx, (x,))
     spec = ctx.graph.traced.aten[ctx.op.name]
     size_of = _size_of(ctx, spec)
-    y = ops.SplitSoftmax.apply(to_arg(x, ctx.op.inputs[0].dims, spec.in_axes[0], size_of),
+    y = ops.SplitSoftmax.apply(to_arg(x, ctx.op.inputs[0].dims, spec.in_axes[0], size_of), 0.0,
                                tuple(ctx.groups[a] for a in axes))
     return from_out(y, spec.out_axes, size_of)
 

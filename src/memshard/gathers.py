@@ -1,0 +1,130 @@
+"""ZeRO-3 gather units: when the weights gathered a layer at a time (``zero3_unit="layer"``,
+FSDP's unit) or by PyTorch's ``fully_shard`` are held, and where their gradients are reduced;
+and where a weight gathered per op is held (``gather_points``). ``pricing`` prices the units'
+memory and collectives; the runtime gathers by the same units."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from memshard.graph import Graph
+from memshard.recompute import layer_ends
+from memshard.schedule import Schedule
+from memshard.strategies import activation_inputs, parameter_inputs
+
+# Ops whose backward does not read their weight (a lookup's gradient is a scatter of the
+# output gradient): under ZeRO-3 their weight is gathered for forward only.
+NO_WEIGHT_IN_BACKWARD = frozenset({"embedding", "embedding_add"})
+
+
+def gather_points(S: Schedule, graph: Graph, i: int) -> tuple[int, ...]:
+    """The schedule points where ZeRO-3 holds op ``i``'s gathered weight: backward needs it
+    only for the gradient of an activation input (a first layer on the raw input has none)."""
+    op = graph.ops[i]
+    if op.kind in NO_WEIGHT_IN_BACKWARD or not activation_inputs(graph, op):
+        return (S.forward(i),)
+    return (S.forward(i), S.backward(i))
+
+
+@dataclass(frozen=True)
+class LayerUnit:
+    """The schedule of one layer's ZeRO-3 weights gathered as one unit (``zero3_unit="layer"``).
+
+    Members are the parameters whose every use is an op of the layer. The gathered weights
+    are held from the forward of the first op using a member to that of the last; again in
+    backward from the backward of the last op that reads a member to that of the first; the
+    members' gradients wait unsharded until the first op's backward, are copied into one flat
+    buffer there and reduce-scattered together (at that op's gradient reshard point). The
+    members are all ZeRO-3 alike or none is (``link_layer_units``): the runtime
+    gathers the members it holds from the first use of one to the last, so a unit of only
+    some of them would span less than priced."""
+
+    forward_span: tuple[int, int]
+    backward_span: tuple[int, int] | None
+    reduce_point: int
+    members: int
+    # FSDP2 only (``fsdp2_units``): where its flat all-gather output is held besides the
+    # gathered weights, in forward and in backward, and its flat reduce-scatter input after
+    # the reduce point.
+    forward_buffer: tuple[int, int] | None = None
+    backward_buffer: tuple[int, int] | None = None
+    scatter_buffer: tuple[int, int] | None = None
+    root: bool = False  # FSDP2's root unit: its members' layouts need not agree
+
+
+def layer_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str, LayerUnit]:
+    """Parameter name → its layer's unit, for the parameters all of whose uses are in one
+    layer. Where the layer may replay ops (``recompute``), its backward gather starts with the
+    layer's backward, before the replay that needs the weights (FSDP2 gathers there too)."""
+    ends = layer_ends(graph) if recompute != "none" else {}
+    uses: dict[str, set[int]] = {}
+    for i, op in enumerate(graph.ops):
+        for j in parameter_inputs(graph, op):
+            uses.setdefault(op.inputs[j].tensor, set()).add(i)
+    members: dict[int, list[str]] = {}
+    for name, ops_ in uses.items():
+        layers = {graph.ops[i].layer for i in ops_}
+        if len(layers) == 1 and None not in layers:
+            members.setdefault(layers.pop(), []).append(name)
+    units = {}
+    for names in members.values():
+        ops_ = sorted(set().union(*(uses[n] for n in names)))
+        back = [i for i in ops_ if len(gather_points(S, graph, i)) > 1]
+        layer = graph.ops[ops_[0]].layer
+        back_from = S.backward_begins(ends[layer]) if layer in ends else S.backward(back[-1]) if back else None
+        unit = LayerUnit(
+            forward_span=(S.forward(ops_[0]), S.forward(ops_[-1])),
+            backward_span=(back_from, S.backward(back[0])) if back else None,
+            reduce_point=S.reshard_out(ops_[0]),
+            members=len(names),
+        )
+        units.update(dict.fromkeys(names, unit))
+    return units
+
+
+def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str, LayerUnit]:
+    """PyTorch's ``fully_shard`` applied to every layer, then to the root module, with its
+    defaults (torch 2.13, ``_fully_shard/_fsdp_param_group.py``): the layer units of
+    :func:`layer_units` and a root unit of every other weight, with what FSDP2 holds besides.
+
+    - A layer unit is gathered by its module's hooks: from before the layer's first op in
+      forward and before its last op's backward (its pre-backward), not at the first op
+      that reads a weight.
+    - The root is not resharded after forward: its weights are gathered from its first use
+      to the end of backward, its gradients wait unsharded until then (its post-backward
+      runs last).
+    - Forward: a unit's flat all-gather output is kept (``all_gather_state``) until the next
+      unit's copy-out; the last one until the root's post-forward (the end of forward).
+    - Backward: each unit's pre-backward, after its own copy-out, prefetches the previous
+      layer's all-gather (the root's prefetches the last layer's), held until that layer's
+      copy-out.
+    - A unit's flat reduce-scatter input is kept (``reduce_scatter_states``) until the next
+      unit's post-backward; the first layer's until the root's."""
+    layers = layer_units(graph, S, recompute)
+    ordered = sorted({id(u): u for u in layers.values()}.values(), key=lambda u: u.forward_span[0])
+    first_op, last_op = {}, {}
+    for i, op in enumerate(graph.ops):
+        first_op.setdefault(op.layer, i)
+        last_op[op.layer] = i
+    of_layer = [graph.ops[(u.forward_span[0] - 1) // 2].layer for u in ordered]
+    pre_forward = [S.reshard_in(first_op[k]) for k in of_layer]
+    pre_backward = [S.backward_begins(last_op[k]) for k in of_layer]
+    root_names = [n for n in graph.parameters if n not in layers and graph.consumers.get(n)]
+    first_use = min((i for n in root_names for i, _ in graph.consumers[n]), default=0)
+    end, n = S.reshard_out(0), len(graph.ops)
+    root = LayerUnit((S.forward(first_use), end), None, end, len(root_names), root=True,
+                     forward_buffer=(S.forward(first_use), pre_forward[0] if ordered else end))
+    units = dict.fromkeys(root_names, root)
+    for k, unit in enumerate(ordered):
+        later = k + 1 < len(ordered)  # a next unit in forward
+        backward_span = (pre_backward[k], unit.backward_span[1]) if unit.backward_span else None
+        fsdp = replace(
+            unit, forward_span=(pre_forward[k], unit.forward_span[1]), backward_span=backward_span,
+            forward_buffer=(pre_forward[k], pre_forward[k + 1] if later else S.forward(n - 1)),
+            backward_buffer=((pre_backward[k + 1] + 1 if later else S.backward(n - 1), pre_backward[k])
+                             if backward_span else None),
+            scatter_buffer=(unit.reduce_point + 1, (ordered[k - 1] if k else root).reduce_point - 1))
+        units.update((name, fsdp) for name, u in layers.items() if u is unit)
+    return units
+
+
