@@ -77,13 +77,15 @@ def last_step_peak(model, run, steps: int = 2, tracked=tuple) -> int:
     return meter.peak_bytes
 
 
-def fully_shard_blocks(model, mesh):
-    """FSDP2 as users apply it: ``fully_shard`` on every block, then on the root module."""
+def fully_shard_blocks(model, mesh, shard=None):
+    """FSDP2 as users apply it: ``fully_shard`` on every block, then on the root module
+    (``shard``: ``fully_shard`` with the caller's options)."""
     from torch.distributed.fsdp import fully_shard
 
+    shard = shard or fully_shard
     for block in blocks_of(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
     return model
 
 
@@ -150,6 +152,17 @@ MEASURED = {"fsdp2": fully_sharded_peak, "ddp": ddp_peak,
             "ddp+full": functools.partial(ddp_peak, parallelize=checkpointed(data_parallel))}
 
 
+def mixed_precision(model, mesh, parallelize=fully_shard_blocks):
+    """``parallelize(model, mesh, shard)`` with every ``fully_shard`` given FSDP2's mixed
+    precision as torchtitan sets it (``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)``): the fp32 shards stay the master weights, blocks compute in bf16,
+    gradients are reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return parallelize(model, mesh, shard=functools.partial(fully_shard, mp_policy=policy))
+
+
 WORLDS = itertools.count()  # fresh mesh dim names per world: DTensor caches meshes by their names
 
 
@@ -184,12 +197,12 @@ def tensor_parallel(model, mesh) -> None:
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
 
 
-def tensor_parallel_fsdp2(model, mesh):
+def tensor_parallel_fsdp2(model, mesh, shard=None):
     """:func:`tensor_parallel` on the 2-D ``mesh``'s inner axis, ``fully_shard`` on every block
     and the root over the outer one."""
     dp_mesh, tp_mesh = (mesh[name] for name in mesh.mesh_dim_names)
     tensor_parallel(model, tp_mesh)
-    return fully_shard_blocks(model, dp_mesh)
+    return fully_shard_blocks(model, dp_mesh, shard)
 
 
 def checkpointed_tensor_parallel_fsdp2(model, mesh):
@@ -324,3 +337,28 @@ def test_torch_tensor_parallel_with_checkpointing_is_what_pytorch_allocates(fami
     for rank in (0, dp * tp - 1):
         measured = tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize=checkpointed_tensor_parallel_fsdp2)
         assert measured == pytest.approx(predicted, rel=0.02), rank
+
+
+@pytest.mark.parametrize("family, world, seq, recompute", [("llama", 4, SEQ, "none"), ("gpt2", 8, SEQ, "none"),
+                                                          ("llama", 4, 256, "none"), ("llama", 4, 256, "full")])
+def test_fsdp2_in_mixed_precision_is_what_pytorch_allocates(family, world, seq, recompute):
+    """A mixed-precision job's ``fsdp2`` baseline is FSDP2 under ``MixedPrecisionPolicy``:
+    fp32 shards (the master weights) and fp32 reduced gradients beside Adam's two moments,
+    bf16 gathered weights, activations and computed gradients, the reduce-scatter's flat
+    input in fp32."""
+    graph = trace_hf(family, batch=world, seq=seq, precision="mixed", **FAMILIES[family])
+    baseline = "fsdp2+full" if recompute == "full" else "fsdp2"
+    predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute).peak_bytes
+    parallelize = mixed_precision if recompute == "none" else checkpointed(mixed_precision)
+    for rank in (0, world - 1):
+        measured = fully_sharded_peak(family, world, rank, parallelize=parallelize, seq=seq)
+        assert measured == pytest.approx(predicted, rel=0.02), rank
+
+
+@pytest.mark.parametrize("family, dp, tp, seq", [("llama", 2, 2, 256), ("qwen2", 4, 2, SEQ)])
+def test_torch_tensor_parallel_times_fsdp2_in_mixed_precision_is_what_pytorch_allocates(family, dp, tp, seq):
+    graph = trace_hf(family, batch=dp, seq=seq, precision="mixed", **FAMILIES[family])
+    predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}").peak_bytes
+    parallelize = functools.partial(mixed_precision, parallelize=tensor_parallel_fsdp2)
+    for rank in (0, dp * tp - 1):
+        assert tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize) == pytest.approx(predicted, rel=0.02), rank

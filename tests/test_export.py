@@ -94,6 +94,29 @@ def test_the_exported_code_allocates_what_the_plan_predicts(strategy, family, tr
 
 
 @pytest.mark.runtime
+@pytest.mark.parametrize("strategy, family", [("fsdp2", "gpt2"), ("fsdp2+full", "llama"), ("torch-tp2-fsdp2", "llama")])
+def test_a_mixed_precision_export_runs_fsdp2_mixed_precision_and_allocates_what_is_predicted(strategy, family):
+    """A mixed-precision job's FSDP2 export gives every ``fully_shard`` the policy its
+    baseline prices (bf16 compute, fp32 shards and gradient reduction)."""
+    from memshard.trace.hf import trace_hf
+    from tests.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak
+
+    tensor_parallel = strategy.startswith("torch-tp")
+    mesh, batch = ("2x2", 2) if tensor_parallel else (str(WORLD), WORLD)  # a sequence per replica
+    graph = trace_hf(family, batch=batch, seq=SEQ, precision="mixed", **FAMILIES[family])
+    text = memshard.export(graph, mesh, strategy=strategy)
+    assert text.count("mp_policy=mp_policy)") == 2
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in text
+    recompute = "full" if strategy.endswith("+full") else "none"
+    predicted = memshard.strategy_plan(graph, mesh, strategy, recompute=recompute).peak_bytes
+    for rank in (0, WORLD - 1):
+        exported = parallelize_of(text)
+        peak = (tp_fsdp2_peak(2, 2, rank, SEQ, family, exported) if tensor_parallel
+                else measured(strategy, exported, family, rank))
+        assert peak == pytest.approx(predicted, rel=0.02), rank
+
+
+@pytest.mark.runtime
 @pytest.mark.parametrize("family, recompute", [("llama", "none"), ("qwen2", "none"), ("llama", "full")])
 def test_the_exported_tensor_parallel_code_is_torchtitans_plan_and_allocates_what_is_predicted(family, recompute):
     """(``+full``: the blocks wrapped in ``checkpoint_wrapper`` between tensor parallelism and

@@ -131,7 +131,7 @@ def check_exportable(target: ExportTarget, job: Job) -> None:
     """Refuse, before any planning, a job the target's code cannot run as priced."""
     given = isinstance(job.model, (Graph, TracedModule))  # the graph or module fixes its precision
     precision = job.graph.precision.name if given else job.precision
-    if target.kind in TORCH_STRATEGIES and precision not in (None, "fp32"):
+    if target.kind == "ddp" and precision not in (None, "fp32"):
         raise MemshardError(f"{target.strategy} is exported as PyTorch's defaults run it, in fp32 (the precision "
                             "memshard checks it in against PyTorch): give --precision fp32")
     traced = isinstance(job.model, (HFModel, TracedModule)) or (
@@ -265,6 +265,31 @@ def _checkpointing(target: ExportTarget) -> str:
             "checkpointing, torch.utils.checkpoint).") if target.recompute == "full" else ""
 
 
+def _mixed(plan: Plan) -> bool:
+    return plan.problem.graph.precision.name == "mixed"
+
+
+def _fsdp_import(plan: Plan) -> str:
+    return f"from torch.distributed.fsdp import {'MixedPrecisionPolicy, ' if _mixed(plan) else ''}fully_shard"
+
+
+def _fsdp_policy(plan: Plan) -> list[str]:
+    """FSDP2's mixed precision as the ``fsdp2`` baseline of a mixed-precision job prices it."""
+    if not _mixed(plan):
+        return []
+    return ["    # bf16 compute; the fp32 shards are the master weights, gradients are reduced in fp32",
+            "    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"]
+
+
+def _shard(plan: Plan, module: str, mesh: str) -> str:
+    return f"fully_shard({module}, mesh={mesh}{', mp_policy=mp_policy' if _mixed(plan) else ''})"
+
+
+def _precision_note(plan: Plan) -> str:
+    return (" Mixed precision: FSDP2's MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+            "reduce_dtype=torch.float32).") if _mixed(plan) else ""
+
+
 def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
     """``fully_shard`` on every block of each container, then on the root (FSDP2's defaults)."""
     graph = plan.problem.graph
@@ -273,20 +298,22 @@ def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
         named = [f"# The blocks' container is named as memshard's built-in {plan.model.name} names it; give your "
                  "model's."]
     lines = [*_usage(plan, "PyTorch's fully_shard (FSDP2) on every transformer block, then on the root module, "
-                           "with its defaults." + _checkpointing(target)),
+                           "with its defaults." + _precision_note(plan) + _checkpointing(target)),
              *named,
              "",
+             *(["import torch"] if _mixed(plan) else []),
              "from torch import nn",
              *_checkpoint_import(target),
              "from torch.distributed.device_mesh import DeviceMesh",
-             "from torch.distributed.fsdp import fully_shard",
+             _fsdp_import(plan),
              "",
              "",
              "def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:",
              "    \"\"\"FSDP2 as memshard priced it: fully_shard on every transformer block, then on the root module.\"\"\"",
-             *_mesh_check(plan, "fsdp2")]
-    lines += _blocks_lines(plan, target, ["    for block in container:", "        fully_shard(block, mesh=mesh)"])
-    return [*lines, "    fully_shard(model, mesh=mesh)", "    return model"]
+             *_mesh_check(plan, "fsdp2"),
+             *_fsdp_policy(plan)]
+    lines += _blocks_lines(plan, target, ["    for block in container:", f"        {_shard(plan, 'block', 'mesh')}"])
+    return [*lines, f"    {_shard(plan, 'model', 'mesh')}", "    return model"]
 
 
 def ddp_code(target: ExportTarget, plan: Plan) -> list[str]:
@@ -308,6 +335,16 @@ def ddp_code(target: ExportTarget, plan: Plan) -> list[str]:
             *_mesh_check(plan, "ddp"),
             *checkpointing,
             "    return DistributedDataParallel(model, device_mesh=mesh)"]
+
+
+def _feeds_the_loss(graph: Graph, op) -> bool:
+    """Whether ``op``'s output reaches a cross-entropy directly or through copies (the fp32
+    upcast of bf16 logits)."""
+    for c, _ in graph.consumers.get(op.output.tensor, ()):
+        consumer = graph.ops[c]
+        if consumer.kind == "cross_entropy" or (consumer.kind == "copy" and _feeds_the_loss(graph, consumer)):
+            return True
+    return False
 
 
 def tensor_parallel_styles(plan: Plan) -> dict[str, str]:
@@ -337,7 +374,7 @@ def tensor_parallel_styles(plan: Plan) -> dict[str, str]:
             styles[module] = "RowwiseParallel(output_layouts=Shard(1))"
         elif any(graph.ops[graph.producer[o.tensor]].kind == REDISTRIBUTE for o in inputs):
             styles[module] = "ColwiseParallel()"
-        elif any(graph.ops[c].kind == "cross_entropy" for c, _ in graph.consumers.get(op.output.tensor, ())):
+        elif _feeds_the_loss(graph, op):
             styles[module] = "ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)"
         else:
             styles[module] = "ColwiseParallel(input_layouts=Shard(1))"
@@ -363,7 +400,8 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
         return [f"        \"{m}\": {s}," for m, s in plan_of.items()]
 
     return ["# PyTorch's tensor parallelism (parallelize_module, torchtitan's plan) on the inner mesh axis, then",
-            "# fully_shard (FSDP2) on every block and the root module over the outer axis, with their defaults.",
+            "# fully_shard (FSDP2) on every block and the root module over the outer axis, with their defaults."
+            + _precision_note(plan),
             f"# On every rank: build the model in fp32, call parallelize(model, mesh) with a 2-D DeviceMesh of {dp} × {tp}",
             f"# devices (init_device_mesh(\"cuda\", ({dp}, {tp}), mesh_dim_names=(\"dp\", \"tp\"))), make",
             "# torch.optim.Adam(model.parameters(), foreach=True), and run each step's forward and backward under",
@@ -372,10 +410,11 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
             "# share of the global batch; the ranks of one tensor-parallel group read the same sequences.",
             *(["#" + _checkpointing(target)] if target.recompute == "full" else []),
             "",
+            *(["import torch"] if _mixed(plan) else []),
             "from torch import nn",
             *_checkpoint_import(target),
             "from torch.distributed.device_mesh import DeviceMesh",
-            "from torch.distributed.fsdp import fully_shard",
+            _fsdp_import(plan),
             "from torch.distributed.tensor import Replicate, Shard",
             "from torch.distributed.tensor.parallel import (",
             "    ColwiseParallel,",
@@ -406,9 +445,10 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
                "    for k, block in enumerate(blocks):  # recomputed in backward from its input",
                "        container[k] = blocks[k] = checkpoint_wrapper(block, preserve_rng_state=False)"]
               if target.recompute == "full" else []),
+            *_fsdp_policy(plan),
             "    for block in blocks:",
-            "        fully_shard(block, mesh=dp_mesh)",
-            "    fully_shard(model, mesh=dp_mesh)",
+            f"        {_shard(plan, 'block', 'dp_mesh')}",
+            f"    {_shard(plan, 'model', 'dp_mesh')}",
             "    return model"]
 
 

@@ -115,7 +115,10 @@ class Precision:
     """Bytes per parameter element of each model-state category.
 
     Mixed precision (ZeRO paper): 2 B bf16 weight, 2 B bf16 grad, 12 B of fp32 master weight
-    and Adam m, v. Plain fp32 Adam: 4 + 4 + 8.
+    and Adam m, v. Plain fp32 Adam: 4 + 4 + 8. A ZeRO-3 shard of the weight and a reduced
+    gradient stored sharded may be wider than the computing copies (``sharded_param_bytes``,
+    ``reduced_grad_bytes``; default: the same): FSDP2's ``MixedPrecisionPolicy`` keeps the
+    fp32 shard as the master weight and reduces the gradients in fp32.
     """
 
     name: str
@@ -123,6 +126,16 @@ class Precision:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
+    sharded_param_bytes: int | None = None
+    reduced_grad_bytes: int | None = None
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.sharded_param_bytes or self.param_bytes
+
+    @property
+    def reduce_bytes(self) -> int:
+        return self.reduced_grad_bytes or self.grad_bytes
 
 
 MIXED = Precision("mixed", 2, 2, 12, 2)

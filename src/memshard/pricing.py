@@ -34,7 +34,7 @@ from memshard.cost.reshard_memory import reshard_peak_bytes
 from memshard.eager import as_eager
 from memshard.errors import MemshardError
 from memshard.gathers import LayerUnit, fsdp2_units, gather_points, layer_units
-from memshard.graph import Graph, Op, TensorKind, TensorSpec
+from memshard.graph import MIXED, Graph, Op, TensorKind, TensorSpec
 from memshard.mesh import Mesh
 from memshard.placement import PARTIAL, REPLICATE, Layout, Shard, local_numel, local_shape
 from memshard.problem import (
@@ -556,10 +556,13 @@ class _Builder:
         unit's, the unit's gathered weights over its spans."""
         stages = np.array([opt.stage for _, opt in self.groups[gid].options])
         unsharded, red = v["unsharded"]
+        prec = self.graph.precision
+        flat, flat_red = (x * in_unit * prec.reduce_bytes / prec.grad_bytes for x in (unsharded, red))
         self.reduced_gradient(gid, v, stages, in_unit, unit.reduce_point if self.micro_batches == 1 else 0, 0.0,
                               before_reshards=False)
         self.slot(gid, first_backward, unit.reduce_point, "transients", unsharded * in_unit, red * in_unit)
-        self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", unsharded * in_unit, red * in_unit)
+        # the unit's gradients copied into one flat buffer (in the reduce dtype) to be reduced
+        self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", flat, flat_red)
         for span in (unit.forward_span, unit.backward_span):
             if span is not None:
                 self.slot(gid, *span, "transients", *v["gathered"])
@@ -570,7 +573,7 @@ class _Builder:
             if buffer is not None:
                 self.slot(gid, *buffer, "transients", *v["gathered"])
         if unit.scatter_buffer is not None:
-            self.slot(gid, *unit.scatter_buffer, "transients", unsharded * in_unit, red * in_unit)
+            self.slot(gid, *unit.scatter_buffer, "transients", flat, flat_red)
 
     def link_layer_units(self, storage_group: dict[str, int]) -> None:
         """A layer unit is all or nothing, as FSDP's: every member ZeRO-3 over the same axes
@@ -643,8 +646,8 @@ class _Builder:
             prec = self.graph.precision
             gathering.append(reshard_peak_bytes((numel,), prec.param_bytes, flat, whole, self.mesh, reverse=True)
                              - numel * prec.param_bytes)
-            scattering.append(reshard_peak_bytes((numel,), prec.grad_bytes, partial, flat, self.mesh)
-                              - local_numel((numel,), flat, self.mesh.shape) * prec.grad_bytes)
+            scattering.append(reshard_peak_bytes((numel,), prec.reduce_bytes, partial, flat, self.mesh)
+                              - local_numel((numel,), flat, self.mesh.shape) * prec.reduce_bytes)
         zeros = np.zeros(len(mems))
         return {
             "gathering": (np.array(gathering, float), zeros),
@@ -712,6 +715,12 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         graph = with_input_gathers(with_output_scatters(graph))
     if framework == MEGATRON:  # bf16 training accumulates and reduces gradients in fp32 (main_grad)
         graph = replace(graph, precision=replace(graph.precision, grad_bytes=4))
+    if framework in (FSDP2, TORCH_TP) and graph.precision.name == MIXED.name:
+        # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathered
+        # weights and computed gradients; the fp32 shard is the master weight, gradients are
+        # reduce-scattered and kept in fp32, Adam's moments beside them
+        graph = replace(graph, precision=replace(graph.precision, optimizer_bytes=8, sharded_param_bytes=4,
+                                                 reduced_grad_bytes=4))
     b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute, framework)
     op_group = b.add_ops()
     b.op_slots(op_group)

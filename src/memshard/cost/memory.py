@@ -130,8 +130,8 @@ def storage_memory(
         c = copies_sharded if is_sharded else copies
         return n, n * (1 - 1 / c)
 
-    p, rp = pick(option.stage >= 3, precision.param_bytes)
-    g, rg = pick(option.stage >= 2, precision.grad_bytes)
+    p, rp = pick(option.stage >= 3, precision.shard_bytes if option.stage >= 3 else precision.param_bytes)
+    g, rg = pick(option.stage >= 2, precision.reduce_bytes if option.stage >= 2 else precision.grad_bytes)
     o, ro = pick(option.stage >= 1, precision.optimizer_bytes)
     return StorageMemory(
         parameters=p,
