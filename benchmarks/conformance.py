@@ -18,12 +18,17 @@ The second table runs PyTorch's tensor parallelism as torchtitan applies it to L
 ``loss_parallel``) × ``fully_shard`` over the data-parallel axis, against the
 ``torch-tp<T>-fsdp<D>`` baseline and the idealised ``tp<T>-fsdp<D>`` (TP + SP + ZeRO-3 as
 memshard's runtime executes them), at 32 and 256 tokens per sequence, with and without
-torchtitan's full activation checkpointing (``+full``). ``--write`` puts the tables into BENCHMARKS.md between its markers.
+torchtitan's full activation checkpointing (``+full``). The third table runs both in mixed
+precision as torchtitan sets it (every ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=
+bf16, reduce_dtype=fp32)``) against the baselines of the mixed-precision job, and memshard's
+mixed-precision ZeRO-3 (bf16 shards beside fp32 masters). ``--write`` puts the tables into
+BENCHMARKS.md between its markers.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -35,7 +40,10 @@ from tests.test_conformance import (  # noqa: E402
     FAMILIES,
     MEASURED,
     SEQ,
+    checkpointed,
     checkpointed_tensor_parallel_fsdp2,
+    fully_sharded_peak,
+    mixed_precision,
     tensor_parallel_fsdp2,
     tp_fsdp2_peak,
 )
@@ -88,13 +96,43 @@ def tensor_parallel_rows() -> list[str]:
     return out
 
 
+def mixed_precision_rows() -> list[str]:
+    out = ["| baseline | model | mesh | tokens per sequence | rank | measured (PyTorch) | predicted | error "
+           "| idealised | its prediction | error |", "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    jobs = [("fsdp2", f, (w,), SEQ) for f in ("gpt2", "llama") for w in (4, 8)]
+    jobs += [("fsdp2", "llama", (4,), 256), ("fsdp2+full", "llama", (4,), 256), ("fsdp2+full", "gpt2", (8,), SEQ),
+             ("torch-tp", "llama", (2, 2), 256), ("torch-tp", "qwen2", (4, 2), SEQ)]
+    for baseline, family, shape, seq in jobs:
+        devices, batch = shape[0] * (shape[1] if len(shape) > 1 else 1), shape[0]
+        mesh = "x".join(map(str, shape))
+        graph = trace_hf(family, batch=batch, seq=seq, precision="mixed", **FAMILIES[family])
+        recompute = "full" if baseline.endswith("+full") else "none"
+        if baseline == "torch-tp":
+            name, ideal_name, options = f"torch-tp{shape[1]}-fsdp{shape[0]}", f"tp{shape[1]}-fsdp{shape[0]}", {}
+            measure = functools.partial(tp_fsdp2_peak, shape[0], shape[1], seq=seq, family=family,
+                                        parallelize=functools.partial(mixed_precision, parallelize=tensor_parallel_fsdp2))
+        else:
+            name, (ideal_name, options) = baseline, IDEALISED[baseline]
+            parallelize = checkpointed(mixed_precision) if recompute == "full" else mixed_precision
+            measure = functools.partial(fully_sharded_peak, family, devices, parallelize=parallelize, seq=seq)
+        predicted = memshard.strategy_plan(graph, mesh, name, recompute=recompute).peak_bytes
+        ideal = memshard.strategy_plan(graph, mesh, ideal_name, recompute=recompute, **options).peak_bytes
+        for rank in (0, devices - 1):
+            measured = measure(rank=rank)
+            out.append(f"| {name} | {family} | {mesh} | {seq} | {rank} | {measured:,} | {predicted:,.0f} | "
+                       f"{predicted / measured - 1:+.2%} | {ideal_name} | {ideal:,.0f} | {ideal / measured - 1:+.2%} |")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     text = "\n".join([provenance("OMP_NUM_THREADS=1 python benchmarks/conformance.py --write"), "", *rows(), "",
                       "PyTorch's tensor parallelism (torchtitan's plan) × FSDP2:", "",
-                      *tensor_parallel_rows()])
+                      *tensor_parallel_rows(), "",
+                      "Mixed precision (FSDP2's MixedPrecisionPolicy, bf16 compute, fp32 reduction):", "",
+                      *mixed_precision_rows()])
     print(text)
     if args.write:
         write_section("conformance", "Baselines against PyTorch's own implementations", text)
