@@ -21,6 +21,7 @@ import sys
 import time
 
 import memshard
+from memshard.errors import MemshardError
 from memshard.planner import SearchOptions, baseline_plans, plan_job
 from memshard.pricing import build_problem
 
@@ -52,18 +53,25 @@ def fastest_megatron(job) -> memshard.Plan | None:
 def row(model: str, mesh: str, batch: int, seq: int) -> str:
     job = memshard.Job(model, mesh, batch=batch, seq=seq)
     without = plan_job(job, SearchOptions())
-    fits, seconds = timed(lambda: plan_job(job, SearchOptions(objective="time", memory_budget=BUDGET,
-                                                              recompute="auto")))
+    started = time.perf_counter()
+    try:
+        fits = plan_job(job, SearchOptions(objective="time", memory_budget=BUDGET, recompute="auto"))
+    except MemshardError as e:  # the search may find no plan within its time limit
+        fits = str(e)
+    seconds = time.perf_counter() - started
     least, _ = timed(lambda: plan_job(job, SearchOptions(recompute="full")))
     megatron = fastest_megatron(job)
     gib = 2**30
-    replayed = sum(op.recomputed for op in fits.ops)
     mega = ("none fits" if megatron is None else
             f"{megatron.strategy}: {megatron.peak_bytes / gib:.1f} GiB, {megatron.step_time_s:.2f} s")
-    ratio = f"{fits.step_time_s / megatron.step_time_s:.2f}" if megatron is not None else "-"
-    return (f"| {model} b{batch} s{seq} | {mesh} | {without.peak_bytes / gib:.1f} GiB | "
-            f"{fits.peak_bytes / gib:.1f} GiB, {fits.step_time_s:.2f} s "
-            f"({fits.recompute_time_s / fits.step_time_s:.1%} recomputing; {replayed} ops per layer replayed) | "
+    if isinstance(fits, str):
+        found, ratio = fits, "-"
+    else:
+        replayed = sum(op.recomputed for op in fits.ops)
+        found = (f"{fits.peak_bytes / gib:.1f} GiB, {fits.step_time_s:.2f} s ({fits.recompute_time_s / fits.step_time_s:.1%}"
+                 f" recomputing; {replayed} ops per layer replayed)")
+        ratio = f"{fits.step_time_s / megatron.step_time_s:.2f}" if megatron is not None else "-"
+    return (f"| {model} b{batch} s{seq} | {mesh} | {without.peak_bytes / gib:.1f} GiB | {found} | "
             f"{seconds:.1f} s | {mega} | {ratio} | {least.peak_bytes / gib:.1f} GiB: {least.solver.status}, "
             f"within {least.solver.gap:.1%} of the solver's bound, {least.memory.above_lower_bound:+.1%} above the "
             f"zero-redundancy bound |")
