@@ -49,15 +49,20 @@ def row(model: str, mesh: str, batch: int, seq: int) -> tuple[str, float | None,
     job = memshard.Job(model, mesh, batch=batch, seq=seq)
     megatron = fastest_megatron(job)
     fast = dict(objective="time", memory_budget=BUDGET, recompute="auto")
-    plans = [plan_job(job, SearchOptions(**fast))]
+    plans, failed = [], ""
     view = megatron.job if megatron is not None and megatron.job.mesh != job.mesh else None
-    if view is not None:
+    for on, options in ((job, SearchOptions(**fast)),
+                        *(((view, SearchOptions(**fast, full_mesh=view.mesh.ndim >= 3)),) if view else ())):
         try:
-            plans.append(plan_job(view, SearchOptions(**fast, full_mesh=view.mesh.ndim >= 3)))
-        except MemshardError as e:  # the three-axis search may find nothing in its time limit
-            print(f"{model} on {view.mesh}: {e}", file=sys.stderr)
-    fastest = min(plans, key=lambda p: p.step_time_s)
+            plans.append(plan_job(on, options))
+        except MemshardError as e:  # a search may find nothing in its time limit
+            print(f"{model} on {on.mesh}: {e}", file=sys.stderr)
+            failed = str(e)
     head = f"| {model} b{batch} s{seq} | {mesh} ({job.mesh.num_devices}) |"
+    if not plans:
+        mega = "none fits" if megatron is None else f"{megatron.strategy}: {megatron.step_time_s:.2f} s"
+        return f"{head} {mega} | {failed} | - | - | - |", None, None
+    fastest = min(plans, key=lambda p: p.step_time_s)
     on = "" if fastest.job.mesh == job.mesh else f" (on {'x'.join(map(str, fastest.job.mesh.shape))})"
     ours = f"{fastest.step_time_s:.2f} s, {fastest.peak_bytes / gib:.1f} GiB{on}"
     if megatron is None:
