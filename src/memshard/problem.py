@@ -274,7 +274,7 @@ class ReshardPoint:
     edges: tuple[int, ...]
     last: tuple[bool, ...]
     regather: bool = False
-    # A replay's reshards (``REPLAY_RESHARDS``): a replayed op's inputs again, or the tickets
+    # A replay's reshards (``REPLAY_INPUTS``, ``REPLAY_TICKETS``): a replayed op's inputs again, or the tickets
     # a replayed op's output is resharded into for consumers that are not replayed.
     replay: str = ""
 
