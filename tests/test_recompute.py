@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 import json
 import random
+import time
 
+import numpy as np
 import pytest
 
 import memshard
@@ -16,7 +18,8 @@ from memshard.baselines import baselines
 from memshard.cost.memory import CATEGORIES
 from memshard.errors import MemshardError
 from memshard.evaluate import InconsistentPlan, evaluate
-from memshard.ilp.solve import solve
+from memshard.ilp.formulation import Formulation
+from memshard.ilp.solve import Solver, solve
 from memshard.mesh import parse_mesh
 from memshard.models import build_graph
 from memshard.plans import plan_from_dict
@@ -222,3 +225,23 @@ def test_recomputing_baselines_are_in_the_search_space_and_memshard_is_no_worse(
             forced = solve(b.problem, "memory", fixed=b.selection, mip_gap=0.0)
             assert forced.ilp_peak_bytes == pytest.approx(direct.peak_bytes, rel=1e-6), b.name
     assert forced_ones <= {b.name for b in found}
+
+
+def test_a_budget_the_unsplit_plan_breaks_starts_from_the_least_memory_relaxation_rounded():
+    """Under a memory budget every-op-unsplit breaks, the search's fallback start is the
+    least-memory relaxation rounded: an integral solution of every row, within the budget."""
+    graph = build_graph("tiny-gpt", batch=8, seq=128, precision="fp32")
+    problem = build_problem(graph, parse_mesh("2x2"), recompute="auto")
+    f = Formulation(problem)
+    f.add_plan_constraints(problem.candidate_points)
+    budget = 0.5 * evaluate(problem, f.replicated()).peak_bytes
+    solver = Solver(problem, "time", None, budget, time.perf_counter() + 60)
+    start = solver.fallback_start()
+    assert callable(start)  # made only if the dive finds no plan
+    values = start()
+    assert isinstance(values, np.ndarray)
+    model = solver.formulation.model
+    assert not model.violated(values)
+    integer = np.array(model.integer, dtype=bool)
+    assert np.allclose(values[integer], np.round(values[integer]))
+    assert evaluate(problem, solver.formulation.selection(values)).peak_bytes <= budget

@@ -126,6 +126,14 @@ def test_ilp_matches_brute_force(graph, shape, budget_quantile):
     fastest_ties = [ev for ev in feasible if ev.step_time_s <= min_time * (1 + 1e-9) + 1e-15]
     assert got.peak_bytes <= min(ev.peak_bytes for ev in fastest_ties) * (1 + 2 * TIE_RESOLUTION)
 
+    # at a 5% gap the fastest plan is within 5% and its reported gap is no smaller than its real
+    # one (the bound a blend gives under the budget, T ≥ B − w·budget, included)
+    result = solve(problem, "time", memory_budget_bytes=budget, mip_gap=0.05)
+    got = evaluate(problem, result.selection)
+    assert got.peak_bytes <= budget * (1 + 1e-9)
+    assert got.step_time_s <= min_time / (1 - 0.05) * (1 + 1e-9) + 1e-12
+    assert result.gap >= (got.step_time_s - min_time) / got.step_time_s - 1e-6
+
 
 def dive(problem):
     """``HighsSearch.dive`` on the peak with every row: (its plan's evaluated peak, its bound),

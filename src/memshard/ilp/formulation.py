@@ -164,11 +164,11 @@ class Formulation:
             vals.append(float(selection.keeps[e]))
         return np.array(cols), np.array(vals)
 
-    def replicated_start(self) -> Expression:
+    def replicated(self) -> Selection:
         """Every op unsplit, nothing stored sharded, nothing kept: a plan that exists whenever
-        any does without a memory budget, given as the choice columns only."""
+        any does without a memory budget."""
         ops = {g: 0 for g, grp in enumerate(self.problem.groups) if isinstance(grp, OpGroup)}
-        return self.selection_start(complete_selection(self.problem, ops))
+        return complete_selection(self.problem, ops)
 
     def fix(self, selection: Selection) -> None:
         """Pin every choice and keep flag to ``selection``'s."""

@@ -225,8 +225,8 @@ class HighsSearch:
 
     def minimise(self, expr: Expression, gap: float, start=None) -> Solution:
         """Minimise ``expr`` to relative ``gap``: the dive, and where it does not prove its
-        plan, branch and bound from that plan, else from ``start`` (a full solution, or a
-        partial one as (columns, values))."""
+        plan, branch and bound from that plan, else from ``start`` (a full solution, a
+        partial one as (columns, values), or a function making one when it is needed)."""
         self.set_objective(expr)
         if self.diving:
             incumbent = None
@@ -236,11 +236,14 @@ class HighsSearch:
             if dived is not None:
                 if dived.objective - dived.bound <= gap * abs(dived.objective) + 1e-9:
                     return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), False)
-                if start is None:
+                if start is None or callable(start):
                     start = dived.values
             # A model whose relaxation a dive did not settle seldom changes in the next runs
             # (the same rows and a few more, another objective): no more dives, each an LP.
             self.diving = False
+        if callable(start):
+            start = start()
+            self.set_objective(expr)
         return self.branch_and_bound(gap, start)
 
     def branch_and_bound(self, gap: float, start=None) -> Solution:
@@ -296,8 +299,13 @@ class HighsSearch:
                 return Dive(x, relaxed, relaxed)
             state = DiveState(gap, DIVE_EFFORT * max(info.simplex_iteration_count, 1), *(
                 incumbent if incumbent is not None else (None, math.inf)))
+            basis, reduced = highs.getBasis(), np.array(solution.col_dual)
+            rounded = self.rounded(x)
+            if rounded is not None and rounded[1] < state.value:
+                state.best, state.value = rounded
+                highs.setBasis(basis)
             try:
-                bound = self.subtree(state, x, np.array(solution.col_dual), relaxed, highs.getBasis(), 0)
+                bound = self.subtree(state, x, reduced, relaxed, basis, 0)
             finally:
                 highs.setOptionValue("objective_bound", highspy.kHighsInf)
             if bound is None or state.best is None:
@@ -368,6 +376,44 @@ class HighsSearch:
             return max(value, below)
         return value
 
+    def rounded(self, x: np.ndarray) -> tuple[np.ndarray, float] | None:
+        """The relaxation ``x`` rounded: each disjunction fixed at its largest share, the
+        continuous columns solved for by the LP under the objective set (inside a relaxing
+        context): a plan and its objective, or None where that rounding breaks a row (a link,
+        a budget). Often close to the optimum (a few groups split between two choices), it
+        gives branch and bound and the dive an incumbent before either finds one."""
+        highs = self.highs
+        fixed = [max(d, key=lambda branch: (x[branch[0]] if branch[1] else 1 - x[branch[0]], -branch[0]))
+                 for d in self.disjunctions]
+        columns = sorted({col for d in self.disjunctions for col, _ in d})
+        at = dict.fromkeys(columns, 0.0)
+        for col, value in fixed:
+            at[col] = value
+        for col in columns:
+            highs.changeColBounds(col, at[col], at[col])
+        try:
+            self.limit_time()
+            highs.run()
+            if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+                return None
+            return np.array(highs.getSolution().col_value), float(highs.getInfo().objective_function_value)
+        finally:
+            for col in columns:
+                highs.changeColBounds(col, self.lower[col], self.upper[col])
+
+    def rounded_minimum(self, expr: Expression) -> np.ndarray | None:
+        """A plan near the least ``expr``: its LP relaxation by simplex, rounded (None if that
+        breaks a row or time runs out). The next solve starts afresh: from this basis the
+        next objective's relaxation took ten times as long as from none."""
+        self.set_objective(expr)
+        with self.relaxing("simplex") as highs:
+            highs.run()
+            found = None
+            if highs.getModelStatus() == highspy.HighsModelStatus.kOptimal:
+                found = self.rounded(np.array(highs.getSolution().col_value))
+            highs.clearSolver()
+        return None if found is None else found[0]
+
     def integral(self, x: np.ndarray) -> bool:
         v = x[self.integer_columns]
         return bool(np.all(np.abs(v - np.round(v)) <= INTEGRALITY))
@@ -384,17 +430,21 @@ class HighsSearch:
             return float(highs.getInfo().objective_function_value)
 
     def first_pass(self, expr: Expression, tie_break: Expression, floor: float, scales: tuple[float, float],
-                   gap: float, fallback: Expression) -> FirstPass:
+                   gap: float, fallback, tie_break_cap: float = math.inf) -> FirstPass:
         """Minimise ``expr`` (≥ ``floor``), ties broken by ``tie_break``.
 
         Branch and bound first minimises the blend ``expr`` + w·``tie_break`` from
-        ``fallback`` (a partial solution), w such that ``tie_break`` weighs TIE_BREAK of
+        ``fallback`` (a start as ``minimise`` takes it), w such that ``tie_break`` weighs TIE_BREAK of
         ``expr`` at their typical ``scales``, to a gap TIE_BREAK times finer. Usually that plan
         is optimal for ``expr``, as ``floor`` often shows at once, or else the LP relaxation
         of ``expr`` alone. Its ties are resolved to within ``gap`` of ``tie_break`` when the
         blend's remaining gap and HiGHS's tolerances, divided by w, are that small. Otherwise
         branch and bound on ``expr`` alone continues from it, and where it finds nothing
-        better the blend's plan (and its tie-breaking) stands."""
+        better the blend's plan (and its tie-breaking) stands.
+
+        ``tie_break_cap`` bounds ``tie_break`` on every plan (a memory budget): the blend's
+        bound B then bounds ``expr`` too, expr ≥ B − w·cap, which is the bound a blend out of
+        time reports."""
         blend, w = blend_objective(expr, tie_break, scales)
         blended = self.minimise(blend, gap * TIE_BREAK, start=fallback)
         values = blended.values
@@ -402,6 +452,7 @@ class HighsSearch:
         # what the blend may be off by: its gap, and the integrality and feasibility tolerances
         blend_error = (blended.gap + HIGHS_TOLERANCE) * max(abs(blended.objective), 1.0)
         ties_resolved = blend_error <= w * gap * abs(value_of(tie_break, values))
+        floor = max(floor, blended.objective * (1 - blended.gap) - w * tie_break_cap)
         floor_gap = relative_gap(value, floor)
         if blended.timed_out or self.expired():
             return FirstPass(values, value, floor_gap, True, False)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ from memshard.ilp.highs import (
     HighsSearch,
     Infeasible,
     SolverTimeLimit,
+    blend_objective,
     relative_gap,
     value_of,
 )
@@ -87,6 +89,9 @@ class Solver:
                  memory_budget_bytes: float | None, deadline: float, fixed: Selection | None = None):
         self.problem = problem
         self.objective = objective
+        self.memory_budget_bytes = memory_budget_bytes if objective == "time" else None
+        if objective == "time" and memory_budget_bytes is None:
+            self.memory_budget_bytes = problem.mesh.device_memory_bytes
         formulation = self.formulation = Formulation(problem)
         # Lazy reshard rows, but not when pricing a given plan, nor under a memory budget: a
         # plan found without them may exceed it, and one found out of time would then be no
@@ -104,12 +109,35 @@ class Solver:
         memory_floor = ref.memory_floor_bytes / formulation.bytes_unit
         time_estimate = ref.time_estimate_s / formulation.time_unit
         peak = formulation.peak_expression()
+        self.secondary_cap = math.inf  # the most the secondary objective takes on any plan
         if objective == "memory":
             self.primary, self.secondary = peak, time_expr
+            if max_step_time_s is not None:
+                self.secondary_cap = max_step_time_s / formulation.time_unit
             self.floor, self.scales = ref.least_peak_bytes / formulation.bytes_unit, (memory_floor, time_estimate)
         else:
             self.primary, self.secondary = time_expr, peak
-            self.floor, self.scales = ref.time_floor_s / formulation.time_unit, (time_estimate, memory_floor)
+            self.secondary_cap = self.memory_budget_bytes / formulation.bytes_unit
+            # Under a memory budget the tie-break is scaled to it: the blend then bounds T to
+            # within TIE_BREAK of its typical value (T ≥ blend − w·budget).
+            memory_scale = memory_floor if math.isinf(self.secondary_cap) else self.secondary_cap
+            self.floor, self.scales = ref.time_floor_s / formulation.time_unit, (time_estimate, memory_scale)
+        self.least_memory = blend_objective(peak, time_expr, (memory_floor, time_estimate))[0]
+
+    def fallback_start(self) -> Expression | Callable[[], Expression | np.ndarray]:
+        """Where branch and bound starts without a given plan: every op unsplit, or, where that
+        breaks the memory budget, the least-memory relaxation rounded (a plan within the
+        budget, so that a search out of time still has one; made only if the dive finds none)."""
+        f = self.formulation
+        replicated = f.replicated()
+        budget = self.memory_budget_bytes
+        if budget is None or math.isinf(budget) or evaluate(self.problem, replicated).peak_bytes <= budget:
+            return f.selection_start(replicated)
+
+        def least_memory() -> Expression | np.ndarray:
+            least = self.search.rounded_minimum(self.least_memory)
+            return f.selection_start(replicated) if least is None else least
+        return least_memory
 
     def add_reshard_rows(self, points: set[int]) -> None:
         model = self.formulation.model
@@ -130,7 +158,7 @@ class Solver:
         while True:
             try:
                 found = self.search.first_pass(self.primary, self.secondary, self.floor, self.scales,
-                                               max(mip_gap, TIE_RESOLUTION), fallback)
+                                               max(mip_gap, TIE_RESOLUTION), fallback, self.secondary_cap)
             except Infeasible:
                 raise Infeasible(self.objective) from None
             except SolverTimeLimit:
@@ -167,10 +195,17 @@ class Solver:
         tolerance = max(mip_gap, TIE_RESOLUTION)
         self.search.add_row(self.primary, second_pass_cap(outcome.best, outcome.lower, tolerance))
         start = outcome.values
+        # The secondary objective with the primary one as a small tie-break (TIE_BREAK of it
+        # at the first pass's plan; the cap leaves the primary little room to trade): alone,
+        # its relaxation is so degenerate that simplex took ten times as long.
+        objective = blend_objective(self.secondary, self.primary,
+                                    (value_of(self.secondary, start), value_of(self.primary, start)))[0]
         with contextlib.suppress(SolverTimeLimit):  # else keep the first pass's plan
             while True:
-                second = self.search.minimise(self.secondary, tolerance, start=start)
+                second = self.search.minimise(objective, tolerance, start=start)
                 over = f.over_peak(second.values) if self.lazy else set()
+                if value_of(self.secondary, second.values) > value_of(self.secondary, outcome.values):
+                    break  # out of time with a plan worse than the first pass's: that one stands
                 if not over:
                     outcome.values, outcome.evaluation = second.values, None
                     outcome.timed_out = outcome.timed_out or second.timed_out
@@ -224,8 +259,9 @@ def solve(
         found = solver.search.minimise(solver.primary, TIE_RESOLUTION)
         return solver.result(Outcome(found.values, found.objective, 0.0, found.timed_out, True, found.objective),
                              started)
-    fallback = f.selection_start(start) if start is not None else f.replicated_start()
+    fallback = f.selection_start(start) if start is not None else solver.fallback_start()
     outcome = solver.first_pass(mip_gap, fallback, time_limit_s)
     if not outcome.ties_resolved and not solver.search.expired():
         outcome = solver.second_pass(outcome, mip_gap)
     return solver.result(outcome, started)
+
