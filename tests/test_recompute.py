@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import random
 import time
 
@@ -245,3 +246,19 @@ def test_a_budget_the_unsplit_plan_breaks_starts_from_the_least_memory_relaxatio
     integer = np.array(model.integer, dtype=bool)
     assert np.allclose(values[integer], np.round(values[integer]))
     assert evaluate(problem, solver.formulation.selection(values)).peak_bytes <= budget
+
+
+def test_a_step_time_budget_the_unsplit_plan_breaks_starts_from_the_fastest_relaxation_rounded():
+    """Likewise for the least-memory plan under a step-time budget the unsplit plan breaks."""
+    graph = build_graph("gpt3-1.3b", batch=8, seq=1024, num_layers=2, precision="mixed")
+    problem = build_problem(graph, parse_mesh("8"), recompute="auto")
+    f = Formulation(problem)
+    f.add_plan_constraints(problem.candidate_points)
+    fastest = solve(problem, "time", memory_budget_bytes=math.inf)
+    budget = 2 * evaluate(problem, fastest.selection).step_time_s
+    assert evaluate(problem, f.replicated()).step_time_s > budget
+    solver = Solver(problem, "memory", budget, None, time.perf_counter() + 60)
+    values = solver.fallback_start()()
+    model = solver.formulation.model
+    assert not model.violated(values)
+    assert evaluate(problem, solver.formulation.selection(values)).step_time_s <= budget * (1 + 1e-9)

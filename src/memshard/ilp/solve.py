@@ -122,22 +122,31 @@ class Solver:
             # within TIE_BREAK of its typical value (T ≥ blend − w·budget).
             memory_scale = memory_floor if math.isinf(self.secondary_cap) else self.secondary_cap
             self.floor, self.scales = ref.time_floor_s / formulation.time_unit, (time_estimate, memory_scale)
-        self.least_memory = blend_objective(peak, time_expr, (memory_floor, time_estimate))[0]
+        # What a start within the budget minimises: the budgeted quantity (then the other one)
+        self.within_budget = (blend_objective(peak, time_expr, (memory_floor, time_estimate))[0] if objective == "time"
+                              else blend_objective(time_expr, peak, (time_estimate, memory_floor))[0])
+        self.max_step_time_s = max_step_time_s if objective == "memory" else None
 
     def fallback_start(self) -> Expression | Callable[[], Expression | np.ndarray]:
         """Where branch and bound starts without a given plan: every op unsplit, or, where that
-        breaks the memory budget, the least-memory relaxation rounded (a plan within the
-        budget, so that a search out of time still has one; made only if the dive finds none)."""
+        breaks the budget (memory, or step time), the relaxation of the budgeted quantity
+        rounded (a plan within the budget, so that a search out of time still has one; made
+        only if the dive finds none)."""
         f = self.formulation
         replicated = f.replicated()
-        budget = self.memory_budget_bytes
-        if budget is None or math.isinf(budget) or evaluate(self.problem, replicated).peak_bytes <= budget:
+        memory, step_time = self.memory_budget_bytes, self.max_step_time_s
+        if memory is not None and math.isinf(memory):
+            memory = None
+        if memory is None and step_time is None:
+            return f.selection_start(replicated)
+        unsplit = evaluate(self.problem, replicated)
+        if (memory is None or unsplit.peak_bytes <= memory) and (step_time is None or unsplit.step_time_s <= step_time):
             return f.selection_start(replicated)
 
-        def least_memory() -> Expression | np.ndarray:
-            least = self.search.rounded_minimum(self.least_memory)
-            return f.selection_start(replicated) if least is None else least
-        return least_memory
+        def within_budget() -> Expression | np.ndarray:
+            found = self.search.rounded_minimum(self.within_budget)
+            return f.selection_start(replicated) if found is None else found
+        return within_budget
 
     def add_reshard_rows(self, points: set[int]) -> None:
         model = self.formulation.model
