@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import highspy
@@ -165,6 +166,8 @@ class HighsSearch:
         self.num_columns = model.num_columns
         self.disjunctions = disjunctions or []
         self.diving = bool(self.disjunctions)  # until a dive fails to prove its plan
+        self.relaxation_solver: str | None = None  # within ``relaxing``: its LP solver
+        self.objective: Expression | None = None  # the objective set
         self.lower, self.upper = np.array(model.lower), np.array(model.upper)  # the integer columns' bounds
         self.integer_columns = np.flatnonzero(np.array(model.integer, dtype=bool))
         log = bool(os.environ.get("MEMSHARD_HIGHS_LOG"))
@@ -202,23 +205,27 @@ class HighsSearch:
 
     @contextlib.contextmanager
     def relaxing(self, solver: str):
-        """Within: solve the LP relaxation with ``solver``, in the time left; after: branch and
-        bound again."""
+        """Within: solve the LP relaxation with ``solver``, in the time left; after: as before
+        (branch and bound again, or the enclosing relaxation's solver)."""
         highs = self.highs
+        outer = self.relaxation_solver
         highs.setOptionValue("solve_relaxation", True)
         highs.setOptionValue("solver", solver)
+        self.relaxation_solver = solver
         self.limit_time()
         try:
             yield highs
         finally:
-            highs.setOptionValue("solve_relaxation", False)
-            highs.setOptionValue("solver", "choose")
+            self.relaxation_solver = outer
+            highs.setOptionValue("solve_relaxation", outer is not None)
+            highs.setOptionValue("solver", outer or "choose")
 
     def add_row(self, expr: Expression, upper: float) -> None:
         cols, vals = expr
         self.highs.addRow(-highspy.kHighsInf, upper, len(cols), cols.astype(np.int32), vals)
 
     def set_objective(self, expr: Expression) -> None:
+        self.objective = expr
         cost = np.zeros(self.num_columns)
         np.add.at(cost, expr[0], expr[1])
         self.highs.changeColsCost(self.num_columns, np.arange(self.num_columns, dtype=np.int32), cost)
@@ -232,7 +239,7 @@ class HighsSearch:
             incumbent = None
             if isinstance(start, np.ndarray):
                 incumbent = (start, value_of(expr, start))
-            dived = self.dive(gap, incumbent)
+            dived = self.dive(gap, incumbent, start if callable(start) else None)
             if dived is not None:
                 if dived.objective - dived.bound <= gap * abs(dived.objective) + 1e-9:
                     return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), False)
@@ -245,6 +252,15 @@ class HighsSearch:
             start = start()
             self.set_objective(expr)
         return self.branch_and_bound(gap, start)
+
+    def made_start(self, make_start: Callable[[], object], basis) -> np.ndarray | None:
+        """A start ``make_start`` makes (solving relaxations of its own) amid a dive: the
+        objective and the dive's basis set back after; None unless it is a full solution."""
+        objective = self.objective
+        made = make_start()
+        self.set_objective(objective)
+        self.highs.setBasis(basis)
+        return made if isinstance(made, np.ndarray) else None
 
     def branch_and_bound(self, gap: float, start=None) -> Solution:
         """HiGHS's branch and bound on the objective set, from ``start``."""
@@ -272,7 +288,8 @@ class HighsSearch:
         return Solution(values, float(info.objective_function_value), found_gap,
                         status == highspy.HighsModelStatus.kTimeLimit)
 
-    def dive(self, gap: float, incumbent: tuple[np.ndarray, float] | None) -> Dive | None:
+    def dive(self, gap: float, incumbent: tuple[np.ndarray, float] | None,
+             make_start: Callable[[], object] | None = None) -> Dive | None:
         """The LP relaxation of the objective set, by simplex; where it is fractional, a
         branching DIVE_DEPTH levels deep on its most fractional disjunctions, each branch
         warm-started from its parent's basis: the best integral solution met (or the
@@ -301,9 +318,13 @@ class HighsSearch:
                 incumbent if incumbent is not None else (None, math.inf)))
             basis, reduced = highs.getBasis(), np.array(solution.col_dual)
             rounded = self.rounded(x)
+            if rounded is None and state.best is None and make_start is not None:
+                # the rounding breaks a budget: the plan within it, before branching needs one
+                made = self.made_start(make_start, basis)
+                rounded = None if made is None else (made, value_of(self.objective, made))
             if rounded is not None and rounded[1] < state.value:
                 state.best, state.value = rounded
-                highs.setBasis(basis)
+            highs.setBasis(basis)
             try:
                 bound = self.subtree(state, x, reduced, relaxed, basis, 0)
             finally:

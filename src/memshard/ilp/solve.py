@@ -21,6 +21,7 @@ with its gap to the best bound.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -131,7 +132,7 @@ class Solver:
         """Where branch and bound starts without a given plan: every op unsplit, or, where that
         breaks the budget (memory, or step time), the relaxation of the budgeted quantity
         rounded (a plan within the budget, so that a search out of time still has one; made
-        only if the dive finds none)."""
+        only if the dive's own rounding breaks the budget)."""
         f = self.formulation
         replicated = f.replicated()
         memory, step_time = self.memory_budget_bytes, self.max_step_time_s
@@ -143,6 +144,7 @@ class Solver:
         if (memory is None or unsplit.peak_bytes <= memory) and (step_time is None or unsplit.step_time_s <= step_time):
             return f.selection_start(replicated)
 
+        @functools.cache  # the dive may ask first, then branch and bound
         def within_budget() -> Expression | np.ndarray:
             found = self.search.rounded_minimum(self.within_budget)
             return f.selection_start(replicated) if found is None else found
@@ -273,4 +275,3 @@ def solve(
     if not outcome.ties_resolved and not solver.search.expired():
         outcome = solver.second_pass(outcome, mip_gap)
     return solver.result(outcome, started)
-
