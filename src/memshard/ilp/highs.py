@@ -118,6 +118,12 @@ def blend_objective(expr: Expression, tie_break: Expression, scales: tuple[float
     return (np.concatenate([expr[0], tie_break[0]]), np.concatenate([expr[1], tie_break[1] * w])), w
 
 
+def branch_share(x: np.ndarray, branch: tuple[int, float]) -> float:
+    """How much of the relaxation ``x`` takes a branch (column, value it is fixed at)."""
+    col, at = branch
+    return x[col] if at else 1 - x[col]
+
+
 def value_of(expr: Expression, values: np.ndarray) -> float:
     return float(values[expr[0]] @ expr[1])
 
@@ -340,9 +346,8 @@ class HighsSearch:
         (all at the root, one below); None at the root if its own branches found no plan."""
         highs = self.highs
 
-        def share(branch):  # how much of the relaxation takes the branch
-            col, at = branch
-            return x[col] if at else 1 - x[col]
+        def share(branch):
+            return branch_share(x, branch)
 
         fractional = sorted((d for d in self.disjunctions if max(map(share, d)) < 1 - INTEGRALITY),
                             key=lambda d: (max(map(share, d)), d[0]))
@@ -404,14 +409,13 @@ class HighsSearch:
         a budget). Often close to the optimum (a few groups split between two choices), it
         gives branch and bound and the dive an incumbent before either finds one."""
         highs = self.highs
-        fixed = [max(d, key=lambda branch: (x[branch[0]] if branch[1] else 1 - x[branch[0]], -branch[0]))
-                 for d in self.disjunctions]
-        columns = sorted({col for d in self.disjunctions for col, _ in d})
-        at = dict.fromkeys(columns, 0.0)
-        for col, value in fixed:
+        columns = np.array(sorted({col for d in self.disjunctions for col, _ in d}), dtype=np.int32)
+        at = dict.fromkeys(columns.tolist(), 0.0)
+        for d in self.disjunctions:
+            col, value = max(d, key=lambda branch: (branch_share(x, branch), -branch[0]))
             at[col] = value
-        for col in columns:
-            highs.changeColBounds(col, at[col], at[col])
+        values = np.array([at[col] for col in columns.tolist()])
+        highs.changeColsBounds(len(columns), columns, values, values)
         try:
             self.limit_time()
             highs.run()
@@ -419,8 +423,7 @@ class HighsSearch:
                 return None
             return np.array(highs.getSolution().col_value), float(highs.getInfo().objective_function_value)
         finally:
-            for col in columns:
-                highs.changeColBounds(col, self.lower[col], self.upper[col])
+            highs.changeColsBounds(len(columns), columns, self.lower[columns], self.upper[columns])
 
     def rounded_minimum(self, expr: Expression) -> np.ndarray | None:
         """A plan near the least ``expr``: its LP relaxation by simplex, rounded (None if that
