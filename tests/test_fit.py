@@ -10,7 +10,7 @@ import pytest
 
 import memshard
 from memshard.errors import MemshardError
-from memshard.fitting import KNOBS, Prober, family, fit_job, job_at
+from memshard.fitting import KNOBS, KnobSearch, Probe, Prober, family, fit_job, job_at
 from memshard.job import Job
 from memshard.planner import SearchOptions, plan_job
 from tests.test_cli import run
@@ -82,6 +82,54 @@ def test_the_fewest_devices_are_the_first_node_count_a_scan_fits():
     assert answer.value % 2 == 0 and answer.plan.job.mesh.shape == (answer.value // 2, 2)
     assert answer.plan.job.global_batch == 120 and answer.next_probe.value == answer.value - 2
     assert not answer.next_probe.fits and answer.next_probe.bound_bytes > 12 * MIB
+
+
+def _walled(peak, reach: int, memory: float = 80.0):
+    """A probe of a recipe that lays a job out only up to ``reach`` devices."""
+    def probe(value: int):
+        if value > reach:
+            return Probe(value, float("inf"), float("inf"), False, laid_out=False), None
+        return Probe(value, peak(value), peak(value), peak(value) <= memory), None
+    return probe
+
+
+@pytest.mark.parametrize("reach", [504, 512, 600, 2048])
+@pytest.mark.parametrize("fits_from", [300, 500, 1000])
+def test_a_fewest_devices_search_looks_below_where_the_recipe_stops(reach, fits_from):
+    """Peaks falling faster and faster with the devices: the line through the first probes
+    points past the last node count the recipe lays out (its data-parallel degree would exceed
+    the batch). The answer is still the first value a scan of the values it lays out fits, and
+    none where none of them does."""
+    def peak(v):
+        return 120 - 40 * (v / fits_from) ** 2
+    answer = KnobSearch("recipe", _walled(peak, reach), 80.0, 8, None, limit=4096, rising=False).run(64)
+    scan = [v for v in range(8, reach + 1, 8) if peak(v) <= 80.0]
+    assert answer.value == (min(scan) if scan else None)
+    if scan:
+        assert answer.next_probe.value == answer.value - 8 and not answer.next_probe.fits
+    else:  # the proof: the least peak of any value it lays out that was probed
+        assert answer.next_probe.laid_out and answer.next_probe.peak_bytes > 80.0
+    assert len(answer.probes) <= 16
+
+
+def test_a_search_starting_where_the_recipe_stops_comes_back():
+    answer = KnobSearch("recipe", _walled(lambda v: 8000 / v, 160), 80.0, 8, None, limit=4096,
+                        rising=False).run(1024)
+    assert answer.value == 104
+
+
+def test_megatron_reaches_the_node_count_where_its_data_parallel_degree_is_the_batch():
+    """Megatron-LM's TP 2 × DP runs a batch of 8 on at most 8 nodes of 2 (the scan: it lays
+    out nothing larger); its column is the first node count a scan fits."""
+    mesh = memshard.parse_mesh("1x2", device_memory_bytes=int(4.5 * MIB))
+    job = Job("tiny-gpt", mesh, batch=8, precision="fp32")
+    result = fit_job(job, "devices")
+    answer = next(a for a in result.answers if a.strategy == "megatron-tp2")
+    prober = Prober(job, "devices", SearchOptions(), mesh.device_memory_bytes)
+    scan = {v: prober.baseline("megatron-tp2", v)[0] for v in range(2, 34, 2)}
+    assert max(v for v, p in scan.items() if p.laid_out) == 16
+    fitting = [v for v, p in scan.items() if p.fits]
+    assert fitting == [16] and answer.value == 16
 
 
 def test_a_baseline_on_more_devices_is_the_same_recipe():

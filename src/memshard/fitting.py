@@ -17,6 +17,13 @@ which the knob does not change, for batch and sequence) meets the memory; once a
 and one does not, false position between them, halving instead where a side repeats, down to
 adjacent values. A value whose plan-independent lower bound (``bounds.peak_lower_bound``)
 exceeds the memory is rejected without a search. Values are multiples of ``step``.
+
+A baseline may not lay a job out at every value: a recipe's data-parallel degree grows with the
+devices and cannot exceed the batch, so Megatron-LM's TP 8 runs LLaMA-3 70B at batch 64 on 512
+devices and on no more. A value it cannot lay out on the easy side of every value that needs
+too much memory is a *wall*: the strategy reaches no further that way, and the search looks
+between the wall and the nearest value that does not fit (halving where the line through the
+probes points past the wall) instead of counting the wall as a value that does not fit.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class Probe:
     fits: bool
     step_time_s: float | None = None
     note: str = ""  # why it does not fit where that is not its peak
+    laid_out: bool = True  # False: the strategy cannot lay the job out at this value
 
 
 @dataclass
@@ -83,7 +91,8 @@ class FitResult:
     def to_dict(self) -> dict:
         def probe(p: Probe | None):
             return None if p is None else {"value": p.value, "peak_bytes": p.peak_bytes, "bound_bytes": p.bound_bytes,
-                                           "fits": p.fits, "step_time_s": p.step_time_s, "note": p.note}
+                                           "fits": p.fits, "step_time_s": p.step_time_s, "note": p.note,
+                                           "laid_out": p.laid_out}
 
         return {"schema": "memshard.fit/1", "knob": self.knob, "step": self.step, "limit": self.limit,
                 "device_memory_bytes": self.device_memory_bytes, "max_step_time_s": self.max_step_time_s,
@@ -192,6 +201,11 @@ class KnobSearch:
         self.seen: dict[int, Probe] = {}
         self.plans: dict[int, Plan | None] = {}
         self.sides: list[bool] = []
+        self.wall: int | None = None  # the value nearest the demanding side it cannot lay out (module docstring)
+
+    def easier(self, a: int, b: int) -> bool:
+        """Whether value ``a`` asks less of memory than ``b``."""
+        return a < b if self.rising else a > b
 
     def run(self, start: int) -> Answer:
         good = bad = None  # the best fitting and the nearest failing value so far
@@ -199,11 +213,20 @@ class KnobSearch:
         demanding, easy = (self.limit, self.step) if self.rising else (self.step, self.limit)  # the two ends
         while True:
             p = self.look(value)
+            if not p.laid_out and good is None and (bad is None or self.easier(value, bad)):
+                if self.wall is None or self.easier(self.wall, value):
+                    self.wall = value
+                if value == demanding or (bad is not None and abs(value - bad) <= self.step):
+                    break  # nothing it can lay out is left between
+                value = self.next_value(good, bad)
+                continue
             self.sides.append(p.fits)
             good, bad = (value, bad) if p.fits else (good, value)
             if good is not None and bad is not None and abs(bad - good) <= self.step:
                 break
             if (good is None and value == easy) or (bad is None and value == demanding):
+                break
+            if good is None and self.wall is not None and abs(self.wall - value) <= self.step:
                 break
             value = self.next_value(good, bad)
         a = self.answer
@@ -236,8 +259,10 @@ class KnobSearch:
             lo, hi = sorted((good, bad))
             guess = None if self.sides[-1] == self.sides[-2] else self.crossing(self.seen[good], self.seen[bad])
             return min(max(_round(guess if guess is not None else (lo + hi) / 2, step), lo + step), hi - step)
+        if good is None and bad is None:  # only walls so far: towards the demanding side
+            return min(2 * self.wall, self.limit) if self.rising else max(_round(self.wall / 2, step), step)
         upwards = (good is not None) == self.rising  # towards larger values
-        known = sorted(self.seen.values(), key=lambda p: p.value)
+        known = sorted((p for p in self.seen.values() if p.laid_out), key=lambda p: p.value)
         pair = known[-2:] if upwards else known[:2]
         if len(known) >= 2:
             guess = self.crossing(*pair)
@@ -246,12 +271,19 @@ class KnobSearch:
             guess = self.crossing(Probe(0, fixed, fixed, True), known[0])
         else:
             guess = None
+        wall = self.wall if good is None else None  # walls lie on the easy side
         if upwards:
             last = known[-1].value
             guess = guess if guess is not None and guess > last else 2 * last
+            if wall is not None and wall > last:
+                guess = guess if guess < wall else (last + wall) / 2
+                return min(max(_round(guess, step), last + step), wall - step)
             return min(max(_round(guess, step), last + step), GROWTH * last, self.limit)
         first = known[0].value
         guess = guess if guess is not None and 0 < guess < first else first / 2
+        if wall is not None and wall < first:
+            guess = guess if guess > wall else (first + wall) / 2
+            return max(min(_round(guess, step), first - step), wall + step)
         return min(max(_round(guess, step), step, first // GROWTH), first - step)
 
     def crossing(self, a: Probe, b: Probe) -> float | None:
@@ -352,7 +384,8 @@ class Prober:
             plan = self.baseline_plans(value, {name}).get(name)
             self.baselines.pop((value, name), None)  # its search keeps what it needs
         if plan is None:
-            return Probe(value, math.inf, math.inf, False, note=f"{name} does not lay out this job"), None
+            return Probe(value, math.inf, math.inf, False, note=f"{name} does not lay out this job",
+                         laid_out=False), None
         budget = self.step_budget(value)
         slow = budget is not None and plan.step_time_s > budget
         return (Probe(value, plan.peak_bytes, plan.peak_bytes, plan.peak_bytes <= self.memory and not slow,
