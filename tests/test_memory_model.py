@@ -112,10 +112,15 @@ def test_zero_redundancy_of_model_states():
 
 def test_zero_on_top_of_a_compute_shard():
     # (64, 32) split S(0) over the node pair: local (32, 32) = 1024 elements; ZeRO-3 over the
-    # 4 devices of the node: 256 elements each
+    # 4 devices of the node: 256 elements each, the fp32 shard the master weight (4 B), its
+    # gradient in fp32 (4 B), Adam's moments (8 B): 12 B held all step where ZeRO-2 holds 14
     spec = TensorSpec("w", (64, 32), 2, TensorKind.PARAMETER)
     m = storage_memory(spec, ("S0", "P"), StorageOption(3, (1,)), MIXED, MESH)
-    assert (m.parameters, m.gradients, m.optimizer_states) == (512, 512, 3072)
+    assert (m.parameters, m.gradients, m.optimizer_states) == (1024, 1024, 2048)
+    m2 = storage_memory(spec, ("S0", "P"), StorageOption(2, (1,)), MIXED, MESH)
+    assert (m2.parameters, m2.gradients, m2.optimizer_states) == (2048, 512, 3072)
+    assert m.parameters + m.optimizer_states < m2.parameters + m2.optimizer_states
+    assert sum((m.parameters, m.gradients, m.optimizer_states)) == 16 * 256
     assert m.gathered_weight == 2 * 1024
     assert m.redundant_parameters == m.redundant_optimizer_states == 0
 
@@ -217,17 +222,18 @@ def test_liveness_data_parallel_plan():
 
 
 def test_liveness_zero3_plan():
-    # as above with w under ZeRO-3 over the 4 devices: weight 256, optimizer 1536, gradient 256 B
-    # per device; the weight is gathered (1024 B) at F(lin) only — lin reads the model input,
-    # which needs no gradient, so its backward never reads w. The whole gradient (1024 B) is
-    # made at B(lin) and reduce-scattered after it (RB(lin)): the 256 B shard exists from then.
+    # as above with w under ZeRO-3 over the 4 devices: its 128 elements per device are the
+    # fp32 master weight (512 B) with Adam's moments (1024 B); the weight is gathered (1024 B,
+    # bf16) at F(lin) only — lin reads the model input, which needs no gradient, so its
+    # backward never reads w. The whole gradient (1024 B) is made at B(lin) and
+    # reduce-scattered after it (RB(lin)) into a 256 B bf16 shard, kept in fp32 (512 B) from then.
     problem = build_problem(hand_graph(), parse_mesh("4"))
     storage = {problem.storage_group["w"]: StorageOption(3, (0,))}
     sel = complete_selection(problem, pick(problem, {0: ("a",), 1: ("a",)}), storage=storage)
     ev = evaluate(problem, sel)
-    base = 320 + 256 + 1536
+    base = 320 + 512 + 1024
     assert op_points(problem, ev) == [base + 128 + 1024, base + 128 + 4 + 64, base + 256,
-                                      base + 128 + 1024, base + 256]
+                                      base + 128 + 1024, base + 512]
     assert ev.live_bytes[problem.schedule.reshard_out(0)] == base + 1024 + 256
     assert ev.peak_point == problem.schedule.reshard_out(0)
     # redundant at the peak: inputs 3/4·320 and the 1024 B unreduced gradient, 3/4 of it
@@ -235,19 +241,22 @@ def test_liveness_zero3_plan():
 
 
 def test_zero_redundancy_bound_hand_graph():
-    # unique bytes per point: [8000, 8004, 8512, 9024, 8512] (the replicated plan's live bytes,
-    # held once); the bound is the largest over N = 4 devices, whatever the plan
+    # unique bytes per point, each tensor held once in its least layout (w's 512 elements as
+    # ZeRO-3 keeps them: 4 + 8 B each all step, its gradient 4 B once reduced): at B(lin) the
+    # inputs 320, w's states 6144, the whole gradient 1024 and the saved 512 = 8000; at
+    # RB(lin) and the optimizer step 320 + 6144 + 2048 = 8512. The bound is the largest over
+    # N = 4 devices, whatever the plan.
     graph = hand_graph()
     problem = build_problem(graph, parse_mesh("4"))
     for choice in ({}, {0: ("a",), 1: ("a",)}, {0: ("c",), 1: ("c",)}):
         ev = evaluate(problem, complete_selection(problem, pick(problem, choice)))
-        assert ev.lower_bound_bytes == 9024 / 4
-        assert ev.lower_bound_point == problem.schedule.backward(0)
+        assert ev.lower_bound_bytes == 8512 / 4
+        assert ev.lower_bound_point == problem.schedule.reshard_out(0)
         assert ev.peak_bytes >= ev.lower_bound_bytes
     plan = memshard.plan(graph, "4")
-    assert plan.lower_bound_bytes == 9024 / 4
-    # the optimum is at least the bound and at most the ZeRO-3 data-parallel plan's 3520 B
-    assert 9024 / 4 <= plan.peak_bytes <= 3520
+    assert plan.lower_bound_bytes == 8512 / 4
+    # the optimum is at least the bound and at most the ZeRO-3 data-parallel plan's 3136 B
+    assert 8512 / 4 <= plan.peak_bytes <= 3136
 
 
 def gpt_parameters(L, h, f, V, P):
@@ -269,10 +278,11 @@ def test_zero_redundancy_bound_gpt2_two_layers():
     # model states alone, at the optimizer step
     assert plan.lower_bound_bytes >= (16 * psi + inputs) / n
     assert plan.lower_bound_bytes >= 16 * psi / n
-    # at the backward of the loss: weights and optimizer states (14Ψ), every saved activation
+    # at the backward of the loss: weights and optimizer states (12Ψ as ZeRO-3 keeps them: the
+    # fp32 master shard and Adam's moments), every saved activation
     # (L layers of sbh(34 + 5as/h), the embedding dropout mask sbh, ln_f's and lm_head's
     # inputs 2sbh each, the logits 2sbv) and the logits' gradient 2sbv
     saved = L * (s * b * h * 34 + 5 * a * s * s * b) + s * b * h + 4 * s * b * h + 2 * s * b * V
-    at_loss_backward = 14 * psi + inputs + saved + 2 * s * b * V
+    at_loss_backward = 12 * psi + inputs + saved + 2 * s * b * V
     assert plan.lower_bound_bytes >= at_loss_backward / n
     assert plan.peak_bytes >= plan.lower_bound_bytes

@@ -171,7 +171,8 @@ def test_plan_json_op_layouts_follow_the_split(tiny_memory_plan):
 
 def test_plan_json_parameter_storage_bytes(tiny_memory_plan):
     """Per-parameter bytes from shape, layout, ZeRO stage and storage axes, by the ZeRO rule
-    (mixed precision: 2 + 2 + 12 bytes per element, the sharded ones divided, rounded up)."""
+    (mixed precision: 2 + 2 + 12 bytes per element, the sharded ones divided, rounded up; a
+    ZeRO-3 shard is the fp32 master: 4 + 4 + 8)."""
     d = tiny_memory_plan.to_dict()
     sizes = dict(zip(d["mesh"]["axis_names"], d["mesh"]["shape"], strict=True))
     params = d["parameters"]
@@ -186,9 +187,9 @@ def test_plan_json_parameter_storage_bytes(tiny_memory_plan):
         shard = -(-local // ways)
         stage = p["zero_stage"]
         expected = {
-            "parameters": (shard if stage >= 3 else local) * 2,
-            "gradients": (shard if stage >= 2 else local) * 2,
-            "optimizer_states": (shard if stage >= 1 else local) * 12,
+            "parameters": shard * 4 if stage >= 3 else local * 2,
+            "gradients": shard * 4 if stage >= 3 else (shard if stage >= 2 else local) * 2,
+            "optimizer_states": shard * 8 if stage >= 3 else (shard if stage >= 1 else local) * 12,
         }
         assert p["bytes_per_device"] == expected, p["names"]
         if stage == 0:

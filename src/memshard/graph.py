@@ -115,10 +115,12 @@ class Precision:
     """Bytes per parameter element of each model-state category.
 
     Mixed precision (ZeRO paper): 2 B bf16 weight, 2 B bf16 grad, 12 B of fp32 master weight
-    and Adam m, v. Plain fp32 Adam: 4 + 4 + 8. A ZeRO-3 shard of the weight and a reduced
-    gradient stored sharded may be wider than the computing copies (``sharded_param_bytes``,
-    ``reduced_grad_bytes``; default: the same): FSDP2's ``MixedPrecisionPolicy`` keeps the
-    fp32 shard as the master weight and reduces the gradients in fp32.
+    and Adam m, v (``master_bytes`` of them the master). Plain fp32 Adam: 4 + 4 + 8.
+    A ZeRO-3 shard of the weight is the master itself where there is one, as FSDP2's
+    ``MixedPrecisionPolicy`` keeps it: 4 B fp32 shard (gathered in bf16), 8 B of Adam moments,
+    and the reduced gradient stored sharded in the master's dtype (4 B) — 12 B held all step
+    instead of 2 + 12. ``reduced_grad_bytes``: the dtype gradients are reduced in, where wider
+    than they are computed in (FSDP2's ``reduce_dtype=fp32``; default the computed dtype).
     """
 
     name: str
@@ -126,19 +128,31 @@ class Precision:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
-    sharded_param_bytes: int | None = None
+    master_bytes: int = 0
     reduced_grad_bytes: int | None = None
 
     @property
     def shard_bytes(self) -> int:
-        return self.sharded_param_bytes or self.param_bytes
+        """A ZeRO-3 shard of the weight: the master where there is one."""
+        return self.master_bytes or self.param_bytes
+
+    @property
+    def sharded_optimizer_bytes(self) -> int:
+        """The optimizer states beside a ZeRO-3 shard that is the master: the moments."""
+        return self.optimizer_bytes - self.master_bytes
 
     @property
     def reduce_bytes(self) -> int:
+        """The dtype gradients are reduced (and a ZeRO-2 gradient stored) in."""
         return self.reduced_grad_bytes or self.grad_bytes
 
+    @property
+    def sharded_grad_bytes(self) -> int:
+        """A ZeRO-3 gradient shard: the dtype of the weight shard it updates."""
+        return max(self.shard_bytes, self.reduce_bytes) if self.master_bytes else self.reduce_bytes
 
-MIXED = Precision("mixed", 2, 2, 12, 2)
+
+MIXED = Precision("mixed", 2, 2, 12, 2, master_bytes=4)
 FP32 = Precision("fp32", 4, 4, 8, 4)
 PRECISIONS = {p.name: p for p in (MIXED, FP32)}
 

@@ -18,6 +18,7 @@ import numpy as np
 from memshard.cost import comm
 from memshard.cost.memory import (
     CROSS_ENTROPY_CHUNKS,
+    MASTER_ALONE,
     STATS_BYTES,
     STATS_IN_BACKWARD,
     StorageOption,
@@ -471,6 +472,9 @@ class _Builder:
             return self.index[key]
         g_labels = [grad_layout(self.graph.ops[i0], j0, s) for s in self.groups[og].strategies]
         options = [(G, opt) for G in dict.fromkeys(g_labels) for opt in storage_options(G, mesh)]
+        if self.framework == MEMSHARD and self.graph.precision.master_bytes:  # after the others: a
+            # baseline's choices index the same options in every framework's problem
+            options += [(G, MASTER_ALONE) for G in dict.fromkeys(g_labels)]
         choices = []
         for G, opt in options:
             calls = self.sync_calls(spec, G, opt, self.gathers_per_pass(name, uses))
@@ -495,14 +499,18 @@ class _Builder:
         S, prec, grp = self.sched, self.graph.precision, self.groups[gid]
         spec = self.graph.tensors[name]
         v = self.cached((gid, "storage"), lambda: self.storage_prices(grp))
-        self.slot(gid, 0, S.optimizer, "parameters", *v["parameters"], spec.numel * prec.param_bytes)
-        self.slot(gid, 0, S.optimizer, "optimizer_states", *v["optimizer_states"], spec.numel * prec.optimizer_bytes)
+        # (the zero-redundancy bound's share: the least layout's, a ZeRO-3 shard that is the master)
+        self.slot(gid, 0, S.optimizer, "parameters", *v["parameters"], spec.numel * prec.shard_bytes)
+        self.slot(gid, 0, S.optimizer, "optimizer_states", *v["optimizer_states"],
+                  spec.numel * prec.sharded_optimizer_bytes)
         if self.framework in TORCH_FRAMEWORKS:
             # torch.optim.Adam as it runs by default on GPUs (foreach): the step's square roots
             # of every local exp_avg_sq at once, fp32 (memshard's runtime updates in place;
             # Megatron-LM's fused Adam too).
             states, red = v["optimizer_states"]
-            self.slot(gid, S.optimizer, S.optimizer, "transients", *(x * ADAM_SQRT_BYTES / prec.optimizer_bytes
+            per_element = np.array([prec.sharded_optimizer_bytes if opt.stage >= 3 else prec.optimizer_bytes
+                                    for _, opt in grp.options], float)
+            self.slot(gid, S.optimizer, S.optimizer, "transients", *(x * ADAM_SQRT_BYTES / per_element
                                                                      for x in (states, red)))
         # With several micro-batches the gradients accumulate across them: live all step.
         # Stored sharded (ZeRO-2/3), the gradient exists once every use's contribution is
@@ -533,7 +541,9 @@ class _Builder:
         # reduced with the unit's (after a copy into the unit's flat buffer); every other
         # option reduces its own gradient after the first use's backward.
         in_unit = (stages == 3) & (unit is not None)
-        self.reduced_gradient(gid, v, stages, ~in_unit, reduced_at, grad_bytes, before_reshards=True)
+        # (the bound's share from the reduction on: a ZeRO-3 shard's, in the master's dtype)
+        self.reduced_gradient(gid, v, stages, ~in_unit, reduced_at, spec.numel * prec.sharded_grad_bytes,
+                              before_reshards=True)
         # ZeRO-2/3: the whole local gradient until its reduce-scatter; under ZeRO-2 the
         # parameter's .grad from its last contribution on (ZeRO-3 reduces its own).
         unsharded, red = v["unsharded"]
@@ -548,6 +558,7 @@ class _Builder:
             for i, _ in uses:
                 for point in gather_points(S, self.graph, i):
                     self.slot(gid, point, point, "transients", *v["gathered"])
+                    self.slot(gid, point, point, "transients", *v["cast"])
         else:
             self.unit_slots(gid, v, unit, in_unit, S.backward(first))
 
@@ -568,6 +579,7 @@ class _Builder:
                 self.slot(gid, *span, "transients", *v["gathered"])
                 # Gathered over several axes, one at a time: the partial results too.
                 self.slot(gid, span[0], span[0], "transients", *v["gathering"])
+                self.slot(gid, span[0], span[0], "transients", *v["cast"])
         self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", *v["scattering"])
         for buffer in (unit.forward_buffer, unit.backward_buffer):  # FSDP2's flat buffers
             if buffer is not None:
@@ -608,11 +620,15 @@ class _Builder:
         kept = options & ~scattered
         self.slot(gid, at, self.sched.optimizer, "gradients", nbytes * kept, red * kept,
                   global_bytes)
+        # the reduce-scatter's output, in the reduce dtype: a ZeRO-3 shard's fp32 gradient
+        # (the master's dtype) is cast from it once the reduction returns (as FSDP2 does)
+        prec = self.graph.precision
+        out = scattered * np.where(stages >= 3, prec.reduce_bytes / prec.sharded_grad_bytes, 1.0)
         if before_reshards:  # reduced before the reshards at ``at``: .grad while they run
-            self.slot(gid, at, at, "transients", nbytes * scattered, red * scattered, phase=BEFORE_RESHARDS)
+            self.slot(gid, at, at, "transients", nbytes * out, red * out, phase=BEFORE_RESHARDS)
             self.slot(gid, at, at, "gradients", nbytes * scattered, red * scattered, phase=DURING_RESHARDS)
         else:
-            self.slot(gid, at, at, "transients", nbytes * scattered, red * scattered)
+            self.slot(gid, at, at, "transients", nbytes * out, red * out)
         self.slot(gid, at + 1, self.sched.optimizer, "gradients", nbytes * scattered, red * scattered)
 
     def gathers_per_pass(self, name: str, uses: list[tuple[int, int]]) -> int:
@@ -633,24 +649,33 @@ class _Builder:
                    else np.array(self.redundant(nbytes, layouts)))
             return nbytes, red
 
-        gathering, scattering = [], []
-        for G, opt in grp.options:
+        prec = self.graph.precision
+        # memshard's runtime casts a ZeRO-3 shard that is the fp32 master into its place in
+        # the all-gather's bf16 output and gathers there (``executor.gather_flat``, as FSDP2
+        # does); a shard split unevenly is cast apart, then gathered by reshards
+        casting = self.framework == MEMSHARD and prec.shard_bytes != prec.param_bytes
+        gathering, scattering, cast = [], [], []
+        for (G, opt), m in zip(grp.options, mems):
+            numel = local_numel(self.graph.tensors[grp.params[0]].shape, param_layout(G), self.mesh.shape)
+            in_place = casting and numel % math.prod(self.mesh.shape[a] for a in opt.axes) == 0
+            cast.append(m.parameters * prec.param_bytes / prec.shard_bytes
+                        if opt.stage >= 3 and casting and not in_place else 0.0)
             if opt.stage < 3 or not self.units:
                 gathering.append(0.0)
                 scattering.append(0.0)
                 continue
-            numel = local_numel(self.graph.tensors[grp.params[0]].shape, param_layout(G), self.mesh.shape)
             flat = tuple(Shard(0) if a in opt.axes else REPLICATE for a in range(self.mesh.ndim))
             whole = tuple(REPLICATE for _ in flat)
             partial = tuple(PARTIAL if a in opt.axes and g == "P" else REPLICATE for a, g in enumerate(G))
-            prec = self.graph.precision
-            gathering.append(reshard_peak_bytes((numel,), prec.param_bytes, flat, whole, self.mesh, reverse=True)
-                             - numel * prec.param_bytes)
+            gathering.append(0.0 if in_place else (reshard_peak_bytes((numel,), prec.param_bytes, flat, whole,
+                                                                      self.mesh, reverse=True)
+                                                   - numel * prec.param_bytes))
             scattering.append(reshard_peak_bytes((numel,), prec.reduce_bytes, partial, flat, self.mesh)
                               - local_numel((numel,), flat, self.mesh.shape) * prec.reduce_bytes)
         zeros = np.zeros(len(mems))
         return {
             "gathering": (np.array(gathering, float), zeros),
+            "cast": (np.array(cast, float), zeros),
             "scattering": (np.array(scattering, float), zeros),
             "parameters": vec("parameters", "redundant_parameters"),
             "optimizer_states": vec("optimizer_states", "redundant_optimizer_states"),
@@ -670,9 +695,11 @@ class _Builder:
         numel = local_numel(spec.shape, param_layout(G), mesh.shape)
         partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
         sharded = set(opt.axes) if opt.stage >= 1 else set()
-        reduce = comm.all_reduce_over(numel * prec.grad_bytes, tuple(a for a in partial_axes if a not in sharded), mesh)
+        reduce = comm.all_reduce_over(numel * prec.reduce_bytes, tuple(a for a in partial_axes if a not in sharded),
+                                      mesh)
         if sharded:
-            reduce += comm.reduce_scatter_flat(numel, prec.grad_bytes, tuple(a for a in opt.axes if a in partial_axes), mesh)
+            reduce += comm.reduce_scatter_flat(numel, prec.reduce_bytes, tuple(a for a in opt.axes if a in partial_axes),
+                                               mesh)
         calls = reduce * (self.micro_batches if opt.stage >= 2 else 1)
         if opt.stage in (1, 2):
             calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh)
@@ -717,10 +744,9 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         graph = replace(graph, precision=replace(graph.precision, grad_bytes=4))
     if framework in (FSDP2, TORCH_TP) and graph.precision.name == MIXED.name:
         # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathered
-        # weights and computed gradients; the fp32 shard is the master weight, gradients are
-        # reduce-scattered and kept in fp32, Adam's moments beside them
-        graph = replace(graph, precision=replace(graph.precision, optimizer_bytes=8, sharded_param_bytes=4,
-                                                 reduced_grad_bytes=4))
+        # weights and computed gradients, the fp32 shard the master weight (as memshard's
+        # ZeRO-3), gradients reduce-scattered in fp32
+        graph = replace(graph, precision=replace(graph.precision, reduced_grad_bytes=4))
     b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute, framework)
     op_group = b.add_ops()
     b.op_slots(op_group)

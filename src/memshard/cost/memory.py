@@ -84,6 +84,8 @@ class StorageOption:
     def name(self, mesh: Mesh) -> str:
         if self.stage == 0:
             return "none"
+        if not self.axes:  # ZeRO-3's layout with nothing to shard over: the master weight kept alone
+            return "master"
         return f"zero{self.stage}({','.join(mesh.axes[a].name for a in self.axes)})"
 
 
@@ -92,7 +94,14 @@ def param_layout(grad_layout: tuple[str, ...]) -> Layout:
     return tuple(Shard(int(g[1:])) if g.startswith("S") else REPLICATE for g in grad_layout)
 
 
+# ZeRO-3's layout over no axis: under mixed precision the fp32 master kept as the weight and
+# cast for each use, instead of a bf16 weight beside it (what a weight split over every device
+# needs most); the same as no ZeRO in fp32.
+MASTER_ALONE = StorageOption(3)
+
+
 def storage_options(grad_layout: tuple[str, ...], mesh: Mesh) -> tuple[StorageOption, ...]:
+    """Every ZeRO stage over every set of the mesh axes that do not split the weight."""
     free = [a for a, g in enumerate(grad_layout) if not g.startswith("S") and mesh.shape[a] > 1]
     out = [StorageOption(0)]
     for r in range(1, len(free) + 1):
@@ -130,9 +139,11 @@ def storage_memory(
         c = copies_sharded if is_sharded else copies
         return n, n * (1 - 1 / c)
 
-    p, rp = pick(option.stage >= 3, precision.shard_bytes if option.stage >= 3 else precision.param_bytes)
-    g, rg = pick(option.stage >= 2, precision.reduce_bytes if option.stage >= 2 else precision.grad_bytes)
-    o, ro = pick(option.stage >= 1, precision.optimizer_bytes)
+    zero3 = option.stage >= 3  # the shard is the master weight (``Precision``)
+    p, rp = pick(zero3, precision.shard_bytes if zero3 else precision.param_bytes)
+    g, rg = pick(option.stage >= 2, precision.sharded_grad_bytes if zero3 else
+                 precision.reduce_bytes if option.stage >= 2 else precision.grad_bytes)
+    o, ro = pick(option.stage >= 1, precision.sharded_optimizer_bytes if zero3 else precision.optimizer_bytes)
     return StorageMemory(
         parameters=p,
         gradients=g,

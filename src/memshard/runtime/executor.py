@@ -11,7 +11,9 @@ table (``ops.KERNELS``, or a traced module's in ``traced.py``), the executor the
 - every parameter becomes a DTensor in the layout its op's strategy needs; with ZeRO storage
   (``ParamStore``) the optimizer sees only this rank's flat shard of it: stage 1 shards the
   optimizer states, 2 also the gradients (reduce-scattered as soon as each is complete),
-  3 also the weight, gathered around each use and gathered again in backward — or, with
+  3 also the weight (under mixed precision the fp32 shard is the master weight, cast to bf16
+  into its all-gather's output, its reduced bf16 gradient cast to fp32: FSDP2's layout), gathered
+  around each use and gathered again in backward — or, with
   the plan's ``zero3_unit="layer"``, all of a layer's such weights as one flat shard
   (``GatherUnit``, FSDP's unit): one all-gather for the layer's forward, one for its
   backward, one reduce-scatter of their gradients;
@@ -204,12 +206,36 @@ def _flat_range(n: int, axes: tuple[int, ...], mesh: DeviceMesh, coords) -> tupl
     return start, n
 
 
+def gather_flat(shard: torch.Tensor, numel: int, mesh: DeviceMesh, axes: tuple[int, ...],
+                flat_sharded: Layout, dtype: torch.dtype) -> torch.Tensor:
+    """The whole flat buffer of ``numel`` elements in ``dtype`` from this rank's piece (split
+    over ``axes`` in order). A piece in another dtype (the fp32 master of a mixed-precision
+    ZeRO-3 weight) split evenly is cast straight into its place in the output and gathered
+    there, innermost axis first, as FSDP2 casts into its all-gather buffer: no copy of the
+    piece besides; otherwise the piece in ``dtype`` is resharded (:func:`reshard_local`)."""
+    ways = math.prod(mesh.size(a) for a in axes)
+    if shard.dtype == dtype or numel % ways:
+        whole = tuple(REPLICATE for _ in flat_sharded)
+        return reshard_local(shard.detach().to(dtype), (numel,), mesh, flat_sharded, whole, reverse=True)
+    coords = mesh.get_coordinate()
+    out = shard.new_empty(numel, dtype=dtype)
+    out.narrow(0, *_flat_range(numel, axes, mesh, coords)).copy_(shard.detach())
+    for k in reversed(range(len(axes))):
+        region = out.narrow(0, *_flat_range(numel, axes[:k], mesh, coords))
+        piece = region.numel() // mesh.size(axes[k])
+        dist.all_gather_into_tensor(region, region.narrow(0, coords[axes[k]] * piece, piece),
+                                    group=mesh.get_group(axes[k]))
+    return out
+
+
 class ParamStore:
     """One parameter under a plan: compute layout, gradient layout, ZeRO stage and axes."""
 
     def __init__(self, name: str, full: torch.Tensor, compute: Layout, grad: Layout, stage: int,
-                 axes: tuple[int, ...], mesh: DeviceMesh, uses: int, in_unit: bool = False):
+                 axes: tuple[int, ...], mesh: DeviceMesh, uses: int, in_unit: bool = False,
+                 shard_dtype: torch.dtype | None = None):
         self.name, self.mesh, self.stage, self.axes, self.uses = name, mesh, stage, axes, uses
+        self.compute_dtype = full.dtype
         self.unit: GatherUnit | None = None  # set by the unit that stores this weight
         self.compute, self.grad = compute, grad
         self.shape = tuple(full.shape)
@@ -235,9 +261,10 @@ class ParamStore:
         elif in_unit:
             self.local = dt.to_local().reshape(-1)  # the unit takes its piece, then drops this
             self.param = self.opt = None
-        else:
+        else:  # the shard is the master weight (``shard_dtype``): gathered in the compute dtype
             flat = dt.to_local().reshape(-1)
-            self.param = nn.Parameter(flat[self.flat_start:self.flat_start + self.flat_len].clone())
+            piece = flat[self.flat_start:self.flat_start + self.flat_len]
+            self.param = nn.Parameter(piece.to(shard_dtype or piece.dtype, copy=True))
             self.opt = self.param
         del dt
 
@@ -278,8 +305,7 @@ class ParamStore:
             self.param.to_local().view(-1).copy_(full)
 
     def gather(self) -> torch.Tensor:
-        full = reshard_local(self.param.detach(), (self.numel,), self.mesh, self.flat_sharded,
-                             tuple(REPLICATE for _ in self.flat_sharded), reverse=True)
+        full = gather_flat(self.param, self.numel, self.mesh, self.axes, self.flat_sharded, self.compute_dtype)
         return full.view(self.local_shape)
 
     def weight(self) -> tuple[torch.Tensor, Callable | None]:
@@ -322,7 +348,7 @@ class GatherUnit:
     not stored (per run of members alike), and reduce-scattered once into the shard
     (``problem.LayerUnit`` prices these steps)."""
 
-    def __init__(self, stores: list[ParamStore], mesh: DeviceMesh):
+    def __init__(self, stores: list[ParamStore], mesh: DeviceMesh, shard_dtype: torch.dtype | None = None):
         self.stores, self.mesh = stores, mesh
         first = stores[0]
         self.axes, self.flat_sharded = first.axes, first.flat_sharded
@@ -342,7 +368,8 @@ class GatherUnit:
         coords = mesh.get_coordinate() or [0] * mesh.ndim
         lo, n = _flat_range(self.numel, self.axes, mesh, coords)
         flat = torch.cat([store.local for store in stores])
-        self.param = nn.Parameter(flat[lo:lo + n].clone())
+        self.compute_dtype = flat.dtype
+        self.param = nn.Parameter(flat[lo:lo + n].to(shard_dtype or flat.dtype, copy=True))
         self.opt = self.param
         del flat
         for k, store in enumerate(stores):
@@ -355,8 +382,7 @@ class GatherUnit:
         self.regather = _UnitRegather(self)
 
     def gather(self) -> torch.Tensor:
-        return reshard_local(self.param.detach(), (self.numel,), self.mesh, self.flat_sharded,
-                             tuple(REPLICATE for _ in self.flat_sharded), reverse=True)
+        return gather_flat(self.param, self.numel, self.mesh, self.axes, self.flat_sharded, self.compute_dtype)
 
     def member(self, flat: torch.Tensor, k: int) -> torch.Tensor:
         store = self.stores[k]
@@ -461,6 +487,7 @@ class ShardedGraphModel(nn.Module):
                 if graph.tensors[x.tensor].kind is TensorKind.PARAMETER:
                     uses[x.tensor] = uses.get(x.tensor, 0) + 1
         units = layer_units(graph, problem.schedule) if problem.zero3_unit == "layer" else {}
+        shard_dtype = torch.float32 if graph.precision.master_bytes else None  # ZeRO-3: the master
         self.stores: dict[str, ParamStore] = {}
         members: dict[tuple, list[ParamStore]] = {}
         for name in graph.parameters:
@@ -470,15 +497,15 @@ class ShardedGraphModel(nn.Module):
             full = model.parameter(name).detach().to(self.device)
             in_unit = opt.stage == 3 and name in units
             store = ParamStore(name, full, param_layout(G), grad, opt.stage, opt.axes, device_mesh, uses[name],
-                               in_unit)
+                               in_unit, shard_dtype)
             self.stores[name] = store
             if in_unit:  # one flat shard per layer, storage axes and reduction over them
                 key = (units[name], opt.axes, tuple(isinstance(grad[a], Partial) for a in opt.axes))
                 members.setdefault(key, []).append(store)
         # Members with the same all-reduce axes next to each other: one all-reduce per run.
         self.units = [GatherUnit(sorted(group, key=lambda st: tuple(
-            isinstance(p, Partial) and a not in st.axes for a, p in enumerate(st.flat_partial))), device_mesh)
-            for group in members.values()]
+            isinstance(p, Partial) and a not in st.axes for a, p in enumerate(st.flat_partial))), device_mesh,
+            shard_dtype) for group in members.values()]
         # With recomputation a layer's unit is gathered for backward when its replay runs.
         self.units_of_layer: dict[int, list[GatherUnit]] = {}
         if problem.recompute != "none":
