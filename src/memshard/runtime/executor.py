@@ -223,8 +223,8 @@ def gather_flat(shard: torch.Tensor, numel: int, mesh: DeviceMesh, axes: tuple[i
     for k in reversed(range(len(axes))):
         region = out.narrow(0, *_flat_range(numel, axes[:k], mesh, coords))
         piece = region.numel() // mesh.size(axes[k])
-        dist.all_gather_into_tensor(region, region.narrow(0, coords[axes[k]] * piece, piece),
-                                    group=mesh.get_group(axes[k]))
+        dist.all_gather_single(region, region.narrow(0, coords[axes[k]] * piece, piece),
+                              group=mesh.get_group(axes[k]))
     return out
 
 
