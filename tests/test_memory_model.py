@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 import memshard
-from memshard.cost.memory import StorageOption, redundant_bytes, storage_memory, tensor_bytes
+from memshard.cost.memory import (
+    MASTER_ALONE,
+    StorageOption,
+    redundant_bytes,
+    storage_memory,
+    tensor_bytes,
+)
 from memshard.evaluate import evaluate
 from memshard.graph import FP32, MIXED, Graph, Op, Operand, TensorKind, TensorSpec
 from memshard.mesh import make_mesh, parse_mesh
@@ -123,6 +129,31 @@ def test_zero_on_top_of_a_compute_shard():
     assert sum((m.parameters, m.gradients, m.optimizer_states)) == 16 * 256
     assert m.gathered_weight == 2 * 1024
     assert m.redundant_parameters == m.redundant_optimizer_states == 0
+
+
+SMALL_GPT = dict(num_layers=2, hidden=64, heads=4, ffn=256, vocab=512)
+
+
+def test_the_master_alone_is_zero3s_layout_over_no_axis():
+    """A weight split over every device (S(0) over the pair, S(1) over the node): its fp32
+    master kept as the weight (4 B), Adam's moments (8 B), its gradient in fp32 (4 B), cast to
+    bf16 for each use: 2 B per element less than a bf16 weight beside the master until the
+    gradient exists. A choice in mixed precision only, and in memshard's problems only."""
+    spec = TensorSpec("w", (64, 32), 2, TensorKind.PARAMETER)
+    m = storage_memory(spec, ("S0", "S1"), MASTER_ALONE, MIXED, MESH)
+    local = 64 * 32 // 8
+    assert (m.parameters, m.gradients, m.optimizer_states, m.gathered_weight) == (4 * local, 4 * local, 8 * local,
+                                                                                  2 * local)
+    plain = storage_memory(spec, ("S0", "S1"), StorageOption(0), MIXED, MESH)
+    assert plain.parameters + plain.optimizer_states == m.parameters + m.optimizer_states + 2 * local
+    graph = build_graph("gpt2", batch=8, seq=64, precision="mixed", **SMALL_GPT)
+    for precision, framework, offered in (("mixed", "memshard", True), ("fp32", "memshard", False),
+                                          ("mixed", "fsdp2", False), ("mixed", "megatron", False)):
+        g = graph if precision == "mixed" else build_graph("gpt2", batch=8, seq=64, precision="fp32", **SMALL_GPT)
+        problem = build_problem(g, parse_mesh("2x4"), framework=framework)
+        found = any(opt == MASTER_ALONE for grp in problem.groups if not isinstance(grp, OpGroup)
+                    for _, opt in grp.options)
+        assert found == offered, (precision, framework)
 
 
 def test_zero_uneven_shard_rounds_up():
