@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memshard.cost.memory import MASTER_ALONE, StorageOption
+from memshard.cost.memory import MASTER_ALONE
 from memshard.evaluate import Evaluation, InconsistentPlan, evaluate
 from memshard.placement import Shard
 from memshard.problem import (
@@ -69,8 +69,9 @@ def reselect(problem: Problem, selection: Selection, gid: int, choice: int) -> S
         new_g = link.b_labels[choice]
         free = {a for a, g in enumerate(new_g) if not g.startswith("S")}
         axes = tuple(a for a in old.axes if a in free)
-        want = (StorageOption(old.stage, axes) if axes else  # ZeRO-3 with no axis left: its master alone
-                MASTER_ALONE if old.stage == 3 and (new_g, MASTER_ALONE) in options else StorageOption(0))
+        want = old.over(axes)
+        if old.stage == 3 and not axes and (new_g, MASTER_ALONE) in options:  # ZeRO-3 with no axis left
+            want = MASTER_ALONE
         choices[link.a] = options.index((new_g, want))
     keeps = tuple(0 if gid in (e.producer, e.consumer) else k for e, k in zip(problem.edges, selection.keeps))
     return Selection(tuple(choices), keeps)

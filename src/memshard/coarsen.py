@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from memshard.cost.memory import StorageOption
 from memshard.ilp.solve import SolveResult, solve
 from memshard.mesh import Mesh, MeshAxis
 from memshard.problem import OpGroup, Problem, Selection
@@ -87,8 +86,7 @@ def _lifted_choice(cg, k: int, coarse_axis: dict[int, int], mesh: Mesh):
         return tuple(cg.strategies[k].assignment[coarse_axis[a]] for a in fine_axes), cg.replayed(k)
     g, opt = cg.options[k]
     axes = tuple(a for a in fine_axes if coarse_axis[a] in opt.axes and mesh.shape[a] > 1)
-    # (no axes at all: the master kept alone, ``MASTER_ALONE``, the same on every mesh)
-    return tuple(g[coarse_axis[a]] for a in fine_axes), StorageOption(opt.stage if axes or not opt.axes else 0, axes)
+    return tuple(g[coarse_axis[a]] for a in fine_axes), opt.over(axes)
 
 
 def _choice_key(group, k: int):

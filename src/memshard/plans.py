@@ -372,7 +372,7 @@ def _parameter_storage(problem: Problem, selection: Selection) -> tuple[Paramete
 def _real_storage(option: StorageOption, mesh: Mesh) -> StorageOption:
     """A storage option of ``mesh`` on ``mesh.real`` (a merged axis stores over each part)."""
     axes = tuple(r for r in mesh.to_real_axes(option.axes) if mesh.real.shape[r] > 1)
-    return StorageOption(option.stage if axes or not option.axes else 0, axes)  # (no axes: the master alone)
+    return option.over(axes)
 
 
 def _reshard_choices(problem: Problem, selection: Selection) -> tuple[ReshardChoice, ...]:

@@ -88,6 +88,12 @@ class StorageOption:
             return "master"
         return f"zero{self.stage}({','.join(mesh.axes[a].name for a in self.axes)})"
 
+    def over(self, axes: tuple[int, ...]) -> StorageOption:
+        """This option sharded over ``axes`` instead (the ones it keeps on another mesh or
+        layout): the same stage where any remain, none where all are gone; the master alone
+        (no axes to begin with) stays itself."""
+        return StorageOption(self.stage if axes or not self.axes else 0, axes)
+
 
 def param_layout(grad_layout: tuple[str, ...]) -> Layout:
     """The weight's compute layout from its gradient layout (``S<i>`` → Shard, else Replicate)."""
