@@ -7,7 +7,9 @@ and on the root module, or ``DistributedDataParallel`` (defaults), ``torch.optim
 (foreach), with and without torchtitan's full activation checkpointing (``checkpoint_wrapper``,
 ``torch.utils.checkpoint``, around every block: ``fsdp2+full``, ``ddp+full``), one sequence
 of 32 tokens (and 256 for LLaMA) per rank, one rank of a 4- or 8-rank world under the fake
-process group; a step's peak as ``MemoryMeter`` (MemTracker) measures it
+process group (and with the options ``fsdp2-noreshard`` and ``ddp-bucket-view`` name:
+``reshard_after_forward=False``, ``gradient_as_bucket_view=True``); a step's peak as
+``MemoryMeter`` (MemTracker) measures it
 (``tests/test_conformance.py``) against the ``fsdp2`` and ``ddp`` baselines' predicted peaks,
 and against the idealised plans memshard's runtime executes (``zero3-fsdp`` with
 ``--zero3-unit layer``, ``dp``, and their ``+full``).
@@ -42,7 +44,9 @@ from tests.test_conformance import (  # noqa: E402
     SEQ,
     checkpointed,
     checkpointed_tensor_parallel_fsdp2,
+    fully_shard_blocks,
     fully_sharded_peak,
+    kept_after_forward,
     mixed_precision,
     tensor_parallel_fsdp2,
     tp_fsdp2_peak,
@@ -53,7 +57,9 @@ from benchmarks_md import provenance, write_section  # noqa: E402
 from memshard.trace.hf import trace_hf  # noqa: E402
 
 IDEALISED = {"fsdp2": ("zero3-fsdp", {"zero3_unit": "layer"}), "ddp": ("dp", {}),
-             "fsdp2+full": ("zero3-fsdp+full", {"zero3_unit": "layer"}), "ddp+full": ("dp+full", {})}
+             "fsdp2+full": ("zero3-fsdp+full", {"zero3_unit": "layer"}), "ddp+full": ("dp+full", {}),
+             "fsdp2-noreshard": ("zero3-fsdp", {"zero3_unit": "layer"}), "ddp-bucket-view": ("dp", {}),
+             "fsdp2-noreshard+full": ("zero3-fsdp+full", {"zero3_unit": "layer"})}
 
 
 def rows() -> list[str]:
@@ -101,6 +107,7 @@ def mixed_precision_rows() -> list[str]:
            "| idealised | its prediction | error |", "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     jobs = [("fsdp2", f, (w,), SEQ) for f in ("gpt2", "llama") for w in (4, 8)]
     jobs += [("fsdp2", "llama", (4,), 256), ("fsdp2+full", "llama", (4,), 256), ("fsdp2+full", "gpt2", (8,), SEQ),
+             ("fsdp2-noreshard", "gpt2", (4,), SEQ), ("fsdp2-noreshard", "llama", (8,), 256),
              ("torch-tp", "llama", (2, 2), 256), ("torch-tp", "qwen2", (4, 2), SEQ)]
     for baseline, family, shape, seq in jobs:
         devices, batch = shape[0] * (shape[1] if len(shape) > 1 else 1), shape[0]
@@ -113,7 +120,9 @@ def mixed_precision_rows() -> list[str]:
                                         parallelize=functools.partial(mixed_precision, parallelize=tensor_parallel_fsdp2))
         else:
             name, (ideal_name, options) = baseline, IDEALISED[baseline]
-            parallelize = checkpointed(mixed_precision) if recompute == "full" else mixed_precision
+            parallelize = functools.partial(mixed_precision, parallelize=kept_after_forward if "noreshard" in baseline
+                                            else fully_shard_blocks)
+            parallelize = checkpointed(parallelize) if recompute == "full" else parallelize
             measure = functools.partial(fully_sharded_peak, family, devices, parallelize=parallelize, seq=seq)
         predicted = memshard.strategy_plan(graph, mesh, name, recompute=recompute).peak_bytes
         ideal = memshard.strategy_plan(graph, mesh, ideal_name, recompute=recompute, **options).peak_bytes

@@ -2,7 +2,8 @@
 
 The ``fsdp2`` baseline prices ``torch.distributed.fsdp.fully_shard`` as users apply it (every
 transformer block, then the root module; defaults), ``ddp`` ``DistributedDataParallel`` with
-its defaults, and ``fsdp2+full``/``ddp+full`` the same with torchtitan's full activation
+its defaults (``fsdp2-noreshard``: ``reshard_after_forward=False``; ``ddp-bucket-view``:
+``gradient_as_bucket_view=True``), and ``fsdp2+full``/``ddp+full`` the same with torchtitan's full activation
 checkpointing (``torch.utils.checkpoint`` around every block). Here the real thing runs: a Hugging Face
 model (tiny configs, fp32, dropout off: on CPU a dropout keeps an fp32 mask and makes SDPA take
 its math path, neither what the GPUs planned for do), one rank of a 4- or 8-rank world under
@@ -147,9 +148,27 @@ def checkpointed(parallelize):
     return apply
 
 
+def kept_after_forward(model, mesh, shard=None):
+    """FSDP2 with ``reshard_after_forward=False`` on every block (and the root)."""
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard_blocks(model, mesh, functools.partial(shard or fully_shard, reshard_after_forward=False))
+
+
+def bucket_views(model, mesh, **options):
+    """``DistributedDataParallel(gradient_as_bucket_view=True)``: the gradients are views of
+    its buckets."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, gradient_as_bucket_view=True, **options)
+
+
 MEASURED = {"fsdp2": fully_sharded_peak, "ddp": ddp_peak,
             "fsdp2+full": functools.partial(fully_sharded_peak, parallelize=checkpointed(fully_shard_blocks)),
-            "ddp+full": functools.partial(ddp_peak, parallelize=checkpointed(data_parallel))}
+            "ddp+full": functools.partial(ddp_peak, parallelize=checkpointed(data_parallel)),
+            "fsdp2-noreshard": functools.partial(fully_sharded_peak, parallelize=kept_after_forward),
+            "fsdp2-noreshard+full": functools.partial(fully_sharded_peak, parallelize=checkpointed(kept_after_forward)),
+            "ddp-bucket-view": functools.partial(ddp_peak, parallelize=bucket_views)}
 
 
 def mixed_precision(model, mesh, parallelize=fully_shard_blocks):
@@ -259,6 +278,35 @@ def test_a_baseline_is_what_its_pytorch_implementation_allocates_at_256_tokens(b
     assert MEASURED[baseline]("llama", 4, 0, seq=256) == pytest.approx(predicted, rel=0.02)
 
 
+@pytest.mark.parametrize("baseline, parallelize", [("ddp", data_parallel), ("ddp-bucket-view", bucket_views)])
+def test_ddp_bucket_size_changes_no_memory(baseline, parallelize):
+    """DDP allocates every bucket when it wraps the model, whatever ``bucket_cap_mb`` says:
+    small buckets (many all-reduces) hold what the baseline prices, on the rank whose peak
+    is the optimizer step's (LLaMA, 32 tokens) and on one whose peak is backward's (256)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def small_buckets(model, mesh):
+        if parallelize is data_parallel:
+            return DistributedDataParallel(model, bucket_cap_mb=0.05)
+        return parallelize(model, mesh, bucket_cap_mb=0.05)
+
+    for seq in (SEQ, 256):
+        graph = trace_hf("llama", batch=4, seq=seq, precision="fp32", **FAMILIES["llama"])
+        predicted = memshard.strategy_plan(graph, "4", baseline).peak_bytes
+        assert ddp_peak("llama", 4, 0, parallelize=small_buckets, seq=seq) == pytest.approx(predicted, rel=0.02), seq
+
+
+def test_ddp_bucket_views_hold_the_gradients_once():
+    """Where the optimizer step is the peak, ``gradient_as_bucket_view=True`` saves one copy
+    of the gradients, in PyTorch and in the baselines alike."""
+    graph = trace_hf("llama", batch=4, seq=SEQ, precision="fp32", **FAMILIES["llama"])
+    gradients = sum(graph.tensors[p].nbytes for p in graph.parameters)
+    predicted = {name: memshard.strategy_plan(graph, "4", name).peak_bytes for name in ("ddp", "ddp-bucket-view")}
+    measured = {name: MEASURED[name]("llama", 4, 0) for name in predicted}
+    assert predicted["ddp"] - predicted["ddp-bucket-view"] == gradients
+    assert measured["ddp"] - measured["ddp-bucket-view"] == gradients
+
+
 def test_fsdp2_holds_more_than_the_idealised_zero3():
     """What FSDP2 holds besides a layer's gathered weights and gradients (the root's weights
     all step, the prefetched next layer, its flat buffers) is real memory: more than the
@@ -339,17 +387,19 @@ def test_torch_tensor_parallel_with_checkpointing_is_what_pytorch_allocates(fami
         assert measured == pytest.approx(predicted, rel=0.02), rank
 
 
-@pytest.mark.parametrize("family, world, seq, recompute", [("llama", 4, SEQ, "none"), ("gpt2", 8, SEQ, "none"),
-                                                          ("llama", 4, 256, "none"), ("llama", 4, 256, "full")])
-def test_fsdp2_in_mixed_precision_is_what_pytorch_allocates(family, world, seq, recompute):
+@pytest.mark.parametrize("family, world, seq, recompute, reshard", [
+    ("llama", 4, SEQ, "none", True), ("gpt2", 8, SEQ, "none", True), ("llama", 4, 256, "none", True),
+    ("llama", 4, 256, "full", True), ("gpt2", 4, SEQ, "none", False), ("llama", 8, 256, "none", False)])
+def test_fsdp2_in_mixed_precision_is_what_pytorch_allocates(family, world, seq, recompute, reshard):
     """A mixed-precision job's ``fsdp2`` baseline is FSDP2 under ``MixedPrecisionPolicy``:
     fp32 shards (the master weights) and fp32 reduced gradients beside Adam's two moments,
     bf16 gathered weights, activations and computed gradients, the reduce-scatter's flat
-    input in fp32."""
+    input in fp32 (``fsdp2-noreshard``: with ``reshard_after_forward=False``)."""
     graph = trace_hf(family, batch=world, seq=seq, precision="mixed", **FAMILIES[family])
-    baseline = "fsdp2+full" if recompute == "full" else "fsdp2"
+    baseline = ("fsdp2" if reshard else "fsdp2-noreshard") + ("+full" if recompute == "full" else "")
     predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute).peak_bytes
-    parallelize = mixed_precision if recompute == "none" else checkpointed(mixed_precision)
+    parallelize = functools.partial(mixed_precision, parallelize=fully_shard_blocks if reshard else kept_after_forward)
+    parallelize = parallelize if recompute == "none" else checkpointed(parallelize)
     for rank in (0, world - 1):
         measured = fully_sharded_peak(family, world, rank, parallelize=parallelize, seq=seq)
         assert measured == pytest.approx(predicted, rel=0.02), rank

@@ -61,11 +61,12 @@ def measured(strategy: str, parallelize, family: str, rank: int) -> int:
     ``test_conformance`` measures the baseline (DDP's buckets and comm hook included)."""
     from tests.test_conformance import ddp_peak, fully_sharded_peak
 
-    return {"fsdp2": fully_sharded_peak, "ddp": ddp_peak}[strategy.removesuffix("+full")](
+    return {"fsdp2": fully_sharded_peak, "ddp": ddp_peak}[strategy.removesuffix("+full").split("-")[0]](
         family, WORLD, rank, parallelize)
 
 
-MEASURED = ("ddp", "fsdp2", "ddp+full", "fsdp2+full")
+MEASURED = ("ddp", "fsdp2", "ddp+full", "fsdp2+full", "ddp-bucket-view", "fsdp2-noreshard")
+OPTIONS = {"ddp-bucket-view": "gradient_as_bucket_view=True", "fsdp2-noreshard": "reshard_after_forward=False"}
 CONTAINERS = {"llama": "model.layers", "gpt2": "transformer.h"}
 
 
@@ -86,6 +87,8 @@ def test_the_exported_code_allocates_what_the_plan_predicts(strategy, family, tr
     if strategy.startswith("fsdp2"):  # the blocks come from the graph: a loop over their container
         assert text.count("fully_shard(") == 2
         assert f'model.get_submodule("{CONTAINERS[family]}")' in text
+    for name, option in OPTIONS.items():  # given to every fully_shard, or to DDP, by its variant only
+        assert code.count(f", {option})") == (name == strategy) * (2 if strategy.startswith("fsdp2") else 1)
     for rank in (0, WORLD - 1):
         peak = measured(strategy, parallelize_of(text), family, rank)
         print(f"{strategy} {family} rank {rank}: measured {peak:,} B, predicted {round(predicted):,} B, "

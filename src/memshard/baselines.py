@@ -7,11 +7,14 @@ space, no baseline beats memshard's minimal-memory plan by more than the solver'
 
 - ``dp``: every op splits the batch over every axis, gradients all-reduced in place (``ddp``:
   the same plan priced as PyTorch's DistributedDataParallel runs it, with its gradient
-  buckets); ``zero`` (stages 1/2/3): the same with
+  buckets; ``ddp-bucket-view``: with ``gradient_as_bucket_view=True``, the buckets are the
+  gradients); ``zero`` (stages 1/2/3): the same with
   optimizer states, + gradients, + weights sharded over all axes (ZeRO-3 = FSDP full shard),
   ZeRO-3 gathered as the search's ``zero3_unit`` says (``zero3-fsdp``: an idealised FSDP);
   ``fsdp2``: the same plan priced as PyTorch's ``fully_shard`` runs it, each layer and the
-  root module wrapped, its defaults (``gathers.fsdp2_units``).
+  root module wrapped, its defaults (``gathers.fsdp2_units``); ``fsdp2-noreshard``: every
+  layer's ``fully_shard`` with ``reshard_after_forward=False`` (ZeRO-2's memory for a layer's
+  weights between its forward and backward, one all-gather less).
 - ``megatron_tp``, priced as Megatron-LM runs it (``framework="megatron"``: its gradient
   buffer, fp32 under bf16, all step): tensor parallelism over the innermost ``tp`` axes (column/row-parallel
   linears, attention split by heads, vocab-parallel embedding and loss), data parallelism over
@@ -43,7 +46,17 @@ from memshard.graph import PRECISIONS
 from memshard.mesh import Mesh
 from memshard.placement import local_numel
 from memshard.pricing import build_problem
-from memshard.problem import DDP, FSDP2, MEGATRON, TORCH_TP, Problem, Selection, complete_selection
+from memshard.problem import (
+    DDP,
+    DDP_BUCKET_VIEW,
+    FSDP2,
+    FSDP2_NO_RESHARD,
+    MEGATRON,
+    TORCH_TP,
+    Problem,
+    Selection,
+    complete_selection,
+)
 from memshard.recompute import core_attention, replayable_ops
 from memshard.selections import SplitUnavailable, assign_strategies, data_parallel, uniform_storage
 from memshard.tensor_parallel import REDISTRIBUTE, tensor_parallel_dim, tensor_parallel_dims
@@ -193,9 +206,11 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
 
     add("dp", ddp)
     add("ddp", ddp, lambda: as_run_by(problem, DDP))
+    add("ddp-bucket-view", ddp, lambda: as_run_by(problem, DDP_BUCKET_VIEW))
     for stage in (1, 2, 3):
         add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, r, s=stage: zero(p, s, r))
     add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2))
+    add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD))
     for on, k, tp in tensor_parallel_layouts(problem):
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")

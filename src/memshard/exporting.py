@@ -10,6 +10,8 @@ plan (:func:`render`):
   the graph's layer ops name (``model.layers.0.self_attn.q_proj``…).
 - ``ddp``: the same function wrapping the model in ``DistributedDataParallel`` with its
   defaults (its gradient buckets priced).
+- ``fsdp2-noreshard`` and ``ddp-bucket-view``: the same with the option their baselines price
+  (``reshard_after_forward=False`` to every ``fully_shard``, ``gradient_as_bucket_view=True``).
 - ``torch-tp<T>-fsdp<D>``: ``parallelize_module`` with one ``ParallelStyle`` per module, read
   off the plan (:func:`tensor_parallel_styles`: column- and row-parallel projections,
   sequence-parallel norms, ``PrepareModuleInput`` where the plan gathers a block input once),
@@ -40,6 +42,9 @@ from memshard.tensor_parallel import REDISTRIBUTE
 from memshard.units import counted, format_bytes, format_parameters
 
 TORCH_STRATEGIES = ("fsdp2", "ddp", "torch-tp")
+# the baselines of a PyTorch API with an option set: (their kind, the keyword argument)
+WITH_OPTION = {"fsdp2-noreshard": ("fsdp2", "reshard_after_forward=False"),
+               "ddp-bucket-view": ("ddp", "gradient_as_bucket_view=True")}
 TORCH_TP_NAME = re.compile(r"torch-tp(?P<tp>\d+)-fsdp(?P<dp>\d+)")
 MEGATRON_NAME = re.compile(r"megatron-tp(?P<tp>\d+)(?:-dp(?P<dp>\d+))?(?P<sp>-sp)?(?P<distopt>-distopt)?")
 RECOMPUTE_SUFFIX = re.compile(r"\+(selective|full)$")
@@ -70,13 +75,15 @@ class MegatronLayout:
 class ExportTarget:
     """An exportable strategy: ``kind`` is ``fsdp2``, ``ddp`` or ``megatron``; ``recompute`` the
     policy its name carries (``+selective``, ``+full``), under which its baseline is built;
-    ``precision`` the precision its code runs unless the job says otherwise (None: the model's)."""
+    ``precision`` the precision its code runs unless the job says otherwise (None: the model's);
+    ``option`` a keyword argument given to every ``fully_shard`` or to ``DistributedDataParallel``."""
 
     strategy: str
     kind: str
     recompute: str
     precision: str | None
     megatron: MegatronLayout | None = None
+    option: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,7 @@ def export_target(strategy: str) -> ExportTarget:
         layout = MegatronLayout(int(megatron["tp"]), int(megatron["dp"] or 1), bool(megatron["sp"]),
                                 bool(megatron["distopt"]))
         return ExportTarget(strategy, "megatron", recompute, None, layout)
-    kind = "torch-tp" if TORCH_TP_NAME.fullmatch(base) else base
+    kind, option = WITH_OPTION.get(base, ("torch-tp" if TORCH_TP_NAME.fullmatch(base) else base, ""))
     if kind in TORCH_STRATEGIES:
         # full recomputation is checked against torch.utils.checkpoint around every block
         if recompute not in ("none", "full"):
@@ -107,7 +114,7 @@ def export_target(strategy: str) -> ExportTarget:
                                 f"torch.utils.checkpoint as exported (+full is); export {base} "
                                 "or run it with memshard.parallelize(model, plan) (README: \"Using a plan from "
                                 "Python\")")
-        return ExportTarget(strategy, kind, recompute, "fp32")
+        return ExportTarget(strategy, kind, recompute, "fp32", option=option)
     raise MemshardError(f"{strategy} cannot be exported: {_why_not(base)}; {PARALLELIZE}")
 
 
@@ -281,8 +288,8 @@ def _fsdp_policy(plan: Plan) -> list[str]:
             "    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"]
 
 
-def _shard(plan: Plan, module: str, mesh: str) -> str:
-    return f"fully_shard({module}, mesh={mesh}{', mp_policy=mp_policy' if _mixed(plan) else ''})"
+def _shard(plan: Plan, module: str, mesh: str, option: str = "") -> str:
+    return f"fully_shard({module}, mesh={mesh}{', mp_policy=mp_policy' if _mixed(plan) else ''}{', ' * bool(option)}{option})"
 
 
 def _precision_note(plan: Plan) -> str:
@@ -297,8 +304,9 @@ def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
     if graph.origin is Origin.BUILT:  # memshard's own module names, not necessarily the user's
         named = [f"# The blocks' container is named as memshard's built-in {plan.model.name} names it; give your "
                  "model's."]
+    options = f"with {target.option}" if target.option else "with its defaults"
     lines = [*_usage(plan, "PyTorch's fully_shard (FSDP2) on every transformer block, then on the root module, "
-                           "with its defaults." + _precision_note(plan) + _checkpointing(target)),
+                           f"{options}." + _precision_note(plan) + _checkpointing(target)),
              *named,
              "",
              *(["import torch"] if _mixed(plan) else []),
@@ -312,15 +320,20 @@ def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
              "    \"\"\"FSDP2 as memshard priced it: fully_shard on every transformer block, then on the root module.\"\"\"",
              *_mesh_check(plan, "fsdp2"),
              *_fsdp_policy(plan)]
-    lines += _blocks_lines(plan, target, ["    for block in container:", f"        {_shard(plan, 'block', 'mesh')}"])
-    return [*lines, f"    {_shard(plan, 'model', 'mesh')}", "    return model"]
+    lines += _blocks_lines(plan, target, ["    for block in container:",
+                                          f"        {_shard(plan, 'block', 'mesh', target.option)}"])
+    return [*lines, f"    {_shard(plan, 'model', 'mesh', target.option)}", "    return model"]
 
 
 def ddp_code(target: ExportTarget, plan: Plan) -> list[str]:
     """``DistributedDataParallel`` with its defaults: 25 MiB buckets holding a second copy of the
-    gradients all step (``gradient_as_bucket_view=False``), which the ``ddp`` baseline prices."""
+    gradients all step (``gradient_as_bucket_view=False``), which the ``ddp`` baseline prices;
+    or with the buckets as the gradients (``ddp-bucket-view``)."""
     checkpointing = _blocks_lines(plan, target, []) if target.recompute == "full" else []
-    return [*_usage(plan, "PyTorch's DistributedDataParallel with its defaults; train the module it returns."
+    held = ("its gradients are views of its buckets" if target.option
+            else "its gradient buckets hold a second copy of the gradients all step")
+    options = f"with {target.option}" if target.option else "with its defaults"
+    return [*_usage(plan, f"PyTorch's DistributedDataParallel {options}; train the module it returns."
                     + _checkpointing(target)),
             "",
             "from torch import nn",
@@ -330,11 +343,11 @@ def ddp_code(target: ExportTarget, plan: Plan) -> list[str]:
             "",
             "",
             "def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:",
-            "    \"\"\"DistributedDataParallel with its defaults, as memshard priced it (its gradient buckets",
-            "    hold a second copy of the gradients all step).\"\"\"",
+            f"    \"\"\"DistributedDataParallel {options}, as memshard priced it",
+            f"    ({held}).\"\"\"",
             *_mesh_check(plan, "ddp"),
             *checkpointing,
-            "    return DistributedDataParallel(model, device_mesh=mesh)"]
+            f"    return DistributedDataParallel(model, device_mesh=mesh{', ' * bool(target.option)}{target.option})"]
 
 
 def _feeds_the_loss(graph: Graph, op) -> bool:

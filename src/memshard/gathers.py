@@ -82,7 +82,8 @@ def layer_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str,
     return units
 
 
-def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str, LayerUnit]:
+def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none", reshard_after_forward: bool = True
+                ) -> dict[str, LayerUnit]:
     """PyTorch's ``fully_shard`` applied to every layer, then to the root module, with its
     defaults (torch 2.13, ``_fully_shard/_fsdp_param_group.py``): the layer units of
     :func:`layer_units` and a root unit of every other weight, with what FSDP2 holds besides.
@@ -99,7 +100,10 @@ def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str,
       layer's all-gather (the root's prefetches the last layer's), held until that layer's
       copy-out.
     - A unit's flat reduce-scatter input is kept (``reduce_scatter_states``) until the next
-      unit's post-backward; the first layer's until the root's."""
+      unit's post-backward; the first layer's until the root's.
+    - ``reshard_after_forward=False`` (given to every layer's ``fully_shard``): a layer's
+      weights stay gathered from its forward to its post-backward, gathered once a step, and
+      no backward prefetch is needed."""
     layers = layer_units(graph, S, recompute)
     ordered = sorted({id(u): u for u in layers.values()}.values(), key=lambda u: u.forward_span[0])
     first_op, last_op = {}, {}
@@ -118,8 +122,11 @@ def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str,
     for k, unit in enumerate(ordered):
         later = k + 1 < len(ordered)  # a next unit in forward
         backward_span = (pre_backward[k], unit.backward_span[1]) if unit.backward_span else None
+        forward_span = (pre_forward[k], unit.forward_span[1])
+        if not reshard_after_forward:
+            forward_span, backward_span = (pre_forward[k], backward_span[1] if backward_span else unit.reduce_point), None
         fsdp = replace(
-            unit, forward_span=(pre_forward[k], unit.forward_span[1]), backward_span=backward_span,
+            unit, forward_span=forward_span, backward_span=backward_span,
             forward_buffer=(pre_forward[k], pre_forward[k + 1] if later else S.forward(n - 1)),
             backward_buffer=((pre_backward[k + 1] + 1 if later else S.backward(n - 1), pre_backward[k])
                              if backward_span else None),

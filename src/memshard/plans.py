@@ -195,8 +195,8 @@ def runnable(plan: Plan) -> Plan:
         return build_plan(as_run_by(plan.problem, MEMSHARD), plan.selection, plan.job, strategy=plan.strategy,
                           advice=False)
     if framework != MEMSHARD:
-        name, instead = {"fsdp2": ("fully_shard (FSDP2)", "zero3-fsdp with --zero3-unit layer"),
-                         "ddp": ("DistributedDataParallel", "dp"),
+        fsdp2, ddp = ("fully_shard (FSDP2)", "zero3-fsdp with --zero3-unit layer"), ("DistributedDataParallel", "dp")
+        name, instead = {"fsdp2": fsdp2, "fsdp2-noreshard": fsdp2, "ddp": ddp, "ddp-bucket-view": ddp,
                          "torch-tp": ("parallelize_module × fully_shard", plan.strategy.removeprefix("torch-"))}[framework]
         raise MemshardError(f"the {plan.strategy} baseline prices PyTorch's {name}, which memshard's runtime does not "
                             f"run; run {instead} (memshard's runtime of the same layout)")

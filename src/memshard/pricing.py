@@ -41,10 +41,12 @@ from memshard.placement import PARTIAL, REPLICATE, Layout, Shard, local_numel, l
 from memshard.problem import (
     ALWAYS,
     BEFORE_RESHARDS,
-    DDP,
+    DDP_BUCKET_VIEW,
+    DDP_FRAMEWORKS,
     DURING_RESHARDS,
     FRAMEWORKS,
-    FSDP2,
+    FSDP2_FRAMEWORKS,
+    FSDP2_NO_RESHARD,
     INPUT_COPY,
     MEGATRON,
     MEMSHARD,
@@ -119,8 +121,10 @@ class _Builder:
             if True in self.replay_flags[i]:
                 replayed[starts[op.layer]] = (*replayed.get(starts[op.layer], ()), i)
         self.sched = Schedule(len(graph.ops), tuple(sorted(replayed.items())))
-        units = fsdp2_units if framework in (FSDP2, TORCH_TP) else layer_units if zero3_unit == "layer" else None
-        self.units = units(graph, self.sched, recompute) if units else {}
+        if framework in FSDP2_FRAMEWORKS:
+            self.units = fsdp2_units(graph, self.sched, recompute, reshard_after_forward=framework != FSDP2_NO_RESHARD)
+        else:
+            self.units = layer_units(graph, self.sched, recompute) if zero3_unit == "layer" else {}
         self.conflicts: list[Conflict] = []
         self.groups: list[Group] = []
         self.index: dict[tuple, int] = {}
@@ -473,8 +477,9 @@ class _Builder:
         g_labels = [grad_layout(self.graph.ops[i0], j0, s) for s in self.groups[og].strategies]
         options = [(G, opt) for G in dict.fromkeys(g_labels) for opt in storage_options(G, mesh)]
         if self.framework == MEMSHARD and self.graph.precision.master_bytes:  # after the others: a
-            # baseline's choices index the same options in every framework's problem
-            options += [(G, MASTER_ALONE) for G in dict.fromkeys(g_labels)]
+            # baseline's choices index the same options in every framework's problem. Only for a
+            # layout with no axis left to shard: elsewhere ZeRO over a free axis holds less.
+            options += [(G, MASTER_ALONE) for G in dict.fromkeys(g_labels) if len(storage_options(G, mesh)) == 1]
         choices = []
         for G, opt in options:
             calls = self.sync_calls(spec, G, opt, self.gathers_per_pass(name, uses))
@@ -524,6 +529,16 @@ class _Builder:
         # a transient until then (as MemTracker files it).
         summed_at = S.backward(last)
         grad_bytes = spec.numel * prec.grad_bytes
+        for i, _ in uses[:-1]:
+            # A tied weight's earlier uses (later in backward): autograd sums their two
+            # gradient contributions into a new buffer while both are still alive.
+            self.slot(gid, S.backward(i), S.backward(i), "transients", *v["contributions"])
+        if self.framework == DDP_BUCKET_VIEW:
+            # The gradient is a view of DDP's bucket (``add_framework_buffers``): autograd's
+            # result lives until DDP's hook copies it in, at its last contribution.
+            self.slot(gid, grads_from if self.micro_batches == 1 else summed_at, summed_at, "transients",
+                      *v["gradients"])
+            return
         if reduced_at > grads_from:
             whole = np.array([opt.stage < 2 for _, opt in grp.options], float)
             nbytes, red = v["gradients"]
@@ -531,10 +546,6 @@ class _Builder:
             held_from = 0 if self.framework == MEGATRON else summed_at
             self.slot(gid, grads_from, held_from - 1, "transients", nbytes * whole, red * whole, grad_bytes)
             self.slot(gid, held_from, reduced_at - 1, "gradients", nbytes * whole, red * whole, grad_bytes)
-        for i, _ in uses[:-1]:
-            # A tied weight's earlier uses (later in backward): autograd sums their two
-            # gradient contributions into a new buffer while both are still alive.
-            self.slot(gid, S.backward(i), S.backward(i), "transients", *v["contributions"])
         unit = self.units.get(name)
         stages = np.array([opt.stage for _, opt in grp.options])
         # A layer unit's member under ZeRO-3: gathered for the unit's spans, its gradient
@@ -569,9 +580,13 @@ class _Builder:
         unsharded, red = v["unsharded"]
         prec = self.graph.precision
         flat, flat_red = (x * in_unit * prec.reduce_bytes / prec.grad_bytes for x in (unsharded, red))
+        # FSDP2 frees the gradients once they are copied into its flat buffer, before the
+        # reduce-scatter's output exists (``foreach_reduce``); memshard's runtime holds all three.
+        fsdp2 = unit.scatter_buffer is not None
         self.reduced_gradient(gid, v, stages, in_unit, unit.reduce_point if self.micro_batches == 1 else 0, 0.0,
-                              before_reshards=False)
-        self.slot(gid, first_backward, unit.reduce_point, "transients", unsharded * in_unit, red * in_unit)
+                              before_reshards=False, after_copy_in=fsdp2)
+        self.slot(gid, first_backward, unit.reduce_point, "transients", unsharded * in_unit, red * in_unit,
+                  phase=BEFORE_RESHARDS if fsdp2 else ALWAYS)
         # the unit's gradients copied into one flat buffer (in the reduce dtype) to be reduced
         self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", flat, flat_red)
         for span in (unit.forward_span, unit.backward_span):
@@ -610,7 +625,7 @@ class _Builder:
                 self.links.append(Link(gids[0], labels[gids[0]], g, labels[g]))
 
     def reduced_gradient(self, gid: int, v: dict, stages: np.ndarray, options: np.ndarray, at: int,
-                         global_bytes: float, before_reshards: bool) -> None:
+                         global_bytes: float, before_reshards: bool, after_copy_in: bool = False) -> None:
         """The stored gradient of ``options`` from its reduction at point ``at`` on. A ZeRO-2/3
         reduce-scatter's result is a transient there (the optimizer's .grad once it returns;
         ``before_reshards``: it returns before the reshards at ``at`` run); with micro-batches
@@ -627,8 +642,9 @@ class _Builder:
         if before_reshards:  # reduced before the reshards at ``at``: .grad while they run
             self.slot(gid, at, at, "transients", nbytes * out, red * out, phase=BEFORE_RESHARDS)
             self.slot(gid, at, at, "gradients", nbytes * scattered, red * scattered, phase=DURING_RESHARDS)
-        else:
-            self.slot(gid, at, at, "transients", nbytes * out, red * out)
+        else:  # (``after_copy_in``: the point's second moment, once the inputs are freed)
+            self.slot(gid, at, at, "transients", nbytes * out, red * out,
+                      phase=DURING_RESHARDS if after_copy_in else ALWAYS)
         self.slot(gid, at + 1, self.sched.optimizer, "gradients", nbytes * scattered, red * scattered)
 
     def gathers_per_pass(self, name: str, uses: list[tuple[int, int]]) -> int:
@@ -715,10 +731,12 @@ class _Builder:
                                                spec.nbytes * (1 - 1 / n), spec.nbytes))
 
     def add_framework_buffers(self) -> None:
-        """DistributedDataParallel's gradient buckets (``gradient_as_bucket_view=False``, its
-        default): every parameter's gradient once more, allocated when DDP wraps the model and
-        kept all step (the ``ddp`` baseline replicates every parameter)."""
-        if self.framework != DDP:
+        """DistributedDataParallel's gradient buckets: every parameter's gradient once more,
+        allocated when DDP wraps the model and kept all step (the ``ddp`` baselines replicate
+        every parameter; any ``bucket_cap_mb`` allocates them all). Under
+        ``gradient_as_bucket_view=False`` (its default) besides the gradients; under ``True``
+        they are the gradients (``storage_slots``)."""
+        if self.framework not in DDP_FRAMEWORKS:
             return
         n, grad_bytes = self.mesh.num_devices, self.graph.precision.grad_bytes
         buckets = sum(self.graph.tensors[p].numel for p in self.graph.parameters) * grad_bytes
@@ -742,7 +760,7 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         graph = with_input_gathers(with_output_scatters(graph))
     if framework == MEGATRON:  # bf16 training accumulates and reduces gradients in fp32 (main_grad)
         graph = replace(graph, precision=replace(graph.precision, grad_bytes=4))
-    if framework in (FSDP2, TORCH_TP) and graph.precision.name == MIXED.name:
+    if framework in FSDP2_FRAMEWORKS and graph.precision.name == MIXED.name:
         # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathered
         # weights and computed gradients, the fp32 shard the master weight (as memshard's
         # ZeRO-3), gradients reduce-scattered in fp32

@@ -64,14 +64,20 @@ SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout 
 # What runs a plan, and so what it allocates besides the model's own tensors: memshard's
 # runtime; or, for the baselines named after them, PyTorch's fully_shard on every layer and
 # the root module (``gathers.fsdp2_units``: ZeRO-3 gathered by layer, the root all step,
-# prefetch, flat buffers) and DistributedDataParallel (its gradient buckets); TORCH_TP: PyTorch's
+# prefetch, flat buffers; FSDP2_NO_RESHARD: ``reshard_after_forward=False`` on every layer, its
+# weights gathered once, from the layer's forward to its backward) and DistributedDataParallel
+# (its gradient buckets, a second copy of the gradients; DDP_BUCKET_VIEW:
+# ``gradient_as_bucket_view=True``, the buckets are the gradients); TORCH_TP: PyTorch's
 # parallelize_module with torchtitan's plan (``tensor_parallel.with_input_gathers``: each
 # block's attention and MLP input gathered once) × fully_shard as FSDP2; MEGATRON: Megatron-LM's
 # gradient buffer (``pricing.build_problem``: every local gradient in fp32, all step, reduced in
 # fp32). Not a search option: memshard's runtime executes "memshard" plans only.
 MEMSHARD, FSDP2, DDP, TORCH_TP, MEGATRON = "memshard", "fsdp2", "ddp", "torch-tp", "megatron"
-FRAMEWORKS = (MEMSHARD, FSDP2, DDP, TORCH_TP, MEGATRON)
-TORCH_FRAMEWORKS = (FSDP2, DDP, TORCH_TP)  # run with torch.optim.Adam (foreach)
+FSDP2_NO_RESHARD, DDP_BUCKET_VIEW = "fsdp2-noreshard", "ddp-bucket-view"
+FRAMEWORKS = (MEMSHARD, FSDP2, FSDP2_NO_RESHARD, DDP, DDP_BUCKET_VIEW, TORCH_TP, MEGATRON)
+FSDP2_FRAMEWORKS = (FSDP2, FSDP2_NO_RESHARD, TORCH_TP)  # fully_shard on every layer and the root
+DDP_FRAMEWORKS = (DDP, DDP_BUCKET_VIEW)
+TORCH_FRAMEWORKS = (*FSDP2_FRAMEWORKS, *DDP_FRAMEWORKS)  # run with torch.optim.Adam (foreach)
 
 INPUT_COPY = "input_copy"  # the consumer's input during its forward
 REGATHER = "regather"  # a kept copy gathered again during the consumer's backward
