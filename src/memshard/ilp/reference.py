@@ -26,7 +26,10 @@ class Reference:
         a power of ten near the step time, so the peak and the step time are O(1) in the model
         and HiGHS's absolute tolerances mean the same at any model size."""
         bytes_unit = 2.0 ** round(math.log2(max(self.memory_floor_bytes, 1.0)))
-        time_unit = 10.0 ** round(math.log10(max(self.time_scale_s, 1e-12)))
+        # (a plan's step time, not the slowest choices': that one is 10³–10⁴× the step time of
+        # a large job, and a time objective of 10⁻³ leaves HiGHS's simplex stalling on costs
+        # below its dual tolerance)
+        time_unit = 10.0 ** round(math.log10(max(self.time_estimate_s, self.time_scale_s / 100, 1e-12)))
         return bytes_unit, time_unit
 
 
