@@ -56,6 +56,23 @@ def test_memory_objective_is_within_3_percent_of_the_bound(model, mesh, batch, s
 
 
 # -- shared layers vs exact -----------------------------------------------------------------------
+@pytest.mark.parametrize("model, mesh, batch, seq, recompute", [
+    ("tiny-gpt", "2x2", 8, 128, "none"), ("gpt3-6.7b", "2x4", 16, 2048, "none"),
+    ("llama3-70b", "8x8", 64, 4096, "auto")])
+def test_the_ilp_counts_a_plans_peak_and_step_time_near_one_unit(model, mesh, batch, seq, recompute):
+    """HiGHS's tolerances are absolute: the model counts bytes and seconds in units near a
+    plan's peak and step time. (Scaled by the sum of every op's slowest choice, LLaMA-3 70B's
+    step time with recomputation searched was 0.03 units, and the time search stalled.)"""
+    from memshard.ilp.reference import reference
+    from memshard.pricing import build_problem
+
+    job = memshard.Job(model, mesh, batch=batch, seq=seq)
+    ref = reference(build_problem(job.graph, job.mesh, recompute=recompute))
+    bytes_unit, time_unit = ref.units
+    assert 0.7 <= ref.memory_floor_bytes / bytes_unit <= 1.42  # the nearest power of two
+    assert 0.3 <= ref.time_estimate_s / time_unit <= 3.2  # the nearest power of ten
+
+
 def test_exact_and_shared_layers_agree(tiny_memory_plan):
     exact = memshard.plan("gpt2", TINY_MESH, exact=True, **TINY)
     shared = tiny_memory_plan
