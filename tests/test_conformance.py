@@ -100,11 +100,11 @@ def fully_sharded_peak(family: str, world: int, rank: int, parallelize=fully_sha
         return last_step_peak(model, lambda opt, seed: train_step(model, opt, seed, seq))
 
 
-def data_parallel(model, mesh):
-    """``DistributedDataParallel`` with its defaults."""
+def data_parallel(model, mesh, **options):
+    """``DistributedDataParallel`` with its defaults (but ``options``)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model)
+    return DistributedDataParallel(model, **options)
 
 
 def ddp_peak(family: str, world: int, rank: int, parallelize=data_parallel, seq: int = SEQ) -> int:
@@ -283,12 +283,7 @@ def test_ddp_bucket_size_changes_no_memory(baseline, parallelize):
     """DDP allocates every bucket when it wraps the model, whatever ``bucket_cap_mb`` says:
     small buckets (many all-reduces) hold what the baseline prices, on the rank whose peak
     is the optimizer step's (LLaMA, 32 tokens) and on one whose peak is backward's (256)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    def small_buckets(model, mesh):
-        if parallelize is data_parallel:
-            return DistributedDataParallel(model, bucket_cap_mb=0.05)
-        return parallelize(model, mesh, bucket_cap_mb=0.05)
+    small_buckets = functools.partial(parallelize, bucket_cap_mb=0.05)
 
     for seq in (SEQ, 256):
         graph = trace_hf("llama", batch=4, seq=seq, precision="fp32", **FAMILIES["llama"])
