@@ -105,7 +105,7 @@ def test_plan_json_is_deterministic(tmp_path):
     texts = [p.read_text() for p in paths]
     docs = [json.loads(t) for t in texts]
     d = docs[0]
-    assert d["schema"] == "memshard.plan/2"
+    assert d["schema"] == "memshard.plan/3"
     assert d["mesh"]["shape"] == [2, 2]
     assert d["model"]["num_parameters"] == 124_439_808
     assert d["model"]["batch"] == 4 and d["model"]["seq"] == 128

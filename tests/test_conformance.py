@@ -46,13 +46,20 @@ def blocks_of(model) -> list[torch.nn.Module]:
     return list(getattr(inner, "layers", None) or inner.h)
 
 
+def config(family: str, layers: int | None = None) -> dict:
+    """The family's small config (with ``layers`` blocks)."""
+    if layers is None:
+        return FAMILIES[family]
+    return {**FAMILIES[family], ("n_layer" if family == "gpt2" else "num_hidden_layers"): layers}
+
+
 @contextlib.contextmanager
-def fake_rank(family: str, world: int, rank: int):
+def fake_rank(family: str, world: int, rank: int, layers: int | None = None):
     """Rank ``rank`` of a ``world``-rank fake process group, with the family's model (seed 0)."""
     init_fake_world(rank, world)
     try:
         torch.manual_seed(0)
-        yield build_model(load_config(family, **FAMILIES[family]), "fp32", device="cpu")
+        yield build_model(load_config(family, **config(family, layers)), "fp32", device="cpu")
     finally:
         destroy()
 
@@ -90,12 +97,13 @@ def fully_shard_blocks(model, mesh, shard=None):
     return model
 
 
-def fully_sharded_peak(family: str, world: int, rank: int, parallelize=fully_shard_blocks, seq: int = SEQ) -> int:
+def fully_sharded_peak(family: str, world: int, rank: int, parallelize=fully_shard_blocks, seq: int = SEQ,
+                       layers: int | None = None) -> int:
     """The peak bytes of the second training step of rank ``rank`` under FSDP2
     (``parallelize(model, mesh)`` on a 1-D mesh of the world)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    with fake_rank(family, world, rank) as model:
+    with fake_rank(family, world, rank, layers) as model:
         model = parallelize(model, init_device_mesh("cpu", (world,)))
         return last_step_peak(model, lambda opt, seed: train_step(model, opt, seed, seq))
 
@@ -133,17 +141,19 @@ def ddp_peak(family: str, world: int, rank: int, parallelize=data_parallel, seq:
                               tracked=lambda: buckets.values())
 
 
-def checkpointed(parallelize):
-    """``parallelize`` after torchtitan's full activation checkpointing: every block wrapped
-    in ``checkpoint_wrapper`` (``torch.utils.checkpoint``, non-reentrant; its input saved,
-    everything else recomputed in backward)."""
+def checkpointed(parallelize, every: int = 1):
+    """``parallelize`` after torchtitan's full activation checkpointing: every block (with
+    ``every``, those whose index is a multiple of it, torchtitan's ``selective_ac_option``)
+    wrapped in ``checkpoint_wrapper`` (``torch.utils.checkpoint``, non-reentrant; its input
+    saved, everything else recomputed in backward)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     def apply(model, mesh):
         inner = getattr(model, "model", None) or model.transformer
         blocks = getattr(inner, "layers", None) or inner.h
         for k, block in enumerate(blocks):
-            blocks[k] = checkpoint_wrapper(block, preserve_rng_state=False)
+            if k % every == 0:
+                blocks[k] = checkpoint_wrapper(block, preserve_rng_state=False)
         return parallelize(model, mesh)
     return apply
 
@@ -276,6 +286,22 @@ def test_a_baseline_is_what_its_pytorch_implementation_allocates_at_256_tokens(b
     recompute = "full" if baseline.endswith("+full") else "none"
     predicted = memshard.strategy_plan(graph, "4", baseline, recompute=recompute).peak_bytes
     assert MEASURED[baseline]("llama", 4, 0, seq=256) == pytest.approx(predicted, rel=0.02)
+
+
+@pytest.mark.parametrize("every", [2, 3])
+def test_checkpointing_every_nth_block_is_what_pytorch_allocates(every):
+    """torchtitan's ``selective_ac_option = "N"``: ``checkpoint_wrapper`` on the blocks whose
+    index is a multiple of N, the others keeping their activations (``fsdp2+full-everyN``,
+    its layers in two classes), LLaMA with 4 blocks, 256 tokens, FSDP2 on 4 ranks; between
+    FSDP2 without and with every block checkpointed."""
+    graph = trace_hf("llama", batch=4, seq=256, precision="fp32", **config("llama", 4))
+    name = f"fsdp2+full-every{every}"
+    predicted = memshard.strategy_plan(graph, "4", name, recompute="auto")
+    assert predicted.solver.layer_classes == tuple(0 if k % every == 0 else 1 for k in range(4))
+    measured = fully_sharded_peak("llama", 4, 0, checkpointed(fully_shard_blocks, every), seq=256, layers=4)
+    assert measured == pytest.approx(predicted.peak_bytes, rel=0.02)
+    bounds = [memshard.strategy_plan(graph, "4", b, recompute="auto").peak_bytes for b in ("fsdp2+full", "fsdp2")]
+    assert bounds[0] < predicted.peak_bytes < bounds[1]
 
 
 @pytest.mark.parametrize("baseline, parallelize", [("ddp", data_parallel), ("ddp-bucket-view", bucket_views)])

@@ -231,6 +231,30 @@ def test_megatron_arguments_for_llama_with_recomputation_and_micro_batches():
     assert full["--micro-batch-size"] == "4" and full["--global-batch-size"] == "4"  # one replica
 
 
+def test_megatron_block_recomputation_is_its_block_method():
+    block = megatron_arguments(memshard.export("tiny-gpt", "4", strategy="megatron-tp4-sp+full-block3", num_layers=6))
+    assert (block["--recompute-granularity"], block["--recompute-method"], block["--recompute-num-layers"]) == (
+        "full", "block", "3")
+    for wrong in ("megatron-tp4-sp+full-every2", "fsdp2+full-block2"):
+        with pytest.raises(MemshardError, match="by block"):
+            memshard.export("tiny-gpt", "4", strategy=wrong, num_layers=6)
+
+
+@pytest.mark.runtime
+def test_checkpointing_every_nth_block_is_exported_and_allocates_what_is_predicted():
+    """``fsdp2+full-every2``: the exported loop wraps the blocks of even index only, and the
+    function run under the fake process group allocates the prediction (LLaMA, 4 blocks)."""
+    from memshard.trace.hf import trace_hf
+    from tests.test_conformance import SEQ, config, fully_sharded_peak
+
+    graph = trace_hf("llama", batch=WORLD, seq=SEQ, precision="fp32", **config("llama", 4))
+    text = memshard.export(graph, str(WORLD), strategy="fsdp2+full-every2")
+    assert "if k % 2 == 0:" in text and text.count("checkpoint_wrapper(") == 1
+    predicted = memshard.strategy_plan(graph, str(WORLD), "fsdp2+full-every2", recompute="auto").peak_bytes
+    peak = fully_sharded_peak("llama", WORLD, 0, parallelize_of(text), layers=4)
+    assert peak == pytest.approx(predicted, rel=0.02)
+
+
 def test_megatron_needs_a_batch_its_replicas_split_evenly():
     with pytest.raises(MemshardError, match=r"global batch \(6\) to be a multiple of .* \(4\)"):
         memshard.export("tiny-gpt", "1x8", strategy="megatron-tp2-dp4", batch=6)

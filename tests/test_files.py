@@ -35,7 +35,7 @@ def test_a_symlink_is_written_through_and_stays_a_link(tmp_path, capsys):
     assert main([*PLAN, "--json", str(link)]) == 0
     capsys.readouterr()
     assert link.is_symlink() and os.readlink(link) == str(target)
-    assert json.loads(target.read_text())["schema"] == "memshard.plan/2"
+    assert json.loads(target.read_text())["schema"] == "memshard.plan/3"
 
 
 def test_a_device_is_written_to_not_replaced(capsys):

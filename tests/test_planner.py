@@ -129,7 +129,7 @@ def test_budgets_must_be_positive():
 def test_plan_json_schema(tiny_memory_plan):
     d = tiny_memory_plan.to_dict()
     json.dumps(d, allow_nan=False)  # plain JSON, no NaN/inf
-    assert d["schema"] == "memshard.plan/2"
+    assert d["schema"] == "memshard.plan/3"
     assert d["model"]["num_parameters"] == gpt_parameters(4, 64, 128, 128, 1024)
     assert d["mesh"]["shape"] == [4]
     assert d["objective"] == "memory"

@@ -186,7 +186,7 @@ def test_a_replayed_op_cannot_keep_or_gather_per_op():
 def test_plan_json_records_recomputation_and_old_plans_load():
     plan = strategy_plan("tiny-gpt", "2x2", "megatron-tp2-dp2-sp+selective", batch=8, recompute="selective")
     data = plan.to_dict()
-    assert data["schema"] == "memshard.plan/2" and data["solver"]["recompute"] == "selective"
+    assert data["schema"] == "memshard.plan/3" and data["solver"]["recompute"] == "selective"
     assert {o["name"] for o in data["ops"] if o["recomputed"]} == {"attn.scores", "attn.softmax", "attn.attn_dropout"}
     again = plan_from_dict(json.loads(json.dumps(data)))
     assert again.selection == plan.selection and again.peak_bytes == pytest.approx(plan.peak_bytes)

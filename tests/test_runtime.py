@@ -82,6 +82,9 @@ RECOMPUTE = {  # plans that recompute activations: (recomputation searched or fo
     "tiny-llama-zero3-fsdp+full-layer-4": ("tiny-llama", "4", "zero3-fsdp+full", "auto", "layer", None),
     "tiny-gpt-tp2-fsdp2+selective-layer-2x2": ("tiny-gpt", "2x2", "tp2-fsdp2+selective", "selective", "layer", None),
     "tiny-gpt-dp+selective-4": ("tiny-gpt", "4", "dp+selective", "selective", "op", None),
+    # Megatron-LM's block method: the first layer recomputed, the second not
+    "tiny-gpt-megatron-tp2-dp2-sp+full-block1-2x2": ("tiny-gpt", "2x2", "megatron-tp2-dp2-sp+full-block1", "auto", "op",
+                                                     128),
 }
 CASES.update({case: spec[:3] for case, spec in RECOMPUTE.items()})
 MIXED = {  # mixed precision: bf16 weights, activations and gradients, fp32 master weights and Adam
@@ -156,8 +159,8 @@ def test_at_least_twenty_plans_on_four_meshes():
 
 
 def test_at_least_ten_plans_recompute():
-    """memshard's (both objectives, searched and forced), Megatron's selective and full,
-    FSDP with full and selective, on GPT and LLaMA: each replays ops in the run."""
+    """memshard's (both objectives, searched and forced), Megatron's selective, full and
+    block, FSDP with full and selective, on GPT and LLaMA: each replays ops in the run."""
     assert len(RECOMPUTE) >= 10
     for case in RECOMPUTE:
         assert any(op.recomputed for op in _results()[case][0].ops), case

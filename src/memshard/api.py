@@ -146,18 +146,19 @@ def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: 
     ``memshard compare`` lists them) of ``model`` on ``mesh`` (keywords as :func:`plan`'s) or
     of a :class:`Job`, priced like memshard's own. With ``recompute`` other than ``none``
     the baselines recompute too: that policy, or (``auto``) each with no, selective and full
-    recomputation (``megatron-tp4-sp+full``…)."""
+    recomputation (``megatron-tp4-sp+full``…), or with some of its layers recomputed as its
+    recipe picks them (``megatron-tp4-sp+full-block12``: the first 12, Megatron-LM's block
+    method; ``fsdp2+full-every2``: every second, torchtitan's)."""
     job, _ = job_and_options(model, mesh, job_arguments)
     problem = build_problem(job.graph, job.mesh, micro_batches=job.micro_batches, zero3_unit=zero3_unit,
                             recompute=recompute)
-    fixed, skipped = baselines(problem)
-    for b in fixed:
-        if b.name == strategy:
-            return build_plan(b.problem, b.selection, job, strategy=b.name, advice=False)
+    fixed, skipped = baselines(problem, lambda name: name == strategy)
+    if fixed:
+        return build_plan(fixed[0].problem, fixed[0].selection, job, strategy=strategy, advice=False)
     reason = dict(skipped).get(strategy)
     if reason:
         raise MemshardError(f"strategy {strategy} does not fit {job.graph.name} on {job.mesh}: {reason}")
-    known = ", ".join(["memshard", *(b.name for b in fixed)])
+    known = ", ".join(["memshard", *(b.name for b in baselines(problem)[0])])
     raise MemshardError(f"unknown strategy {strategy!r} for this mesh; known: {known}")
 
 
@@ -180,7 +181,7 @@ def export(model: Model | Job, mesh: str | Mesh = "2x4", strategy: str = "memsha
     if job.precision is None and target.precision and not isinstance(job.model, (Graph, TracedModule)):
         job = replace(job, precision=target.precision)
     check_exportable(target, job)
-    return render(target, strategy_plan(job, strategy=strategy, recompute=target.recompute))
+    return render(target, strategy_plan(job, strategy=strategy, recompute=target.policy))
 
 
 def fit(model: Model | Job, mesh: str | Mesh = "2x4", *, knob: str = "batch", step: int | None = None,

@@ -29,7 +29,10 @@ space, no baseline beats memshard's minimal-memory plan by more than the solver'
 Recomputation (``recompute.py``): on a problem whose policy is ``selective`` or ``full`` every
 baseline recomputes so; under ``auto`` each baseline comes without (its plain name), with
 selective (``+selective``: Megatron-LM's core attention) and with full recomputation
-(``+full``: Megatron-LM's full uniform, torchtitan's full activation checkpointing).
+(``+full``: Megatron-LM's full uniform, torchtitan's full activation checkpointing), and the
+Megatron-LM and torchtitan recipes also with some of their layers recomputed in full
+(``LayerSplit``: ``+full-blockN``, Megatron-LM's block method; ``+full-everyN``, torchtitan's
+every N-th layer), on a problem whose layers are in two classes (``split_baseline``).
 
 Tensor-parallel degrees below the node size are laid out on the same devices viewed as a
 finer logical mesh (``split_innermost``), priced by the same model.
@@ -42,7 +45,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from memshard.graph import PRECISIONS
+from memshard.graph import PRECISIONS, Graph
 from memshard.mesh import Mesh
 from memshard.placement import local_numel
 from memshard.pricing import build_problem
@@ -145,15 +148,70 @@ def torch_tp_fsdp2(problem: Problem, tp_axes: int, replayed: Replayed) -> Select
 
 
 def recompute_variants(problem: Problem) -> list[tuple[str, Replayed]]:
-    """(name suffix, which ops to recompute) of each recomputation a baseline is built with."""
+    """(name suffix, which ops to recompute) of each recomputation a baseline is built with.
+    On a problem whose layers are split (``layer_split``): full recomputation of the layers of
+    class 0 only, suffixed ``+full`` (``split_baseline`` names it)."""
     graph = problem.graph
     selective, full = core_attention(graph) & replayable_ops(graph), replayable_ops(graph)
+    if len(set(graph.layer_classes)) > 1:
+        return [("+full", lambda i: i in full and graph.ops[i].layer_class == 0)]
     variants = {"none": [("", lambda i: False)],
                 "selective": [("+selective", lambda i: i in selective)],
                 "full": [("+full", lambda i: i in full)]}
     if problem.recompute == "auto":  # (selective only where the model has core attention)
         return variants["none"] + (variants["selective"] if selective else []) + variants["full"]
     return variants[problem.recompute]
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """Full recomputation of some of the layers, as a recipe picks them: ``block`` (Megatron-LM's
+    ``--recompute-method block --recompute-num-layers N``: the first N layers) or ``every``
+    (torchtitan's ``selective_ac_option = "N"``: the layers whose index is a multiple of N).
+    Its count runs from the least memory to the most (``counts``)."""
+
+    method: str
+
+    def classes(self, layers: int, count: int) -> tuple[int, ...]:
+        """Each layer's class: 0 recomputed, 1 not."""
+        if self.method == "block":
+            return tuple(0 if k < count else 1 for k in range(layers))
+        return tuple(0 if k % count == 0 else 1 for k in range(layers))
+
+    def counts(self, layers: int) -> range:
+        """The counts that recompute some layers but not all, from the most recomputed."""
+        return range(layers - 1, 0, -1) if self.method == "block" else range(2, layers + 1)
+
+    def suffix(self, count: int) -> str:
+        return f"+full-{self.method}{count}"
+
+
+BLOCK, EVERY = LayerSplit("block"), LayerSplit("every")
+
+
+def layer_split(name: str) -> LayerSplit | None:
+    """How the recipe of baseline ``name`` recomputes some of the layers: Megatron-LM's by
+    block, torchtitan's (FSDP2, PyTorch TP × FSDP2) every N-th layer; None for the others."""
+    if name.startswith("megatron-"):
+        return BLOCK
+    if name.startswith(("fsdp2", "torch-tp")):
+        return EVERY
+    return None
+
+
+def split_baseline(problem: Problem, name: str, count: int, built: dict | None = None) -> Baseline | None:
+    """Baseline ``name`` with ``count`` of its layers fully recomputed as its recipe picks them
+    (``layer_split``), on ``problem`` (recomputation ``auto``) with its layers split in two
+    classes, each sharing its own variables; None where the baseline does not fit. ``built``
+    keeps the split problems for the next call."""
+    split = layer_split(name)
+    graph = problem.graph
+    if split is None or problem.recompute != "auto" or count not in split.counts(graph.num_layers):
+        return None
+    classes = split.classes(graph.num_layers, count)
+    on = _build(graph.with_layer_classes(classes), problem.mesh, problem, problem.framework, built)
+    found, _ = baselines(on, lambda n: n == name + "+full", built)
+    return next((replace(b, name=name + split.suffix(count)) for b in found), None)
 
 
 def split_innermost(mesh: Mesh, tp: int) -> Mesh:
@@ -164,29 +222,44 @@ def split_innermost(mesh: Mesh, tp: int) -> Mesh:
     return replace(mesh, axes=mesh.axes[:-1] + parts)
 
 
-def as_run_by(problem: Problem, framework: str) -> Problem:
-    """``problem`` priced as ``framework`` (``problem.FRAMEWORKS``) runs its plans."""
+def as_run_by(problem: Problem, framework: str, built: dict | None = None) -> Problem:
+    """``problem`` priced as ``framework`` (``problem.FRAMEWORKS``) runs its plans. ``built``
+    (problems of one job's baselines) keeps the problem for the next call that asks for it."""
     if problem.framework == framework:
         return problem
     graph = problem.graph
     if problem.framework == MEGATRON:  # its fp32 gradient buffer is Megatron-LM's, not the job's
         graph = replace(graph, precision=PRECISIONS[graph.precision.name])
-    return build_problem(graph, problem.mesh, problem.shared_layers, problem.micro_batches,
-                         problem.zero3_unit, problem.recompute, framework)
+    return _build(graph, problem.mesh, problem, framework, built)
 
 
-def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
+def _build(graph: Graph, mesh: Mesh, like: Problem, framework: str, built: dict | None) -> Problem:
+    """The problem of ``graph`` on ``mesh`` for ``framework``, otherwise built as ``like``;
+    kept in ``built`` by what tells the problems of one job apart."""
+    key = (graph.layer_classes, mesh, framework)
+    if built is not None and key in built:
+        return built[key]
+    problem = build_problem(graph, mesh, like.shared_layers, like.micro_batches, like.zero3_unit, like.recompute,
+                            framework)
+    if built is not None:
+        built[key] = problem
+    return problem
+
+
+def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None, built: dict | None = None
               ) -> tuple[list[Baseline], list[tuple[str, str]]]:
     """Every baseline that fits the model and mesh, and (name, reason) for those that don't;
-    with ``wanted``, only the names it accepts (the problems the others need are not built).
+    with ``wanted``, only the names it accepts (the problems the others need are not built;
+    ``built`` keeps those that are for the next call, see ``as_run_by``).
 
     Tensor parallelism takes every degree that divides the node (the innermost axis), then
     whole nodes and more (the innermost axes); data parallelism takes the rest."""
-    out, skipped = [], []
+    out, skipped, bases = [], [], []
     mesh = problem.mesh
     variants = recompute_variants(problem)
 
     def add(name, make, on: Callable[[], Problem] = lambda: problem):
+        bases.append(name)
         names = [(name + suffix, suffix) for suffix, _ in variants if wanted is None or wanted(name + suffix)]
         if names:
             on = on()
@@ -205,16 +278,16 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
                 out.append(Baseline(full_name, selection, on))
 
     add("dp", ddp)
-    add("ddp", ddp, lambda: as_run_by(problem, DDP))
-    add("ddp-bucket-view", ddp, lambda: as_run_by(problem, DDP_BUCKET_VIEW))
+    add("ddp", ddp, lambda: as_run_by(problem, DDP, built))
+    add("ddp-bucket-view", ddp, lambda: as_run_by(problem, DDP_BUCKET_VIEW, built))
     for stage in (1, 2, 3):
         add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, r, s=stage: zero(p, s, r))
-    add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2))
-    add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD))
-    for on, k, tp in tensor_parallel_layouts(problem):
+    add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2, built))
+    add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD, built))
+    for on, k, tp in tensor_parallel_layouts(problem, built):
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")
-        as_megatron = functools.cache(lambda on=on: as_run_by(on(), MEGATRON))
+        as_megatron = functools.cache(lambda on=on: as_run_by(on(), MEGATRON, built))
         add(f"megatron-{tag}", lambda p, r, k=k: megatron_tp(p, k, replayed=r), as_megatron)
         add(f"megatron-{tag}-sp", lambda p, r, k=k: megatron_tp_sp(p, k, r), as_megatron)
         if dp > 1:
@@ -222,11 +295,19 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
                 as_megatron)
             add(f"tp{tp}-fsdp{dp}", lambda p, r, k=k: tp_fsdp(p, k, r), on)
             add(f"torch-tp{tp}-fsdp{dp}", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
-                lambda on=on: as_run_by(on(), TORCH_TP))
+                lambda on=on: as_run_by(on(), TORCH_TP, built))
+    if wanted is not None:  # the layer splits asked for by name (``compare`` finds its own)
+        layers = problem.graph.num_layers
+        for base in bases:
+            split = layer_split(base)
+            for count in split.counts(layers) if split and problem.recompute == "auto" else ():
+                if wanted(base + split.suffix(count)) and (b := split_baseline(problem, base, count)):
+                    out.append(b)
     return out, skipped
 
 
-def tensor_parallel_layouts(problem: Problem) -> list[tuple[Callable[[], Problem], int, int]]:
+def tensor_parallel_layouts(problem: Problem, built: dict | None = None
+                            ) -> list[tuple[Callable[[], Problem], int, int]]:
     """(the problem it is laid out on, built once when first asked for; tensor-parallel mesh
     axes; degree) of every tensor-parallel degree: those dividing the node on a finer view of
     it, then whole inner axes."""
@@ -234,9 +315,8 @@ def tensor_parallel_layouts(problem: Problem) -> list[tuple[Callable[[], Problem
     node = mesh.shape[-1]
     for tp in range(2, node):
         if node % tp == 0:
-            finer = functools.cache(lambda tp=tp: build_problem(
-                problem.graph, split_innermost(mesh, tp), problem.shared_layers, problem.micro_batches,
-                problem.zero3_unit, problem.recompute, problem.framework))
+            finer = functools.cache(lambda tp=tp: _build(
+                problem.graph, split_innermost(mesh, tp), problem, problem.framework, built))
             layouts.append((finer, 1, tp))
     for k in range(1, mesh.ndim + 1):
         tp = math.prod(mesh.shape[mesh.ndim - k:])

@@ -47,7 +47,8 @@ WITH_OPTION = {"fsdp2-noreshard": ("fsdp2", "reshard_after_forward=False"),
                "ddp-bucket-view": ("ddp", "gradient_as_bucket_view=True")}
 TORCH_TP_NAME = re.compile(r"torch-tp(?P<tp>\d+)-fsdp(?P<dp>\d+)")
 MEGATRON_NAME = re.compile(r"megatron-tp(?P<tp>\d+)(?:-dp(?P<dp>\d+))?(?P<sp>-sp)?(?P<distopt>-distopt)?")
-RECOMPUTE_SUFFIX = re.compile(r"\+(selective|full)$")
+# +selective, +full, or +full-blockN / +full-everyN (some layers recomputed, ``baselines.LayerSplit``)
+RECOMPUTE_SUFFIX = re.compile(r"\+(selective|full)(?:-(block|every)(\d+))?$")
 # PrepareModuleInput gathering a sequence-parallel input once for the projections that read it
 GATHER_POSITIONAL = "PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))"
 GATHER_KEYWORD = ("PrepareModuleInput(input_kwarg_layouts={\"hidden_states\": Shard(1)}, "
@@ -76,7 +77,9 @@ class ExportTarget:
     """An exportable strategy: ``kind`` is ``fsdp2``, ``ddp`` or ``megatron``; ``recompute`` the
     policy its name carries (``+selective``, ``+full``), under which its baseline is built;
     ``precision`` the precision its code runs unless the job says otherwise (None: the model's);
-    ``option`` a keyword argument given to every ``fully_shard`` or to ``DistributedDataParallel``."""
+    ``option`` a keyword argument given to every ``fully_shard`` or to ``DistributedDataParallel``;
+    ``split``/``count``: some layers recomputed in full, Megatron-LM's ``block`` (the first
+    ``count``) or torchtitan's ``every`` (each ``count``-th), under recomputation ``auto``."""
 
     strategy: str
     kind: str
@@ -84,6 +87,13 @@ class ExportTarget:
     precision: str | None
     megatron: MegatronLayout | None = None
     option: str = ""
+    split: str = ""
+    count: int = 0
+
+    @property
+    def policy(self) -> str:
+        """The recomputation its baseline is built under."""
+        return "auto" if self.split else self.recompute
 
 
 @dataclass(frozen=True)
@@ -100,12 +110,16 @@ def export_target(strategy: str) -> ExportTarget:
         raise MemshardError(f"a strategy is a name such as fsdp2, ddp or megatron-tp4-sp, got {strategy!r}")
     suffix = RECOMPUTE_SUFFIX.search(strategy)
     recompute = suffix.group(1) if suffix else "none"
+    split, count = (suffix.group(2) or "", int(suffix.group(3) or 0)) if suffix else ("", 0)
     base = strategy[:suffix.start()] if suffix else strategy
     megatron = MEGATRON_NAME.fullmatch(base)
+    if split and bool(megatron) != (split == "block"):
+        raise MemshardError(f"{strategy} cannot be exported: Megatron-LM recomputes some layers by block "
+                            "(+full-blockN), torchtitan's recipes every N-th layer (+full-everyN)")
     if megatron:
         layout = MegatronLayout(int(megatron["tp"]), int(megatron["dp"] or 1), bool(megatron["sp"]),
                                 bool(megatron["distopt"]))
-        return ExportTarget(strategy, "megatron", recompute, None, layout)
+        return ExportTarget(strategy, "megatron", recompute, None, layout, split=split, count=count)
     kind, option = WITH_OPTION.get(base, ("torch-tp" if TORCH_TP_NAME.fullmatch(base) else base, ""))
     if kind in TORCH_STRATEGIES:
         # full recomputation is checked against torch.utils.checkpoint around every block
@@ -114,7 +128,7 @@ def export_target(strategy: str) -> ExportTarget:
                                 f"torch.utils.checkpoint as exported (+full is); export {base} "
                                 "or run it with memshard.parallelize(model, plan) (README: \"Using a plan from "
                                 "Python\")")
-        return ExportTarget(strategy, kind, recompute, "fp32", option=option)
+        return ExportTarget(strategy, kind, recompute, "fp32", option=option, split=split, count=count)
     raise MemshardError(f"{strategy} cannot be exported: {_why_not(base)}; {PARALLELIZE}")
 
 
@@ -255,10 +269,19 @@ def _blocks_lines(plan: Plan, target: ExportTarget, per_block: list[str]) -> lis
                   f"        raise ValueError(f\"memshard priced {count} blocks in {path}, the model has "
                   "{len(container)}\")"]
         if target.recompute == "full":
-            lines += ["    for k, block in enumerate(container):  # recomputed in backward from its input",
-                      "        container[k] = checkpoint_wrapper(block, preserve_rng_state=False)"]
+            lines += _wrap_lines(target, "container", "container[k]")
         lines += per_block
     return lines
+
+
+def _wrap_lines(target: ExportTarget, blocks: str, assign: str) -> list[str]:
+    """The blocks of ``blocks`` (each, or every ``count``-th) wrapped in ``checkpoint_wrapper``,
+    the result assigned to ``assign``."""
+    wrap = f"{assign} = checkpoint_wrapper(block, preserve_rng_state=False)"
+    if target.split != "every":
+        return [f"    for k, block in enumerate({blocks}):  # recomputed in backward from its input", f"        {wrap}"]
+    return [f"    for k, block in enumerate({blocks}):  # every {_ordinal(target.count)} recomputed in backward from its input",
+            f"        if k % {target.count} == 0:", f"            {wrap}"]
 
 
 def _checkpoint_import(target: ExportTarget) -> list[str]:
@@ -268,8 +291,15 @@ def _checkpoint_import(target: ExportTarget) -> list[str]:
 
 
 def _checkpointing(target: ExportTarget) -> str:
-    return (" Every transformer block is recomputed in backward from its input (torchtitan's full activation "
-            "checkpointing, torch.utils.checkpoint).") if target.recompute == "full" else ""
+    if target.recompute != "full":
+        return ""
+    which = f"Every {_ordinal(target.count)} transformer block" if target.split else "Every transformer block"
+    return (f" {which} is recomputed in backward from its input (torchtitan's "
+            f"{'selective_ac_option' if target.split else 'full activation checkpointing'}, torch.utils.checkpoint).")
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _mixed(plan: Plan) -> bool:
@@ -455,8 +485,7 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
             *("    " + e for e in entries(block)),
             "        })",
             *([f"    container = model.get_submodule(\"{container.path}\")",
-               "    for k, block in enumerate(blocks):  # recomputed in backward from its input",
-               "        container[k] = blocks[k] = checkpoint_wrapper(block, preserve_rng_state=False)"]
+               *_wrap_lines(target, "blocks", "container[k] = blocks[k]")]
               if target.recompute == "full" else []),
             *_fsdp_policy(plan),
             "    for block in blocks:",
@@ -487,6 +516,8 @@ def megatron_arguments(target: ExportTarget, plan: Plan) -> list[str]:
     args += [f"--micro-batch-size {micro}", f"--global-batch-size {job.global_batch}"]
     if target.recompute == "selective":  # Megatron-LM's selective recomputes the core attention
         args += ["--recompute-granularity selective"]
+    elif target.split:  # the first layers keep their input, the others everything
+        args += ["--recompute-granularity full", "--recompute-method block", f"--recompute-num-layers {target.count}"]
     elif target.recompute == "full":  # every layer keeps its input
         args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
     if plan.model.precision == "mixed":

@@ -360,7 +360,8 @@ class Prober:
         the real mesh."""
         job, problem = self.job_and_problem(value)
         if names is None or any((value, n) not in self.baselines for n in names):
-            plans = baseline_plans(job, problem, None if names is None else names.__contains__)[0]
+            # (a recipe with some layers recomputed fits less than with all: never the answer)
+            plans = baseline_plans(job, problem, None if names is None else names.__contains__, layer_splits=False)[0]
             self.baselines.update(((value, p.strategy), p) for p in plans)
             self.baselines.update(((value, n), self.baselines.get((value, n))) for n in names or ())
         return {n: p for (v, n), p in self.baselines.items() if v == value and p is not None

@@ -8,14 +8,16 @@ splitting it costs a small all-reduce of those statistics instead.
 
 Ops are kept in forward order. Ops of identical repeated blocks (transformer layers) carry the
 same ``role`` and their ``layer`` index; the solver gives all copies of a role one set of
-variables unless asked to solve exactly.
+variables unless asked to solve exactly. Layers may be split into classes (``layer_class``,
+``Graph.with_layer_classes``): then the copies of a role share variables within a class (the
+first N layers recomputed and the others not: Megatron-LM's block recomputation).
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import cached_property
 from typing import Any
@@ -87,6 +89,15 @@ class Op:
     backward_flops_ratio: float = 1.0
     layer: int | None = None
     role: str | None = None
+    layer_class: int = 0  # the layers of a role share variables within a class (0 for all)
+
+    @property
+    def share_key(self) -> str | None:
+        """What the copies of this op that share variables have in common: its role, and its
+        layer's class where layers are split into classes."""
+        if self.role is None or not self.layer_class:
+            return self.role
+        return f"{self.role}@{self.layer_class}"
 
     @property
     def operands(self) -> tuple[Operand, ...]:
@@ -230,6 +241,22 @@ class Graph:
         for i, op in enumerate(self.ops):
             out[op.role if op.role is not None else f"#{op.name}"].append(i)
         return {k: tuple(v) for k, v in out.items()}
+
+    @cached_property
+    def layer_classes(self) -> tuple[int, ...]:
+        """Each layer's class (``Op.layer_class``); all 0 unless split."""
+        classes = [0] * self.num_layers
+        for op in self.ops:
+            if op.layer is not None:
+                classes[op.layer] = op.layer_class
+        return tuple(classes)
+
+    def with_layer_classes(self, classes: tuple[int, ...]) -> Graph:
+        """This graph with layer ``k``'s ops in class ``classes[k]``."""
+        if len(classes) != self.num_layers or any(not isinstance(c, int) or c < 0 for c in classes):
+            raise MemshardError(f"graph {self.name}: {len(classes)} layer classes for {self.num_layers} layers")
+        ops = tuple(op if op.layer is None else replace(op, layer_class=classes[op.layer]) for op in self.ops)
+        return replace(self, ops=ops)
 
     # -- checks -----------------------------------------------------------------------------
     def validate(self) -> None:

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memshard.baselines import baselines
+from memshard.baselines import BLOCK, baselines, layer_split, split_baseline
 from memshard.coarsen import lower_selection, merge_groups, merged_mesh, solve_merged
 from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, evaluate
@@ -143,11 +143,54 @@ def _evaluation(problem: Problem, result: SolveResult) -> Evaluation:
     return result.evaluation or evaluate(problem, result.selection)
 
 
-def baseline_plans(job: Job, problem: Problem, wanted: Callable[[str], bool] | None = None
-                   ) -> tuple[list[Plan], list[tuple[str, str]]]:
+def baseline_plans(job: Job, problem: Problem, wanted: Callable[[str], bool] | None = None,
+                   layer_splits: bool = True) -> tuple[list[Plan], list[tuple[str, str]]]:
     """Every hand-made strategy of ``job`` that ``problem`` (on the job's real mesh) can lay
     out (``wanted``: those it accepts), priced like memshard's plans (no advice), and (name,
-    reason) for the others."""
+    reason) for the others. Listing them all (no ``wanted``), each recipe that fits only with
+    recomputation also comes with as few layers recomputed as fit (``layer_splits``)."""
     fixed, skipped = baselines(problem, wanted)
     plans = [build_plan(b.problem, b.selection, job, strategy=b.name, advice=False) for b in fixed]
+    if wanted is None and layer_splits:
+        built: dict = {}  # the split problems, shared by the recipes
+        plans += [p for p in map(lambda p: _fewest_layers_recomputed(job, problem, p, plans, built), plans) if p]
     return plans, skipped
+
+
+def _fewest_layers_recomputed(job: Job, problem: Problem, plain: Plan, plans: list[Plan], built: dict
+                              ) -> Plan | None:
+    """Recipe ``plain`` with as few of its layers fully recomputed as fit the device
+    (``baselines.layer_split``: Megatron-LM's block method, torchtitan's every N-th layer),
+    where it fits with full recomputation and not without; None elsewhere. Bisected over the
+    count, the peak falling as layers are recomputed. A block's peak is convex in its count
+    (the largest of the live bytes at the hull layers' points, each affine in it): the chord
+    between the ends bounds it, and where it meets the device memory a count fits — the
+    search starts there."""
+    split = layer_split(plain.strategy)
+    full = next((p for p in plans if p.strategy == plain.strategy + "+full"), None)
+    if "+" in plain.strategy or split is None or full is None or plain.memory.fits or not full.memory.fits:
+        return None
+    counts = split.counts(problem.graph.num_layers)
+    probed: dict[int, Plan | None] = {}
+
+    def fits(k: int) -> bool:
+        if k not in probed:
+            baseline = split_baseline(problem, plain.strategy, counts[k], built)
+            probed[k] = baseline and build_plan(baseline.problem, baseline.selection, job, strategy=baseline.name,
+                                                advice=False)
+        return probed[k] is not None and probed[k].memory.fits
+
+    low, high = -1, len(counts)  # counts[low] fits (-1: full), counts[high] does not (len: plain)
+    if split is BLOCK and len(counts) > 2 and fits(0) and not fits(len(counts) - 1) and probed[len(counts) - 1]:
+        first, last = probed[0].peak_bytes, probed[len(counts) - 1].peak_bytes
+        low, high = 0, len(counts) - 1
+        if last > first:
+            chord = int((job.mesh.device_memory_bytes - first) / (last - first) * high)
+            if 0 < chord < high and fits(chord):
+                low = chord
+                if chord + 1 < high and not fits(chord + 1):  # (where the peak is affine: the first over)
+                    high = chord + 1
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return probed.get(low)

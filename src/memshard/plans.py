@@ -1,7 +1,8 @@
 """The result of planning, as data: the job, the chosen strategies and storage, the predicted
-figures, the advice, and the versioned JSON (``memshard.plan/2``: sizes in bytes per device,
-times in seconds; version 2 records recomputation, and plans of version 1 still load, as plans
-that recompute nothing).
+figures, the advice, and the versioned JSON (``memshard.plan/3``: sizes in bytes per device,
+times in seconds; version 2 records recomputation, version 3 the layer classes of a recipe
+that recomputes some of its layers; plans of version 1 still load, as plans that recompute
+nothing).
 
 ``build_plan`` reads a selection of the problem the search priced and its evaluation;
 ``Plan.to_dict`` / ``save`` write the JSON and ``plan_from_dict`` / ``load_plan`` read it
@@ -35,8 +36,8 @@ from memshard.placement import format_layout
 from memshard.pricing import build_problem
 from memshard.problem import MEGATRON, MEMSHARD, OpGroup, Problem, Selection, StorageGroup
 
-SCHEMA = "memshard.plan/2"
-READABLE_SCHEMAS = ("memshard.plan/1", SCHEMA)
+SCHEMA = "memshard.plan/3"
+READABLE_SCHEMAS = ("memshard.plan/1", "memshard.plan/2", SCHEMA)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ class SolverSummary:
     search_space: str
     recompute: str = "none"  # the recomputation policy searched (``recompute.RECOMPUTE_POLICIES``)
     framework: str = MEMSHARD  # what runs the plan (``problem.FRAMEWORKS``)
+    # each layer's class where layers share variables by class (``Graph.layer_classes``): a
+    # recipe recomputing some of its layers; empty where all layers are one class
+    layer_classes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -230,7 +234,8 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
         "recompute_time_s": plan.recompute_time_s,
         "solver": {"status": s.status, "time_s": s.time_s, "gap": s.gap, "variables": s.variables,
                    "constraints": s.constraints, "shared_layers": s.shared_layers, "zero3_unit": s.zero3_unit,
-                   "search_space": s.search_space, "recompute": s.recompute, "framework": s.framework},
+                   "search_space": s.search_space, "recompute": s.recompute, "framework": s.framework,
+                   **({"layer_classes": list(s.layer_classes)} if s.layer_classes else {})},
         "most_redundant_ops": [{"op": r.op, "redundant_bytes_per_device": r.redundant_bytes}
                                for r in plan.most_redundant_ops],
         "ops": [vars(o) for o in plan.ops],
@@ -305,12 +310,14 @@ def build_plan(
 
 
 def _solver_summary(problem: Problem, result: SolveResult | None) -> SolverSummary:
+    classes = problem.graph.layer_classes
+    classes = classes if len(set(classes)) > 1 else ()
     if result is None:
         return SolverSummary("fixed", 0.0, 0.0, 0, 0, problem.shared_layers, problem.zero3_unit, "fixed plan",
-                             problem.recompute, problem.framework)
+                             problem.recompute, problem.framework, classes)
     return SolverSummary(result.status, result.time_s, result.gap, result.variables, result.constraints,
                          problem.shared_layers, problem.zero3_unit, result.search_space, problem.recompute,
-                         problem.framework)
+                         problem.framework, classes)
 
 
 def _split(assignment: tuple, mesh: Mesh) -> dict[str, str]:
@@ -418,8 +425,10 @@ def plan_from_dict(data: dict) -> Plan:
 
 def _rebuild(data: dict) -> Plan:
     job = Job.from_dict(data)
-    solver = data["solver"]
-    problem = build_problem(job.graph, job.mesh, shared_layers=solver["shared_layers"],
+    solver = dict(data["solver"])
+    solver["layer_classes"] = tuple(solver.get("layer_classes", ()))
+    graph = job.graph.with_layer_classes(solver["layer_classes"]) if solver["layer_classes"] else job.graph
+    problem = build_problem(graph, job.mesh, shared_layers=solver["shared_layers"],
                             micro_batches=job.micro_batches, zero3_unit=solver.get("zero3_unit", "op"),
                             recompute=solver.get("recompute", "none"), framework=solver.get("framework", MEMSHARD))
     rebuilt = build_plan(problem, _recorded_selection(problem, data), job,

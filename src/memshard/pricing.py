@@ -102,7 +102,7 @@ from memshard.tensor_parallel import (
 ADAM_SQRT_BYTES = 4  # one fp32 element per parameter element: torch Adam's sqrt(exp_avg_sq)
 
 def _role_key(op: Op, shared: bool) -> str:
-    return op.role if shared and op.role is not None else op.name
+    return op.share_key if shared and op.role is not None else op.name
 
 
 class _Builder:

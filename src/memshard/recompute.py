@@ -70,10 +70,10 @@ def replay_flags(graph: Graph, policy: str) -> list[tuple[bool, ...]]:
     by_role: dict[str, bool] = {}
     for i, op in enumerate(graph.ops):
         if op.role is not None:
-            by_role[op.role] = by_role.get(op.role, True) and i in replayable
+            by_role[op.share_key] = by_role.get(op.share_key, True) and i in replayable
     flags = []
     for op in graph.ops:
-        able = by_role.get(op.role, False) if op.role is not None else False
+        able = by_role.get(op.share_key, False) if op.role is not None else False
         if policy == "none" or not able:
             flags.append((False,))
         else:

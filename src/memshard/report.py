@@ -103,8 +103,16 @@ def _recompute_line(plan: Plan) -> str:
         return f"recomputation ({plan.solver.recompute}): nothing recomputed"
     layers = max(op.instances for op in replayed)
     names = ", ".join(op.name for op in replayed)
+    which = [k for k, c in enumerate(plan.solver.layer_classes) if c == 0]
+    if which:  # a recipe recomputing some of its layers: which, counted from 0
+        runs = [(k, k) for k in which[:1]]
+        for k in which[1:]:
+            runs[-1:] = [(runs[-1][0], k)] if k == runs[-1][1] + 1 else [runs[-1], (k, k)]
+        layers_text = f"{counted(layers, 'layer')} ({', '.join(str(a) if a == b else f'{a}–{b}' for a, b in runs)})"
+    else:
+        layers_text = counted(layers, "layer")
     return (f"recomputation ({plan.solver.recompute}): {counted(len(replayed), 'op')} of each of "
-            f"{counted(layers, 'layer')} replayed before the layer's backward: {names}")
+            f"{layers_text} replayed before the layer's backward: {names}")
 
 
 def _solver_line(plan: Plan) -> str:

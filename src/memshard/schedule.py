@@ -106,11 +106,13 @@ def candidate_points(graph: Graph, schedule: Schedule, shared_layers: bool) -> l
     With identical layers sharing variables, the live bytes at the same op of layer k are
     affine in k (k layers of saved activations below it; in backward also L−1−k layers of
     finished gradients), so their maximum is at the first or the last layer: the middle
-    layers' points are never needed.
+    layers' points are never needed. Layers split into two classes (``Graph.layer_classes``)
+    make them affine in (k, how many of the k layers below are of class 1) for the layers of
+    one class: the maximum is at a vertex of those points' convex hull (``peak_layers``).
     """
     if not shared_layers or graph.num_layers <= 2:
         return list(range(schedule.num_points))
-    keep_layers = {0, graph.num_layers - 1}
+    keep_layers = peak_layers(graph.layer_classes)
     points = []
     for i, op in enumerate(graph.ops):
         if op.layer is None or op.layer in keep_layers:
@@ -120,3 +122,34 @@ def candidate_points(graph: Graph, schedule: Schedule, shared_layers: bool) -> l
                 points += [schedule.replay_reshard(i), schedule.replay(i)]
     points.append(schedule.optimizer)
     return sorted(points)
+
+
+def peak_layers(classes: tuple[int, ...]) -> set[int]:
+    """The layers whose points can hold the peak, given each layer's class: per class, the
+    vertices of the convex hull of (k, layers of class 1 below k) over its layers k (the first
+    and the last layer with one class; every layer with more than two)."""
+    if len(set(classes)) > 2:
+        return set(range(len(classes)))
+    top = max(classes)
+    below, points = 0, {}
+    for k, c in enumerate(classes):
+        points.setdefault(c, []).append((k, below))
+        below += c == top != 0
+    return {k for layers in points.values() for k, _ in _hull(layers)}
+
+
+def _hull(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The vertices of the convex hull of ``points`` sorted by x (Andrew's monotone chain)."""
+    if len(points) <= 2:
+        return points
+
+    def chain(ps):
+        out: list[tuple[int, int]] = []
+        for p in ps:
+            while len(out) >= 2 and ((out[-1][0] - out[-2][0]) * (p[1] - out[-2][1])
+                                     - (out[-1][1] - out[-2][1]) * (p[0] - out[-2][0])) <= 0:
+                out.pop()
+            out.append(p)
+        return out
+
+    return chain(points) + chain(points[::-1])

@@ -90,7 +90,8 @@ def with_input_gathers(graph: Graph) -> Graph:
         module = first.name.rsplit(".", 1)[0] if "." in first.name else first.name
         gather = Op(name=f"{module}/gather#{name}", kind=REDISTRIBUTE, inputs=(Operand(name, dims_of),),
                     output=Operand(gathered, dims_of), flops_per_point=0.0, backward_flops_ratio=0.0,
-                    layer=first.layer, role=None if first.role is None else f"{first.role}/gather")
+                    layer=first.layer, role=None if first.role is None else f"{first.role}/gather",
+                    layer_class=first.layer_class)
         additions.append((projections[0][0], gather, projections))
     return _with_redistributions(graph, additions)
 
@@ -110,7 +111,7 @@ def with_output_scatters(graph: Graph) -> Graph:
         name = op.output.tensor
         scatter = Op(name=f"{op.name.split('/')[0]}/scatter#{name}", kind=SCATTER, inputs=(op.output,),
                      output=Operand(f"{name}.scattered", op.output.dims), flops_per_point=0.0,
-                     backward_flops_ratio=0.0, layer=op.layer, role=None)
+                     backward_flops_ratio=0.0, layer=op.layer, role=None, layer_class=op.layer_class)
         additions.append((i + 1, scatter, readers))
     return _with_redistributions(graph, additions)
 
