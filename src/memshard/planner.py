@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memshard.baselines import BLOCK, baselines, layer_split, split_baseline
+from memshard.baselines import baselines, layer_split, split_baseline
 from memshard.coarsen import lower_selection, merge_groups, merged_mesh, solve_merged
 from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, evaluate
@@ -161,36 +161,29 @@ def _fewest_layers_recomputed(job: Job, problem: Problem, plain: Plan, plans: li
                               ) -> Plan | None:
     """Recipe ``plain`` with as few of its layers fully recomputed as fit the device
     (``baselines.layer_split``: Megatron-LM's block method, torchtitan's every N-th layer),
-    where it fits with full recomputation and not without; None elsewhere. Bisected over the
-    count, the peak falling as layers are recomputed. A block's peak is convex in its count
-    (the largest of the live bytes at the hull layers' points, each affine in it): the chord
-    between the ends bounds it, and where it meets the device memory a count fits — the
-    search starts there."""
+    where it fits with full recomputation and not without; None elsewhere. Searched over the
+    count as the peak falls with each layer recomputed: the next probe where the line through
+    the bracket's peaks meets the device memory (near-affine in the count: two probes), halving
+    where a side repeats."""
     split = layer_split(plain.strategy)
     full = next((p for p in plans if p.strategy == plain.strategy + "+full"), None)
     if "+" in plain.strategy or split is None or full is None or plain.memory.fits or not full.memory.fits:
         return None
-    counts = split.counts(problem.graph.num_layers)
-    probed: dict[int, Plan | None] = {}
-
-    def fits(k: int) -> bool:
-        if k not in probed:
-            baseline = split_baseline(problem, plain.strategy, counts[k], built)
-            probed[k] = baseline and build_plan(baseline.problem, baseline.selection, job, strategy=baseline.name,
-                                                advice=False)
-        return probed[k] is not None and probed[k].memory.fits
-
+    counts, memory = split.counts(problem.graph.num_layers), job.mesh.device_memory_bytes
     low, high = -1, len(counts)  # counts[low] fits (-1: full), counts[high] does not (len: plain)
-    if split is BLOCK and len(counts) > 2 and fits(0) and not fits(len(counts) - 1) and probed[len(counts) - 1]:
-        first, last = probed[0].peak_bytes, probed[len(counts) - 1].peak_bytes
-        low, high = 0, len(counts) - 1
-        if last > first:
-            chord = int((job.mesh.device_memory_bytes - first) / (last - first) * high)
-            if 0 < chord < high and fits(chord):
-                low = chord
-                if chord + 1 < high and not fits(chord + 1):  # (where the peak is affine: the first over)
-                    high = chord + 1
+    peaks: dict[int, float] = {low: full.peak_bytes, high: plain.peak_bytes}
+    probed: dict[int, Plan | None] = {}
+    sides: list[bool] = []
     while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
+        k = (low + high) // 2
+        if sides[-2:] not in ([True, True], [False, False]) and peaks[high] > peaks[low]:
+            k = low + int((memory - peaks[low]) / (peaks[high] - peaks[low]) * (high - low))
+            k = min(max(k, low + 1), high - 1)
+        baseline = split_baseline(problem, plain.strategy, counts[k], built)
+        probed[k] = baseline and build_plan(baseline.problem, baseline.selection, job, strategy=baseline.name,
+                                            advice=False)
+        fits = probed[k] is not None and probed[k].memory.fits
+        peaks[k] = probed[k].peak_bytes if probed[k] is not None else peaks[high]
+        sides.append(fits)
+        low, high = (k, high) if fits else (low, k)
     return probed.get(low)
