@@ -45,7 +45,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from memshard.graph import PRECISIONS, Graph
+from memshard.graph import PRECISIONS
 from memshard.mesh import Mesh
 from memshard.placement import local_numel
 from memshard.pricing import build_problem
@@ -199,18 +199,18 @@ def layer_split(name: str) -> LayerSplit | None:
     return None
 
 
-def split_baseline(problem: Problem, name: str, count: int, built: dict | None = None) -> Baseline | None:
+def split_baseline(problem: Problem, name: str, count: int) -> Baseline | None:
     """Baseline ``name`` with ``count`` of its layers fully recomputed as its recipe picks them
     (``layer_split``), on ``problem`` (recomputation ``auto``) with its layers split in two
-    classes, each sharing its own variables; None where the baseline does not fit. ``built``
-    keeps the split problems for the next call."""
+    classes, each sharing its own variables; None where the baseline does not fit."""
     split = layer_split(name)
     graph = problem.graph
     if split is None or problem.recompute != "auto" or count not in split.counts(graph.num_layers):
         return None
     classes = split.classes(graph.num_layers, count)
-    on = _build(graph.with_layer_classes(classes), problem.mesh, problem, problem.framework, built)
-    found, _ = baselines(on, lambda n: n == name + "+full", built)
+    on = build_problem(graph.with_layer_classes(classes), problem.mesh, problem.shared_layers,
+                       problem.micro_batches, problem.zero3_unit, problem.recompute, problem.framework)
+    found, _ = baselines(on, lambda n: n == name + "+full")
     return next((replace(b, name=name + split.suffix(count)) for b in found), None)
 
 
@@ -222,35 +222,21 @@ def split_innermost(mesh: Mesh, tp: int) -> Mesh:
     return replace(mesh, axes=mesh.axes[:-1] + parts)
 
 
-def as_run_by(problem: Problem, framework: str, built: dict | None = None) -> Problem:
-    """``problem`` priced as ``framework`` (``problem.FRAMEWORKS``) runs its plans. ``built``
-    (problems of one job's baselines) keeps the problem for the next call that asks for it."""
+def as_run_by(problem: Problem, framework: str) -> Problem:
+    """``problem`` priced as ``framework`` (``problem.FRAMEWORKS``) runs its plans."""
     if problem.framework == framework:
         return problem
     graph = problem.graph
     if problem.framework == MEGATRON:  # its fp32 gradient buffer is Megatron-LM's, not the job's
         graph = replace(graph, precision=PRECISIONS[graph.precision.name])
-    return _build(graph, problem.mesh, problem, framework, built)
+    return build_problem(graph, problem.mesh, problem.shared_layers, problem.micro_batches,
+                         problem.zero3_unit, problem.recompute, framework)
 
 
-def _build(graph: Graph, mesh: Mesh, like: Problem, framework: str, built: dict | None) -> Problem:
-    """The problem of ``graph`` on ``mesh`` for ``framework``, otherwise built as ``like``;
-    kept in ``built`` by what tells the problems of one job apart."""
-    key = (graph.layer_classes, mesh, framework)
-    if built is not None and key in built:
-        return built[key]
-    problem = build_problem(graph, mesh, like.shared_layers, like.micro_batches, like.zero3_unit, like.recompute,
-                            framework)
-    if built is not None:
-        built[key] = problem
-    return problem
-
-
-def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None, built: dict | None = None
+def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
               ) -> tuple[list[Baseline], list[tuple[str, str]]]:
     """Every baseline that fits the model and mesh, and (name, reason) for those that don't;
-    with ``wanted``, only the names it accepts (the problems the others need are not built;
-    ``built`` keeps those that are for the next call, see ``as_run_by``).
+    with ``wanted``, only the names it accepts (the problems the others need are not built).
 
     Tensor parallelism takes every degree that divides the node (the innermost axis), then
     whole nodes and more (the innermost axes); data parallelism takes the rest."""
@@ -278,16 +264,16 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None, bui
                 out.append(Baseline(full_name, selection, on))
 
     add("dp", ddp)
-    add("ddp", ddp, lambda: as_run_by(problem, DDP, built))
-    add("ddp-bucket-view", ddp, lambda: as_run_by(problem, DDP_BUCKET_VIEW, built))
+    add("ddp", ddp, lambda: as_run_by(problem, DDP))
+    add("ddp-bucket-view", ddp, lambda: as_run_by(problem, DDP_BUCKET_VIEW))
     for stage in (1, 2, 3):
         add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, r, s=stage: zero(p, s, r))
-    add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2, built))
-    add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD, built))
-    for on, k, tp in tensor_parallel_layouts(problem, built):
+    add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2))
+    add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD))
+    for on, k, tp in tensor_parallel_layouts(problem):
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")
-        as_megatron = functools.cache(lambda on=on: as_run_by(on(), MEGATRON, built))
+        as_megatron = functools.cache(lambda on=on: as_run_by(on(), MEGATRON))
         add(f"megatron-{tag}", lambda p, r, k=k: megatron_tp(p, k, replayed=r), as_megatron)
         add(f"megatron-{tag}-sp", lambda p, r, k=k: megatron_tp_sp(p, k, r), as_megatron)
         if dp > 1:
@@ -295,7 +281,7 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None, bui
                 as_megatron)
             add(f"tp{tp}-fsdp{dp}", lambda p, r, k=k: tp_fsdp(p, k, r), on)
             add(f"torch-tp{tp}-fsdp{dp}", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
-                lambda on=on: as_run_by(on(), TORCH_TP, built))
+                lambda on=on: as_run_by(on(), TORCH_TP))
     if wanted is not None:  # the layer splits asked for by name (``compare`` finds its own)
         layers = problem.graph.num_layers
         for base in bases:
@@ -306,8 +292,7 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None, bui
     return out, skipped
 
 
-def tensor_parallel_layouts(problem: Problem, built: dict | None = None
-                            ) -> list[tuple[Callable[[], Problem], int, int]]:
+def tensor_parallel_layouts(problem: Problem) -> list[tuple[Callable[[], Problem], int, int]]:
     """(the problem it is laid out on, built once when first asked for; tensor-parallel mesh
     axes; degree) of every tensor-parallel degree: those dividing the node on a finer view of
     it, then whole inner axes."""
@@ -315,8 +300,9 @@ def tensor_parallel_layouts(problem: Problem, built: dict | None = None
     node = mesh.shape[-1]
     for tp in range(2, node):
         if node % tp == 0:
-            finer = functools.cache(lambda tp=tp: _build(
-                problem.graph, split_innermost(mesh, tp), problem, problem.framework, built))
+            finer = functools.cache(lambda tp=tp: build_problem(
+                problem.graph, split_innermost(mesh, tp), problem.shared_layers, problem.micro_batches,
+                problem.zero3_unit, problem.recompute, problem.framework))
             layouts.append((finer, 1, tp))
     for k in range(1, mesh.ndim + 1):
         tp = math.prod(mesh.shape[mesh.ndim - k:])

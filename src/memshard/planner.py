@@ -152,19 +152,17 @@ def baseline_plans(job: Job, problem: Problem, wanted: Callable[[str], bool] | N
     fixed, skipped = baselines(problem, wanted)
     plans = [build_plan(b.problem, b.selection, job, strategy=b.name, advice=False) for b in fixed]
     if wanted is None and layer_splits:
-        built: dict = {}  # the split problems, shared by the recipes
-        plans += [p for p in map(lambda p: _fewest_layers_recomputed(job, problem, p, plans, built), plans) if p]
+        plans += [p for p in map(lambda p: _fewest_layers_recomputed(job, problem, p, plans), plans) if p]
     return plans, skipped
 
 
-def _fewest_layers_recomputed(job: Job, problem: Problem, plain: Plan, plans: list[Plan], built: dict
-                              ) -> Plan | None:
+def _fewest_layers_recomputed(job: Job, problem: Problem, plain: Plan, plans: list[Plan]) -> Plan | None:
     """Recipe ``plain`` with as few of its layers fully recomputed as fit the device
     (``baselines.layer_split``: Megatron-LM's block method, torchtitan's every N-th layer),
     where it fits with full recomputation and not without; None elsewhere. Searched over the
     count as the peak falls with each layer recomputed: the next probe where the line through
     the bracket's peaks meets the device memory (near-affine in the count: two probes), halving
-    where a side repeats."""
+    where a side repeats; after a first probe over the memory, the most recomputed count."""
     split = layer_split(plain.strategy)
     full = next((p for p in plans if p.strategy == plain.strategy + "+full"), None)
     if "+" in plain.strategy or split is None or full is None or plain.memory.fits or not full.memory.fits:
@@ -172,18 +170,18 @@ def _fewest_layers_recomputed(job: Job, problem: Problem, plain: Plan, plans: li
     counts, memory = split.counts(problem.graph.num_layers), job.mesh.device_memory_bytes
     low, high = -1, len(counts)  # counts[low] fits (-1: full), counts[high] does not (len: plain)
     peaks: dict[int, float] = {low: full.peak_bytes, high: plain.peak_bytes}
-    probed: dict[int, Plan | None] = {}
-    sides: list[bool] = []
+    fitting, sides = None, []  # (only the fitting plan is kept: a problem of a large model is large)
     while high - low > 1:
         k = (low + high) // 2
-        if sides[-2:] not in ([True, True], [False, False]) and peaks[high] > peaks[low]:
+        if low == -1 and sides:  # the first probe is over: is even the most recomputed?
+            k = 0
+        elif sides[-2:] not in ([True, True], [False, False]) and peaks[high] > peaks[low]:
             k = low + int((memory - peaks[low]) / (peaks[high] - peaks[low]) * (high - low))
             k = min(max(k, low + 1), high - 1)
-        baseline = split_baseline(problem, plain.strategy, counts[k], built)
-        probed[k] = baseline and build_plan(baseline.problem, baseline.selection, job, strategy=baseline.name,
-                                            advice=False)
-        fits = probed[k] is not None and probed[k].memory.fits
-        peaks[k] = probed[k].peak_bytes if probed[k] is not None else peaks[high]
-        sides.append(fits)
-        low, high = (k, high) if fits else (low, k)
-    return probed.get(low)
+        baseline = split_baseline(problem, plain.strategy, counts[k])
+        plan = baseline and build_plan(baseline.problem, baseline.selection, job, strategy=baseline.name,
+                                       advice=False)
+        peaks[k] = plan.peak_bytes if plan is not None else peaks[high]
+        sides.append(plan is not None and plan.memory.fits)
+        low, high, fitting = (k, high, plan) if sides[-1] else (low, k, fitting)
+    return fitting
