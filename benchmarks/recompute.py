@@ -6,7 +6,8 @@ For each job: the least peak any plan reaches without recomputation; memshard's 
 within 80 GiB with recomputation searched (``--objective time --memory-budget 80GiB
 --recompute auto``: its peak, step time, the recomputation's share and the planning time);
 the fastest Megatron-LM configuration that fits (TP × DP × sequence parallelism ×
-distributed optimizer × no / selective / full recomputation, priced by the same model); and
+distributed optimizer × no / selective / full recomputation, of every layer or of as few
+as fit by Megatron-LM's block method, priced by the same model); and
 memshard's least-memory plan with full recomputation against the lower bound its search
 proves and against the zero-redundancy bound (which counts a replayable tensor only where
 every plan holds it, so is loose where replays hold much). ``--write``

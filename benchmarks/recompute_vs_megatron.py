@@ -4,9 +4,10 @@ an 80 GiB device, GPT-3 1.3B–175B and LLaMA-3 8B/70B on 8–1024 devices.
     .venv/bin/python benchmarks/recompute_vs_megatron.py [--write]
 
 Per job: the fastest Megatron-LM configuration within 80 GiB (every TP degree × DP × sequence
-parallelism × distributed optimizer × no / selective / full recomputation, priced by
-memshard's model); memshard's fastest plan within 80 GiB (``--objective time --memory-budget
-80GiB --recompute auto``) and its step-time ratio to Megatron's; and memshard's least-memory
+parallelism × distributed optimizer × no / selective / full recomputation, of every layer or
+of as few as fit by Megatron-LM's block method, priced by memshard's model); memshard's
+fastest plan within 80 GiB (``--objective time --memory-budget 80GiB --recompute auto``) and
+its step-time ratio to Megatron's; and memshard's least-memory
 plan within 1.1× Megatron's step time (``--max-step-time … --recompute auto``) and its peak
 against Megatron's. Where Megatron's configuration splits a node (TP 2 of 8 GPUs), it runs on
 the node viewed as two axes (``baselines.split_innermost``): memshard is then searched on the
