@@ -152,7 +152,7 @@ def baseline_plans(job: Job, problem: Problem, wanted: Callable[[str], bool] | N
     fixed, skipped = baselines(problem, wanted)
     plans = [build_plan(b.problem, b.selection, job, strategy=b.name, advice=False) for b in fixed]
     if wanted is None and layer_splits:
-        plans += [p for p in map(lambda p: _fewest_layers_recomputed(job, problem, p, plans), plans) if p]
+        plans += [split for plain in plans if (split := _fewest_layers_recomputed(job, problem, plain, plans))]
     return plans, skipped
 
 

@@ -4,6 +4,7 @@ redundant ops with their advice, the strategy. Formatting only: every figure is 
 from __future__ import annotations
 
 import io
+import itertools
 
 from rich.console import Console
 from rich.table import Table
@@ -103,14 +104,11 @@ def _recompute_line(plan: Plan) -> str:
         return f"recomputation ({plan.solver.recompute}): nothing recomputed"
     layers = max(op.instances for op in replayed)
     names = ", ".join(op.name for op in replayed)
+    layers_text = counted(layers, "layer")
     which = [k for k, c in enumerate(plan.solver.layer_classes) if c == 0]
-    if which:  # a recipe recomputing some of its layers: which, counted from 0
-        runs = [(k, k) for k in which[:1]]
-        for k in which[1:]:
-            runs[-1:] = [(runs[-1][0], k)] if k == runs[-1][1] + 1 else [runs[-1], (k, k)]
-        layers_text = f"{counted(layers, 'layer')} ({', '.join(str(a) if a == b else f'{a}–{b}' for a, b in runs)})"
-    else:
-        layers_text = counted(layers, "layer")
+    if which:  # a recipe recomputing some of its layers: which, counted from 0, in runs
+        runs = [[k for _, k in run] for _, run in itertools.groupby(enumerate(which), lambda p: p[1] - p[0])]
+        layers_text += f" ({', '.join(str(r[0]) if len(r) == 1 else f'{r[0]}–{r[-1]}' for r in runs)})"
     return (f"recomputation ({plan.solver.recompute}): {counted(len(replayed), 'op')} of each of "
             f"{layers_text} replayed before the layer's backward: {names}")
 

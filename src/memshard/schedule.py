@@ -134,7 +134,7 @@ def peak_layers(classes: tuple[int, ...]) -> set[int]:
     below, points = 0, {}
     for k, c in enumerate(classes):
         points.setdefault(c, []).append((k, below))
-        below += c == top != 0
+        below += c == top
     return {k for layers in points.values() for k, _ in _hull(layers)}
 
 
