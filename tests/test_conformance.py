@@ -141,21 +141,50 @@ def ddp_peak(family: str, world: int, rank: int, parallelize=data_parallel, seq:
                               tracked=lambda: buckets.values())
 
 
-def checkpointed(parallelize, every: int = 1):
+def checkpointed(parallelize, every: int = 1, per_op: bool = False):
     """``parallelize`` after torchtitan's full activation checkpointing: every block (with
     ``every``, those whose index is a multiple of it, torchtitan's ``selective_ac_option``)
     wrapped in ``checkpoint_wrapper`` (``torch.utils.checkpoint``, non-reentrant; its input
-    saved, everything else recomputed in backward)."""
+    saved, everything else recomputed in backward); ``per_op``: torchtitan's per-op selective
+    checkpointing instead (:func:`op_level_policy`, its blocks recomputed to the end)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    options = {}
+    if per_op:
+        options = {"context_fn": lambda: create_selective_checkpoint_contexts(op_level_policy()), "early_stop": False}
 
     def apply(model, mesh):
         inner = getattr(model, "model", None) or model.transformer
         blocks = getattr(inner, "layers", None) or inner.h
         for k, block in enumerate(blocks):
             if k % every == 0:
-                blocks[k] = checkpoint_wrapper(block, preserve_rng_state=False)
+                blocks[k] = checkpoint_wrapper(block, preserve_rng_state=False, **options)
         return parallelize(model, mesh)
     return apply
+
+
+def op_level_policy():
+    """torchtitan's per-op selective checkpointing policy (``selective_ac_option = "op"``),
+    written from its description: the outputs of the compute-intensive ops (PyTorch's own list,
+    ``get_default_op_list``) must be saved, except every second ``aten.mm`` of the block, and
+    everything else is recomputed. The CPU flash-attention kernel stands in for the CUDA ones
+    on that list (the fake ranks run on CPU; it saves the same tensors)."""
+    from torch._functorch.partitioners import get_default_op_list
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    saved = {op.default for op in get_default_op_list().compute_intensive_ops}
+    saved.add(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    matmuls = {False: 0, True: 0}  # counted apart in the forward and in the recompute
+
+    def policy(ctx, func, *args, **kwargs):
+        if func is aten.mm.default:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
 
 
 def kept_after_forward(model, mesh, shard=None):
@@ -178,7 +207,15 @@ MEASURED = {"fsdp2": fully_sharded_peak, "ddp": ddp_peak,
             "ddp+full": functools.partial(ddp_peak, parallelize=checkpointed(data_parallel)),
             "fsdp2-noreshard": functools.partial(fully_sharded_peak, parallelize=kept_after_forward),
             "fsdp2-noreshard+full": functools.partial(fully_sharded_peak, parallelize=checkpointed(kept_after_forward)),
-            "ddp-bucket-view": functools.partial(ddp_peak, parallelize=bucket_views)}
+            "ddp-bucket-view": functools.partial(ddp_peak, parallelize=bucket_views),
+            "fsdp2+selective-op": functools.partial(fully_sharded_peak,
+                                                    parallelize=checkpointed(fully_shard_blocks, per_op=True)),
+            "ddp+selective-op": functools.partial(ddp_peak, parallelize=checkpointed(data_parallel, per_op=True))}
+
+
+def recompute_of(baseline: str) -> str:
+    """The recomputation a baseline is built under: its suffix's, ``auto`` for the per-op one."""
+    return {"full": "full", "selective-op": "auto"}.get(baseline.partition("+")[2], "none")
 
 
 def mixed_precision(model, mesh, parallelize=fully_shard_blocks):
@@ -272,8 +309,7 @@ def test_a_baseline_is_what_its_pytorch_implementation_allocates(baseline, famil
     when backward first unpacks one of its saved tensors, after FSDP2 has gathered its
     weights.)"""
     graph = trace_hf(family, batch=world, seq=SEQ, precision="fp32", **FAMILIES[family])
-    recompute = "full" if baseline.endswith("+full") else "none"
-    predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute).peak_bytes
+    predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute_of(baseline)).peak_bytes
     for rank in (0, world - 1):
         assert MEASURED[baseline](family, world, rank) == pytest.approx(predicted, rel=0.02), rank
 
@@ -283,8 +319,7 @@ def test_a_baseline_is_what_its_pytorch_implementation_allocates_at_256_tokens(b
     """Where activations, the loss's buffers and the recomputation matter more than the
     weights: LLaMA (GPT-2's config has 64 positions), 4 ranks, 256 tokens per sequence."""
     graph = trace_hf("llama", batch=4, seq=256, precision="fp32", **FAMILIES["llama"])
-    recompute = "full" if baseline.endswith("+full") else "none"
-    predicted = memshard.strategy_plan(graph, "4", baseline, recompute=recompute).peak_bytes
+    predicted = memshard.strategy_plan(graph, "4", baseline, recompute=recompute_of(baseline)).peak_bytes
     assert MEASURED[baseline]("llama", 4, 0, seq=256) == pytest.approx(predicted, rel=0.02)
 
 

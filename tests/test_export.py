@@ -61,11 +61,12 @@ def measured(strategy: str, parallelize, family: str, rank: int) -> int:
     ``test_conformance`` measures the baseline (DDP's buckets and comm hook included)."""
     from tests.test_conformance import ddp_peak, fully_sharded_peak
 
-    return {"fsdp2": fully_sharded_peak, "ddp": ddp_peak}[strategy.removesuffix("+full").split("-")[0]](
+    return {"fsdp2": fully_sharded_peak, "ddp": ddp_peak}[strategy.split("+")[0].split("-")[0]](
         family, WORLD, rank, parallelize)
 
 
-MEASURED = ("ddp", "fsdp2", "ddp+full", "fsdp2+full", "ddp-bucket-view", "fsdp2-noreshard")
+MEASURED = ("ddp", "fsdp2", "ddp+full", "fsdp2+full", "ddp-bucket-view", "fsdp2-noreshard", "fsdp2+selective-op",
+            "ddp+selective-op")
 OPTIONS = {"ddp-bucket-view": "gradient_as_bucket_view=True", "fsdp2-noreshard": "reshard_after_forward=False"}
 CONTAINERS = {"llama": "model.layers", "gpt2": "transformer.h"}
 
@@ -75,13 +76,16 @@ CONTAINERS = {"llama": "model.layers", "gpt2": "transformer.h"}
 @pytest.mark.parametrize("family", sorted(CONTAINERS))
 def test_the_exported_code_allocates_what_the_plan_predicts(strategy, family, traced):
     """(``+full``: every block wrapped in ``checkpoint_wrapper``, as the conformance test's
-    ``torch.utils.checkpoint`` run.)"""
+    ``torch.utils.checkpoint`` run; ``+selective-op`` with torchtitan's per-op policy.)"""
+    from tests.test_conformance import recompute_of
+
     graph = traced[family]
     text = memshard.export(graph, str(WORLD), strategy=strategy)
-    recompute = "full" if strategy.endswith("+full") else "none"
+    recompute = recompute_of(strategy)
     predicted = memshard.strategy_plan(graph, str(WORLD), strategy, recompute=recompute).peak_bytes
     assert f"# Predicted peak per device: {format_bytes(predicted)} ({round(predicted):,} bytes)" in text
-    assert (text.count("checkpoint_wrapper(") == 1) == (recompute == "full")
+    assert (text.count("checkpoint_wrapper(") == 1) == (recompute != "none")
+    assert ("create_selective_checkpoint_contexts(op_level_policy())" in text) == (recompute == "auto")
     code = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
     assert not re.search(r"\.\d+\b", code)  # no block named one by one
     if strategy.startswith("fsdp2"):  # the blocks come from the graph: a loop over their container

@@ -25,7 +25,8 @@ from memshard.mesh import parse_mesh
 from memshard.models import build_graph
 from memshard.plans import plan_from_dict
 from memshard.pricing import build_problem
-from memshard.recompute import core_attention, replay_flags, replayable_ops
+from memshard.problem import CACHED
+from memshard.recompute import core_attention, op_level_replayed, replay_flags, replayable_ops
 from tests.test_ilp_pricing import random_plan
 
 
@@ -214,11 +215,12 @@ def test_recomputing_baselines_are_in_the_search_space_and_memshard_is_no_worse(
     shape = dict(batch=8, seq=1024, num_layers=2, precision="mixed")
     problem = build_problem(build_graph("gpt3-1.3b", **shape), parse_mesh("8"), recompute="auto",
                             zero3_unit="layer")
-    found = [b for b in baselines(problem)[0] if b.name.endswith(("+selective", "+full"))]
+    found = [b for b in baselines(problem)[0] if b.name.endswith(("+selective", "+full", "+selective-op"))]
     assert len(found) >= 20
     best = memshard.plan("gpt3-1.3b", "8", recompute="auto", zero3_unit="layer", mip_gap=0.01, **shape)
     forced_ones = {"ddp+full", "zero3-fsdp+full", "megatron-tp4-dp2-sp+selective", "megatron-tp8-sp+full",
-                   "tp2-fsdp4+selective", "megatron-tp2-dp4-sp-distopt+full"}
+                   "tp2-fsdp4+selective", "megatron-tp2-dp4-sp-distopt+full", "fsdp2+selective-op",
+                   "fsdp2+selective", "ddp+selective-op"}
     for b in found:
         direct = evaluate(b.problem, b.selection)
         assert best.peak_bytes <= direct.peak_bytes * 1.011, b.name
@@ -262,3 +264,39 @@ def test_a_step_time_budget_the_unsplit_plan_breaks_starts_from_the_fastest_rela
     model = solver.formulation.model
     assert not model.violated(values)
     assert evaluate(problem, solver.formulation.selection(values)).step_time_s <= budget * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("model, kept", [
+    # every linear has a bias (aten.addmm: saved, not counted); the attention's matmuls are bmm
+    ("tiny-gpt", {"attn.q", "attn.k", "attn.v", "attn.scores", "attn.context", "attn.proj", "mlp.fc", "mlp.proj"}),
+    # no bias (aten.mm): the 1st, 3rd, 5th and 7th of the block saved; the fused attention saved
+    ("tiny-llama", {"attn.q", "attn.v", "attn.sdpa", "mlp.gate", "mlp.down"}),
+])
+def test_torchtitans_per_op_policy_keeps_the_compute_intensive_outputs_but_every_second_mm(model, kept):
+    """torchtitan's ``selective_ac_option = "op"`` read by hand: a block's mm (every second one
+    recomputed), addmm, bmm and fused-attention outputs are saved, everything else is
+    recomputed — but the block's last op, whose output the next block saves (its input)."""
+    graph = build_graph(model, batch=4, seq=32, num_layers=3)
+    replayed = op_level_replayed(graph)
+    for i, op in enumerate(graph.ops):
+        role = op.name.split(".", 2)[-1]
+        expected = op.layer is not None and role not in kept and role != "mlp.residual"
+        assert (i in replayed) == expected, op.name
+
+
+def test_pytorchs_selective_checkpoint_caches_what_it_saves_until_the_recompute():
+    """``fsdp2+selective-op`` as ``torch.utils.checkpoint`` runs it: the outputs its policy
+    saves (q, v, gate and down projections) are cached from the forward until the block's
+    recompute, needed or not — at the peak, in the last block's backward, those of every
+    block below it. The down projection's (read only by the residual add after it) is what
+    memshard's own replay, which frees it, does not hold."""
+    graph = build_graph("tiny-llama", batch=8, seq=256, num_layers=4)
+    problem = build_problem(graph, parse_mesh("4"), recompute="auto", zero3_unit="layer")
+    (fsdp2,), _ = baselines(problem, lambda name: name == "fsdp2+selective-op")
+    on, selection = fsdp2.problem, fsdp2.selection
+    peak = evaluate(on, selection).peak_point
+    assert on.schedule.describe(peak, graph) == "backward layers.3.mlp.mul"
+    cached = {on.held[h.tensor].name for h in on.holders
+              if h.kind == CACHED and h.start <= peak <= h.end and on.holder_layout(selection, h) is not None}
+    assert cached == {f"layers.{k}.{p}.out" for k in range(3) for p in ("attn.q", "attn.v", "mlp.gate", "mlp.down")}
+    assert evaluate(on, selection).peak_bytes > evaluate(problem, selection).peak_bytes

@@ -22,14 +22,12 @@ from memshard.evaluate import Evaluation, InconsistentPlan, evaluate
 from memshard.placement import Shard
 from memshard.problem import (
     DURING_RESHARDS,
+    GROUP_KINDS,
     INPUT_COPY,
-    PRODUCER,
     REGATHER,
     REPLAY_INPUT,
-    REPLAY_OUT,
     REPLAY_READ,
     REPLAYED,
-    RETAINED,
     SAVED,
     SOURCE,
     OpGroup,
@@ -205,7 +203,7 @@ def _held_at(problem: Problem, selection: Selection, point: int):
         if lid in seen.setdefault(h.tensor, set()):
             continue
         seen[h.tensor].add(lid)
-        yield h, held, lid, layout, (h.source if h.kind in (PRODUCER, RETAINED, REPLAY_OUT) else problem.edges[h.source].consumer)
+        yield h, held, lid, layout, (h.source if h.kind in GROUP_KINDS else problem.edges[h.source].consumer)
 
 
 def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict[str, float]:
@@ -242,7 +240,7 @@ def redundancy_parts(problem: Problem, selection: Selection, point: int, ops: se
     for h, held, lid, layout, gid in _held_at(problem, selection, point):
         axes = tuple(problem.mesh.axis_names[a] for a, p in enumerate(layout)
                      if not isinstance(p, Shard) and problem.mesh.shape[a] > 1)
-        what = ("output" if h.kind in (PRODUCER, RETAINED, REPLAY_OUT)
+        what = ("output" if h.kind in GROUP_KINDS
                 else f"{_HELD_AS[h.kind]} ({problem.groups[held.key].key}'s output)")
         add(problem.groups[gid].key, what, axes, float(held.redundant[lid]))
     return {op: [Holding(what, b, axes) for (what, axes), b in sorted(p.items(), key=lambda kv: (-kv[1], kv[0]))]

@@ -146,9 +146,10 @@ def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: 
     ``memshard compare`` lists them) of ``model`` on ``mesh`` (keywords as :func:`plan`'s) or
     of a :class:`Job`, priced like memshard's own. With ``recompute`` other than ``none``
     the baselines recompute too: that policy, or (``auto``) each with no, selective and full
-    recomputation (``megatron-tp4-sp+full``…), or with some of its layers recomputed as its
-    recipe picks them (``megatron-tp4-sp+full-block12``: the first 12, Megatron-LM's block
-    method; ``fsdp2+full-every2``: every second, torchtitan's)."""
+    recomputation (``megatron-tp4-sp+full``…; FSDP2 and DDP also with torchtitan's per-op
+    policy, ``fsdp2+selective-op``), or with some of its layers recomputed as its recipe picks
+    them (``megatron-tp4-sp+full-block12``: the first 12, Megatron-LM's block method;
+    ``fsdp2+full-every2``: every second, torchtitan's)."""
     job, _ = job_and_options(model, mesh, job_arguments)
     problem = build_problem(job.graph, job.mesh, micro_batches=job.micro_batches, zero3_unit=zero3_unit,
                             recompute=recompute)
@@ -159,7 +160,10 @@ def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: 
     if reason:
         raise MemshardError(f"strategy {strategy} does not fit {job.graph.name} on {job.mesh}: {reason}")
     known = ", ".join(["memshard", *(b.name for b in baselines(problem)[0])])
-    raise MemshardError(f"unknown strategy {strategy!r} for this mesh; known: {known}")
+    hint = ""
+    if "+" in str(strategy) and recompute != "auto":  # the recomputing names are built under auto
+        hint = " (every recomputing baseline is named with recompute auto: --recompute auto)"
+    raise MemshardError(f"unknown strategy {strategy!r} for this mesh{hint}; known: {known}")
 
 
 def export(model: Model | Job, mesh: str | Mesh = "2x4", strategy: str = "memshard", **job_arguments) -> str:

@@ -29,7 +29,9 @@ space, no baseline beats memshard's minimal-memory plan by more than the solver'
 Recomputation (``recompute.py``): on a problem whose policy is ``selective`` or ``full`` every
 baseline recomputes so; under ``auto`` each baseline comes without (its plain name), with
 selective (``+selective``: Megatron-LM's core attention) and with full recomputation
-(``+full``: Megatron-LM's full uniform, torchtitan's full activation checkpointing), and the
+(``+full``: Megatron-LM's full uniform, torchtitan's full activation checkpointing), PyTorch's
+FSDP2 and DDP also with torchtitan's per-op selective checkpointing (``+selective-op``,
+``recompute.op_level_replayed``), and the
 Megatron-LM and torchtitan recipes also with some of their layers recomputed in full
 (``LayerSplit``: ``+full-blockN``, Megatron-LM's block method; ``+full-everyN``, torchtitan's
 every N-th layer), on a problem whose layers are in two classes (``split_baseline``).
@@ -60,7 +62,7 @@ from memshard.problem import (
     Selection,
     complete_selection,
 )
-from memshard.recompute import core_attention, replayable_ops
+from memshard.recompute import core_attention, op_level_replayed, replayable_ops
 from memshard.selections import SplitUnavailable, assign_strategies, data_parallel, uniform_storage
 from memshard.tensor_parallel import REDISTRIBUTE, tensor_parallel_dim, tensor_parallel_dims
 
@@ -116,6 +118,7 @@ def megatron_tp(
 
 
 Replayed = Callable[[int], bool]  # op index → recomputed
+OP_LEVEL = "+selective-op"  # torchtitan's per-op selective activation checkpointing
 
 
 def ddp(problem: Problem, replayed: Replayed) -> Selection:
@@ -147,10 +150,11 @@ def torch_tp_fsdp2(problem: Problem, tp_axes: int, replayed: Replayed) -> Select
     return megatron_tp(problem, tp_axes, sequence_parallel=True, fsdp=True, replayed=replayed, keep_split=False)
 
 
-def recompute_variants(problem: Problem) -> list[tuple[str, Replayed]]:
-    """(name suffix, which ops to recompute) of each recomputation a baseline is built with.
-    On a problem whose layers are split (``layer_split``): full recomputation of the layers of
-    class 0 only, suffixed ``+full`` (``split_baseline`` names it)."""
+def recompute_variants(problem: Problem, op_level: bool = False) -> list[tuple[str, Replayed]]:
+    """(name suffix, which ops to recompute) of each recomputation a baseline is built with;
+    ``op_level``: also torchtitan's per-op selective checkpointing (``+selective-op``, under
+    ``auto``). On a problem whose layers are split (``layer_split``): full recomputation of the
+    layers of class 0 only, suffixed ``+full`` (``split_baseline`` names it)."""
     graph = problem.graph
     selective, full = core_attention(graph) & replayable_ops(graph), replayable_ops(graph)
     if len(set(graph.layer_classes)) > 1:
@@ -158,9 +162,14 @@ def recompute_variants(problem: Problem) -> list[tuple[str, Replayed]]:
     variants = {"none": [("", lambda i: False)],
                 "selective": [("+selective", lambda i: i in selective)],
                 "full": [("+full", lambda i: i in full)]}
-    if problem.recompute == "auto":  # (selective only where the model has core attention)
-        return variants["none"] + (variants["selective"] if selective else []) + variants["full"]
-    return variants[problem.recompute]
+    if problem.recompute != "auto":
+        return variants[problem.recompute]
+    # (Megatron-LM's selective only where the model has core attention)
+    listed = variants["none"] + (variants["selective"] if selective else []) + variants["full"]
+    if op_level:
+        by_op = op_level_replayed(graph)
+        listed.append((OP_LEVEL, lambda i: i in by_op))
+    return listed
 
 
 @dataclass(frozen=True)
@@ -242,14 +251,14 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     whole nodes and more (the innermost axes); data parallelism takes the rest."""
     out, skipped, bases = [], [], []
     mesh = problem.mesh
-    variants = recompute_variants(problem)
 
-    def add(name, make, on: Callable[[], Problem] = lambda: problem):
+    def add(name, make, on: Callable[[], Problem] = lambda: problem, op_level: bool = False):
         bases.append(name)
-        names = [(name + suffix, suffix) for suffix, _ in variants if wanted is None or wanted(name + suffix)]
+        names = [(name + suffix, suffix) for suffix, _ in recompute_variants(problem, op_level)
+                 if wanted is None or wanted(name + suffix)]
         if names:
             on = on()
-            replayed_by = dict(recompute_variants(on))  # its own op indices (torch-tp adds ops)
+            replayed_by = dict(recompute_variants(on, op_level))  # its own op indices (torch-tp adds ops)
         for full_name, suffix in names:
             try:
                 selection = make(on, replayed_by[suffix])
@@ -264,12 +273,14 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
                 out.append(Baseline(full_name, selection, on))
 
     add("dp", ddp)
-    add("ddp", ddp, lambda: as_run_by(problem, DDP))
-    add("ddp-bucket-view", ddp, lambda: as_run_by(problem, DDP_BUCKET_VIEW))
+    # torchtitan's per-op policy where no activation collective runs in a block (with tensor
+    # parallelism it saves reduce-scatters' outputs, a reshard's result the model does not keep)
+    add("ddp", ddp, lambda: as_run_by(problem, DDP), op_level=True)
+    add("ddp-bucket-view", ddp, lambda: as_run_by(problem, DDP_BUCKET_VIEW), op_level=True)
     for stage in (1, 2, 3):
         add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, r, s=stage: zero(p, s, r))
-    add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2))
-    add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD))
+    add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2), op_level=True)
+    add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD), op_level=True)
     for on, k, tp in tensor_parallel_layouts(problem):
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")

@@ -47,8 +47,32 @@ WITH_OPTION = {"fsdp2-noreshard": ("fsdp2", "reshard_after_forward=False"),
                "ddp-bucket-view": ("ddp", "gradient_as_bucket_view=True")}
 TORCH_TP_NAME = re.compile(r"torch-tp(?P<tp>\d+)-fsdp(?P<dp>\d+)")
 MEGATRON_NAME = re.compile(r"megatron-tp(?P<tp>\d+)(?:-dp(?P<dp>\d+))?(?P<sp>-sp)?(?P<distopt>-distopt)?")
-# +selective, +full, or +full-blockN / +full-everyN (some layers recomputed, ``baselines.LayerSplit``)
-RECOMPUTE_SUFFIX = re.compile(r"\+(selective|full)(?:-(block|every)(\d+))?$")
+# +selective, +selective-op (torchtitan's per-op policy), +full, or +full-blockN / +full-everyN
+# (some layers recomputed, ``baselines.LayerSplit``)
+RECOMPUTE_SUFFIX = re.compile(r"\+(selective-op|selective|full)(?:-(block|every)(\d+))?$")
+CHECKPOINTED = ("full", "selective-op")  # the recomputation exported as torch.utils.checkpoint
+# torchtitan's per-op selective activation checkpointing, as the ``+selective-op`` baselines price it
+OP_LEVEL_POLICY = [
+    "def op_level_policy():",
+    "    \"\"\"torchtitan's per-op selective activation checkpointing (selective_ac_option = \"op\"): the outputs of",
+    "    a block's compute-intensive ops (matmuls, fused attention) are saved, except every second aten.mm;",
+    "    everything else is recomputed in backward.\"\"\"",
+    "    aten = torch.ops.aten",
+    "    saved = {op.default for op in get_default_op_list().compute_intensive_ops}",
+    "    # cuDNN's fused attention (torchtitan saves it too) and the CPU one, so that the code runs as priced on CPU",
+    "    saved |= {aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}",
+    "    matmuls = {False: 0, True: 0}  # counted apart in the forward and in the recompute",
+    "",
+    "    def policy(ctx, func, *args, **kwargs):",
+    "        if func is aten.mm.default:",
+    "            matmuls[ctx.is_recompute] += 1",
+    "            if matmuls[ctx.is_recompute] % 2 == 0:",
+    "                return CheckpointPolicy.PREFER_RECOMPUTE",
+    "        return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE",
+    "    return policy",
+    "",
+    "",
+]
 # PrepareModuleInput gathering a sequence-parallel input once for the projections that read it
 GATHER_POSITIONAL = "PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))"
 GATHER_KEYWORD = ("PrepareModuleInput(input_kwarg_layouts={\"hidden_states\": Shard(1)}, "
@@ -79,7 +103,8 @@ class ExportTarget:
     ``precision`` the precision its code runs unless the job says otherwise (None: the model's);
     ``option`` a keyword argument given to every ``fully_shard`` or to ``DistributedDataParallel``;
     ``split``/``count``: some layers recomputed in full, Megatron-LM's ``block`` (the first
-    ``count``) or torchtitan's ``every`` (each ``count``-th), under recomputation ``auto``."""
+    ``count``) or torchtitan's ``every`` (each ``count``-th), under recomputation ``auto``
+    (as torchtitan's per-op policy, ``selective-op``, is)."""
 
     strategy: str
     kind: str
@@ -93,7 +118,12 @@ class ExportTarget:
     @property
     def policy(self) -> str:
         """The recomputation its baseline is built under."""
-        return "auto" if self.split else self.recompute
+        return "auto" if self.split or self.recompute == "selective-op" else self.recompute
+
+    @property
+    def checkpoints(self) -> bool:
+        """Whether its code wraps blocks in ``torch.utils.checkpoint``."""
+        return self.recompute in CHECKPOINTED
 
 
 @dataclass(frozen=True)
@@ -122,10 +152,10 @@ def export_target(strategy: str) -> ExportTarget:
         return ExportTarget(strategy, "megatron", recompute, None, layout, split=split, count=count)
     kind, option = WITH_OPTION.get(base, ("torch-tp" if TORCH_TP_NAME.fullmatch(base) else base, ""))
     if kind in TORCH_STRATEGIES:
-        # full recomputation is checked against torch.utils.checkpoint around every block
-        if recompute not in ("none", "full"):
+        # full and per-op recomputation are checked against torch.utils.checkpoint around every block
+        if recompute not in ("none", *CHECKPOINTED) or (recompute == "selective-op" and split):
             raise MemshardError(f"{strategy} cannot be exported: its recomputation is not checked against "
-                                f"torch.utils.checkpoint as exported (+full is); export {base} "
+                                f"torch.utils.checkpoint as exported (+full and +selective-op are); export {base} "
                                 "or run it with memshard.parallelize(model, plan) (README: \"Using a plan from "
                                 "Python\")")
         return ExportTarget(strategy, kind, recompute, "fp32", option=option, split=split, count=count)
@@ -268,16 +298,20 @@ def _blocks_lines(plan: Plan, target: ExportTarget, per_block: list[str]) -> lis
                   f"    if len(container) != {count}:",
                   f"        raise ValueError(f\"memshard priced {count} blocks in {path}, the model has "
                   "{len(container)}\")"]
-        if target.recompute == "full":
+        if target.checkpoints:
             lines += _wrap_lines(target, "container", "container[k]")
         lines += per_block
     return lines
 
 
 def _wrap_lines(target: ExportTarget, blocks: str, assign: str) -> list[str]:
-    """The blocks of ``blocks`` (each, or every ``count``-th) wrapped in ``checkpoint_wrapper``,
-    the result assigned to ``assign``."""
+    """The blocks of ``blocks`` (each, or every ``count``-th) wrapped in ``checkpoint_wrapper``
+    (with torchtitan's per-op policy under ``selective-op``), the result assigned to ``assign``."""
     wrap = f"{assign} = checkpoint_wrapper(block, preserve_rng_state=False)"
+    if target.recompute == "selective-op":
+        return ["    for k, block in enumerate(" + blocks + "):  # recomputed in backward as op_level_policy says",
+                f"        {assign} = checkpoint_wrapper(block, preserve_rng_state=False, early_stop=False,",
+                " " * (len(assign) + 30) + "context_fn=lambda: create_selective_checkpoint_contexts(op_level_policy()))"]
     if target.split != "every":
         return [f"    for k, block in enumerate({blocks}):  # recomputed in backward from its input", f"        {wrap}"]
     return [f"    for k, block in enumerate({blocks}):  # every {_ordinal(target.count)} recomputed in backward from its input",
@@ -285,12 +319,28 @@ def _wrap_lines(target: ExportTarget, blocks: str, assign: str) -> list[str]:
 
 
 def _checkpoint_import(target: ExportTarget) -> list[str]:
-    if target.recompute != "full":
+    if not target.checkpoints:
         return []
-    return ["from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper"]
+    wrapper = "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper"
+    if target.recompute == "full":
+        return [wrapper]
+    return ["from torch._functorch.partitioners import get_default_op_list", wrapper]
+
+
+def _policy_import(target: ExportTarget) -> list[str]:
+    if target.recompute != "selective-op":
+        return []
+    return ["from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts"]
+
+
+def _policy_lines(target: ExportTarget) -> list[str]:
+    return OP_LEVEL_POLICY if target.recompute == "selective-op" else []
 
 
 def _checkpointing(target: ExportTarget) -> str:
+    if target.recompute == "selective-op":
+        return (" Every transformer block recomputes in backward what torchtitan's per-op selective activation "
+                "checkpointing does not save (op_level_policy, torch.utils.checkpoint).")
     if target.recompute != "full":
         return ""
     which = f"Every {_ordinal(target.count)} transformer block" if target.split else "Every transformer block"
@@ -339,13 +389,15 @@ def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
                            f"{options}." + _precision_note(plan) + _checkpointing(target)),
              *named,
              "",
-             *(["import torch"] if _mixed(plan) else []),
+             *(["import torch"] if _mixed(plan) or _policy_lines(target) else []),
              "from torch import nn",
              *_checkpoint_import(target),
              "from torch.distributed.device_mesh import DeviceMesh",
              _fsdp_import(plan),
+             *_policy_import(target),
              "",
              "",
+             *_policy_lines(target),
              "def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:",
              "    \"\"\"FSDP2 as memshard priced it: fully_shard on every transformer block, then on the root module.\"\"\"",
              *_mesh_check(plan, "fsdp2"),
@@ -359,19 +411,22 @@ def ddp_code(target: ExportTarget, plan: Plan) -> list[str]:
     """``DistributedDataParallel`` with its defaults: 25 MiB buckets holding a second copy of the
     gradients all step (``gradient_as_bucket_view=False``), which the ``ddp`` baseline prices;
     or with the buckets as the gradients (``ddp-bucket-view``)."""
-    checkpointing = _blocks_lines(plan, target, []) if target.recompute == "full" else []
+    checkpointing = _blocks_lines(plan, target, []) if target.checkpoints else []
     held = ("its gradients are views of its buckets" if target.option
             else "its gradient buckets hold a second copy of the gradients all step")
     options = f"with {target.option}" if target.option else "with its defaults"
     return [*_usage(plan, f"PyTorch's DistributedDataParallel {options}; train the module it returns."
                     + _checkpointing(target)),
             "",
+            *(["import torch"] if _policy_lines(target) else []),
             "from torch import nn",
             *_checkpoint_import(target),
             "from torch.distributed.device_mesh import DeviceMesh",
             "from torch.nn.parallel import DistributedDataParallel",
+            *_policy_import(target),
             "",
             "",
+            *_policy_lines(target),
             "def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:",
             f"    \"\"\"DistributedDataParallel {options}, as memshard priced it",
             f"    ({held}).\"\"\"",

@@ -41,6 +41,7 @@ from memshard.placement import PARTIAL, REPLICATE, Layout, Shard, local_numel, l
 from memshard.problem import (
     ALWAYS,
     BEFORE_RESHARDS,
+    CACHED,
     DDP_BUCKET_VIEW,
     DDP_FRAMEWORKS,
     DURING_RESHARDS,
@@ -426,6 +427,9 @@ class _Builder:
                                  Holder(hid, PRODUCER, pg, replay, end)]
             else:
                 self.holders.append(Holder(hid, PRODUCER, pg, S.forward(p), end))
+                group = self.groups[pg]
+                if self.framework in TORCH_FRAMEWORKS and group.may_replay and not group.always_replays:
+                    self.holders.append(Holder(hid, CACHED, pg, forward_end + 1, S.replay(p)))
             for kind, source, start, stop in edge_holders.get(t, []):
                 self.holders.append(Holder(hid, kind, source, start, stop))
 

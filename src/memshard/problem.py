@@ -87,6 +87,10 @@ REGATHER = "regather"  # a kept copy gathered again during the consumer's backwa
 RETAINED = "retained"
 REPLAYED = "replayed"
 SOURCE = "source"
+# PyTorch's selective checkpoint (``TORCH_FRAMEWORKS``) caches the output of an op its policy
+# saves from the forward until the recompute reaches that op, needed or not, wherever the
+# op's layer recomputes something.
+CACHED = "cached"
 # During the replay (``schedule.Schedule.replay``): a replayed op's output as it makes it; the
 # replayed producer's output kept for a replayed reader until that reader's replay; a
 # replayed reader's input copy (an input it does not save) while it runs.
@@ -94,7 +98,8 @@ REPLAYED_AHEAD = "replayed_ahead"  # a ticket the producer's replay makes for a 
 REPLAY_OUT = "replay_out"
 REPLAY_READ = "replay_read"
 REPLAY_INPUT = "replay_input"
-OWN_KINDS = (PRODUCER, RETAINED, SOURCE, REPLAY_OUT, REPLAY_READ)  # holders of the producer's own tensor
+OWN_KINDS = (PRODUCER, RETAINED, CACHED, SOURCE, REPLAY_OUT, REPLAY_READ)  # holders of the producer's own tensor
+GROUP_KINDS = (PRODUCER, RETAINED, CACHED, REPLAY_OUT)  # holders whose source is the producer's op group
 
 
 @dataclass(frozen=True)
@@ -333,6 +338,19 @@ class Problem:
     def strategy(self, selection: Selection, group: int) -> Strategy:
         return self.groups[group].strategies[selection.choices[group]]
 
+    @functools.cached_property
+    def checkpoint_peers(self) -> dict[int, tuple[int, ...]]:
+        """Op group → the groups of its layer's ops that may be replayed (one layer stands for
+        the layers of its class, which share groups): the layer recomputes something iff one
+        of them is replayed."""
+        by_layer: dict[int, set[int]] = {}
+        for i, op in enumerate(self.graph.ops):
+            group = self.groups[self.op_group[i]]
+            if op.layer is not None and isinstance(group, OpGroup) and group.may_replay:
+                by_layer.setdefault(op.layer, set()).add(self.op_group[i])
+        return {g: tuple(sorted(by_layer.get(self.graph.ops[group.ops[0]].layer, ())))
+                for g, group in enumerate(self.groups) if isinstance(group, OpGroup) and group.ops}
+
     def replayed(self, selection: Selection, group: int) -> bool:
         """Whether op group ``group`` is recomputed under ``selection``."""
         g = self.groups[group]
@@ -369,6 +387,10 @@ class Problem:
             return self.strategy(selection, h.source).output_layout
         if h.kind == RETAINED:
             return None if self.replayed(selection, h.source) else self.strategy(selection, h.source).output_layout
+        if h.kind == CACHED:
+            cached = not self.replayed(selection, h.source) and any(
+                self.replayed(selection, g) for g in self.checkpoint_peers[h.source])
+            return self.strategy(selection, h.source).output_layout if cached else None
         if h.kind == REPLAY_OUT:
             return self.strategy(selection, h.source).output_layout if self.replayed(selection, h.source) else None
         edge = self.edge_layouts(selection, h.source)
@@ -402,7 +424,7 @@ class Problem:
     def may_drop(self, h: Holder) -> bool:
         """Whether some plan holds nothing for ``h`` because of recomputation (a saved copy or
         saved output a replay makes again, a replay's source)."""
-        if h.kind in (RETAINED, SOURCE, REPLAYED_AHEAD, REPLAY_OUT, REPLAY_READ, REPLAY_INPUT):
+        if h.kind in (RETAINED, CACHED, SOURCE, REPLAYED_AHEAD, REPLAY_OUT, REPLAY_READ, REPLAY_INPUT):
             return True
         return h.kind == SAVED and self.edges[h.source].replay == REPLAYED_BY_PRODUCER
 

@@ -20,6 +20,8 @@ policies:
   softmax and its dropout are replayed (``core_attention``);
 - ``full``: every replayable op (Megatron-LM's full recomputation, torchtitan's full
   activation checkpointing: a layer keeps its input and nothing else);
+- torchtitan's per-op selective checkpointing (``op_level_replayed``; a baseline's variant, not
+  a search policy): the matmuls' and fused attention's outputs kept, every other op replayed;
 - ``auto``: the ILP chooses, per op role shared by the identical layers, whether to replay.
 """
 
@@ -57,6 +59,31 @@ def core_attention(graph: Graph) -> set[int]:
             if graph.ops[c].kind == "dropout":
                 out.add(c)
     return out
+
+
+# Op kinds whose output torchtitan's per-op policy saves: the compute-intensive aten ops
+# (functorch's list: ``mm``, ``addmm``, ``bmm``, the fused attention kernels).
+COMPUTE_INTENSIVE = ("linear", "matmul", "sdpa")
+
+
+def op_level_replayed(graph: Graph) -> set[int]:
+    """The ops torchtitan's per-op selective activation checkpointing recomputes
+    (``selective_ac_option = "op"``: each block under ``torch.utils.checkpoint`` with a
+    selective policy that must save the outputs of the compute-intensive ops and prefers to
+    recompute the rest): every replayable op but the compute-intensive ones, and of those every
+    second ``aten.mm`` of its block in forward order — a linear without a bias; one with a bias
+    runs as ``aten.addmm``, which the policy saves without counting."""
+    replayed, mm_count = set(), {}
+    for i, op in enumerate(graph.ops):
+        if op.layer is None:
+            continue
+        if op.kind == "linear" and len(op.inputs) == 2:  # (input, weight): aten.mm
+            mm_count[op.layer] = mm_count.get(op.layer, 0) + 1
+            if mm_count[op.layer] % 2 == 0:
+                replayed.add(i)
+        elif op.kind not in COMPUTE_INTENSIVE:
+            replayed.add(i)
+    return replayed & replayable_ops(graph)
 
 
 def replay_flags(graph: Graph, policy: str) -> list[tuple[bool, ...]]:

@@ -18,7 +18,13 @@ once however many hold it, a consumer reading another layout holds its own copy:
 
 Recomputation adds holders of the producer's own tensor (its saved output retained where the
 op is not replayed, a replay's source) and a consumer's copy made again by the replay, each
-read from the edge flow's copy it belongs to (``edges.flow_copies``).
+read from the edge flow's copy it belongs to (``edges.flow_copies``). A holder that needs two
+conditions at once (a copy made ahead by a replayed producer for a consumer not replayed, an
+output PyTorch's selective checkpoint caches) is a column bounded by their product:
+
+  w ≥ A + B − 1                                                      (family ``replay-holder``)
+  u ≥ r[q]  for every group q of a layer that may be replayed        (family ``checkpointed``)
+      u: the layer recomputes some op; B = u for an output cached where its op is not replayed
 
 Tensors of shared layers have the same producer group and holders, so a (tensor kind, live
 holders) signature is one expression, counted once per tensor that has it.
@@ -35,6 +41,7 @@ from memshard.ilp.edges import EdgeFlow
 from memshard.ilp.model import LinearModel, RowTag
 from memshard.placement import Layout
 from memshard.problem import (
+    CACHED,
     DURING_RESHARDS,
     INPUT_COPY,
     OWN_KINDS,
@@ -76,6 +83,7 @@ class LiveBytes:
         self.live_column: dict[int, int] = {}  # schedule point → its live-bytes column
         self.constants_at: dict[int, float] = {}  # schedule point → its constant bytes
         self.indicators: dict[tuple, dict[int, float]] = {}
+        self.checkpointed: dict[tuple[int, ...], int] = {}  # a layer's replaying groups → u
         self.expressions: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     # -- "holder h holds its tensor in layout L" ---------------------------------------------
@@ -94,6 +102,11 @@ class LiveBytes:
             wanted = {PRODUCER: (False, True), RETAINED: (False,), REPLAY_OUT: (True,)}[h.kind]
             return {int(x[h.source][c]): 1.0 for c, s in enumerate(group.strategies)
                     if without_partial(s.output_layout) == layout and group.replayed(c) in wanted}
+        if h.kind == CACHED:  # where the op is not replayed and its layer replays some op
+            group = problem.groups[h.source]
+            retained = {int(x[h.source][c]): 1.0 for c, s in enumerate(group.strategies)
+                        if without_partial(s.output_layout) == layout and not group.replayed(c)}
+            return self.conjunction(retained, self.layer_replays(h.source), group.key)
         edge = problem.edges[h.source]
         if h.kind == INPUT_COPY:
             strategies = problem.groups[edge.consumer].strategies
@@ -127,14 +140,39 @@ class LiveBytes:
         grp = self.problem.groups[group]
         if not indicator or (grp.always_replays if replayed else not grp.may_replay):
             return indicator
+        sign = 1.0 if replayed else -1.0
+        r = {int(self.choice_columns[group][c]): sign for c in grp.replay_choices}
+        return self.conjunction(indicator, r, grp.key, 1.0 if replayed else 0.0)
+
+    def conjunction(self, indicator: dict[int, float], other: dict[int, float] | None, item: str,
+                    upper: float = 1.0) -> dict[int, float]:
+        """w ≥ A + B − ``upper`` (family ``replay-holder``): indicator A and B (B = 1 − r with
+        ``other`` −r, ``upper`` 0; ``other`` None: B = 1); memory pushes w down to the product."""
+        if not indicator or other is None:
+            return indicator
         w = int(self.model.columns(1, integer=False)[0])
         row = dict(indicator)
-        for c in grp.replay_choices:
-            col = int(self.choice_columns[group][c])
-            row[col] = row.get(col, 0.0) + (1.0 if replayed else -1.0)
+        for col, v in other.items():
+            row[col] = row.get(col, 0.0) + v
         row[w] = row.get(w, 0.0) - 1.0
-        self.model.row(row, -highspy.kHighsInf, 1.0 if replayed else 0.0, RowTag("replay-holder", item=grp.key))
+        self.model.row(row, -highspy.kHighsInf, upper, RowTag("replay-holder", item=item))
         return {w: 1.0}
+
+    def layer_replays(self, group: int) -> dict[int, float] | None:
+        """u ≥ r[q] for every group q of ``group``'s layer that may be replayed (family
+        ``checkpointed``): u is 1 where the layer recomputes some op (memory pushes it down to
+        that); None where one of them always is."""
+        peers = self.problem.checkpoint_peers[group]
+        if any(self.problem.groups[q].always_replays for q in peers):
+            return None
+        if peers not in self.checkpointed:
+            u = int(self.model.columns(1, integer=False)[0])
+            for q in peers:
+                row = {int(self.choice_columns[q][c]): 1.0 for c in self.problem.groups[q].replay_choices}
+                row[u] = -1.0
+                self.model.row(row, -highspy.kHighsInf, 0.0, RowTag("checkpointed", item=self.problem.groups[q].key))
+            self.checkpointed[peers] = u
+        return {self.checkpointed[peers]: 1.0}
 
     def producer_in(self, group: int, layout: Layout) -> dict[int, float]:
         """Π: the producer's output is exactly ``layout`` (a consumer reading it in that
