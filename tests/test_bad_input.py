@@ -103,6 +103,8 @@ CLI = {
     "recompute-unknown": (GPT + ["--recompute", "some"], "some"),
     "recompute-strategy-not-offered": (["simulate", *BASE, "--precision", "fp32", "--recompute", "full",
                                         "--strategy", "zero3-fsdp+full"], "--zero3-unit layer"),
+    "recompute-strategy-needs-auto": (["simulate", *BASE, "--precision", "fp32", "--strategy", "fsdp2+selective-op"],
+                                      "--recompute auto"),
     "full-mesh-on-two-axes": (GPT + ["--full-mesh"], "--full-mesh"),
     "top-zero": (GPT + ["--top", "0"], "--top"),
     # outputs

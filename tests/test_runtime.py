@@ -42,7 +42,7 @@ def _memshard(model, mesh, objective, unit="op", precision="fp32"):
     if objective == "memory":
         return best
     return memshard.plan(model, mesh, batch=BATCH, precision=precision, objective="time", start=best,
-                         memory_budget=int(best.peak_bytes * 1.3), mip_gap=0.05, time_limit_s=20)
+                         memory_budget=int(best.peak_bytes * 1.3), mip_gap=0.05, time_limit_s=8)
 
 
 CASES = {  # id → how to make the plan
