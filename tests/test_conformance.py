@@ -391,6 +391,21 @@ def test_torch_tensor_parallel_times_fsdp2_is_what_pytorch_allocates(family, dp,
         assert idealised < 0.9 * measured
 
 
+@pytest.mark.parametrize("family, dp, tp, seq", [("llama", 4, 2, 256), ("qwen2", 2, 2, SEQ)])
+def test_torch_tensor_parallel_times_fsdp2_kept_after_forward_is_what_pytorch_allocates(family, dp, tp, seq):
+    """``torch-tp…-noreshard``: every ``fully_shard`` with ``reshard_after_forward=False`` (a
+    block's gathered weights held from its forward to its backward: one all-gather less)."""
+    from torch.distributed.fsdp import fully_shard
+
+    graph = trace_hf(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
+    name = f"torch-tp{tp}-fsdp{dp}"
+    predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", name + "-noreshard").peak_bytes
+    assert predicted > memshard.strategy_plan(graph, f"{dp}x{tp}", name).peak_bytes
+    kept = functools.partial(tensor_parallel_fsdp2, shard=functools.partial(fully_shard, reshard_after_forward=False))
+    for rank in (0, dp * tp - 1):
+        assert tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize=kept) == pytest.approx(predicted, rel=0.02), rank
+
+
 def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """One real gloo rank: the LLaMA family under FSDP2, with and without checkpointing, its
     second step's peak into ``rank<r>.json``."""

@@ -161,6 +161,19 @@ def test_the_exported_tensor_parallel_code_is_torchtitans_plan_and_allocates_wha
 
 
 @pytest.mark.runtime
+def test_the_exported_tensor_parallel_code_kept_after_forward_allocates_what_is_predicted():
+    """``torch-tp2-fsdp2-noreshard``: every ``fully_shard`` given ``reshard_after_forward=False``."""
+    from memshard.trace.hf import trace_hf
+    from tests.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak
+
+    graph = trace_hf("llama", batch=2, seq=SEQ, precision="fp32", **FAMILIES["llama"])
+    text = memshard.export(graph, "2x2", strategy="torch-tp2-fsdp2-noreshard")
+    assert text.count(", reshard_after_forward=False)") == 2
+    predicted = memshard.strategy_plan(graph, "2x2", "torch-tp2-fsdp2-noreshard").peak_bytes
+    assert tp_fsdp2_peak(2, 2, 0, SEQ, "llama", parallelize_of(text)) == pytest.approx(predicted, rel=0.02)
+
+
+@pytest.mark.runtime
 def test_the_exported_code_refuses_a_model_or_mesh_it_was_not_planned_for(traced):
     """The function checks what the prediction depends on: the block count and the mesh."""
     import torch

@@ -24,7 +24,8 @@ space, no baseline beats memshard's minimal-memory plan by more than the solver'
   (Megatron's ``--use-distributed-optimizer``).
 - ``tp_fsdp``: torchtitan's 2D recipe: tensor + sequence parallelism inside, FSDP outside,
   idealised; ``torch_tp_fsdp2``: the same as PyTorch runs it (``parallelize_module`` with
-  torchtitan's plan × ``fully_shard``, on a problem built for ``TORCH_TP``).
+  torchtitan's plan × ``fully_shard``, on a problem built for ``TORCH_TP``; ``…-noreshard``:
+  every ``fully_shard`` with ``reshard_after_forward=False``).
 
 Recomputation (``recompute.py``): on a problem whose policy is ``selective`` or ``full`` every
 baseline recomputes so; under ``auto`` each baseline comes without (its plain name), with
@@ -58,6 +59,7 @@ from memshard.problem import (
     FSDP2_NO_RESHARD,
     MEGATRON,
     TORCH_TP,
+    TORCH_TP_NO_RESHARD,
     Problem,
     Selection,
     complete_selection,
@@ -293,6 +295,8 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
             add(f"tp{tp}-fsdp{dp}", lambda p, r, k=k: tp_fsdp(p, k, r), on)
             add(f"torch-tp{tp}-fsdp{dp}", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
                 lambda on=on: as_run_by(on(), TORCH_TP))
+            add(f"torch-tp{tp}-fsdp{dp}-noreshard", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
+                lambda on=on: as_run_by(on(), TORCH_TP_NO_RESHARD))
     if wanted is not None:  # the layer splits asked for by name (``compare`` finds its own)
         layers = problem.graph.num_layers
         for base in bases:

@@ -15,8 +15,8 @@ plan (:func:`render`):
 - ``torch-tp<T>-fsdp<D>``: ``parallelize_module`` with one ``ParallelStyle`` per module, read
   off the plan (:func:`tensor_parallel_styles`: column- and row-parallel projections,
   sequence-parallel norms, ``PrepareModuleInput`` where the plan gathers a block input once),
-  on the inner mesh axis, then ``fully_shard`` over the outer one; for traced models, whose
-  module names it writes.
+  on the inner mesh axis, then ``fully_shard`` over the outer one (``…-noreshard``: with
+  ``reshard_after_forward=False``); for traced models, whose module names it writes.
 - ``megatron-tp…``: Megatron-LM's command-line arguments for a built-in GPT or LLaMA preset,
   with the layout the baseline's name says (tensor, sequence and data parallelism, the
   distributed optimizer, recomputation).
@@ -45,7 +45,7 @@ TORCH_STRATEGIES = ("fsdp2", "ddp", "torch-tp")
 # the baselines of a PyTorch API with an option set: (their kind, the keyword argument)
 WITH_OPTION = {"fsdp2-noreshard": ("fsdp2", "reshard_after_forward=False"),
                "ddp-bucket-view": ("ddp", "gradient_as_bucket_view=True")}
-TORCH_TP_NAME = re.compile(r"torch-tp(?P<tp>\d+)-fsdp(?P<dp>\d+)")
+TORCH_TP_NAME = re.compile(r"torch-tp(?P<tp>\d+)-fsdp(?P<dp>\d+)(?P<noreshard>-noreshard)?")
 MEGATRON_NAME = re.compile(r"megatron-tp(?P<tp>\d+)(?:-dp(?P<dp>\d+))?(?P<sp>-sp)?(?P<distopt>-distopt)?")
 # +selective, +selective-op (torchtitan's per-op policy), +full, or +full-blockN / +full-everyN
 # (some layers recomputed, ``baselines.LayerSplit``)
@@ -150,7 +150,11 @@ def export_target(strategy: str) -> ExportTarget:
         layout = MegatronLayout(int(megatron["tp"]), int(megatron["dp"] or 1), bool(megatron["sp"]),
                                 bool(megatron["distopt"]))
         return ExportTarget(strategy, "megatron", recompute, None, layout, split=split, count=count)
-    kind, option = WITH_OPTION.get(base, ("torch-tp" if TORCH_TP_NAME.fullmatch(base) else base, ""))
+    torch_tp = TORCH_TP_NAME.fullmatch(base)
+    if torch_tp:
+        kind, option = "torch-tp", "reshard_after_forward=False" if torch_tp["noreshard"] else ""
+    else:
+        kind, option = WITH_OPTION.get(base, (base, ""))
     if kind in TORCH_STRATEGIES:
         # full and per-op recomputation are checked against torch.utils.checkpoint around every block
         if recompute not in ("none", *CHECKPOINTED) or (recompute == "selective-op" and split):
@@ -488,6 +492,7 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
                             f"the model has {len(containers)}")
     (container,) = containers
     tp = int(TORCH_TP_NAME.fullmatch(target.strategy.removesuffix("+full"))["tp"])
+    defaults = f"with {target.option}" if target.option else "with their defaults"
     dp = plan.job.mesh.num_devices // tp
     prefix = f"{container.path}.0."
     styles = tensor_parallel_styles(plan)
@@ -498,7 +503,7 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
         return [f"        \"{m}\": {s}," for m, s in plan_of.items()]
 
     return ["# PyTorch's tensor parallelism (parallelize_module, torchtitan's plan) on the inner mesh axis, then",
-            "# fully_shard (FSDP2) on every block and the root module over the outer axis, with their defaults."
+            f"# fully_shard (FSDP2) on every block and the root module over the outer axis, {defaults}."
             + _precision_note(plan),
             f"# On every rank: build the model in fp32, call parallelize(model, mesh) with a 2-D DeviceMesh of {dp} × {tp}",
             f"# devices (init_device_mesh(\"cuda\", ({dp}, {tp}), mesh_dim_names=(\"dp\", \"tp\"))), make",
@@ -544,8 +549,8 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
               if target.recompute == "full" else []),
             *_fsdp_policy(plan),
             "    for block in blocks:",
-            f"        {_shard(plan, 'block', 'dp_mesh')}",
-            f"    {_shard(plan, 'model', 'dp_mesh')}",
+            f"        {_shard(plan, 'block', 'dp_mesh', target.option)}",
+            f"    {_shard(plan, 'model', 'dp_mesh', target.option)}",
             "    return model"]
 
 

@@ -34,7 +34,16 @@ from memshard.job import Job, mesh_to_dict
 from memshard.mesh import Mesh
 from memshard.placement import format_layout
 from memshard.pricing import build_problem
-from memshard.problem import MEGATRON, MEMSHARD, OpGroup, Problem, Selection, StorageGroup
+from memshard.problem import (
+    DDP_FRAMEWORKS,
+    MEGATRON,
+    MEMSHARD,
+    TORCH_TP_FRAMEWORKS,
+    OpGroup,
+    Problem,
+    Selection,
+    StorageGroup,
+)
 
 SCHEMA = "memshard.plan/3"
 READABLE_SCHEMAS = ("memshard.plan/1", "memshard.plan/2", SCHEMA)
@@ -199,9 +208,12 @@ def runnable(plan: Plan) -> Plan:
         return build_plan(as_run_by(plan.problem, MEMSHARD), plan.selection, plan.job, strategy=plan.strategy,
                           advice=False)
     if framework != MEMSHARD:
-        fsdp2, ddp = ("fully_shard (FSDP2)", "zero3-fsdp with --zero3-unit layer"), ("DistributedDataParallel", "dp")
-        name, instead = {"fsdp2": fsdp2, "fsdp2-noreshard": fsdp2, "ddp": ddp, "ddp-bucket-view": ddp,
-                         "torch-tp": ("parallelize_module × fully_shard", plan.strategy.removeprefix("torch-"))}[framework]
+        if framework in TORCH_TP_FRAMEWORKS:
+            name, instead = "parallelize_module × fully_shard", plan.strategy.removeprefix("torch-").replace("-noreshard", "")
+        elif framework in DDP_FRAMEWORKS:
+            name, instead = "DistributedDataParallel", "dp"
+        else:
+            name, instead = "fully_shard (FSDP2)", "zero3-fsdp with --zero3-unit layer"
         raise MemshardError(f"the {plan.strategy} baseline prices PyTorch's {name}, which memshard's runtime does not "
                             f"run; run {instead} (memshard's runtime of the same layout)")
     return plan

@@ -47,10 +47,10 @@ from memshard.problem import (
     DURING_RESHARDS,
     FRAMEWORKS,
     FSDP2_FRAMEWORKS,
-    FSDP2_NO_RESHARD,
     INPUT_COPY,
     MEGATRON,
     MEMSHARD,
+    NO_RESHARD_FRAMEWORKS,
     PRODUCER,
     READ_BY_REPLAY,
     REGATHER,
@@ -66,7 +66,7 @@ from memshard.problem import (
     SAVED,
     SOURCE,
     TORCH_FRAMEWORKS,
-    TORCH_TP,
+    TORCH_TP_FRAMEWORKS,
     ZERO3_UNITS,
     Choice,
     Conflict,
@@ -123,7 +123,7 @@ class _Builder:
                 replayed[starts[op.layer]] = (*replayed.get(starts[op.layer], ()), i)
         self.sched = Schedule(len(graph.ops), tuple(sorted(replayed.items())))
         if framework in FSDP2_FRAMEWORKS:
-            self.units = fsdp2_units(graph, self.sched, recompute, reshard_after_forward=framework != FSDP2_NO_RESHARD)
+            self.units = fsdp2_units(graph, self.sched, recompute, reshard_after_forward=framework not in NO_RESHARD_FRAMEWORKS)
         else:
             self.units = layer_units(graph, self.sched, recompute) if zero3_unit == "layer" else {}
         self.conflicts: list[Conflict] = []
@@ -270,7 +270,7 @@ class _Builder:
             if self.framework not in TORCH_FRAMEWORKS:
                 return chunk, (np.zeros(len(layouts)), np.zeros(len(layouts)))
             whole = self.layout_prices(logits, layouts)
-            split = np.array([self.framework == TORCH_TP and classes in s.assignment for s in strategies], float)
+            split = np.array([self.framework in TORCH_TP_FRAMEWORKS and classes in s.assignment for s in strategies], float)
             return tuple(w + c * split for w, c in zip(whole, chunk)), tuple(w * (1 + split) for w in whole)
 
         forward, backward = self.cached((gid, "loss"), prices)
@@ -760,7 +760,7 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         raise MemshardError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {recompute!r}")
     if framework in TORCH_FRAMEWORKS:  # the eager module's views, not memshard's runtime's copies
         graph = as_eager(graph)
-    if framework == TORCH_TP:
+    if framework in TORCH_TP_FRAMEWORKS:
         graph = with_input_gathers(with_output_scatters(graph))
     if framework == MEGATRON:  # bf16 training accumulates and reduces gradients in fp32 (main_grad)
         graph = replace(graph, precision=replace(graph.precision, grad_bytes=4))

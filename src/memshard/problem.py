@@ -69,13 +69,16 @@ SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout 
 # (its gradient buckets, a second copy of the gradients; DDP_BUCKET_VIEW:
 # ``gradient_as_bucket_view=True``, the buckets are the gradients); TORCH_TP: PyTorch's
 # parallelize_module with torchtitan's plan (``tensor_parallel.with_input_gathers``: each
-# block's attention and MLP input gathered once) × fully_shard as FSDP2; MEGATRON: Megatron-LM's
+# block's attention and MLP input gathered once) × fully_shard as FSDP2 (TORCH_TP_NO_RESHARD: with
+# ``reshard_after_forward=False``); MEGATRON: Megatron-LM's
 # gradient buffer (``pricing.build_problem``: every local gradient in fp32, all step, reduced in
 # fp32). Not a search option: memshard's runtime executes "memshard" plans only.
 MEMSHARD, FSDP2, DDP, TORCH_TP, MEGATRON = "memshard", "fsdp2", "ddp", "torch-tp", "megatron"
-FSDP2_NO_RESHARD, DDP_BUCKET_VIEW = "fsdp2-noreshard", "ddp-bucket-view"
-FRAMEWORKS = (MEMSHARD, FSDP2, FSDP2_NO_RESHARD, DDP, DDP_BUCKET_VIEW, TORCH_TP, MEGATRON)
-FSDP2_FRAMEWORKS = (FSDP2, FSDP2_NO_RESHARD, TORCH_TP)  # fully_shard on every layer and the root
+FSDP2_NO_RESHARD, DDP_BUCKET_VIEW, TORCH_TP_NO_RESHARD = "fsdp2-noreshard", "ddp-bucket-view", "torch-tp-noreshard"
+FRAMEWORKS = (MEMSHARD, FSDP2, FSDP2_NO_RESHARD, DDP, DDP_BUCKET_VIEW, TORCH_TP, TORCH_TP_NO_RESHARD, MEGATRON)
+TORCH_TP_FRAMEWORKS = (TORCH_TP, TORCH_TP_NO_RESHARD)  # parallelize_module with torchtitan's plan
+NO_RESHARD_FRAMEWORKS = (FSDP2_NO_RESHARD, TORCH_TP_NO_RESHARD)  # fully_shard(reshard_after_forward=False)
+FSDP2_FRAMEWORKS = (FSDP2, FSDP2_NO_RESHARD, *TORCH_TP_FRAMEWORKS)  # fully_shard on every layer and the root
 DDP_FRAMEWORKS = (DDP, DDP_BUCKET_VIEW)
 TORCH_FRAMEWORKS = (*FSDP2_FRAMEWORKS, *DDP_FRAMEWORKS)  # run with torch.optim.Adam (foreach)
 
