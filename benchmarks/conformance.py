@@ -22,7 +22,8 @@ The second table runs PyTorch's tensor parallelism as torchtitan applies it to L
 ``loss_parallel``) × ``fully_shard`` over the data-parallel axis, against the
 ``torch-tp<T>-fsdp<D>`` baseline and the idealised ``tp<T>-fsdp<D>`` (TP + SP + ZeRO-3 as
 memshard's runtime executes them), at 32 and 256 tokens per sequence, with and without
-torchtitan's full activation checkpointing (``+full``). The third table runs both in mixed
+torchtitan's full activation checkpointing (``+full``), and with ``reshard_after_forward=False``
+on every ``fully_shard`` (``-noreshard``). The third table runs both in mixed
 precision as torchtitan sets it (every ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=
 bf16, reduce_dtype=fp32)``) against the baselines of the mixed-precision job, and memshard's
 mixed-precision ZeRO-3 (bf16 shards beside fp32 masters). ``--write`` puts the tables into
@@ -54,6 +55,7 @@ from tests.test_conformance import (  # noqa: E402
     tensor_parallel_fsdp2,
     tp_fsdp2_peak,
 )
+from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import memshard  # noqa: E402
 from benchmarks_md import provenance, write_section  # noqa: E402
@@ -89,15 +91,18 @@ def rows() -> list[str]:
 def tensor_parallel_rows() -> list[str]:
     out = ["| baseline | model | mesh (DP × TP) | tokens per sequence | rank | measured (PyTorch) | predicted | error "
            "| idealised | its prediction | error |", "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
-    for recompute, family, (dp, tp), seq in itertools.product(("none", "full"), ("llama", "qwen2"), ((2, 2), (4, 2)),
-                                                              (32, 256)):
+    for kept, recompute, family, (dp, tp), seq in itertools.product(
+            (False, True), ("none", "full"), ("llama", "qwen2"), ((2, 2), (4, 2)), (32, 256)):
         graph = trace_hf(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
         suffix = "+full" if recompute == "full" else ""
-        name, ideal_name = f"torch-tp{tp}-fsdp{dp}{suffix}", f"tp{tp}-fsdp{dp}{suffix}"
+        option = "-noreshard" if kept else ""
+        name, ideal_name = f"torch-tp{tp}-fsdp{dp}{option}{suffix}", f"tp{tp}-fsdp{dp}{suffix}"
         predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", name, recompute=recompute).peak_bytes
         ideal = memshard.strategy_plan(graph, f"{dp}x{tp}", ideal_name, recompute=recompute,  # (per-layer
                                        zero3_unit="layer" if suffix else "op").peak_bytes  # ZeRO-3 to replay)
-        parallelize = checkpointed_tensor_parallel_fsdp2 if suffix else tensor_parallel_fsdp2
+        shard = functools.partial(fully_shard, reshard_after_forward=False) if kept else None
+        parallelize = functools.partial(checkpointed_tensor_parallel_fsdp2 if suffix else tensor_parallel_fsdp2,
+                                        shard=shard)
         for rank in (0, dp * tp - 1):
             measured = tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize=parallelize)
             out.append(f"| {name} | {family} | {dp} × {tp} | {seq} | {rank} | {measured:,} | {predicted:,.0f} | "

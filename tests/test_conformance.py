@@ -271,13 +271,13 @@ def tensor_parallel_fsdp2(model, mesh, shard=None):
     return fully_shard_blocks(model, dp_mesh, shard)
 
 
-def checkpointed_tensor_parallel_fsdp2(model, mesh):
+def checkpointed_tensor_parallel_fsdp2(model, mesh, shard=None):
     """:func:`tensor_parallel_fsdp2` with torchtitan's full activation checkpointing: the
     blocks wrapped after tensor parallelism (whose plan names their submodules) and before
     ``fully_shard``."""
     dp_mesh, tp_mesh = (mesh[name] for name in mesh.mesh_dim_names)
     tensor_parallel(model, tp_mesh)
-    return checkpointed(lambda m, _: fully_shard_blocks(m, dp_mesh))(model, mesh)
+    return checkpointed(lambda m, _: fully_shard_blocks(m, dp_mesh, shard))(model, mesh)
 
 
 def tp_fsdp2_peak(dp: int, tp: int, rank: int, seq: int, family: str = "llama",

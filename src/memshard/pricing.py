@@ -256,9 +256,10 @@ class _Builder:
         Megatron-LM's kernels: a row chunk of exponentials in forward. PyTorch's
         ``F.cross_entropy`` (``log_softmax``, then ``nll_loss``): its log-probabilities beside
         the logits forward, their gradient beside the logits' backward, one logits tensor more
-        each way. ``loss_parallel`` (classes split, torch-tp) holds a row chunk more forward and
-        a second extra tensor backward (its ``(zeros + exp(x)) * grad``: four logits-sized at
-        its peak, measured in ``tests/test_conformance.py``)."""
+        each way. ``loss_parallel`` (classes split, torch-tp) holds a second extra tensor each
+        way: forward the shifted logits beside their exponentials, then beside the
+        log-probabilities (its ``_log_softmax``); backward its ``(zeros + exp(x)) * grad`` (four
+        logits-sized at its peak; both measured in ``tests/test_conformance.py``)."""
         S, op = self.sched, self.graph.ops[i]
         logits = self.graph.tensors[op.inputs[0].tensor]
         classes = op.inputs[0].dims[-1]
@@ -271,7 +272,7 @@ class _Builder:
                 return chunk, (np.zeros(len(layouts)), np.zeros(len(layouts)))
             whole = self.layout_prices(logits, layouts)
             split = np.array([self.framework in TORCH_TP_FRAMEWORKS and classes in s.assignment for s in strategies], float)
-            return tuple(w + c * split for w, c in zip(whole, chunk)), tuple(w * (1 + split) for w in whole)
+            return tuple(w * (1 + split) for w in whole), tuple(w * (1 + split) for w in whole)
 
         forward, backward = self.cached((gid, "loss"), prices)
         self.slot(gid, S.forward(i), S.forward(i), "transients", *forward)
