@@ -300,3 +300,19 @@ def test_pytorchs_selective_checkpoint_caches_what_it_saves_until_the_recompute(
               if h.kind == CACHED and h.start <= peak <= h.end and on.holder_layout(selection, h) is not None}
     assert cached == {f"layers.{k}.{p}.out" for k in range(3) for p in ("attn.q", "attn.v", "mlp.gate", "mlp.down")}
     assert evaluate(on, selection).peak_bytes > evaluate(problem, selection).peak_bytes
+
+
+@pytest.mark.parametrize("policy", ["full", "auto"])
+def test_fsdp2s_backward_prefetch_makes_layer_one_a_candidate_peak(policy):
+    """FSDP2 gathers the layer below's weights during every layer's backward but the first's:
+    over the layers the live bytes at an op are affine plus a step after layer 0, so the
+    second layer's points can hold the peak (here its MLP's backward, with every layer
+    recomputed); the plan forced through the ILP prices as the evaluator does."""
+    graph = build_graph("tiny-gpt", batch=8, seq=128, num_layers=4)
+    problem = build_problem(graph, parse_mesh("2x2"), recompute=policy)
+    (fsdp2,), _ = baselines(problem, lambda name: name == "fsdp2+full")
+    direct = evaluate(fsdp2.problem, fsdp2.selection)
+    assert fsdp2.problem.schedule.describe(direct.peak_point, graph) == "backward layers.1.mlp.proj"
+    assert direct.peak_point in fsdp2.problem.candidate_points
+    forced = solve(fsdp2.problem, "memory", fixed=fsdp2.selection, mip_gap=0.0)
+    assert forced.ilp_peak_bytes == pytest.approx(direct.peak_bytes, rel=1e-6)

@@ -83,7 +83,7 @@ from memshard.problem import (
     StorageGroup,
     without_partial,
 )
-from memshard.recompute import RECOMPUTE_POLICIES, replay_flags, replay_starts
+from memshard.recompute import RECOMPUTE_POLICIES, replay_flags, replay_starts, replayable_ops
 from memshard.schedule import Schedule, candidate_points
 from memshard.strategies import (
     Strategy,
@@ -117,9 +117,10 @@ class _Builder:
         self.replay_flags = replay_flags(graph, recompute)
         # Where each layer's replay runs: PyTorch's checkpoint at its first unpack.
         starts = replay_starts(graph, on_first_unpack=framework in TORCH_FRAMEWORKS)
+        self.cached_ops = self.checkpoint_cached(recompute)
         replayed: dict[int, tuple[int, ...]] = {}
         for i, op in enumerate(graph.ops):
-            if True in self.replay_flags[i]:
+            if True in self.replay_flags[i] or i in self.cached_ops:
                 replayed[starts[op.layer]] = (*replayed.get(starts[op.layer], ()), i)
         self.sched = Schedule(len(graph.ops), tuple(sorted(replayed.items())))
         if framework in FSDP2_FRAMEWORKS:
@@ -160,6 +161,15 @@ class _Builder:
     def layout_prices(self, spec: TensorSpec, layouts: list[Layout]) -> tuple[np.ndarray, np.ndarray]:
         nbytes = np.array([tensor_bytes(spec, L, self.mesh) for L in layouts], float)
         return nbytes, np.array(self.redundant(nbytes, layouts))
+
+    def checkpoint_cached(self, recompute: str) -> set[int]:
+        """The ops whose output PyTorch's selective checkpoint caches where they are not replayed
+        (``problem.CACHED``): under a framework it runs, the replayable ops of a layer some of
+        whose ops may be replayed (each gets a point in the replay, where the recompute reaches it)."""
+        if self.framework not in TORCH_FRAMEWORKS or recompute == "none":
+            return set()
+        replaying = {self.graph.ops[i].layer for i, flags in enumerate(self.replay_flags) if True in flags}
+        return {i for i in replayable_ops(self.graph) if self.graph.ops[i].layer in replaying}
 
     def chunk_prices(self, spec: TensorSpec, layouts: list[Layout]) -> tuple[np.ndarray, np.ndarray]:
         """One row chunk of the local logits (see CROSS_ENTROPY_CHUNKS) in each layout."""
@@ -428,8 +438,7 @@ class _Builder:
                                  Holder(hid, PRODUCER, pg, replay, end)]
             else:
                 self.holders.append(Holder(hid, PRODUCER, pg, S.forward(p), end))
-                group = self.groups[pg]
-                if self.framework in TORCH_FRAMEWORKS and group.may_replay and not group.always_replays:
+                if p in self.cached_ops and not self.groups[pg].always_replays:
                     self.holders.append(Holder(hid, CACHED, pg, forward_end + 1, S.replay(p)))
             for kind, source, start, stop in edge_holders.get(t, []):
                 self.holders.append(Holder(hid, kind, source, start, stop))
@@ -782,7 +791,7 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
     return Problem(
         graph=graph, mesh=mesh, schedule=b.sched, shared_layers=shared_layers, groups=b.groups,
         links=b.links, edges=b.edges, slots=b.slots, held=b.held, holders=b.holders,
-        constants=b.constants, candidate_points=candidate_points(graph, b.sched, shared_layers),
+        constants=b.constants, candidate_points=candidate_points(graph, b.sched, shared_layers, prefetch=framework in FSDP2_FRAMEWORKS),
         op_group=op_group, micro_batches=micro_batches, edge_of_input=edge_of_input,
         storage_group=storage_group, reshard_points=b.add_reshard_points(edge_of_input),
         zero3_unit=zero3_unit, recompute=recompute, conflicts=b.conflicts, framework=framework,

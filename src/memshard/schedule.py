@@ -100,7 +100,7 @@ class Schedule:
         return f"backward {name}" if point == self._backward[i] else f"resharding the input gradients of {name}"
 
 
-def candidate_points(graph: Graph, schedule: Schedule, shared_layers: bool) -> list[int]:
+def candidate_points(graph: Graph, schedule: Schedule, shared_layers: bool, prefetch: bool = False) -> list[int]:
     """Points that can hold the peak.
 
     With identical layers sharing variables, the live bytes at the same op of layer k are
@@ -109,10 +109,13 @@ def candidate_points(graph: Graph, schedule: Schedule, shared_layers: bool) -> l
     layers' points are never needed. Layers split into two classes (``Graph.layer_classes``)
     make them affine in (k, how many of the k layers below are of class 1) for the layers of
     one class: the maximum is at a vertex of those points' convex hull (``peak_layers``).
+    ``prefetch``: in backward every layer but the first also holds the layer below's gathered
+    weights (FSDP2's backward prefetch), a step after layer 0 that the affine argument
+    covers for layers 1… only, so layer 0 is a candidate of its own.
     """
     if not shared_layers or graph.num_layers <= 2:
         return list(range(schedule.num_points))
-    keep_layers = peak_layers(graph.layer_classes)
+    keep_layers = peak_layers(graph.layer_classes, prefetch)
     points = []
     for i, op in enumerate(graph.ops):
         if op.layer is None or op.layer in keep_layers:
@@ -124,18 +127,20 @@ def candidate_points(graph: Graph, schedule: Schedule, shared_layers: bool) -> l
     return sorted(points)
 
 
-def peak_layers(classes: tuple[int, ...]) -> set[int]:
+def peak_layers(classes: tuple[int, ...], first_apart: bool = False) -> set[int]:
     """The layers whose points can hold the peak, given each layer's class: per class, the
     vertices of the convex hull of (k, layers of class 1 below k) over its layers k (the first
-    and the last layer with one class; every layer with more than two)."""
+    and the last layer with one class; every layer with more than two). ``first_apart``: the
+    hull is of the layers after the first, which is a candidate itself."""
     if len(set(classes)) > 2:
         return set(range(len(classes)))
     top = max(classes)
     below, points = 0, {}
     for k, c in enumerate(classes):
-        points.setdefault(c, []).append((k, below))
+        if k or not first_apart:
+            points.setdefault(c, []).append((k, below))
         below += c == top
-    return {k for layers in points.values() for k, _ in _hull(layers)}
+    return {k for layers in points.values() for k, _ in _hull(layers)} | ({0} if first_apart else set())
 
 
 def _hull(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
