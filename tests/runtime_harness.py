@@ -40,7 +40,7 @@ BATCH = 8
 
 @functools.cache
 def least_memory_plan(model: str, mesh: str, unit: str = "op", precision: str = "fp32"):
-    return memshard.plan(model, mesh, batch=BATCH, precision=precision, mip_gap=0.05, time_limit_s=8,
+    return memshard.plan(model, mesh, batch=BATCH, precision=precision, mip_gap=0.05, time_limit_s=20,
                          zero3_unit=unit)
 
 

@@ -54,9 +54,11 @@ def test_per_layer_activations_are_megatrons(policy, per_layer):
     """Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer
     Models), 16-bit activations, 1-byte dropout masks: a GPT layer keeps sbh(34 + 5as/h)
     bytes without recomputation, 34sbh with selective (core attention) recomputation, 2sbh
-    (its input) with full recomputation."""
+    (its input) with full recomputation. (Replayed as memshard's runtime and Megatron-LM
+    replay: PyTorch's selective checkpoint, ``ddp+selective``, also caches the outputs it
+    does not recompute until the block's recompute: 4sbh more, both output projections' outputs.)"""
     s, b, h, a = 256, 2, 256, 8
-    got = _per_layer_activations(policy, "1", "ddp" + SUFFIX[policy], s, b, h, a)
+    got = _per_layer_activations(policy, "1", "dp" + SUFFIX[policy], s, b, h, a)
     assert got == pytest.approx(per_layer(s, b, h, a))
 
 
