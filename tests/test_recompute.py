@@ -60,6 +60,9 @@ def test_per_layer_activations_are_megatrons(policy, per_layer):
     s, b, h, a = 256, 2, 256, 8
     got = _per_layer_activations(policy, "1", "dp" + SUFFIX[policy], s, b, h, a)
     assert got == pytest.approx(per_layer(s, b, h, a))
+    if policy == "selective":
+        cached = _per_layer_activations(policy, "1", "ddp+selective", s, b, h, a)
+        assert cached == pytest.approx(per_layer(s, b, h, a) + 4 * s * b * h)
 
 
 @pytest.mark.parametrize("policy, per_layer", [
