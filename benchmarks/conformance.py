@@ -121,7 +121,7 @@ def mixed_precision_rows() -> list[str]:
         devices, batch = shape[0] * (shape[1] if len(shape) > 1 else 1), shape[0]
         mesh = "x".join(map(str, shape))
         graph = trace_hf(family, batch=batch, seq=seq, precision="mixed", **FAMILIES[family])
-        recompute = "full" if baseline.endswith("+full") else "none"
+        recompute = recompute_of(baseline)
         if baseline == "torch-tp":
             name, ideal_name, options = f"torch-tp{shape[1]}-fsdp{shape[0]}", f"tp{shape[1]}-fsdp{shape[0]}", {}
             measure = functools.partial(tp_fsdp2_peak, shape[0], shape[1], seq=seq, family=family,

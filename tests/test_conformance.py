@@ -439,8 +439,7 @@ def test_fsdp2_on_real_gloo_ranks_is_what_the_baseline_predicts(tmp_path):
     graph = trace_hf("llama", batch=4, seq=256, precision="fp32", **FAMILIES["llama"])
     reports = forked_world(_gloo_worker, 4, tmp_path)
     for baseline in ("fsdp2", "fsdp2+full"):
-        recompute = "full" if baseline.endswith("+full") else "none"
-        predicted = memshard.strategy_plan(graph, "4", baseline, recompute=recompute).peak_bytes
+        predicted = memshard.strategy_plan(graph, "4", baseline, recompute=recompute_of(baseline)).peak_bytes
         for rank, peaks in enumerate(reports):
             print(f"gloo {baseline} rank {rank}: measured {peaks[baseline]:,} B, predicted {round(predicted):,} B, "
                   f"{predicted / peaks[baseline] - 1:+.2%}")

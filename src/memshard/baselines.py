@@ -253,11 +253,11 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     whole nodes and more (the innermost axes); data parallelism takes the rest."""
     out, skipped, bases = [], [], []
     mesh = problem.mesh
+    suffixes = {op_level: [suffix for suffix, _ in recompute_variants(problem, op_level)] for op_level in (False, True)}
 
     def add(name, make, on: Callable[[], Problem] = lambda: problem, op_level: bool = False):
         bases.append(name)
-        names = [(name + suffix, suffix) for suffix, _ in recompute_variants(problem, op_level)
-                 if wanted is None or wanted(name + suffix)]
+        names = [(name + suffix, suffix) for suffix in suffixes[op_level] if wanted is None or wanted(name + suffix)]
         if names:
             on = on()
             replayed_by = dict(recompute_variants(on, op_level))  # its own op indices (torch-tp adds ops)

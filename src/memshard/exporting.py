@@ -118,12 +118,17 @@ class ExportTarget:
     @property
     def policy(self) -> str:
         """The recomputation its baseline is built under."""
-        return "auto" if self.split or self.recompute == "selective-op" else self.recompute
+        return "auto" if self.split or self.per_op else self.recompute
 
     @property
     def checkpoints(self) -> bool:
         """Whether its code wraps blocks in ``torch.utils.checkpoint``."""
         return self.recompute in CHECKPOINTED
+
+    @property
+    def per_op(self) -> bool:
+        """Whether its checkpointing is torchtitan's per-op selective policy."""
+        return self.recompute == "selective-op"
 
 
 @dataclass(frozen=True)
@@ -312,7 +317,7 @@ def _wrap_lines(target: ExportTarget, blocks: str, assign: str) -> list[str]:
     """The blocks of ``blocks`` (each, or every ``count``-th) wrapped in ``checkpoint_wrapper``
     (with torchtitan's per-op policy under ``selective-op``), the result assigned to ``assign``."""
     wrap = f"{assign} = checkpoint_wrapper(block, preserve_rng_state=False)"
-    if target.recompute == "selective-op":
+    if target.per_op:
         return ["    for k, block in enumerate(" + blocks + "):  # recomputed in backward as op_level_policy says",
                 f"        {assign} = checkpoint_wrapper(block, preserve_rng_state=False, early_stop=False,",
                 " " * (len(assign) + 30) + "context_fn=lambda: create_selective_checkpoint_contexts(op_level_policy()))"]
@@ -332,17 +337,17 @@ def _checkpoint_import(target: ExportTarget) -> list[str]:
 
 
 def _policy_import(target: ExportTarget) -> list[str]:
-    if target.recompute != "selective-op":
+    if not target.per_op:
         return []
     return ["from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts"]
 
 
 def _policy_lines(target: ExportTarget) -> list[str]:
-    return OP_LEVEL_POLICY if target.recompute == "selective-op" else []
+    return OP_LEVEL_POLICY if target.per_op else []
 
 
 def _checkpointing(target: ExportTarget) -> str:
-    if target.recompute == "selective-op":
+    if target.per_op:
         return (" Every transformer block recomputes in backward what torchtitan's per-op selective activation "
                 "checkpointing does not save (op_level_policy, torch.utils.checkpoint).")
     if target.recompute != "full":

@@ -43,6 +43,7 @@ from memshard.placement import Layout
 from memshard.problem import (
     CACHED,
     DURING_RESHARDS,
+    GROUP_KINDS,
     INPUT_COPY,
     OWN_KINDS,
     PRODUCER,
@@ -97,16 +98,14 @@ class LiveBytes:
 
     def _indicator(self, h: Holder, layout: Layout, part: str) -> dict[int, float]:
         problem, x = self.problem, self.choice_columns
-        if h.kind in (PRODUCER, RETAINED, REPLAY_OUT):  # retained: where the op is not replayed
+        if h.kind in GROUP_KINDS:  # retained, cached: where the op is not replayed
             group = problem.groups[h.source]
-            wanted = {PRODUCER: (False, True), RETAINED: (False,), REPLAY_OUT: (True,)}[h.kind]
-            return {int(x[h.source][c]): 1.0 for c, s in enumerate(group.strategies)
+            wanted = {PRODUCER: (False, True), RETAINED: (False,), CACHED: (False,), REPLAY_OUT: (True,)}[h.kind]
+            held = {int(x[h.source][c]): 1.0 for c, s in enumerate(group.strategies)
                     if without_partial(s.output_layout) == layout and group.replayed(c) in wanted}
-        if h.kind == CACHED:  # where the op is not replayed and its layer replays some op
-            group = problem.groups[h.source]
-            retained = {int(x[h.source][c]): 1.0 for c, s in enumerate(group.strategies)
-                        if without_partial(s.output_layout) == layout and not group.replayed(c)}
-            return self.conjunction(retained, self.layer_replays(h.source), group.key)
+            if h.kind == CACHED:  # and its layer replays some op
+                return self.conjunction(held, self.layer_replays(h.source), group.key)
+            return held
         edge = problem.edges[h.source]
         if h.kind == INPUT_COPY:
             strategies = problem.groups[edge.consumer].strategies
