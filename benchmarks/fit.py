@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/fit.py [--write]
 
-For GPT-3 and LLaMA-3 jobs on 8–64 devices (mixed precision, no recomputation): the largest
+For GPT-3 and LLaMA-3 jobs on 8–1024 devices (mixed precision, no recomputation): the largest
 global batch (or the longest sequence) whose least-memory plan fits an 80 GiB device (and the
-fewest devices two of them need), for
+fewest devices some of them need), for
 memshard, for the best Megatron-LM configuration (every TP degree × DP × sequence parallelism
 × distributed optimizer, priced by the same model) and for FSDP2 (``fully_shard`` as it runs,
 ``fsdp2``); the ratio memshard / Megatron; and the search's own time (memshard alone, and with
@@ -31,7 +31,9 @@ JOBS = (  # (model, mesh, batch, seq, knob, step: None = the mesh's data-paralle
     ("gpt3-13b", "2x8", 16, 2048, "batch", None),
     ("llama3-8b", "8x8", 64, 8192, "batch", None),
     ("llama3-8b", "8x8", 64, 8192, "seq", None),
+    ("llama3-8b", "1x8", 8, 8192, "seq", None),
     ("llama3-70b", "8x8", 64, 4096, "batch", None),
+    ("llama3-70b", "8x8", 64, 4096, "seq", None),
     ("gpt3-175b", "8x8x16", 1536, 2048, "batch", 128),
 )
 
@@ -67,7 +69,9 @@ def row(model: str, mesh: str, batch: int, seq: int, knob: str, step: int | None
 
 DEVICE_JOBS = (  # (model, mesh to start from, batch, seq): the fewest devices
     ("gpt3-13b", "2x8", 16, 2048),
+    ("llama3-8b", "8x8", 64, 8192),
     ("llama3-70b", "8x8", 64, 4096),
+    ("gpt3-175b", "8x8x16", 256, 2048),
 )
 
 
