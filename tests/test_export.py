@@ -248,6 +248,17 @@ def test_megatron_arguments_for_llama_with_recomputation_and_micro_batches():
     assert full["--micro-batch-size"] == "4" and full["--global-batch-size"] == "4"  # one replica
 
 
+def test_megatron_mlp_recomputation_is_its_mlp_module():
+    text = memshard.export("tiny-llama", "2", strategy="megatron-tp2-sp+selective-mlp")
+    args = megatron_arguments(text)
+    assert (args["--recompute-granularity"], args["--recompute-modules"]) == ("selective", "mlp")
+    assert "--recompute-method" not in args
+    predicted = memshard.strategy_plan("tiny-llama", "2", "megatron-tp2-sp+selective-mlp", recompute="auto")
+    assert f"({round(predicted.peak_bytes):,} bytes)" in text
+    assert {op.name for op in predicted.ops if op.recomputed} == {
+        "post_attention_layernorm", "mlp.gate", "mlp.up", "mlp.act", "mlp.mul", "mlp.down"}
+
+
 def test_megatron_block_recomputation_is_its_block_method():
     block = megatron_arguments(memshard.export("tiny-gpt", "4", strategy="megatron-tp4-sp+full-block3", num_layers=6))
     assert (block["--recompute-granularity"], block["--recompute-method"], block["--recompute-num-layers"]) == (

@@ -26,7 +26,13 @@ from memshard.models import build_graph
 from memshard.plans import plan_from_dict
 from memshard.pricing import build_problem
 from memshard.problem import CACHED
-from memshard.recompute import core_attention, op_level_replayed, replay_flags, replayable_ops
+from memshard.recompute import (
+    core_attention,
+    mlp_module,
+    op_level_replayed,
+    replay_flags,
+    replayable_ops,
+)
 from tests.test_ilp_pricing import random_plan
 
 
@@ -66,16 +72,21 @@ def test_per_layer_activations_are_megatrons(policy, per_layer):
         assert cached == pytest.approx(per_layer(s, b, h, a) + 8 * s * b * h)
 
 
-@pytest.mark.parametrize("policy, per_layer", [
-    ("none", lambda s, b, h, a, t: s * b * h / t * (34 + 5 * a * s / h)),
-    ("selective", lambda s, b, h, a, t: 34 * s * b * h / t),
-    ("full", lambda s, b, h, a, t: 2 * s * b * h / t),
+@pytest.mark.parametrize("policy, suffix, per_layer", [
+    ("none", "", lambda s, b, h, a, t: s * b * h / t * (34 + 5 * a * s / h)),
+    ("selective", "+selective", lambda s, b, h, a, t: 34 * s * b * h / t),
+    ("full", "+full", lambda s, b, h, a, t: 2 * s * b * h / t),
+    ("auto", "+selective-mlp", lambda s, b, h, a, t: s * b * h / t * (16 + 5 * a * s / h)),
 ])
-def test_per_layer_activations_with_tensor_and_sequence_parallelism(policy, per_layer):
+def test_per_layer_activations_with_tensor_and_sequence_parallelism(policy, suffix, per_layer):
     """The same paper with tensor and sequence parallelism of degree t: every term ÷ t (the
-    checkpointed input of full recomputation is the sequence-parallel piece)."""
+    checkpointed input of full recomputation is the sequence-parallel piece). Megatron-LM's
+    MLP module recomputed (``--recompute-modules mlp``) drops the paper's MLP terms but the
+    dropout mask after it — the first linear's input 2sbh, the GeLU's input 8sbh, the second
+    linear's input 8sbh — and keeps the norm's input (the checkpoint's), already counted:
+    16sbh + 5as²b."""
     s, b, h, a, t = 256, 2, 256, 8, 4
-    got = _per_layer_activations(policy, "4", f"megatron-tp{t}-sp" + SUFFIX[policy], s, b, h, a)
+    got = _per_layer_activations(policy, "4", f"megatron-tp{t}-sp" + suffix, s, b, h, a)
     assert got == pytest.approx(per_layer(s, b, h, a, t))
 
 
@@ -83,6 +94,11 @@ def test_policies_pick_the_ops_megatron_recomputes():
     graph = build_graph("tiny-gpt", batch=2, seq=16)
     names = lambda ops: {graph.ops[i].name.split(".", 2)[-1] for i in ops}  # noqa: E731
     assert names(core_attention(graph)) == {"attn.scores", "attn.softmax", "attn.attn_dropout"}
+    # --recompute-modules mlp: the MLP module, its norm fused into the first linear (Transformer Engine)
+    assert names(mlp_module(graph)) == {"ln_2", "mlp.fc", "mlp.gelu", "mlp.proj"}
+    llama = build_graph("tiny-llama", batch=2, seq=16)
+    assert {llama.ops[i].name.split(".", 2)[-1] for i in mlp_module(llama)} == {
+        "post_attention_layernorm", "mlp.gate", "mlp.up", "mlp.act", "mlp.mul", "mlp.down"}
     # Every op of a layer but its last (whose output the next layer saves): the layer keeps its input.
     assert names(replayable_ops(graph)) == {op.name.split(".", 2)[-1] for op in graph.ops
                                             if op.layer is not None} - {"mlp.residual"}

@@ -82,6 +82,9 @@ RECOMPUTE = {  # plans that recompute activations: (recomputation searched or fo
     "tiny-llama-zero3-fsdp+full-layer-4": ("tiny-llama", "4", "zero3-fsdp+full", "auto", "layer", None),
     "tiny-gpt-tp2-fsdp2+selective-layer-2x2": ("tiny-gpt", "2x2", "tp2-fsdp2+selective", "selective", "layer", None),
     "tiny-gpt-dp+selective-4": ("tiny-gpt", "4", "dp+selective", "selective", "op", None),
+    # Megatron-LM's MLP module (--recompute-modules mlp), replayed from the pre-MLP norm's input
+    "tiny-llama-megatron-tp2-dp2-sp+selective-mlp-2x2": ("tiny-llama", "2x2", "megatron-tp2-dp2-sp+selective-mlp",
+                                                         "auto", "op", None),
     # Megatron-LM's block method: the first layer recomputed, the second not
     "tiny-gpt-megatron-tp2-dp2-sp+full-block1-2x2": ("tiny-gpt", "2x2", "megatron-tp2-dp2-sp+full-block1", "auto", "op",
                                                      128),

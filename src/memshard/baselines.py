@@ -32,7 +32,8 @@ baseline recomputes so; under ``auto`` each baseline comes without (its plain na
 selective (``+selective``: Megatron-LM's core attention) and with full recomputation
 (``+full``: Megatron-LM's full uniform, torchtitan's full activation checkpointing), PyTorch's
 FSDP2 and DDP also with torchtitan's per-op selective checkpointing (``+selective-op``,
-``recompute.op_level_replayed``), and the
+``recompute.op_level_replayed``), Megatron-LM's with its MLP module recomputed
+(``+selective-mlp``, ``--recompute-modules mlp``, ``recompute.mlp_module``), and the
 Megatron-LM and torchtitan recipes also with some of their layers recomputed in full
 (``LayerSplit``: ``+full-blockN``, Megatron-LM's block method; ``+full-everyN``, torchtitan's
 every N-th layer), on a problem whose layers are in two classes (``split_baseline``).
@@ -64,7 +65,7 @@ from memshard.problem import (
     Selection,
     complete_selection,
 )
-from memshard.recompute import core_attention, op_level_replayed, replayable_ops
+from memshard.recompute import core_attention, mlp_module, op_level_replayed, replayable_ops
 from memshard.selections import SplitUnavailable, assign_strategies, data_parallel, uniform_storage
 from memshard.tensor_parallel import REDISTRIBUTE, tensor_parallel_dim, tensor_parallel_dims
 
@@ -121,6 +122,8 @@ def megatron_tp(
 
 Replayed = Callable[[int], bool]  # op index → recomputed
 OP_LEVEL = "+selective-op"  # torchtitan's per-op selective activation checkpointing
+MLP_MODULE = "+selective-mlp"  # Megatron-LM's --recompute-granularity selective --recompute-modules mlp
+TORCH_RECIPE, MEGATRON_RECIPE = "torch", "megatron"  # the recipes with a recomputation policy of their own
 
 
 def ddp(problem: Problem, replayed: Replayed) -> Selection:
@@ -152,25 +155,30 @@ def torch_tp_fsdp2(problem: Problem, tp_axes: int, replayed: Replayed) -> Select
     return megatron_tp(problem, tp_axes, sequence_parallel=True, fsdp=True, replayed=replayed, keep_split=False)
 
 
-def recompute_variants(problem: Problem, op_level: bool = False) -> list[tuple[str, Replayed]]:
+def recompute_variants(problem: Problem, recipe: str = "") -> list[tuple[str, Replayed]]:
     """(name suffix, which ops to recompute) of each recomputation a baseline is built with;
-    ``op_level``: also torchtitan's per-op selective checkpointing (``+selective-op``, under
-    ``auto``). On a problem whose layers are split (``layer_split``): full recomputation of the
-    layers of class 0 only, suffixed ``+full`` (``split_baseline`` names it)."""
+    under ``auto`` also the recipe's own policy: ``torch``, torchtitan's per-op selective
+    checkpointing (``+selective-op``); ``megatron``, Megatron-LM's MLP module
+    (``+selective-mlp``, ``--recompute-modules mlp``). On a problem whose layers are split
+    (``layer_split``): full recomputation of the layers of class 0 only, suffixed ``+full``
+    (``split_baseline`` names it)."""
     graph = problem.graph
-    selective, full = core_attention(graph) & replayable_ops(graph), replayable_ops(graph)
+    replayable = replayable_ops(graph)
+    selective = core_attention(graph) & replayable
     if len(set(graph.layer_classes)) > 1:
-        return [("+full", lambda i: i in full and graph.ops[i].layer_class == 0)]
+        return [("+full", lambda i: i in replayable and graph.ops[i].layer_class == 0)]
     variants = {"none": [("", lambda i: False)],
                 "selective": [("+selective", lambda i: i in selective)],
-                "full": [("+full", lambda i: i in full)]}
+                "full": [("+full", lambda i: i in replayable)]}
     if problem.recompute != "auto":
         return variants[problem.recompute]
     # (Megatron-LM's selective only where the model has core attention)
     listed = variants["none"] + (variants["selective"] if selective else []) + variants["full"]
-    if op_level:
-        by_op = op_level_replayed(graph)
-        listed.append((OP_LEVEL, lambda i: i in by_op))
+    own = {TORCH_RECIPE: (OP_LEVEL, op_level_replayed), MEGATRON_RECIPE: (MLP_MODULE, mlp_module)}.get(recipe)
+    if own is not None:
+        suffix, policy = own
+        replayed = policy(graph) & replayable
+        listed.append((suffix, lambda i: i in replayed))
     return listed
 
 
@@ -253,14 +261,15 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     whole nodes and more (the innermost axes); data parallelism takes the rest."""
     out, skipped, bases = [], [], []
     mesh = problem.mesh
-    suffixes = {op_level: [suffix for suffix, _ in recompute_variants(problem, op_level)] for op_level in (False, True)}
+    suffixes = {recipe: [suffix for suffix, _ in recompute_variants(problem, recipe)]
+                for recipe in ("", TORCH_RECIPE, MEGATRON_RECIPE)}
 
-    def add(name, make, on: Callable[[], Problem] = lambda: problem, op_level: bool = False):
+    def add(name, make, on: Callable[[], Problem] = lambda: problem, recipe: str = ""):
         bases.append(name)
-        names = [(name + suffix, suffix) for suffix in suffixes[op_level] if wanted is None or wanted(name + suffix)]
+        names = [(name + suffix, suffix) for suffix in suffixes[recipe] if wanted is None or wanted(name + suffix)]
         if names:
             on = on()
-            replayed_by = dict(recompute_variants(on, op_level))  # its own op indices (torch-tp adds ops)
+            replayed_by = dict(recompute_variants(on, recipe))  # its own op indices (torch-tp adds ops)
         for full_name, suffix in names:
             try:
                 selection = make(on, replayed_by[suffix])
@@ -277,21 +286,21 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     add("dp", ddp)
     # torchtitan's per-op policy where no activation collective runs in a block (with tensor
     # parallelism it saves reduce-scatters' outputs, a reshard's result the model does not keep)
-    add("ddp", ddp, lambda: as_run_by(problem, DDP), op_level=True)
-    add("ddp-bucket-view", ddp, lambda: as_run_by(problem, DDP_BUCKET_VIEW), op_level=True)
+    add("ddp", ddp, lambda: as_run_by(problem, DDP), recipe=TORCH_RECIPE)
+    add("ddp-bucket-view", ddp, lambda: as_run_by(problem, DDP_BUCKET_VIEW), recipe=TORCH_RECIPE)
     for stage in (1, 2, 3):
         add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, r, s=stage: zero(p, s, r))
-    add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2), op_level=True)
-    add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD), op_level=True)
+    add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2), recipe=TORCH_RECIPE)
+    add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD), recipe=TORCH_RECIPE)
     for on, k, tp in tensor_parallel_layouts(problem):
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")
         as_megatron = functools.cache(lambda on=on: as_run_by(on(), MEGATRON))
-        add(f"megatron-{tag}", lambda p, r, k=k: megatron_tp(p, k, replayed=r), as_megatron)
-        add(f"megatron-{tag}-sp", lambda p, r, k=k: megatron_tp_sp(p, k, r), as_megatron)
+        add(f"megatron-{tag}", lambda p, r, k=k: megatron_tp(p, k, replayed=r), as_megatron, MEGATRON_RECIPE)
+        add(f"megatron-{tag}-sp", lambda p, r, k=k: megatron_tp_sp(p, k, r), as_megatron, MEGATRON_RECIPE)
         if dp > 1:
             add(f"megatron-{tag}-sp-distopt", lambda p, r, k=k: megatron_tp_sp_distributed_optimizer(p, k, r),
-                as_megatron)
+                as_megatron, MEGATRON_RECIPE)
             add(f"tp{tp}-fsdp{dp}", lambda p, r, k=k: tp_fsdp(p, k, r), on)
             add(f"torch-tp{tp}-fsdp{dp}", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
                 lambda on=on: as_run_by(on(), TORCH_TP))

@@ -18,6 +18,8 @@ policies:
 - ``none``: nothing is replayed (the problem is the one without recomputation);
 - ``selective``: Megatron-LM's core-attention recomputation — the attention scores, their
   softmax and its dropout are replayed (``core_attention``);
+- Megatron-LM's MLP module (``--recompute-modules mlp``; ``mlp_module``, a baseline's variant,
+  not a search policy): the pre-MLP norm, the MLP's linears and activation replayed;
 - ``full``: every replayable op (Megatron-LM's full recomputation, torchtitan's full
   activation checkpointing: a layer keeps its input and nothing else);
 - torchtitan's per-op selective checkpointing (``op_level_replayed``; a baseline's variant, not
@@ -59,6 +61,27 @@ def core_attention(graph: Graph) -> set[int]:
             if graph.ops[c].kind == "dropout":
                 out.add(c)
     return out
+
+
+NORMS = ("layernorm", "rmsnorm")
+
+
+def mlp_module(graph: Graph) -> set[int]:
+    """Megatron-LM's ``--recompute-modules mlp``: each layer's MLP module run under its
+    checkpoint (``TransformerLayer._run_mlp``), from the pre-MLP norm (fused into the first
+    linear by Transformer Engine, so recomputed with it; the checkpoint keeps the norm's
+    input) to the MLP's last linear. The bias-dropout-add after it is not in the module. In
+    memshard's graph: the ops of a layer from its last norm to its last linear."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, op in enumerate(graph.ops):
+        if op.layer is None:
+            continue
+        if op.kind in NORMS:
+            first[op.layer] = i
+        elif op.kind == "linear":
+            last[op.layer] = i
+    return {i for layer, start in first.items() if layer in last for i in range(start, last[layer] + 1)}
 
 
 # Op kinds whose output torchtitan's per-op policy saves: the compute-intensive aten ops

@@ -45,6 +45,7 @@ DIVE_DEPTH = 3  # a dive branches at most this many levels deep
 DIVE_BRANCHES = 24  # and solves at most this many branches (each costs a refactorisation)
 DIVE_EFFORT = 1.0  # and spends at most this many times the relaxation's simplex iterations
 DIVE_CUTOFF = 0.25  # a dive's branch stops this fraction of the gap below the best plan
+SUPPORT_NODES = 200  # the search within a relaxation's support explores at most this many nodes
 
 
 class SolverTimeLimit(MemshardError):
@@ -103,7 +104,10 @@ class DiveState:
         return self.branches < DIVE_BRANCHES and self.iterations < self.effort
 
     def proved(self, bound: float) -> bool:
-        return self.value - bound <= self.gap * abs(self.value)
+        return self.proved_by(self.value, bound)
+
+    def proved_by(self, value: float, bound: float) -> bool:
+        return value - bound <= self.gap * abs(value)
 
 
 def relative_gap(value: float, bound: float) -> float:
@@ -141,6 +145,11 @@ def _silenced_stdout():
         os.dup2(saved, 1)
         os.close(saved)
         os.close(devnull)
+
+
+def _option(highs: highspy.Highs, name: str):
+    value = highs.getOptionValue(name)  # (status, value) in some highspy versions
+    return value[1] if isinstance(value, tuple) else value
 
 
 def _highs_lp(m: LinearModel) -> highspy.HighsLp:
@@ -249,8 +258,7 @@ class HighsSearch:
             if dived is not None:
                 if dived.objective - dived.bound <= gap * abs(dived.objective) + 1e-9:
                     return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), False)
-                if start is None or callable(start):
-                    start = dived.values
+                start = self.better_start(start, dived)
             # A model whose relaxation a dive did not settle seldom changes in the next runs
             # (the same rows and a few more, another objective): no more dives, each an LP.
             self.diving = False
@@ -258,6 +266,16 @@ class HighsSearch:
             start = start()
             self.set_objective(expr)
         return self.branch_and_bound(gap, start)
+
+    def better_start(self, start, dived: Dive) -> np.ndarray:
+        """The better of the dive's plan and ``start`` (a full solution, which the dive
+        already weighed, or a partial one, completed by the LP here)."""
+        if isinstance(start, tuple):
+            with self.relaxing("simplex"):
+                completed = self.completed(*start)
+            if completed is not None and completed[1] < dived.objective:
+                return completed[0]
+        return dived.values
 
     def made_start(self, make_start: Callable[[], object], basis) -> np.ndarray | None:
         """A start ``make_start`` makes (solving relaxations of its own) amid a dive: the
@@ -324,6 +342,10 @@ class HighsSearch:
                 incumbent if incumbent is not None else (None, math.inf)))
             basis, reduced = highs.getBasis(), np.array(solution.col_dual)
             rounded = self.rounded(x)
+            if rounded is None or not state.proved_by(rounded[1], relaxed):
+                supported = self.within_support(x, gap)
+                if supported is not None and (rounded is None or supported[1] < rounded[1]):
+                    rounded = supported
             if rounded is None and state.best is None and make_start is not None:
                 # the rounding breaks a budget: the plan within it, before branching needs one
                 made = self.made_start(make_start, basis)
@@ -408,13 +430,19 @@ class HighsSearch:
         context): a plan and its objective, or None where that rounding breaks a row (a link,
         a budget). Often close to the optimum (a few groups split between two choices), it
         gives branch and bound and the dive an incumbent before either finds one."""
-        highs = self.highs
         columns = np.array(sorted({col for d in self.disjunctions for col, _ in d}), dtype=np.int32)
         at = dict.fromkeys(columns.tolist(), 0.0)
         for d in self.disjunctions:
             col, value = max(d, key=lambda branch: (branch_share(x, branch), -branch[0]))
             at[col] = value
-        values = np.array([at[col] for col in columns.tolist()])
+        return self.completed(columns, np.array([at[col] for col in columns.tolist()]))
+
+    def completed(self, columns: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, float] | None:
+        """The integer ``columns`` fixed at ``values``, the others solved for by the LP under
+        the objective set (inside a relaxing context): a solution and its objective, or None
+        where those values break a row."""
+        highs = self.highs
+        columns = columns.astype(np.int32)
         highs.changeColsBounds(len(columns), columns, values, values)
         try:
             self.limit_time()
@@ -423,6 +451,36 @@ class HighsSearch:
                 return None
             return np.array(highs.getSolution().col_value), float(highs.getInfo().objective_function_value)
         finally:
+            highs.changeColsBounds(len(columns), columns, self.lower[columns], self.upper[columns])
+
+    def within_support(self, x: np.ndarray, gap: float) -> tuple[np.ndarray, float] | None:
+        """The best plan among the branches the relaxation ``x`` takes some share of: branch
+        and bound (with presolve, which removes the branches fixed away) restricted to them,
+        at most SUPPORT_NODES nodes (a count, not a time: the same input, the same plan). Where
+        the relaxation splits groups between choices whose rounding breaks a row or costs
+        more (recomputation: a strategy's replay against another's), the restricted search
+        picks the combination that fits: a plan before branching, often within a few percent
+        of the relaxation. None if it finds none."""
+        highs = self.highs
+        forbidden = sorted({(col, 1.0 - at) for d in self.disjunctions for col, at in d
+                            if branch_share(x, (col, at)) <= INTEGRALITY})
+        columns = np.array([col for col, _ in forbidden], dtype=np.int32)
+        values = np.array([value for _, value in forbidden])
+        highs.changeColsBounds(len(columns), columns, values, values)
+        options = {"solve_relaxation": False, "solver": "choose", "presolve": "on", "mip_rel_gap": gap,
+                   "mip_max_nodes": SUPPORT_NODES}
+        saved = {name: _option(highs, name) for name in options}
+        try:
+            for name, value in options.items():
+                highs.setOptionValue(name, value)
+            self.limit_time()
+            highs.run()
+            if highs.getInfo().primal_solution_status != 2:
+                return None
+            return np.array(highs.getSolution().col_value), float(highs.getInfo().objective_function_value)
+        finally:
+            for name, value in saved.items():
+                highs.setOptionValue(name, value)
             highs.changeColsBounds(len(columns), columns, self.lower[columns], self.upper[columns])
 
     def rounded_minimum(self, expr: Expression) -> np.ndarray | None:

@@ -1,0 +1,59 @@
+"""The HiGHS search's primal heuristics on small hand-made ILPs whose optima are known."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+
+from memshard.ilp import highs as highs_module
+from memshard.ilp.highs import HighsSearch
+from memshard.ilp.model import LinearModel, RowTag
+
+
+def odd_cycle(groups: int = 3):
+    """``groups`` choices of three options each (0 free, 1 costs 1, 2 costs 10), and no two
+    groups both at option 0: the relaxation puts every group half at 0 and half at 1 (cost
+    groups / 2), its rounding (each group at its largest share, ties to the first option)
+    breaks every conflict, and the best plan takes option 0 once and 1 elsewhere."""
+    model = LinearModel()
+    columns = [model.columns(3, integer=True) for _ in range(groups)]
+    for g, cols in enumerate(columns):
+        model.row({int(c): 1.0 for c in cols}, 1.0, 1.0, RowTag("choice", str(g)))
+    for a, b in itertools.combinations(range(groups), 2):
+        model.row({int(columns[a][0]): 1.0, int(columns[b][0]): 1.0}, -np.inf, 1.0, RowTag("conflict", f"{a},{b}"))
+    disjunctions = [tuple((int(c), 1.0) for c in cols) for cols in columns]
+    objective = (np.concatenate([cols[1:] for cols in columns]), np.tile([1.0, 10.0], groups))
+    return model, disjunctions, objective, columns
+
+
+def relaxation(search: HighsSearch) -> np.ndarray:
+    with search.relaxing("simplex") as highs:
+        highs.run()
+        return np.array(highs.getSolution().col_value)
+
+
+def test_the_search_within_the_relaxations_support_finds_the_plan_its_rounding_breaks():
+    model, disjunctions, objective, columns = odd_cycle()
+    search = HighsSearch(model, time.perf_counter() + 60, disjunctions)
+    search.set_objective(objective)
+    x = relaxation(search)
+    assert np.allclose(x[[c for cols in columns for c in cols[:2]]], 0.5)
+    with search.relaxing("simplex"):
+        assert search.rounded(x) is None
+        values, value = search.within_support(x, 0.0)
+    assert value == 2.0
+    chosen = [int(np.argmax(values[cols])) for cols in columns]
+    assert sorted(chosen) == [0, 1, 1]  # option 2 has no share in the relaxation: never taken
+    # the model is as it was: every column free again, the relaxation unchanged
+    assert np.allclose(relaxation(search), x)
+
+
+def test_a_dive_whose_rounding_breaks_a_row_has_the_supports_plan_before_any_branch(monkeypatch):
+    monkeypatch.setattr(highs_module, "DIVE_BRANCHES", 0)
+    model, disjunctions, objective, _ = odd_cycle(5)
+    search = HighsSearch(model, time.perf_counter() + 60, disjunctions)
+    search.set_objective(objective)
+    dived = search.dive(0.0, None)
+    assert dived is not None and dived.objective == 4.0 and dived.bound <= 4.0
