@@ -27,14 +27,15 @@ WORLD = 4
 
 
 def megatron_arguments(text: str) -> dict[str, str | None]:
-    """The ``MEGATRON_ARGS=( … )`` array of an export: flag → value (None for a switch)."""
+    """The ``MEGATRON_ARGS=( … )`` array of an export: flag → value (None for a switch; a
+    flag's several values joined by spaces)."""
     body = re.search(r"^MEGATRON_ARGS=\(\n(.*?)^\)$", text, re.S | re.M)
     assert body, text
     out: dict[str, str | None] = {}
     for line in body.group(1).splitlines():
         flag, *value = line.split()
-        assert flag.startswith("--") and flag not in out and len(value) <= 1, line
-        out[flag] = value[0] if value else None
+        assert flag.startswith("--") and flag not in out, line
+        out[flag] = " ".join(value) if value else None
     return out
 
 
@@ -257,6 +258,8 @@ def test_megatron_mlp_recomputation_is_its_mlp_module():
     assert f"({round(predicted.peak_bytes):,} bytes)" in text
     assert {op.name for op in predicted.ops if op.recomputed} == {
         "post_attention_layernorm", "mlp.gate", "mlp.up", "mlp.act", "mlp.mul", "mlp.down"}
+    both = megatron_arguments(memshard.export("tiny-gpt", "2", strategy="megatron-tp2-sp+selective-attn-mlp"))
+    assert (both["--recompute-granularity"], both["--recompute-modules"]) == ("selective", "core_attn mlp")
 
 
 def test_megatron_block_recomputation_is_its_block_method():

@@ -1,4 +1,5 @@
-"""The HiGHS search's primal heuristics on small hand-made ILPs whose optima are known."""
+"""The HiGHS search's primal heuristics on small hand-made ILPs whose optima are known, and a
+search out of time."""
 
 from __future__ import annotations
 
@@ -6,10 +7,17 @@ import itertools
 import time
 
 import numpy as np
+import pytest
 
+from memshard.baselines import baselines
+from memshard.evaluate import evaluate
 from memshard.ilp import highs as highs_module
-from memshard.ilp.highs import HighsSearch
+from memshard.ilp.highs import HighsSearch, SolverTimeLimit
 from memshard.ilp.model import LinearModel, RowTag
+from memshard.ilp.solve import solve
+from memshard.mesh import parse_mesh
+from memshard.models import build_graph
+from memshard.pricing import build_problem
 
 
 def odd_cycle(groups: int = 3):
@@ -57,3 +65,19 @@ def test_a_dive_whose_rounding_breaks_a_row_has_the_supports_plan_before_any_bra
     search.set_objective(objective)
     dived = search.dive(0.0, None)
     assert dived is not None and dived.objective == 4.0 and dived.bound <= 4.0
+
+
+def test_a_search_out_of_time_before_any_plan_returns_the_start_it_was_given():
+    """LLaMA-3 8B on 8x8 with recomputation searched: the relaxation alone takes seconds, so
+    half a second finds no plan; the search returns the plan it started from, priced, with
+    the time limit said (and refuses one that breaks the step-time budget)."""
+    graph = build_graph("llama3-8b", batch=64, seq=8192)
+    problem = build_problem(graph, parse_mesh("8x8"), recompute="auto")
+    (start,), _ = baselines(problem, lambda name: name == "megatron-tp8-dp8-sp+full")
+    priced = evaluate(problem, start.selection)
+    result = solve(problem, "memory", time_limit_s=0.5, start=start.selection)
+    assert result.status == "time_limit" and result.selection == start.selection
+    assert result.ilp_peak_bytes == pytest.approx(priced.peak_bytes)
+    assert 0 < result.gap < 1  # against the plan-independent bound: nothing better was proved
+    with pytest.raises(SolverTimeLimit):
+        solve(problem, "memory", time_limit_s=0.5, start=start.selection, max_step_time_s=priced.step_time_s / 2)

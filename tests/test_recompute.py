@@ -77,6 +77,7 @@ def test_per_layer_activations_are_megatrons(policy, per_layer):
     ("selective", "+selective", lambda s, b, h, a, t: 34 * s * b * h / t),
     ("full", "+full", lambda s, b, h, a, t: 2 * s * b * h / t),
     ("auto", "+selective-mlp", lambda s, b, h, a, t: s * b * h / t * (16 + 5 * a * s / h)),
+    ("auto", "+selective-attn-mlp", lambda s, b, h, a, t: 16 * s * b * h / t),
 ])
 def test_per_layer_activations_with_tensor_and_sequence_parallelism(policy, suffix, per_layer):
     """The same paper with tensor and sequence parallelism of degree t: every term ÷ t (the
@@ -84,7 +85,7 @@ def test_per_layer_activations_with_tensor_and_sequence_parallelism(policy, suff
     MLP module recomputed (``--recompute-modules mlp``) drops the paper's MLP terms but the
     dropout mask after it — the first linear's input 2sbh, the GeLU's input 8sbh, the second
     linear's input 8sbh — and keeps the norm's input (the checkpoint's), already counted:
-    16sbh + 5as²b."""
+    16sbh + 5as²b; with the core attention too (``core_attn mlp``) 16sbh."""
     s, b, h, a, t = 256, 2, 256, 8, 4
     got = _per_layer_activations(policy, "4", f"megatron-tp{t}-sp" + suffix, s, b, h, a)
     assert got == pytest.approx(per_layer(s, b, h, a, t))

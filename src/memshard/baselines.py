@@ -33,7 +33,8 @@ selective (``+selective``: Megatron-LM's core attention) and with full recomputa
 (``+full``: Megatron-LM's full uniform, torchtitan's full activation checkpointing), PyTorch's
 FSDP2 and DDP also with torchtitan's per-op selective checkpointing (``+selective-op``,
 ``recompute.op_level_replayed``), Megatron-LM's with its MLP module recomputed
-(``+selective-mlp``, ``--recompute-modules mlp``, ``recompute.mlp_module``), and the
+(``+selective-mlp``, ``--recompute-modules mlp``, ``recompute.mlp_module``) and with it and
+the core attention (``+selective-attn-mlp``, ``core_attn mlp``), and the
 Megatron-LM and torchtitan recipes also with some of their layers recomputed in full
 (``LayerSplit``: ``+full-blockN``, Megatron-LM's block method; ``+full-everyN``, torchtitan's
 every N-th layer), on a problem whose layers are in two classes (``split_baseline``).
@@ -123,6 +124,7 @@ def megatron_tp(
 Replayed = Callable[[int], bool]  # op index → recomputed
 OP_LEVEL = "+selective-op"  # torchtitan's per-op selective activation checkpointing
 MLP_MODULE = "+selective-mlp"  # Megatron-LM's --recompute-granularity selective --recompute-modules mlp
+ATTENTION_AND_MLP = "+selective-attn-mlp"  # … --recompute-modules core_attn mlp
 TORCH_RECIPE, MEGATRON_RECIPE = "torch", "megatron"  # the recipes with a recomputation policy of their own
 
 
@@ -159,7 +161,8 @@ def recompute_variants(problem: Problem, recipe: str = "") -> list[tuple[str, Re
     """(name suffix, which ops to recompute) of each recomputation a baseline is built with;
     under ``auto`` also the recipe's own policy: ``torch``, torchtitan's per-op selective
     checkpointing (``+selective-op``); ``megatron``, Megatron-LM's MLP module
-    (``+selective-mlp``, ``--recompute-modules mlp``). On a problem whose layers are split
+    (``+selective-mlp``, ``--recompute-modules mlp``), alone and with the core attention
+    (``+selective-attn-mlp``, ``core_attn mlp``). On a problem whose layers are split
     (``layer_split``): full recomputation of the layers of class 0 only, suffixed ``+full``
     (``split_baseline`` names it)."""
     graph = problem.graph
@@ -174,11 +177,10 @@ def recompute_variants(problem: Problem, recipe: str = "") -> list[tuple[str, Re
         return variants[problem.recompute]
     # (Megatron-LM's selective only where the model has core attention)
     listed = variants["none"] + (variants["selective"] if selective else []) + variants["full"]
-    own = {TORCH_RECIPE: (OP_LEVEL, op_level_replayed), MEGATRON_RECIPE: (MLP_MODULE, mlp_module)}.get(recipe)
-    if own is not None:
-        suffix, policy = own
-        replayed = policy(graph) & replayable
-        listed.append((suffix, lambda i: i in replayed))
+    own = {TORCH_RECIPE: [(OP_LEVEL, op_level_replayed(graph))],
+           MEGATRON_RECIPE: [(MLP_MODULE, mlp_module(graph)), (ATTENTION_AND_MLP, mlp_module(graph) | selective)]}
+    for suffix, replayed in own.get(recipe, []):
+        listed.append((suffix, lambda i, replayed=replayed & replayable: i in replayed))
     return listed
 
 

@@ -47,11 +47,12 @@ WITH_OPTION = {"fsdp2-noreshard": ("fsdp2", "reshard_after_forward=False"),
                "ddp-bucket-view": ("ddp", "gradient_as_bucket_view=True")}
 TORCH_TP_NAME = re.compile(r"torch-tp(?P<tp>\d+)-fsdp(?P<dp>\d+)(?P<noreshard>-noreshard)?")
 MEGATRON_NAME = re.compile(r"megatron-tp(?P<tp>\d+)(?:-dp(?P<dp>\d+))?(?P<sp>-sp)?(?P<distopt>-distopt)?")
-# +selective, +selective-op (torchtitan's per-op policy), +selective-mlp (Megatron-LM's MLP
-# module), +full, or +full-blockN / +full-everyN
+# +selective, +selective-op (torchtitan's per-op policy), +selective-mlp / +selective-attn-mlp
+# (Megatron-LM's MLP module, alone or with the core attention), +full, or +full-blockN / +full-everyN
 # (some layers recomputed, ``baselines.LayerSplit``)
-RECOMPUTE_SUFFIX = re.compile(r"\+(selective-op|selective-mlp|selective|full)(?:-(block|every)(\d+))?$")
+RECOMPUTE_SUFFIX = re.compile(r"\+(selective-op|selective-mlp|selective-attn-mlp|selective|full)(?:-(block|every)(\d+))?$")
 CHECKPOINTED = ("full", "selective-op")  # the recomputation exported as torch.utils.checkpoint
+BUILT_UNDER_AUTO = ("selective-op", "selective-mlp", "selective-attn-mlp")  # a recipe's own policies
 # torchtitan's per-op selective activation checkpointing, as the ``+selective-op`` baselines price it
 OP_LEVEL_POLICY = [
     "def op_level_policy():",
@@ -119,7 +120,7 @@ class ExportTarget:
     @property
     def policy(self) -> str:
         """The recomputation its baseline is built under."""
-        return "auto" if self.split or self.recompute in ("selective-op", "selective-mlp") else self.recompute
+        return "auto" if self.split or self.recompute in BUILT_UNDER_AUTO else self.recompute
 
     @property
     def checkpoints(self) -> bool:
@@ -582,8 +583,9 @@ def megatron_arguments(target: ExportTarget, plan: Plan) -> list[str]:
     args += [f"--micro-batch-size {micro}", f"--global-batch-size {job.global_batch}"]
     if target.recompute == "selective":  # Megatron-LM's selective recomputes the core attention
         args += ["--recompute-granularity selective"]
-    elif target.recompute == "selective-mlp":  # the MLP module, from its input
-        args += ["--recompute-granularity selective", "--recompute-modules mlp"]
+    elif target.recompute in ("selective-mlp", "selective-attn-mlp"):  # the MLP module (and the core attention)
+        modules = "mlp" if target.recompute == "selective-mlp" else "core_attn mlp"
+        args += ["--recompute-granularity selective", f"--recompute-modules {modules}"]
     elif target.split:  # the first layers keep their input, the others everything
         args += ["--recompute-granularity full", "--recompute-method block", f"--recompute-num-layers {target.count}"]
     elif target.recompute == "full":  # every layer keeps its input

@@ -161,8 +161,26 @@ class Solver:
         f = self.formulation
         return evaluation.peak_bytes / f.bytes_unit if self.objective == "memory" else evaluation.step_time_s / f.time_unit
 
-    def first_pass(self, mip_gap: float, fallback: Expression, time_limit_s: float) -> Outcome:
-        """The first pass, round after round until its plan meets every lazy row."""
+    def given_start(self, start: Selection | None) -> Outcome | None:
+        """What a search out of time before any plan of its own returns: the ``start`` it was
+        given, priced by the evaluator, where that plan meets the budgets (None otherwise)."""
+        if start is None:
+            return None
+        f, evaluation = self.formulation, evaluate(self.problem, start)
+        if ((self.max_step_time_s is not None and evaluation.step_time_s > self.max_step_time_s * (1 + 1e-9))
+                or (self.memory_budget_bytes is not None and evaluation.peak_bytes > self.memory_budget_bytes * (1 + 1e-9))):
+            return None
+        values = np.zeros(f.model.num_columns)
+        columns, chosen = f.selection_start(start)
+        values[columns] = chosen
+        values[f.peak] = evaluation.peak_bytes / f.bytes_unit
+        best = self.primary_of(evaluation)
+        return Outcome(values, best, relative_gap(best, self.floor), True, False, self.floor, evaluation)
+
+    def first_pass(self, mip_gap: float, fallback: Expression, time_limit_s: float,
+                   start: Selection | None = None) -> Outcome:
+        """The first pass, round after round until its plan meets every lazy row; out of time
+        before any plan, the ``start`` it was given, where that one meets the budgets."""
         f = self.formulation
         previous = None  # an earlier round's plan (over M at some reshard) and its evaluated objective
         lower = -math.inf  # every round's bound holds for the whole ILP: it has fewer rows
@@ -174,7 +192,10 @@ class Solver:
                 raise Infeasible(self.objective) from None
             except SolverTimeLimit:
                 if previous is None:
-                    raise SolverTimeLimit(time_limit_s) from None
+                    given = self.given_start(start)
+                    if given is None:
+                        raise SolverTimeLimit(time_limit_s) from None
+                    return given
                 values, best = previous
                 return Outcome(values, best, relative_gap(best, lower), True, False, lower)
             lower = max(lower, found.objective * (1 - found.gap))
@@ -260,7 +281,8 @@ def solve(
     """Solve ``problem`` for ``objective``; with ``fixed``, price that complete plan through
     the ILP instead (every choice pinned), which checks the linearisation against the
     evaluator. ``start``: a plan of ``problem`` branch and bound starts from (default: every
-    op unsplit); one within the budget guarantees an answer under a time limit."""
+    op unsplit); one within the budget guarantees an answer under a time limit (itself, if
+    the search finds none in time)."""
     if objective not in OBJECTIVES:
         raise MemshardError(f"unknown objective {objective!r}; use memory or time")
     started = time.perf_counter()
@@ -271,7 +293,7 @@ def solve(
         return solver.result(Outcome(found.values, found.objective, 0.0, found.timed_out, True, found.objective),
                              started)
     fallback = f.selection_start(start) if start is not None else solver.fallback_start()
-    outcome = solver.first_pass(mip_gap, fallback, time_limit_s)
+    outcome = solver.first_pass(mip_gap, fallback, time_limit_s, start)
     if not outcome.ties_resolved and not solver.search.expired():
         outcome = solver.second_pass(outcome, mip_gap)
     return solver.result(outcome, started)
