@@ -46,6 +46,7 @@ DIVE_BRANCHES = 24  # and solves at most this many branches (each costs a refact
 DIVE_EFFORT = 1.0  # and spends at most this many times the relaxation's simplex iterations
 DIVE_CUTOFF = 0.25  # a dive's branch stops this fraction of the gap below the best plan
 SUPPORT_NODES = 200  # the search within a relaxation's support explores at most this many nodes
+SUPPORT_TRIGGER = 0.01  # and runs where the rounding breaks a row or is this far above the relaxation
 
 
 class SolverTimeLimit(MemshardError):
@@ -104,10 +105,7 @@ class DiveState:
         return self.branches < DIVE_BRANCHES and self.iterations < self.effort
 
     def proved(self, bound: float) -> bool:
-        return self.proved_by(self.value, bound)
-
-    def proved_by(self, value: float, bound: float) -> bool:
-        return value - bound <= self.gap * abs(value)
+        return self.value - bound <= self.gap * abs(self.value)
 
 
 def relative_gap(value: float, bound: float) -> float:
@@ -342,7 +340,7 @@ class HighsSearch:
                 incumbent if incumbent is not None else (None, math.inf)))
             basis, reduced = highs.getBasis(), np.array(solution.col_dual)
             rounded = self.rounded(x)
-            if rounded is None or not state.proved_by(rounded[1], relaxed):
+            if rounded is None or rounded[1] - relaxed > SUPPORT_TRIGGER * abs(rounded[1]):
                 supported = self.within_support(x, gap)
                 if supported is not None and (rounded is None or supported[1] < rounded[1]):
                     rounded = supported
