@@ -248,6 +248,7 @@ class HighsSearch:
         plan, branch and bound from that plan, else from ``start`` (a full solution, a
         partial one as (columns, values), or a function making one when it is needed)."""
         self.set_objective(expr)
+        dived = None
         if self.diving:
             incumbent = None
             if isinstance(start, np.ndarray):
@@ -256,24 +257,23 @@ class HighsSearch:
             if dived is not None:
                 if dived.objective - dived.bound <= gap * abs(dived.objective) + 1e-9:
                     return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), False)
-                start = self.better_start(start, dived)
+                if start is None or callable(start):
+                    start = dived.values
             # A model whose relaxation a dive did not settle seldom changes in the next runs
             # (the same rows and a few more, another objective): no more dives, each an LP.
             self.diving = False
         if callable(start):
             start = start()
             self.set_objective(expr)
-        return self.branch_and_bound(gap, start)
-
-    def better_start(self, start, dived: Dive) -> np.ndarray:
-        """The better of the dive's plan and ``start`` (a full solution, which the dive
-        already weighed, or a partial one, completed by the LP here)."""
-        if isinstance(start, tuple):
-            with self.relaxing("simplex"):
-                completed = self.completed(*start)
-            if completed is not None and completed[1] < dived.objective:
-                return completed[0]
-        return dived.values
+        try:
+            found = self.branch_and_bound(gap, start)
+        except SolverTimeLimit:
+            if dived is None:
+                raise
+            return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), True)
+        if dived is not None and dived.objective < found.objective:  # out of time above the dive's plan
+            return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), found.timed_out)
+        return found
 
     def made_start(self, make_start: Callable[[], object], basis) -> np.ndarray | None:
         """A start ``make_start`` makes (solving relaxations of its own) amid a dive: the
