@@ -177,9 +177,9 @@ def recompute_variants(problem: Problem, recipe: str = "") -> list[tuple[str, Re
         return variants[problem.recompute]
     # (Megatron-LM's selective only where the model has core attention)
     listed = variants["none"] + (variants["selective"] if selective else []) + variants["full"]
-    own = {TORCH_RECIPE: [(OP_LEVEL, op_level_replayed(graph))],
-           MEGATRON_RECIPE: [(MLP_MODULE, mlp_module(graph)), (ATTENTION_AND_MLP, mlp_module(graph) | selective)]}
-    for suffix, replayed in own.get(recipe, []):
+    own = {TORCH_RECIPE: lambda: [(OP_LEVEL, op_level_replayed(graph))],
+           MEGATRON_RECIPE: lambda: [(MLP_MODULE, mlp := mlp_module(graph)), (ATTENTION_AND_MLP, mlp | selective)]}
+    for suffix, replayed in own[recipe]() if recipe in own else []:
         listed.append((suffix, lambda i, replayed=replayed & replayable: i in replayed))
     return listed
 

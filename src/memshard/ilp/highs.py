@@ -270,9 +270,10 @@ class HighsSearch:
         except SolverTimeLimit:
             if dived is None:
                 raise
-            return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), True)
-        if dived is not None and dived.objective < found.objective:  # out of time above the dive's plan
-            return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), found.timed_out)
+            found = None
+        if dived is not None and (found is None or dived.objective < found.objective):  # out of time above it
+            return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound),
+                            found is None or found.timed_out)
         return found
 
     def made_start(self, make_start: Callable[[], object], basis) -> np.ndarray | None:
