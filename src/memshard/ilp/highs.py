@@ -47,6 +47,10 @@ DIVE_EFFORT = 1.0  # and spends at most this many times the relaxation's simplex
 DIVE_CUTOFF = 0.25  # a dive's branch stops this fraction of the gap below the best plan
 SUPPORT_NODES = 200  # the search within a relaxation's support explores at most this many nodes
 SUPPORT_TRIGGER = 0.01  # and runs where the rounding breaks a row or is this far above the relaxation
+# Where a plan-independent floor cannot prove the first pass's plan, the blend's branch and
+# bound leaves this many times the root relaxation's time for the primary objective's own
+# relaxation (its bound: interior point took about twice the root's simplex time)
+BOUND_RESERVE = 2.5
 
 
 class SolverTimeLimit(MemshardError):
@@ -180,6 +184,8 @@ class HighsSearch:
         self.disjunctions = disjunctions or []
         self.diving = bool(self.disjunctions)  # until a dive fails to prove its plan
         self.relaxation_solver: str | None = None  # within ``relaxing``: its LP solver
+        self.relaxation_s = 0.0  # how long the last dive's root relaxation took
+        self.reserve_s = 0.0  # how long before the deadline branch and bound stops (BOUND_RESERVE)
         self.objective: Expression | None = None  # the objective set
         self.lower, self.upper = np.array(model.lower), np.array(model.upper)  # the integer columns' bounds
         self.integer_columns = np.flatnonzero(np.array(model.integer, dtype=bool))
@@ -212,9 +218,23 @@ class HighsSearch:
     def expired(self) -> bool:
         return time.perf_counter() >= self.deadline
 
-    def limit_time(self) -> None:
-        """HiGHS's time limit: what is left until the deadline."""
-        self.highs.setOptionValue("time_limit", max(self.deadline - time.perf_counter(), 1e-3))
+    def limit_time(self, reserve_s: float = 0.0) -> None:
+        """HiGHS's time limit: what is left until ``reserve_s`` before the deadline. A branch
+        and bound compares the limit with its own run's time, an LP with the model's run
+        clock, which adds up every run so far."""
+        highs = self.highs
+        left = max(self.deadline - reserve_s - time.perf_counter(), 1e-3)
+        highs.setOptionValue("time_limit", left + (highs.getRunTime() if _option(highs, "solve_relaxation") else 0.0))
+
+    @contextlib.contextmanager
+    def reserving(self, relaxations: float):
+        """Within: branch and bound stops ``relaxations`` times the root relaxation's time
+        before the deadline (time kept for a bound computed after it)."""
+        self.reserve_s = relaxations
+        try:
+            yield
+        finally:
+            self.reserve_s = 0.0
 
     @contextlib.contextmanager
     def relaxing(self, solver: str):
@@ -286,10 +306,11 @@ class HighsSearch:
         return made if isinstance(made, np.ndarray) else None
 
     def branch_and_bound(self, gap: float, start=None) -> Solution:
-        """HiGHS's branch and bound on the objective set, from ``start``."""
+        """HiGHS's branch and bound on the objective set, from ``start`` (until the deadline,
+        less what ``reserving`` keeps)."""
         highs = self.highs
         highs.setOptionValue("mip_rel_gap", gap)
-        self.limit_time()
+        self.limit_time(self.reserve_s * self.relaxation_s)
         if isinstance(start, tuple):  # partial: HiGHS completes it
             highs.setSolution(len(start[0]), start[0].astype(np.int32), start[1].astype(np.float64))
         elif start is not None:
@@ -329,7 +350,9 @@ class HighsSearch:
         times, so that the same input gives the same plan. The dive gives up where the
         relaxation's own branches, explored first, yield no plan."""
         with self.relaxing("simplex") as highs:
+            started = time.perf_counter()
             highs.run()
+            self.relaxation_s = time.perf_counter() - started
             if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
                 return None
             info, solution = highs.getInfo(), highs.getSolution()
@@ -505,13 +528,19 @@ class HighsSearch:
         self.set_objective(expr)
         with self.relaxing("ipm") as highs:
             highs.setOptionValue("run_crossover", "off")
-            highs.run()
+            # with presolve: without it, on a recomputing problem's peak (LLaMA-3 8B, 8x8),
+            # interior point had not converged after a minute; with it, 6 s
+            highs.setOptionValue("presolve", "on")
+            try:
+                highs.run()
+            finally:
+                highs.setOptionValue("presolve", "off")
             if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
                 return None
             return float(highs.getInfo().objective_function_value)
 
     def first_pass(self, expr: Expression, tie_break: Expression, floor: float, scales: tuple[float, float],
-                   gap: float, fallback, tie_break_cap: float = math.inf) -> FirstPass:
+                   gap: float, fallback, tie_break_cap: float = math.inf, reserve: float = 0.0) -> FirstPass:
         """Minimise ``expr`` (≥ ``floor``), ties broken by ``tie_break``.
 
         Branch and bound first minimises the blend ``expr`` + w·``tie_break`` from
@@ -525,9 +554,15 @@ class HighsSearch:
 
         ``tie_break_cap`` bounds ``tie_break`` on every plan (a memory budget): the blend's
         bound B then bounds ``expr`` too, expr ≥ B − w·cap, which is the bound a blend out of
-        time reports."""
+        time reports.
+
+        ``reserve``: where ``floor`` is known to be loose (recomputation: it lets every
+        replayable tensor go for free), the blend's branch and bound stops that many times the
+        root relaxation's time before the deadline, so that a plan found out of time still gets
+        the bound of ``expr``'s own relaxation."""
         blend, w = blend_objective(expr, tie_break, scales)
-        blended = self.minimise(blend, gap * TIE_BREAK, start=fallback)
+        with self.reserving(reserve):
+            blended = self.minimise(blend, gap * TIE_BREAK, start=fallback)
         values = blended.values
         value = value_of(expr, values)
         # what the blend may be off by: its gap, and the integrality and feasibility tolerances
@@ -535,19 +570,21 @@ class HighsSearch:
         ties_resolved = blend_error <= w * gap * abs(value_of(tie_break, values))
         floor = max(floor, blended.objective * (1 - blended.gap) - w * tie_break_cap)
         floor_gap = relative_gap(value, floor)
+        if floor_gap > gap and not self.expired():
+            bound = self.relaxation(expr)
+            if bound is not None and bound > floor:
+                floor, floor_gap = bound, relative_gap(value, bound)
         if blended.timed_out or self.expired():
             return FirstPass(values, value, floor_gap, True, False)
         if floor_gap <= gap:
             return FirstPass(values, value, floor_gap, False, ties_resolved)
-        bound = self.relaxation(expr)
-        if bound is not None and bound > floor:
-            floor_gap = relative_gap(value, bound)
-            if floor_gap <= gap:
-                return FirstPass(values, value, floor_gap, False, ties_resolved)
         try:
             best = self.minimise(expr, gap, start=values)
         except SolverTimeLimit:
             return FirstPass(values, value, floor_gap, True, False)
+        # the best bound known: branch and bound's own (none where time ran out at once), or the floor
+        floor = max(floor, best.objective - best.gap * abs(best.objective))
         if best.objective >= value - abs(value) * TIE_RESOLUTION:  # the blend's plan stands
-            return FirstPass(values, value, best.gap, best.timed_out, ties_resolved and not best.timed_out)
-        return FirstPass(best.values, best.objective, best.gap, best.timed_out, False)
+            return FirstPass(values, value, relative_gap(value, floor), best.timed_out,
+                             ties_resolved and not best.timed_out)
+        return FirstPass(best.values, best.objective, relative_gap(best.objective, floor), best.timed_out, False)

@@ -33,6 +33,7 @@ from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, evaluate
 from memshard.ilp.formulation import Expression, Formulation
 from memshard.ilp.highs import (
+    BOUND_RESERVE,
     TIE_RESOLUTION,
     HighsSearch,
     Infeasible,
@@ -127,6 +128,9 @@ class Solver:
         self.within_budget = (blend_objective(peak, time_expr, (memory_floor, time_estimate))[0] if objective == "time"
                               else blend_objective(time_expr, peak, (time_estimate, memory_floor))[0])
         self.max_step_time_s = max_step_time_s if objective == "memory" else None
+        # the zero-redundancy floor lets every replayable tensor go for free: far below a
+        # recomputing plan's least peak, it proves nothing there
+        self.loose_floor = objective == "memory" and problem.recompute != "none"
 
     def fallback_start(self) -> Expression | Callable[[], Expression | np.ndarray]:
         """Where branch and bound starts without a given plan: every op unsplit, or, where that
@@ -187,7 +191,8 @@ class Solver:
         while True:
             try:
                 found = self.search.first_pass(self.primary, self.secondary, self.floor, self.scales,
-                                               max(mip_gap, TIE_RESOLUTION), fallback, self.secondary_cap)
+                                               max(mip_gap, TIE_RESOLUTION), fallback, self.secondary_cap,
+                                               BOUND_RESERVE if self.loose_floor else 0.0)
             except Infeasible:
                 raise Infeasible(self.objective) from None
             except SolverTimeLimit:
