@@ -1,19 +1,21 @@
-"""The HiGHS search's primal heuristics on small hand-made ILPs whose optima are known, and a
-search out of time."""
+"""The HiGHS search's primal heuristics on small hand-made ILPs whose optima are known, its
+time limits, and searches out of time."""
 
 from __future__ import annotations
 
 import itertools
 import time
 
+import highspy
 import numpy as np
 import pytest
 
 from memshard.baselines import baselines
 from memshard.evaluate import evaluate
 from memshard.ilp import highs as highs_module
-from memshard.ilp.highs import HighsSearch, SolverTimeLimit
+from memshard.ilp.highs import HighsSearch, SolverTimeLimit, relative_gap
 from memshard.ilp.model import LinearModel, RowTag
+from memshard.ilp.reference import reference
 from memshard.ilp.solve import solve
 from memshard.mesh import parse_mesh
 from memshard.models import build_graph
@@ -81,3 +83,58 @@ def test_a_search_out_of_time_before_any_plan_returns_the_start_it_was_given():
     assert 0 < result.gap < 1  # against the plan-independent bound: nothing better was proved
     with pytest.raises(SolverTimeLimit):
         solve(problem, "memory", time_limit_s=0.5, start=start.selection, max_step_time_s=priced.step_time_s / 2)
+
+
+def test_each_run_gets_the_time_left_on_the_clock_highs_reads():
+    """HiGHS compares an LP's time limit with the model's run clock, which adds up every run
+    so far, and a branch and bound's with that run's own time: a limit of what is left would
+    stop a later LP at once. ``limit_time`` gives each run the time left on its own clock."""
+    model, disjunctions, objective, _ = odd_cycle(12)
+    search = HighsSearch(model, time.perf_counter() + 60, disjunctions)
+    search.set_objective(objective)
+    while search.highs.getRunTime() < 0.02:  # runs enough for the run clock to count
+        search.highs.clearSolver()
+        relaxation(search)
+    with search.relaxing("simplex") as highs:
+        ran = highs.getRunTime()
+        highs.setOptionValue("time_limit", ran / 2)  # less than the run clock: HiGHS stops at once
+        highs.clearSolver()
+        highs.run()
+        assert highs.getModelStatus() == highspy.HighsModelStatus.kTimeLimit
+        search.deadline = time.perf_counter() + ran / 2
+        search.limit_time()  # the same half, on the run clock
+        highs.clearSolver()
+        highs.run()
+        assert highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
+    search.deadline = time.perf_counter() + 60
+    search.limit_time()  # a branch and bound's limit: its own run's
+    limit = search.highs.getOptionValue("time_limit")  # (status, value) in some highspy versions
+    assert (limit[1] if isinstance(limit, tuple) else limit) <= 60
+    assert search.branch_and_bound(0.0).objective == 11.0
+
+
+def test_a_recomputing_search_out_of_time_keeps_time_for_the_peaks_own_bound(monkeypatch):
+    """With recomputation the zero-redundancy floor lets every replayable tensor go for free
+    (here over 5% below the plan): a least-memory search whose branch and bound runs out of
+    time (made to, here) stops BOUND_RESERVE root relaxations before the deadline, and its
+    gap is against the LP relaxation of the peak alone, which no plan beats (the recipes of
+    memshard's own search space checked)."""
+    problem = build_problem(build_graph("gpt3-1.3b", batch=8, seq=1024, num_layers=2, precision="mixed"),
+                            parse_mesh("8"), recompute="auto")
+    limits = []
+
+    def out_of_time(search, gap, start=None):
+        limits.append((search.reserve_s, search.relaxation_s))
+        raise SolverTimeLimit()
+    monkeypatch.setattr(HighsSearch, "branch_and_bound", out_of_time)
+    result = solve(problem, "memory", time_limit_s=60)
+    reserve, root_s = limits[0]  # the blend's (the tie-break pass reserves nothing)
+    assert reserve == highs_module.BOUND_RESERVE and root_s > 0
+    assert result.status == "time_limit"
+    floor_gap = relative_gap(result.ilp_peak_bytes, reference(problem).least_peak_bytes)
+    assert floor_gap > 0.05 and 0 < result.gap < floor_gap / 2
+    bound = result.ilp_peak_bytes * (1 - result.gap)
+    in_space = [plan for plan in baselines(problem)[0] if plan.problem is problem]  # memshard's own plans
+    assert len(in_space) >= 5
+    for plan in in_space:
+        assert evaluate(problem, plan.selection).peak_bytes >= bound, plan.name

@@ -51,6 +51,10 @@ SUPPORT_TRIGGER = 0.01  # and runs where the rounding breaks a row or is this fa
 # bound leaves this many times the root relaxation's time for the primary objective's own
 # relaxation (its bound: interior point took about twice the root's simplex time)
 BOUND_RESERVE = 2.5
+# The primary objective's relaxation tries primal simplex from the model's basis for at most
+# this many of the root relaxation's iterations (the step time alone: 0.3 of them from the
+# blend's optimum; a recomputing peak alone, degenerate, 2.2: interior point goes first there)
+RELAXATION_ITERATIONS = 0.5
 
 
 class SolverTimeLimit(MemshardError):
@@ -154,6 +158,19 @@ def _option(highs: highspy.Highs, name: str):
     return value[1] if isinstance(value, tuple) else value
 
 
+@contextlib.contextmanager
+def _options(highs: highspy.Highs, options: dict):
+    """Within: HiGHS's ``options`` set; after: as they were."""
+    saved = {name: _option(highs, name) for name in options}
+    try:
+        for name, value in options.items():
+            highs.setOptionValue(name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            highs.setOptionValue(name, value)
+
+
 def _highs_lp(m: LinearModel) -> highspy.HighsLp:
     lp = highspy.HighsLp()
     lp.num_col_ = m.num_columns
@@ -185,6 +202,7 @@ class HighsSearch:
         self.diving = bool(self.disjunctions)  # until a dive fails to prove its plan
         self.relaxation_solver: str | None = None  # within ``relaxing``: its LP solver
         self.relaxation_s = 0.0  # how long the last dive's root relaxation took
+        self.relaxation_iterations = 0  # and its simplex iterations
         self.reserve_s = 0.0  # how long before the deadline branch and bound stops (BOUND_RESERVE)
         self.objective: Expression | None = None  # the objective set
         self.lower, self.upper = np.array(model.lower), np.array(model.upper)  # the integer columns' bounds
@@ -353,6 +371,7 @@ class HighsSearch:
             started = time.perf_counter()
             highs.run()
             self.relaxation_s = time.perf_counter() - started
+            self.relaxation_iterations = highs.getInfo().simplex_iteration_count
             if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
                 return None
             info, solution = highs.getInfo(), highs.getSolution()
@@ -491,18 +510,14 @@ class HighsSearch:
         highs.changeColsBounds(len(columns), columns, values, values)
         options = {"solve_relaxation": False, "solver": "choose", "presolve": "on", "mip_rel_gap": gap,
                    "mip_max_nodes": SUPPORT_NODES}
-        saved = {name: _option(highs, name) for name in options}
         try:
-            for name, value in options.items():
-                highs.setOptionValue(name, value)
-            self.limit_time()
-            highs.run()
+            with _options(highs, options):
+                self.limit_time()
+                highs.run()
             if highs.getInfo().primal_solution_status != 2:
                 return None
             return np.array(highs.getSolution().col_value), float(highs.getInfo().objective_function_value)
         finally:
-            for name, value in saved.items():
-                highs.setOptionValue(name, value)
             highs.changeColsBounds(len(columns), columns, self.lower[columns], self.upper[columns])
 
     def rounded_minimum(self, expr: Expression) -> np.ndarray | None:
@@ -522,19 +537,24 @@ class HighsSearch:
         v = x[self.integer_columns]
         return bool(np.all(np.abs(v - np.round(v)) <= INTEGRALITY))
 
-    def relaxation(self, expr: Expression) -> float | None:
-        """The LP relaxation's minimum of ``expr`` (None if not found in time): interior point
+    def relaxation(self, expr: Expression, simplex_first: bool = True) -> float | None:
+        """The LP relaxation's minimum of ``expr`` (None if not found in time): where
+        ``simplex_first``, by primal simplex from the basis the model has (often the blend's
+        optimum, a few hundred iterations from this one: the step time alone), in at most
+        RELAXATION_ITERATIONS of the root relaxation's iterations; else by interior point
         without crossover, a bound is all that is needed."""
         self.set_objective(expr)
-        with self.relaxing("ipm") as highs:
-            highs.setOptionValue("run_crossover", "off")
-            # with presolve: without it, on a recomputing problem's peak (LLaMA-3 8B, 8x8),
-            # interior point had not converged after a minute; with it, 6 s
-            highs.setOptionValue("presolve", "on")
-            try:
+        if simplex_first:
+            primal = {"simplex_strategy": 4,  # primal simplex: the basis is primal feasible
+                      "simplex_iteration_limit": int(RELAXATION_ITERATIONS * self.relaxation_iterations)}
+            with self.relaxing("simplex") as highs, _options(highs, primal):
                 highs.run()
-            finally:
-                highs.setOptionValue("presolve", "off")
+                if highs.getModelStatus() == highspy.HighsModelStatus.kOptimal:
+                    return float(highs.getInfo().objective_function_value)
+        # with presolve: without it, on a recomputing problem's peak (LLaMA-3 8B, 8x8),
+        # interior point had not converged after a minute; with it, 6 s
+        with self.relaxing("ipm") as highs, _options(highs, {"run_crossover": "off", "presolve": "on"}):
+            highs.run()
             if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
                 return None
             return float(highs.getInfo().objective_function_value)
@@ -570,8 +590,8 @@ class HighsSearch:
         ties_resolved = blend_error <= w * gap * abs(value_of(tie_break, values))
         floor = max(floor, blended.objective * (1 - blended.gap) - w * tie_break_cap)
         floor_gap = relative_gap(value, floor)
-        if floor_gap > gap and not self.expired():
-            bound = self.relaxation(expr)
+        if floor_gap > gap and not self.expired():  # a recomputing peak's relaxation: interior point
+            bound = self.relaxation(expr, simplex_first=not reserve)
             if bound is not None and bound > floor:
                 floor, floor_gap = bound, relative_gap(value, bound)
         if blended.timed_out or self.expired():
