@@ -286,3 +286,18 @@ def test_a_layer_unit_is_all_or_nothing():
 def test_unknown_zero3_unit_is_refused():
     with pytest.raises(MemshardError, match="gather unit"):
         memshard.plan("tiny-gpt", "2x2", zero3_unit="block")
+
+
+def test_a_start_plan_carries_its_strategies_into_a_search_of_other_recomputation():
+    """A start plan of a problem with recomputation (whose replayed choices come after the
+    kept ones: an index there is no choice of a problem without) starts a search without it
+    from the same strategies and storage, nothing replayed: with no time to search, that is
+    the plan returned."""
+    shape = {k: v for k, v in TINY.items() if k != "mip_gap"}
+    recomputing = memshard.strategy_plan("gpt2", TINY_MESH, "zero2+full", recompute="auto", **shape)
+    assert any(op.recomputed for op in recomputing.ops)
+    started = memshard.plan("gpt2", TINY_MESH, start=recomputing, time_limit_s=1e-3, **shape)
+    assert started.solver.status == "time_limit"
+    assert [(op.name, op.split) for op in started.ops] == [(op.name, op.split) for op in recomputing.ops]
+    assert [p.storage for p in started.parameters] == [p.storage for p in recomputing.parameters]
+    assert not any(op.recomputed for op in started.ops)

@@ -101,7 +101,9 @@ class _Ledger:
 CATEGORY_INDEX = {c: k for k, c in enumerate(CATEGORIES)}
 
 
-def _check(problem: Problem, selection: Selection) -> None:
+def check_plan(problem: Problem, selection: Selection) -> None:
+    """Raise InconsistentPlan where ``selection`` is no plan of ``problem`` (links, kept
+    copies, conflicts)."""
     check_links(problem, selection)
     for e, edge in enumerate(problem.edges):
         layouts = problem.edge_layouts(selection, e)
@@ -191,7 +193,7 @@ def _communication(problem: Problem, selection: Selection) -> tuple[float, float
 
 
 def evaluate(problem: Problem, selection: Selection) -> Evaluation:
-    _check(problem, selection)
+    check_plan(problem, selection)
     n_points = problem.schedule.num_points
     ledger = _Ledger(n_points)
     swap = _add_slots(problem, selection, ledger)

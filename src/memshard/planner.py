@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from memshard.baselines import baselines, layer_split, split_baseline
 from memshard.coarsen import lower_selection, merge_groups, merged_mesh, solve_merged
 from memshard.errors import MemshardError
-from memshard.evaluate import Evaluation, evaluate
+from memshard.evaluate import Evaluation, InconsistentPlan, check_plan, evaluate
 from memshard.ilp.highs import Infeasible
 from memshard.ilp.solve import OBJECTIVES, SolveResult, solve
 from memshard.job import Job
 from memshard.plans import Budgets, Plan, build_plan
 from memshard.pricing import build_problem
-from memshard.problem import ZERO3_UNITS, Problem, Selection
+from memshard.problem import ZERO3_UNITS, OpGroup, Problem, Selection
 from memshard.recompute import RECOMPUTE_POLICIES
 from memshard.units import format_bytes, format_seconds, parse_bytes
 
@@ -111,16 +111,44 @@ def plan_job(job: Job, options: SearchOptions, start: Plan | None = None, proble
 
 
 def _start_selection(start: Plan, problem: Problem) -> Selection | None:
-    """``start`` as a selection of the searched ``problem`` (None where it treats merged axes
-    differently)."""
+    """``start`` as a selection of the searched ``problem``: the same strategies, storage and
+    kept copies, whatever the recomputation or framework it was priced under (None where
+    ``problem`` has no such plan, or it treats merged axes differently)."""
     searched = start.searched
     if searched.mesh == problem.mesh and len(searched.groups) == len(problem.groups):
-        return start.searched_selection
+        return _carried(searched, start.searched_selection, problem)
     if len(start.problem.groups) != len(problem.groups):
         raise MemshardError("the start plan is of another job")
     if problem.mesh.real is problem.mesh:
-        return start.selection
+        return _carried(start.problem, start.selection, problem)
     return lower_selection(problem, start.problem, start.selection, list(problem.mesh.real_axes))
+
+
+def _carried(source: Problem, selection: Selection, problem: Problem) -> Selection | None:
+    """``selection`` of ``source`` as the same plan of ``problem`` (a choice's index means
+    another strategy where the recomputation searched differs): each op's assignment and
+    replay, each parameter's storage, each edge's kept copy, matched by name; None where
+    ``problem`` has no such choice or the plan breaks one of its rules."""
+    if source is problem:
+        return selection
+    choices = []
+    for was, group, k in zip(source.groups, problem.groups, selection.choices):
+        if was.key != group.key or type(was) is not type(group):
+            raise MemshardError("the start plan is of another job")
+        if isinstance(group, OpGroup):
+            choice = group.choice_of(was.strategies[k].assignment, was.replayed(k))
+        else:
+            choice = next((c for c, option in enumerate(group.options) if option == was.options[k]), None)
+        if choice is None:
+            return None
+        choices.append(choice)
+    kept = {edge.key: selection.keeps[e] for e, edge in enumerate(source.edges)}
+    carried = Selection(tuple(choices), tuple(kept.get(edge.key, 0) for edge in problem.edges))
+    try:
+        check_plan(problem, carried)
+    except InconsistentPlan:
+        return None
+    return carried
 
 
 def explain_infeasible(problem: Problem, options: SearchOptions) -> MemshardError:
