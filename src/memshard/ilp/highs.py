@@ -51,9 +51,8 @@ SUPPORT_TRIGGER = 0.01  # and runs where the rounding breaks a row or is this fa
 # bound leaves this many times the root relaxation's time for the primary objective's own
 # relaxation (its bound: interior point took about twice the root's simplex time)
 BOUND_RESERVE = 2.5
-# The primary objective's relaxation tries primal simplex from the model's basis for at most
-# this many of the root relaxation's iterations (the step time alone: 0.3 of them from the
-# blend's optimum; a recomputing peak alone, degenerate, 2.2: interior point goes first there)
+# The step time's relaxation tries primal simplex from the blend's basis for at most this many
+# of the root relaxation's iterations (0.3 of them on LLaMA-3 8B with recomputation)
 RELAXATION_ITERATIONS = 0.5
 
 
@@ -537,12 +536,12 @@ class HighsSearch:
         v = x[self.integer_columns]
         return bool(np.all(np.abs(v - np.round(v)) <= INTEGRALITY))
 
-    def relaxation(self, expr: Expression, simplex_first: bool = True) -> float | None:
+    def relaxation(self, expr: Expression, simplex_first: bool = False, presolve: bool = False) -> float | None:
         """The LP relaxation's minimum of ``expr`` (None if not found in time): where
-        ``simplex_first``, by primal simplex from the basis the model has (often the blend's
-        optimum, a few hundred iterations from this one: the step time alone), in at most
-        RELAXATION_ITERATIONS of the root relaxation's iterations; else by interior point
-        without crossover, a bound is all that is needed."""
+        ``simplex_first``, by primal simplex from the basis the model has (the blend's
+        optimum: a few hundred iterations from the step time's), in at most
+        RELAXATION_ITERATIONS of the root relaxation's iterations; else (or then) by interior
+        point without crossover, a bound is all that is needed, with ``presolve`` if asked."""
         self.set_objective(expr)
         if simplex_first:
             primal = {"simplex_strategy": 4,  # primal simplex: the basis is primal feasible
@@ -551,16 +550,16 @@ class HighsSearch:
                 highs.run()
                 if highs.getModelStatus() == highspy.HighsModelStatus.kOptimal:
                     return float(highs.getInfo().objective_function_value)
-        # with presolve: without it, on a recomputing problem's peak (LLaMA-3 8B, 8x8),
-        # interior point had not converged after a minute; with it, 6 s
-        with self.relaxing("ipm") as highs, _options(highs, {"run_crossover": "off", "presolve": "on"}):
+        with self.relaxing("ipm") as highs, _options(highs, {"presolve": "on" if presolve else "off"}):
+            highs.setOptionValue("run_crossover", "off")
             highs.run()
             if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
                 return None
             return float(highs.getInfo().objective_function_value)
 
     def first_pass(self, expr: Expression, tie_break: Expression, floor: float, scales: tuple[float, float],
-                   gap: float, fallback, tie_break_cap: float = math.inf, reserve: float = 0.0) -> FirstPass:
+                   gap: float, fallback, tie_break_cap: float = math.inf, reserve: float = 0.0,
+                   simplex_bound: bool = False) -> FirstPass:
         """Minimise ``expr`` (≥ ``floor``), ties broken by ``tie_break``.
 
         Branch and bound first minimises the blend ``expr`` + w·``tie_break`` from
@@ -579,7 +578,12 @@ class HighsSearch:
         ``reserve``: where ``floor`` is known to be loose (recomputation: it lets every
         replayable tensor go for free), the blend's branch and bound stops that many times the
         root relaxation's time before the deadline, so that a plan found out of time still gets
-        the bound of ``expr``'s own relaxation."""
+        the bound of ``expr``'s own relaxation (by interior point with presolve: without it,
+        on a recomputing problem's peak (LLaMA-3 8B, 8x8), it had not converged after a minute;
+        with it, 6 s). ``simplex_bound``: ``expr``'s relaxation by primal simplex from the
+        blend's basis first (the step time, a sum over ops: from 6.9 s by interior point to
+        0.15 s on LLaMA-3 8B's fastest plan with recomputation; the peak, a maximum over
+        points, is degenerate: simplex took longer than interior point there)."""
         blend, w = blend_objective(expr, tie_break, scales)
         with self.reserving(reserve):
             blended = self.minimise(blend, gap * TIE_BREAK, start=fallback)
@@ -590,8 +594,8 @@ class HighsSearch:
         ties_resolved = blend_error <= w * gap * abs(value_of(tie_break, values))
         floor = max(floor, blended.objective * (1 - blended.gap) - w * tie_break_cap)
         floor_gap = relative_gap(value, floor)
-        if floor_gap > gap and not self.expired():  # a recomputing peak's relaxation: interior point
-            bound = self.relaxation(expr, simplex_first=not reserve)
+        if floor_gap > gap and not self.expired():
+            bound = self.relaxation(expr, simplex_first=simplex_bound, presolve=reserve > 0)
             if bound is not None and bound > floor:
                 floor, floor_gap = bound, relative_gap(value, bound)
         if blended.timed_out or self.expired():
