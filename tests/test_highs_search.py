@@ -138,3 +138,20 @@ def test_a_recomputing_search_out_of_time_keeps_time_for_the_peaks_own_bound(mon
     assert len(in_space) >= 5
     for plan in in_space:
         assert evaluate(problem, plan.selection).peak_bytes >= bound, plan.name
+
+
+def test_the_fastest_plan_is_proved_by_the_step_times_relaxation_from_the_blends_basis(monkeypatch):
+    """LLaMA-3 8B on 8x8 with recomputation, the fastest plan within 80 GiB: the blend's
+    bound proves it only to w·(budget − M); the step time's own relaxation, by primal simplex
+    from the blend's basis, proves it without an interior-point run."""
+    problem = build_problem(build_graph("llama3-8b", batch=64, seq=8192), parse_mesh("8x8"), recompute="auto")
+    solvers = []
+    relaxing = HighsSearch.relaxing
+
+    def recorded(search, solver):
+        solvers.append(solver)
+        return relaxing(search, solver)
+    monkeypatch.setattr(HighsSearch, "relaxing", recorded)
+    result = solve(problem, "time", memory_budget_bytes=80 * 2**30, time_limit_s=60)
+    assert result.status == "optimal" and result.gap <= 2e-3
+    assert "ipm" not in solvers and solvers.count("simplex") >= 2
