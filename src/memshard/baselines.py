@@ -177,9 +177,13 @@ def recompute_variants(problem: Problem, recipe: str = "") -> list[tuple[str, Re
         return variants[problem.recompute]
     # (Megatron-LM's selective only where the model has core attention)
     listed = variants["none"] + (variants["selective"] if selective else []) + variants["full"]
-    own = {TORCH_RECIPE: lambda: [(OP_LEVEL, op_level_replayed(graph))],
-           MEGATRON_RECIPE: lambda: [(MLP_MODULE, mlp := mlp_module(graph)), (ATTENTION_AND_MLP, mlp | selective)]}
-    for suffix, replayed in own[recipe]() if recipe in own else []:
+    own = []  # the recipe's own policies, built only for that recipe
+    if recipe == TORCH_RECIPE:
+        own = [(OP_LEVEL, op_level_replayed(graph))]
+    elif recipe == MEGATRON_RECIPE:
+        mlp = mlp_module(graph)
+        own = [(MLP_MODULE, mlp), (ATTENTION_AND_MLP, mlp | selective)]
+    for suffix, replayed in own:
         listed.append((suffix, lambda i, replayed=replayed & replayable: i in replayed))
     return listed
 

@@ -192,7 +192,8 @@ class Solver:
             try:
                 found = self.search.first_pass(self.primary, self.secondary, self.floor, self.scales,
                                                max(mip_gap, TIE_RESOLUTION), fallback, self.secondary_cap,
-                                               BOUND_RESERVE if self.loose_floor else 0.0, self.objective == "time")
+                                               reserve=BOUND_RESERVE if self.loose_floor else 0.0,
+                                               simplex_bound=self.objective == "time")
             except Infeasible:
                 raise Infeasible(self.objective) from None
             except SolverTimeLimit:
