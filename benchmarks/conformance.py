@@ -26,8 +26,11 @@ torchtitan's full activation checkpointing (``+full``), and with ``reshard_after
 on every ``fully_shard`` (``-noreshard``). The third table runs both in mixed
 precision as torchtitan sets it (every ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=
 bf16, reduce_dtype=fp32)``) against the baselines of the mixed-precision job, and memshard's
-mixed-precision ZeRO-3 (bf16 shards beside fp32 masters). ``--write`` puts the tables into
-BENCHMARKS.md between its markers.
+mixed-precision ZeRO-3 (bf16 shards beside fp32 masters). The fourth table runs FSDP2 with
+explicit prefetching as PyTorch's FSDP2 example sets it (each block's
+``set_modules_to_forward_prefetch`` of the next two blocks, ``set_modules_to_backward_prefetch``
+of the two before it) on four-block models against ``fsdp2-prefetch2`` and against ``fsdp2``
+(FSDP2's default prefetching). ``--write`` puts the tables into BENCHMARKS.md between its markers.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from tests.test_conformance import (  # noqa: E402
     SEQ,
     checkpointed,
     checkpointed_tensor_parallel_fsdp2,
+    config,
+    explicitly_prefetched,
     fully_shard_blocks,
     fully_sharded_peak,
     kept_after_forward,
@@ -141,6 +146,29 @@ def mixed_precision_rows() -> list[str]:
     return out
 
 
+def prefetch_rows() -> list[str]:
+    out = ["| model (4 blocks) | precision | recompute | ranks | tokens per sequence | rank | measured (PyTorch) "
+           "| fsdp2-prefetch2 | error | fsdp2 (default prefetching) | error |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    jobs = [(f, "fp32", "none", w, seq) for f in sorted(FAMILIES) for w in (4, 8) for seq in (SEQ, 256)
+            if not (f == "gpt2" and seq > SEQ)]
+    jobs += [("llama", "mixed", "none", 4, 256), ("llama", "fp32", "full", 4, 256), ("gpt2", "mixed", "full", 4, SEQ)]
+    for family, precision, recompute, world, seq in jobs:
+        graph = trace_hf(family, batch=world, seq=seq, precision=precision, **config(family, 4))
+        suffix = "+full" if recompute == "full" else ""
+        predicted, default = (memshard.strategy_plan(graph, str(world), name + suffix, recompute=recompute).peak_bytes
+                              for name in ("fsdp2-prefetch2", "fsdp2"))
+        parallelize = explicitly_prefetched if precision == "fp32" else functools.partial(
+            mixed_precision, parallelize=explicitly_prefetched)
+        parallelize = checkpointed(parallelize) if suffix else parallelize
+        for rank in (0, world - 1):
+            measured = fully_sharded_peak(family, world, rank, parallelize=parallelize, seq=seq, layers=4)
+            out.append(f"| {family} | {precision} | {recompute} | {world} | {seq} | {rank} | {measured:,} | "
+                       f"{predicted:,.0f} | {predicted / measured - 1:+.2%} | {default:,.0f} | "
+                       f"{default / measured - 1:+.2%} |")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--write", action="store_true")
@@ -149,7 +177,9 @@ def main() -> None:
                       "PyTorch's tensor parallelism (torchtitan's plan) × FSDP2:", "",
                       *tensor_parallel_rows(), "",
                       "Mixed precision (FSDP2's MixedPrecisionPolicy, bf16 compute, fp32 reduction):", "",
-                      *mixed_precision_rows()])
+                      *mixed_precision_rows(), "",
+                      "FSDP2 with explicit prefetching (two blocks each way):", "",
+                      *prefetch_rows()])
     print(text)
     if args.write:
         write_section("conformance", "Baselines against PyTorch's own implementations", text)

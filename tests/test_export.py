@@ -102,6 +102,24 @@ def test_the_exported_code_allocates_what_the_plan_predicts(strategy, family, tr
 
 
 @pytest.mark.runtime
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_an_explicitly_prefetching_fsdp2_export_allocates_what_is_predicted(family):
+    """``fsdp2-prefetch2`` on four blocks: each block's ``set_modules_to_forward_prefetch``
+    and ``set_modules_to_backward_prefetch`` written from its container, as priced."""
+    from memshard.trace.hf import trace_hf
+    from tests.test_conformance import SEQ, config, fully_sharded_peak
+
+    graph = trace_hf(family, batch=WORLD, seq=SEQ, precision="fp32", **config(family, 4))
+    text = memshard.export(graph, str(WORLD), strategy="fsdp2-prefetch2")
+    assert "block.set_modules_to_forward_prefetch(blocks[k + 1:k + 3])" in text
+    assert "block.set_modules_to_backward_prefetch([blocks[k - j] for j in range(1, 3)])" in text
+    predicted = memshard.strategy_plan(graph, str(WORLD), "fsdp2-prefetch2").peak_bytes
+    for rank in (0, WORLD - 1):
+        peak = fully_sharded_peak(family, WORLD, rank, parallelize_of(text), layers=4)
+        assert peak == pytest.approx(predicted, rel=0.02), rank
+
+
+@pytest.mark.runtime
 @pytest.mark.parametrize("strategy, family", [("fsdp2", "gpt2"), ("fsdp2+full", "llama"), ("torch-tp2-fsdp2", "llama")])
 def test_a_mixed_precision_export_runs_fsdp2_mixed_precision_and_allocates_what_is_predicted(strategy, family):
     """A mixed-precision job's FSDP2 export gives every ``fully_shard`` the policy its

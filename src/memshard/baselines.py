@@ -14,7 +14,10 @@ space, no baseline beats memshard's minimal-memory plan by more than the solver'
   ``fsdp2``: the same plan priced as PyTorch's ``fully_shard`` runs it, each layer and the
   root module wrapped, its defaults (``gathers.fsdp2_units``); ``fsdp2-noreshard``: every
   layer's ``fully_shard`` with ``reshard_after_forward=False`` (ZeRO-2's memory for a layer's
-  weights between its forward and backward, one all-gather less).
+  weights between its forward and backward, one all-gather less); ``fsdp2-prefetch2``: each
+  layer's ``fully_shard`` prefetching the next two layers in forward and the two before it in
+  backward (``set_modules_to_forward_prefetch`` / ``…_backward_prefetch``, as PyTorch's FSDP2
+  example sets them).
 - ``megatron_tp``, priced as Megatron-LM runs it (``framework="megatron"``: its gradient
   buffer, fp32 under bf16, all step): tensor parallelism over the innermost ``tp`` axes (column/row-parallel
   linears, attention split by heads, vocab-parallel embedding and loss), data parallelism over
@@ -59,6 +62,7 @@ from memshard.problem import (
     DDP_BUCKET_VIEW,
     FSDP2,
     FSDP2_NO_RESHARD,
+    FSDP2_PREFETCH,
     MEGATRON,
     TORCH_TP,
     TORCH_TP_NO_RESHARD,
@@ -298,6 +302,7 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
         add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, r, s=stage: zero(p, s, r))
     add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2), recipe=TORCH_RECIPE)
     add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD), recipe=TORCH_RECIPE)
+    add(FSDP2_PREFETCH, lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_PREFETCH), recipe=TORCH_RECIPE)
     for on, k, tp in tensor_parallel_layouts(problem):
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")

@@ -11,7 +11,9 @@ plan (:func:`render`):
 - ``ddp``: the same function wrapping the model in ``DistributedDataParallel`` with its
   defaults (its gradient buckets priced).
 - ``fsdp2-noreshard`` and ``ddp-bucket-view``: the same with the option their baselines price
-  (``reshard_after_forward=False`` to every ``fully_shard``, ``gradient_as_bucket_view=True``).
+  (``reshard_after_forward=False`` to every ``fully_shard``, ``gradient_as_bucket_view=True``);
+  ``fsdp2-prefetch2``: with each block's explicit prefetching of the next two blocks in forward
+  and the two before it in backward.
 - ``torch-tp<T>-fsdp<D>``: ``parallelize_module`` with one ``ParallelStyle`` per module, read
   off the plan (:func:`tensor_parallel_styles`: column- and row-parallel projections,
   sequence-parallel norms, ``PrepareModuleInput`` where the plan gathers a block input once),
@@ -38,6 +40,7 @@ from memshard.errors import MemshardError
 from memshard.graph import Graph, Origin, TensorKind
 from memshard.job import HFModel, Job, TracedModule
 from memshard.plans import Plan
+from memshard.problem import FSDP2_PREFETCH, explicit_prefetch
 from memshard.tensor_parallel import REDISTRIBUTE
 from memshard.units import counted, format_bytes, format_parameters
 
@@ -106,7 +109,8 @@ class ExportTarget:
     ``option`` a keyword argument given to every ``fully_shard`` or to ``DistributedDataParallel``;
     ``split``/``count``: some layers recomputed in full, Megatron-LM's ``block`` (the first
     ``count``) or torchtitan's ``every`` (each ``count``-th), under recomputation ``auto``
-    (as torchtitan's per-op policy, ``selective-op``, is)."""
+    (as torchtitan's per-op policy, ``selective-op``, is); ``prefetch``: the blocks each
+    block's ``fully_shard`` prefetches explicitly each way (0: FSDP2's default)."""
 
     strategy: str
     kind: str
@@ -116,6 +120,7 @@ class ExportTarget:
     option: str = ""
     split: str = ""
     count: int = 0
+    prefetch: int = 0
 
     @property
     def policy(self) -> str:
@@ -161,7 +166,7 @@ def export_target(strategy: str) -> ExportTarget:
     if torch_tp:
         kind, option = "torch-tp", "reshard_after_forward=False" if torch_tp["noreshard"] else ""
     else:
-        kind, option = WITH_OPTION.get(base, (base, ""))
+        kind, option = WITH_OPTION.get(base, ("fsdp2" if base == FSDP2_PREFETCH else base, ""))
     if kind in TORCH_STRATEGIES:
         # full and per-op recomputation are checked against torch.utils.checkpoint around every block
         if recompute not in ("none", *CHECKPOINTED) or (recompute == "selective-op" and split):
@@ -169,7 +174,8 @@ def export_target(strategy: str) -> ExportTarget:
                                 f"torch.utils.checkpoint as exported (+full and +selective-op are); export {base} "
                                 "or run it with memshard.parallelize(model, plan) (README: \"Using a plan from "
                                 "Python\")")
-        return ExportTarget(strategy, kind, recompute, "fp32", option=option, split=split, count=count)
+        return ExportTarget(strategy, kind, recompute, "fp32", option=option, split=split, count=count,
+                            prefetch=explicit_prefetch(base))
     raise MemshardError(f"{strategy} cannot be exported: {_why_not(base)}; {PARALLELIZE}")
 
 
@@ -395,7 +401,8 @@ def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
     if graph.origin is Origin.BUILT:  # memshard's own module names, not necessarily the user's
         named = [f"# The blocks' container is named as memshard's built-in {plan.model.name} names it; give your "
                  "model's."]
-    options = f"with {target.option}" if target.option else "with its defaults"
+    options = (f"with {target.option}" if target.option else f"with explicit prefetching of {target.prefetch} blocks"
+               if target.prefetch else "with its defaults")
     lines = [*_usage(plan, "PyTorch's fully_shard (FSDP2) on every transformer block, then on the root module, "
                            f"{options}." + _precision_note(plan) + _checkpointing(target)),
              *named,
@@ -414,8 +421,21 @@ def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
              *_mesh_check(plan, "fsdp2"),
              *_fsdp_policy(plan)]
     lines += _blocks_lines(plan, target, ["    for block in container:",
-                                          f"        {_shard(plan, 'block', 'mesh', target.option)}"])
+                                          f"        {_shard(plan, 'block', 'mesh', target.option)}",
+                                          *_prefetch_lines(target.prefetch)])
     return [*lines, f"    {_shard(plan, 'model', 'mesh', target.option)}", "    return model"]
+
+
+def _prefetch_lines(depth: int) -> list[str]:
+    """Each block's explicit prefetching as ``gathers.fsdp2_units`` prices it: the next
+    ``depth`` blocks in forward, from block ``depth`` on the ``depth`` before it in backward."""
+    if not depth:
+        return []
+    return ["    blocks = list(container)",
+            f"    for k, block in enumerate(blocks):  # all-gathers issued {depth} blocks ahead each way",
+            f"        block.set_modules_to_forward_prefetch(blocks[k + 1:k + {depth + 1}])",
+            f"        if k >= {depth}:",
+            f"            block.set_modules_to_backward_prefetch([blocks[k - j] for j in range(1, {depth + 1})])"]
 
 
 def ddp_code(target: ExportTarget, plan: Plan) -> list[str]:

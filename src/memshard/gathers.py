@@ -82,8 +82,8 @@ def layer_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str,
     return units
 
 
-def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none", reshard_after_forward: bool = True
-                ) -> dict[str, LayerUnit]:
+def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none", reshard_after_forward: bool = True,
+                prefetch: int = 0) -> dict[str, LayerUnit]:
     """PyTorch's ``fully_shard`` applied to every layer, then to the root module, with its
     defaults (torch 2.13, ``_fully_shard/_fsdp_param_group.py``): the layer units of
     :func:`layer_units` and a root unit of every other weight, with what FSDP2 holds besides.
@@ -103,7 +103,14 @@ def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none", reshard_afte
       unit's post-backward; the first layer's until the root's.
     - ``reshard_after_forward=False`` (given to every layer's ``fully_shard``): a layer's
       weights stay gathered from its forward to its post-backward, gathered once a step, and
-      no backward prefetch is needed."""
+      no backward prefetch is needed.
+    - ``prefetch`` = N > 0: explicit prefetching as PyTorch's FSDP2 example sets it, each
+      layer's ``set_modules_to_forward_prefetch`` the next N layers and, from layer N on,
+      ``set_modules_to_backward_prefetch`` the N before it. A layer's pre-forward, after its
+      own copy-out, issues the next N layers' all-gathers: each flat output is held from the
+      first of those pre-forwards. In backward a layer is prefetched by the earliest of its
+      prefetchers: layer min(k + N, L − 1) where that one has an explicit list, else (layers
+      below N keep FSDP2's default) the layer after it; the last layer by the root."""
     layers = layer_units(graph, S, recompute)
     ordered = sorted({id(u): u for u in layers.values()}.values(), key=lambda u: u.forward_span[0])
     first_op, last_op = {}, {}
@@ -119,6 +126,7 @@ def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none", reshard_afte
     root = LayerUnit((S.forward(first_use), end), None, end, len(root_names), root=True,
                      forward_buffer=(S.forward(first_use), pre_forward[0] if ordered else end))
     units = dict.fromkeys(root_names, root)
+    last = len(ordered) - 1
     for k, unit in enumerate(ordered):
         later = k + 1 < len(ordered)  # a next unit in forward
         backward_span = (pre_backward[k], unit.backward_span[1]) if unit.backward_span else None
@@ -127,11 +135,19 @@ def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none", reshard_afte
             forward_span, backward_span = (pre_forward[k], backward_span[1] if backward_span else unit.reduce_point), None
         fsdp = replace(
             unit, forward_span=forward_span, backward_span=backward_span,
-            forward_buffer=(pre_forward[k], pre_forward[k + 1] if later else S.forward(n - 1)),
-            backward_buffer=((pre_backward[k + 1] + 1 if later else S.backward(n - 1), pre_backward[k])
-                             if backward_span else None),
+            forward_buffer=(pre_forward[max(k - prefetch, 0)], pre_forward[k + 1] if later else S.forward(n - 1)),
+            backward_buffer=((pre_backward[_backward_prefetcher(k, last, prefetch)] + 1 if later else S.backward(n - 1),
+                              pre_backward[k]) if backward_span else None),
             scatter_buffer=(unit.reduce_point + 1, (ordered[k - 1] if k else root).reduce_point - 1))
         units.update((name, fsdp) for name, u in layers.items() if u is unit)
     return units
 
 
+
+
+def _backward_prefetcher(k: int, last: int, prefetch: int) -> int:
+    """The layer whose pre-backward first prefetches layer ``k`` < ``last`` (``fsdp2_units``):
+    FSDP2's default is the layer after it; with ``prefetch`` = N the furthest one whose
+    explicit list (layers N…) reaches it."""
+    furthest = min(k + prefetch, last)
+    return furthest if prefetch and furthest >= prefetch else k + 1

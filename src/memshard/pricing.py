@@ -81,6 +81,7 @@ from memshard.problem import (
     ReshardPoint,
     Slot,
     StorageGroup,
+    explicit_prefetch,
     without_partial,
 )
 from memshard.recompute import RECOMPUTE_POLICIES, replay_flags, replay_starts, replayable_ops
@@ -124,7 +125,8 @@ class _Builder:
                 replayed[starts[op.layer]] = (*replayed.get(starts[op.layer], ()), i)
         self.sched = Schedule(len(graph.ops), tuple(sorted(replayed.items())))
         if framework in FSDP2_FRAMEWORKS:
-            self.units = fsdp2_units(graph, self.sched, recompute, reshard_after_forward=framework not in NO_RESHARD_FRAMEWORKS)
+            self.units = fsdp2_units(graph, self.sched, recompute, reshard_after_forward=framework not in NO_RESHARD_FRAMEWORKS,
+                                     prefetch=explicit_prefetch(framework))
         else:
             self.units = layer_units(graph, self.sched, recompute) if zero3_unit == "layer" else {}
         self.conflicts: list[Conflict] = []
@@ -791,7 +793,8 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
     return Problem(
         graph=graph, mesh=mesh, schedule=b.sched, shared_layers=shared_layers, groups=b.groups,
         links=b.links, edges=b.edges, slots=b.slots, held=b.held, holders=b.holders,
-        constants=b.constants, candidate_points=candidate_points(graph, b.sched, shared_layers, prefetch=framework in FSDP2_FRAMEWORKS),
+        constants=b.constants, candidate_points=candidate_points(
+            graph, b.sched, shared_layers, prefetch=max(explicit_prefetch(framework), framework in FSDP2_FRAMEWORKS)),
         op_group=op_group, micro_batches=micro_batches, edge_of_input=edge_of_input,
         storage_group=storage_group, reshard_points=b.add_reshard_points(edge_of_input),
         zero3_unit=zero3_unit, recompute=recompute, conflicts=b.conflicts, framework=framework,

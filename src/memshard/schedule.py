@@ -100,7 +100,7 @@ class Schedule:
         return f"backward {name}" if point == self._backward[i] else f"resharding the input gradients of {name}"
 
 
-def candidate_points(graph: Graph, schedule: Schedule, shared_layers: bool, prefetch: bool = False) -> list[int]:
+def candidate_points(graph: Graph, schedule: Schedule, shared_layers: bool, prefetch: int = 0) -> list[int]:
     """Points that can hold the peak.
 
     With identical layers sharing variables, the live bytes at the same op of layer k are
@@ -109,13 +109,14 @@ def candidate_points(graph: Graph, schedule: Schedule, shared_layers: bool, pref
     layers' points are never needed. Layers split into two classes (``Graph.layer_classes``)
     make them affine in (k, how many of the k layers below are of class 1) for the layers of
     one class: the maximum is at a vertex of those points' convex hull (``peak_layers``).
-    ``prefetch``: in backward every layer but the first also holds the layer below's gathered
-    weights (FSDP2's backward prefetch), a step after layer 0 that the affine argument
-    covers for layers 1… only, so layer 0 is a candidate of its own.
+    ``prefetch`` = 1: in backward every layer but the first also holds the layer below's
+    gathered weights (FSDP2's backward prefetch), a step after layer 0 that the affine argument
+    covers for layers 1… only, so layer 0 is a candidate of its own. Deeper (explicit)
+    prefetching holds fewer layers' weights near both ends: every point is a candidate.
     """
-    if not shared_layers or graph.num_layers <= 2:
+    if not shared_layers or graph.num_layers <= 2 or prefetch > 1:
         return list(range(schedule.num_points))
-    keep_layers = peak_layers(graph.layer_classes, prefetch)
+    keep_layers = peak_layers(graph.layer_classes, bool(prefetch))
     points = []
     for i, op in enumerate(graph.ops):
         if op.layer is None or op.layer in keep_layers:
