@@ -30,7 +30,11 @@ mixed-precision ZeRO-3 (bf16 shards beside fp32 masters). The fourth table runs 
 explicit prefetching as PyTorch's FSDP2 example sets it (each block's
 ``set_modules_to_forward_prefetch`` of the next two blocks, ``set_modules_to_backward_prefetch``
 of the two before it) on four-block models against ``fsdp2-prefetch2`` and against ``fsdp2``
-(FSDP2's default prefetching). ``--write`` puts the tables into BENCHMARKS.md between its markers.
+(FSDP2's default prefetching). The fifth wraps untied decoders (LLaMA, Qwen2) as torchtitan's
+``apply_fsdp`` does (the token embedding, the final norm with the output layer not resharded
+after forward, every block, the root) against ``fsdp2-torchtitan`` and against ``fsdp2``
+(the embedding and output layers in the root unit). ``--write`` puts the tables into
+BENCHMARKS.md between its markers.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from tests.test_conformance import (  # noqa: E402
     mixed_precision,
     recompute_of,
     tensor_parallel_fsdp2,
+    torchtitan_wrapped,
     tp_fsdp2_peak,
 )
 from torch.distributed.fsdp import fully_shard  # noqa: E402
@@ -147,19 +152,27 @@ def mixed_precision_rows() -> list[str]:
 
 
 def prefetch_rows() -> list[str]:
+    return _wrapped_rows("fsdp2-prefetch2", explicitly_prefetched, ("gpt2", "llama", "qwen2"),
+                         [("gpt2", "mixed", "full", 4, SEQ)])
+
+
+def torchtitan_rows() -> list[str]:
+    return _wrapped_rows("fsdp2-torchtitan", torchtitan_wrapped, ("llama", "qwen2"), [])
+
+
+def _wrapped_rows(baseline: str, wrap, families: tuple[str, ...], more: list[tuple]) -> list[str]:
+    """``baseline`` against ``fully_sharded_peak`` under ``wrap``, and the ``fsdp2`` baseline."""
     out = ["| model (4 blocks) | precision | recompute | ranks | tokens per sequence | rank | measured (PyTorch) "
-           "| fsdp2-prefetch2 | error | fsdp2 (default prefetching) | error |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    jobs = [(f, "fp32", "none", w, seq) for f in sorted(FAMILIES) for w in (4, 8) for seq in (SEQ, 256)
+           f"| {baseline} | error | fsdp2 | error |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    jobs = [(f, "fp32", "none", w, seq) for f in families for w in (4, 8) for seq in (SEQ, 256)
             if not (f == "gpt2" and seq > SEQ)]
-    jobs += [("llama", "mixed", "none", 4, 256), ("llama", "fp32", "full", 4, 256), ("gpt2", "mixed", "full", 4, SEQ)]
+    jobs += [("llama", "mixed", "none", 4, 256), ("llama", "fp32", "full", 4, 256), *more]
     for family, precision, recompute, world, seq in jobs:
         graph = trace_hf(family, batch=world, seq=seq, precision=precision, **config(family, 4))
         suffix = "+full" if recompute == "full" else ""
         predicted, default = (memshard.strategy_plan(graph, str(world), name + suffix, recompute=recompute).peak_bytes
-                              for name in ("fsdp2-prefetch2", "fsdp2"))
-        parallelize = explicitly_prefetched if precision == "fp32" else functools.partial(
-            mixed_precision, parallelize=explicitly_prefetched)
+                              for name in (baseline, "fsdp2"))
+        parallelize = wrap if precision == "fp32" else functools.partial(mixed_precision, parallelize=wrap)
         parallelize = checkpointed(parallelize) if suffix else parallelize
         for rank in (0, world - 1):
             measured = fully_sharded_peak(family, world, rank, parallelize=parallelize, seq=seq, layers=4)
@@ -179,7 +192,9 @@ def main() -> None:
                       "Mixed precision (FSDP2's MixedPrecisionPolicy, bf16 compute, fp32 reduction):", "",
                       *mixed_precision_rows(), "",
                       "FSDP2 with explicit prefetching (two blocks each way):", "",
-                      *prefetch_rows()])
+                      *prefetch_rows(), "",
+                      "FSDP2 wrapped as torchtitan wraps a decoder (embedding, output layers, blocks, root):", "",
+                      *torchtitan_rows()])
     print(text)
     if args.write:
         write_section("conformance", "Baselines against PyTorch's own implementations", text)

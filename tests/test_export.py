@@ -120,6 +120,25 @@ def test_an_explicitly_prefetching_fsdp2_export_allocates_what_is_predicted(fami
 
 
 @pytest.mark.runtime
+@pytest.mark.parametrize("family, precision", [("llama", "fp32"), ("qwen2", "mixed")])
+def test_a_torchtitan_wrapped_fsdp2_export_allocates_what_is_predicted(family, precision):
+    """``fsdp2-torchtitan``: the embedding and the output layers sharded first, by the modules
+    that hold those weights, read off the traced graph."""
+    from memshard.trace.hf import trace_hf
+    from tests.test_conformance import SEQ, config, fully_sharded_peak
+
+    graph = trace_hf(family, batch=WORLD, seq=SEQ, precision=precision, **config(family, 3))
+    text = memshard.export(graph, str(WORLD), strategy="fsdp2-torchtitan")
+    assert 'fully_shard(model.get_submodule("model.embed_tokens"), mesh=mesh' in text
+    assert ('fully_shard([model.get_submodule("model.norm"), model.get_submodule("lm_head")], mesh=mesh'
+            in text and text.count("reshard_after_forward=False)") == 1)
+    predicted = memshard.strategy_plan(graph, str(WORLD), "fsdp2-torchtitan").peak_bytes
+    for rank in (0, WORLD - 1):
+        peak = fully_sharded_peak(family, WORLD, rank, parallelize_of(text), layers=3)
+        assert peak == pytest.approx(predicted, rel=0.02), rank
+
+
+@pytest.mark.runtime
 @pytest.mark.parametrize("strategy, family", [("fsdp2", "gpt2"), ("fsdp2+full", "llama"), ("torch-tp2-fsdp2", "llama")])
 def test_a_mixed_precision_export_runs_fsdp2_mixed_precision_and_allocates_what_is_predicted(strategy, family):
     """A mixed-precision job's FSDP2 export gives every ``fully_shard`` the policy its

@@ -17,7 +17,9 @@ space, no baseline beats memshard's minimal-memory plan by more than the solver'
   weights between its forward and backward, one all-gather less); ``fsdp2-prefetch2``: each
   layer's ``fully_shard`` prefetching the next two layers in forward and the two before it in
   backward (``set_modules_to_forward_prefetch`` / ``…_backward_prefetch``, as PyTorch's FSDP2
-  example sets them).
+  example sets them); ``fsdp2-torchtitan``: ``fully_shard`` as torchtitan wraps a decoder, the
+  token embedding and the output layers (final norm and LM head, not resharded after forward)
+  units of their own beside the blocks.
 - ``megatron_tp``, priced as Megatron-LM runs it (``framework="megatron"``: its gradient
   buffer, fp32 under bf16, all step): tensor parallelism over the innermost ``tp`` axes (column/row-parallel
   linears, attention split by heads, vocab-parallel embedding and loss), data parallelism over
@@ -63,6 +65,7 @@ from memshard.problem import (
     FSDP2,
     FSDP2_NO_RESHARD,
     FSDP2_PREFETCH,
+    FSDP2_TORCHTITAN,
     MEGATRON,
     TORCH_TP,
     TORCH_TP_NO_RESHARD,
@@ -303,6 +306,7 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2), recipe=TORCH_RECIPE)
     add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD), recipe=TORCH_RECIPE)
     add(FSDP2_PREFETCH, lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_PREFETCH), recipe=TORCH_RECIPE)
+    add(FSDP2_TORCHTITAN, lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_TORCHTITAN), recipe=TORCH_RECIPE)
     for on, k, tp in tensor_parallel_layouts(problem):
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")

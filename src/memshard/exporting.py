@@ -13,7 +13,9 @@ plan (:func:`render`):
 - ``fsdp2-noreshard`` and ``ddp-bucket-view``: the same with the option their baselines price
   (``reshard_after_forward=False`` to every ``fully_shard``, ``gradient_as_bucket_view=True``);
   ``fsdp2-prefetch2``: with each block's explicit prefetching of the next two blocks in forward
-  and the two before it in backward.
+  and the two before it in backward; ``fsdp2-torchtitan``: first ``fully_shard`` of the token
+  embedding and of the output layers (``reshard_after_forward=False``) as torchtitan wraps a
+  decoder, by the modules that hold those weights (``gathers.end_weights``).
 - ``torch-tp<T>-fsdp<D>``: ``parallelize_module`` with one ``ParallelStyle`` per module, read
   off the plan (:func:`tensor_parallel_styles`: column- and row-parallel projections,
   sequence-parallel norms, ``PrepareModuleInput`` where the plan gathers a block input once),
@@ -37,10 +39,11 @@ import shlex
 from dataclasses import dataclass
 
 from memshard.errors import MemshardError
+from memshard.gathers import end_weights
 from memshard.graph import Graph, Origin, TensorKind
 from memshard.job import HFModel, Job, TracedModule
 from memshard.plans import Plan
-from memshard.problem import FSDP2_PREFETCH, explicit_prefetch
+from memshard.problem import FSDP2_PREFETCH, FSDP2_TORCHTITAN, explicit_prefetch
 from memshard.tensor_parallel import REDISTRIBUTE
 from memshard.units import counted, format_bytes, format_parameters
 
@@ -110,7 +113,8 @@ class ExportTarget:
     ``split``/``count``: some layers recomputed in full, Megatron-LM's ``block`` (the first
     ``count``) or torchtitan's ``every`` (each ``count``-th), under recomputation ``auto``
     (as torchtitan's per-op policy, ``selective-op``, is); ``prefetch``: the blocks each
-    block's ``fully_shard`` prefetches explicitly each way (0: FSDP2's default)."""
+    block's ``fully_shard`` prefetches explicitly each way (0: FSDP2's default); ``wrap_ends``:
+    the embedding and the output layers wrapped first, as torchtitan does."""
 
     strategy: str
     kind: str
@@ -121,6 +125,7 @@ class ExportTarget:
     split: str = ""
     count: int = 0
     prefetch: int = 0
+    wrap_ends: bool = False
 
     @property
     def policy(self) -> str:
@@ -166,7 +171,7 @@ def export_target(strategy: str) -> ExportTarget:
     if torch_tp:
         kind, option = "torch-tp", "reshard_after_forward=False" if torch_tp["noreshard"] else ""
     else:
-        kind, option = WITH_OPTION.get(base, ("fsdp2" if base == FSDP2_PREFETCH else base, ""))
+        kind, option = WITH_OPTION.get(base, ("fsdp2" if base in (FSDP2_PREFETCH, FSDP2_TORCHTITAN) else base, ""))
     if kind in TORCH_STRATEGIES:
         # full and per-op recomputation are checked against torch.utils.checkpoint around every block
         if recompute not in ("none", *CHECKPOINTED) or (recompute == "selective-op" and split):
@@ -175,7 +180,7 @@ def export_target(strategy: str) -> ExportTarget:
                                 "or run it with memshard.parallelize(model, plan) (README: \"Using a plan from "
                                 "Python\")")
         return ExportTarget(strategy, kind, recompute, "fp32", option=option, split=split, count=count,
-                            prefetch=explicit_prefetch(base))
+                            prefetch=explicit_prefetch(base), wrap_ends=base == FSDP2_TORCHTITAN)
     raise MemshardError(f"{strategy} cannot be exported: {_why_not(base)}; {PARALLELIZE}")
 
 
@@ -402,7 +407,9 @@ def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
         named = [f"# The blocks' container is named as memshard's built-in {plan.model.name} names it; give your "
                  "model's."]
     options = (f"with {target.option}" if target.option else f"with explicit prefetching of {target.prefetch} blocks"
-               if target.prefetch else "with its defaults")
+               if target.prefetch else "with the token embedding and the output layers wrapped first, as torchtitan "
+               "wraps a decoder"
+               if target.wrap_ends else "with its defaults")
     lines = [*_usage(plan, "PyTorch's fully_shard (FSDP2) on every transformer block, then on the root module, "
                            f"{options}." + _precision_note(plan) + _checkpointing(target)),
              *named,
@@ -419,11 +426,28 @@ def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
              "def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:",
              "    \"\"\"FSDP2 as memshard priced it: fully_shard on every transformer block, then on the root module.\"\"\"",
              *_mesh_check(plan, "fsdp2"),
-             *_fsdp_policy(plan)]
+             *_fsdp_policy(plan),
+             *(_end_lines(plan) if target.wrap_ends else [])]
     lines += _blocks_lines(plan, target, ["    for block in container:",
                                           f"        {_shard(plan, 'block', 'mesh', target.option)}",
                                           *_prefetch_lines(target.prefetch)])
     return [*lines, f"    {_shard(plan, 'model', 'mesh', target.option)}", "    return model"]
+
+
+def _end_lines(plan: Plan) -> list[str]:
+    """torchtitan's units at the ends of a decoder, by the modules holding their weights: the
+    token embedding, then the final norm and output layer, not resharded after forward
+    (backward needs them at once). Tied embeddings share one unit with the root's schedule:
+    nothing is written for them."""
+    before, after = end_weights(plan.problem.graph)
+    if not before:
+        return []
+    modules = [", ".join(f"model.get_submodule(\"{name.rpartition('.')[0]}\")" for name in names)
+               for names in (before, after)]
+    lines = [f"    {_shard(plan, modules[0] if len(before) == 1 else f'[{modules[0]}]', 'mesh')}"]
+    if after:
+        lines.append(f"    {_shard(plan, f'[{modules[1]}]', 'mesh', 'reshard_after_forward=False')}")
+    return lines
 
 
 def _prefetch_lines(depth: int) -> list[str]:

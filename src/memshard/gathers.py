@@ -83,7 +83,7 @@ def layer_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str,
 
 
 def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none", reshard_after_forward: bool = True,
-                prefetch: int = 0) -> dict[str, LayerUnit]:
+                prefetch: int = 0, wrap_ends: bool = False) -> dict[str, LayerUnit]:
     """PyTorch's ``fully_shard`` applied to every layer, then to the root module, with its
     defaults (torch 2.13, ``_fully_shard/_fsdp_param_group.py``): the layer units of
     :func:`layer_units` and a root unit of every other weight, with what FSDP2 holds besides.
@@ -110,7 +110,9 @@ def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none", reshard_afte
       own copy-out, issues the next N layers' all-gathers: each flat output is held from the
       first of those pre-forwards. In backward a layer is prefetched by the earliest of its
       prefetchers: layer min(k + N, L − 1) where that one has an explicit list, else (layers
-      below N keep FSDP2's default) the layer after it; the last layer by the root."""
+      below N keep FSDP2's default) the layer after it; the last layer by the root.
+    - ``wrap_ends``: the modules before the first layer and those after the last are units of
+      their own, as torchtitan wraps a decoder (``_end_units``); the root keeps the rest."""
     layers = layer_units(graph, S, recompute)
     ordered = sorted({id(u): u for u in layers.values()}.values(), key=lambda u: u.forward_span[0])
     first_op, last_op = {}, {}
@@ -121,11 +123,19 @@ def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none", reshard_afte
     pre_forward = [S.reshard_in(first_op[k]) for k in of_layer]
     pre_backward = [S.backward_begins(last_op[k]) for k in of_layer]
     root_names = [n for n in graph.parameters if n not in layers and graph.consumers.get(n)]
+    embedding, head = (_end_units(graph, S, root_names, (first_op[of_layer[0]], last_op[of_layer[-1]]), pre_backward[0])
+                       if wrap_ends and ordered else (None, None))
+    root_names = [n for n in root_names if not any(n in end.names for end in (embedding, head) if end)]
     first_use = min((i for n in root_names for i, _ in graph.consumers[n]), default=0)
     end, n = S.reshard_out(0), len(graph.ops)
     root = LayerUnit((S.forward(first_use), end), None, end, len(root_names), root=True,
-                     forward_buffer=(S.forward(first_use), pre_forward[0] if ordered else end))
+                     forward_buffer=(S.forward(first_use), (embedding.unit.forward_span[0] if embedding else
+                                                           pre_forward[0] if ordered else end)))
     units = dict.fromkeys(root_names, root)
+    below = root  # the unit below the first layer, whose reduce-scatter follows the first layer's
+    if embedding:
+        below = replace(embedding.unit, scatter_buffer=(embedding.unit.reduce_point + 1, root.reduce_point - 1))
+        units.update(dict.fromkeys(embedding.names, below))
     last = len(ordered) - 1
     for k, unit in enumerate(ordered):
         later = k + 1 < len(ordered)  # a next unit in forward
@@ -135,14 +145,76 @@ def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none", reshard_afte
             forward_span, backward_span = (pre_forward[k], backward_span[1] if backward_span else unit.reduce_point), None
         fsdp = replace(
             unit, forward_span=forward_span, backward_span=backward_span,
-            forward_buffer=(pre_forward[max(k - prefetch, 0)], pre_forward[k + 1] if later else S.forward(n - 1)),
-            backward_buffer=((pre_backward[_backward_prefetcher(k, last, prefetch)] + 1 if later else S.backward(n - 1),
-                              pre_backward[k]) if backward_span else None),
-            scatter_buffer=(unit.reduce_point + 1, (ordered[k - 1] if k else root).reduce_point - 1))
+            forward_buffer=(pre_forward[max(k - prefetch, 0)], pre_forward[k + 1] if later else
+                            head.unit.forward_span[0] if head else S.forward(n - 1)),
+            backward_buffer=((pre_backward[_backward_prefetcher(k, last, prefetch)] + 1 if later else
+                              head.pre_backward + 1 if head else S.backward(n - 1), pre_backward[k])
+                             if backward_span else None),
+            scatter_buffer=(unit.reduce_point + 1, (ordered[k - 1] if k else below).reduce_point - 1))
         units.update((name, fsdp) for name, u in layers.items() if u is unit)
+    if head:
+        units.update(dict.fromkeys(head.names, replace(
+            head.unit, scatter_buffer=(head.unit.reduce_point + 1, ordered[-1].reduce_point - 1))))
     return units
 
 
+@dataclass(frozen=True)
+class EndUnit:
+    """The unit of the modules before the first layer or after the last (``_end_units``)."""
+
+    names: tuple[str, ...]
+    unit: LayerUnit
+    pre_backward: int
+
+
+def end_weights(graph: Graph, names: list[str] | None = None, layer_ops: tuple[int, int] | None = None
+                ) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
+    """Of the weights ``names`` (default: those no layer owns alone), those used only before
+    the first layer's first op and those used only after the last layer's last op
+    (``layer_ops``, default the graph's); (None, ()) where one is used on both sides or
+    among the layers (tied embeddings)."""
+    layer_of = [i for i, op in enumerate(graph.ops) if op.layer is not None]
+    layer_ops = layer_ops or ((layer_of[0], layer_of[-1]) if layer_of else (0, -1))
+    if names is None:
+        owners = {name: {graph.ops[i].layer for i, _ in graph.consumers.get(name, ())} for name in graph.parameters}
+        names = [n for n, layers in owners.items() if layers and (None in layers or len(layers) > 1)]
+    uses = {name: sorted(i for i, _ in graph.consumers[name]) for name in names}
+    before = tuple(name for name in names if uses[name][-1] < layer_ops[0])
+    after = tuple(name for name in names if uses[name][0] > layer_ops[1])
+    return (before, after) if len(before) + len(after) == len(names) else (None, ())
+
+
+def _end_units(graph: Graph, S: Schedule, names: list[str], layer_ops: tuple[int, int], first_layer_back: int
+               ) -> tuple[EndUnit | None, EndUnit | None]:
+    """torchtitan's units at the ends of a decoder (``apply_fsdp``): ``fully_shard`` of the
+    modules whose weights are used only before the first layer (the token embedding),
+    resharded after forward and gathered again at its pre-backward (FSDP2 gathers there though
+    a lookup's backward does not read its weight) after the first layer's pre-backward
+    prefetched it; and of those used only after the last (final norm and output layer) with
+    ``reshard_after_forward=False``: gathered from its pre-forward to its post-backward, early
+    in backward, where its gradients are reduced. Where a weight is used on both sides (tied
+    embeddings) torchtitan puts all of them in one unit that is not resharded after forward,
+    gathered and reduced as the root's are: no end units. ``layer_ops``: the first layer's
+    first op and the last layer's last."""
+    uses = {name: sorted(i for i, _ in graph.consumers[name]) for name in names}
+    before, after = end_weights(graph, names, layer_ops)
+    if before is None:
+        return None, None
+    ends = []
+    for members, resharded in ((before, True), (after, False)):
+        ops = sorted({i for name in members for i in uses[name]})
+        if not ops:
+            ends.append(None)
+            continue
+        pre_forward, pre_backward, reduce_point = S.reshard_in(ops[0]), S.backward_begins(ops[-1]), S.reshard_out(ops[0])
+        unit = LayerUnit(
+            forward_span=(pre_forward, S.forward(ops[-1]) if resharded else S.backward(ops[0])),
+            backward_span=(pre_backward, S.backward(ops[0])) if resharded else None,
+            reduce_point=reduce_point, members=len(members),
+            forward_buffer=(pre_forward, S.reshard_in(layer_ops[0]) if resharded else S.forward(len(graph.ops) - 1)),
+            backward_buffer=(first_layer_back + 1, pre_backward) if resharded else None)
+        ends.append(EndUnit(members, unit, pre_backward))
+    return ends[0], ends[1]
 
 
 def _backward_prefetcher(k: int, last: int, prefetch: int) -> int:

@@ -50,7 +50,6 @@ from memshard.problem import (
     INPUT_COPY,
     MEGATRON,
     MEMSHARD,
-    NO_RESHARD_FRAMEWORKS,
     PRODUCER,
     READ_BY_REPLAY,
     REGATHER,
@@ -82,6 +81,7 @@ from memshard.problem import (
     Slot,
     StorageGroup,
     explicit_prefetch,
+    fsdp2_options,
     without_partial,
 )
 from memshard.recompute import RECOMPUTE_POLICIES, replay_flags, replay_starts, replayable_ops
@@ -125,8 +125,7 @@ class _Builder:
                 replayed[starts[op.layer]] = (*replayed.get(starts[op.layer], ()), i)
         self.sched = Schedule(len(graph.ops), tuple(sorted(replayed.items())))
         if framework in FSDP2_FRAMEWORKS:
-            self.units = fsdp2_units(graph, self.sched, recompute, reshard_after_forward=framework not in NO_RESHARD_FRAMEWORKS,
-                                     prefetch=explicit_prefetch(framework))
+            self.units = fsdp2_units(graph, self.sched, recompute, **fsdp2_options(framework))
         else:
             self.units = layer_units(graph, self.sched, recompute) if zero3_unit == "layer" else {}
         self.conflicts: list[Conflict] = []

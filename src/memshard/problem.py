@@ -67,7 +67,8 @@ SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout 
 # prefetch, flat buffers; FSDP2_NO_RESHARD: ``reshard_after_forward=False`` on every layer, its
 # weights gathered once, from the layer's forward to its backward; FSDP2_PREFETCH: explicit
 # prefetching of the next and the previous ``explicit_prefetch`` layers, as PyTorch's FSDP2
-# example sets it) and DistributedDataParallel
+# example sets it; FSDP2_TORCHTITAN: torchtitan's wrapping, the token embedding and the
+# output layers units of their own) and DistributedDataParallel
 # (its gradient buckets, a second copy of the gradients; DDP_BUCKET_VIEW:
 # ``gradient_as_bucket_view=True``, the buckets are the gradients); TORCH_TP: PyTorch's
 # parallelize_module with torchtitan's plan (``tensor_parallel.with_input_gathers``: each
@@ -77,11 +78,11 @@ SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout 
 # fp32). Not a search option: memshard's runtime executes "memshard" plans only.
 MEMSHARD, FSDP2, DDP, TORCH_TP, MEGATRON = "memshard", "fsdp2", "ddp", "torch-tp", "megatron"
 FSDP2_NO_RESHARD, DDP_BUCKET_VIEW, TORCH_TP_NO_RESHARD = "fsdp2-noreshard", "ddp-bucket-view", "torch-tp-noreshard"
-FSDP2_PREFETCH = "fsdp2-prefetch2"
-FRAMEWORKS = (MEMSHARD, FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, DDP, DDP_BUCKET_VIEW, TORCH_TP, TORCH_TP_NO_RESHARD, MEGATRON)
+FSDP2_PREFETCH, FSDP2_TORCHTITAN = "fsdp2-prefetch2", "fsdp2-torchtitan"
+FRAMEWORKS = (MEMSHARD, FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, FSDP2_TORCHTITAN, DDP, DDP_BUCKET_VIEW, TORCH_TP, TORCH_TP_NO_RESHARD, MEGATRON)
 TORCH_TP_FRAMEWORKS = (TORCH_TP, TORCH_TP_NO_RESHARD)  # parallelize_module with torchtitan's plan
 NO_RESHARD_FRAMEWORKS = (FSDP2_NO_RESHARD, TORCH_TP_NO_RESHARD)  # fully_shard(reshard_after_forward=False)
-FSDP2_FRAMEWORKS = (FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, *TORCH_TP_FRAMEWORKS)  # fully_shard on every layer and the root
+FSDP2_FRAMEWORKS = (FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, FSDP2_TORCHTITAN, *TORCH_TP_FRAMEWORKS)  # fully_shard on every layer and the root
 DDP_FRAMEWORKS = (DDP, DDP_BUCKET_VIEW)
 TORCH_FRAMEWORKS = (*FSDP2_FRAMEWORKS, *DDP_FRAMEWORKS)  # run with torch.optim.Adam (foreach)
 
@@ -90,6 +91,12 @@ def explicit_prefetch(framework: str) -> int:
     """How many layers each ``fully_shard`` of ``framework`` prefetches explicitly
     (``set_modules_to_forward_prefetch`` / ``…_backward_prefetch``); 0: FSDP2's default."""
     return int(framework.removeprefix("fsdp2-prefetch")) if framework.startswith("fsdp2-prefetch") else 0
+
+
+def fsdp2_options(framework: str) -> dict:
+    """The options of ``gathers.fsdp2_units`` that an FSDP2 framework sets."""
+    return {"reshard_after_forward": framework not in NO_RESHARD_FRAMEWORKS,
+            "prefetch": explicit_prefetch(framework), "wrap_ends": framework == FSDP2_TORCHTITAN}
 
 
 INPUT_COPY = "input_copy"  # the consumer's input during its forward
