@@ -23,7 +23,8 @@ The second table runs PyTorch's tensor parallelism as torchtitan applies it to L
 ``torch-tp<T>-fsdp<D>`` baseline and the idealised ``tp<T>-fsdp<D>`` (TP + SP + ZeRO-3 as
 memshard's runtime executes them), at 32 and 256 tokens per sequence, with and without
 torchtitan's full activation checkpointing (``+full``), and with ``reshard_after_forward=False``
-on every ``fully_shard`` (``-noreshard``). The third table runs both in mixed
+on every ``fully_shard`` (``-noreshard``), and with torchtitan's FSDP2 units (``-torchtitan``:
+the embedding and the output layers apart from the root). The third table runs both in mixed
 precision as torchtitan sets it (every ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=
 bf16, reduce_dtype=fp32)``) against the baselines of the mixed-precision job, and memshard's
 mixed-precision ZeRO-3 (bf16 shards beside fp32 masters). The fourth table runs FSDP2 with
@@ -62,6 +63,7 @@ from tests.test_conformance import (  # noqa: E402
     mixed_precision,
     recompute_of,
     tensor_parallel_fsdp2,
+    tensor_parallel_torchtitan_wrapped,
     torchtitan_wrapped,
     tp_fsdp2_peak,
 )
@@ -101,18 +103,19 @@ def rows() -> list[str]:
 def tensor_parallel_rows() -> list[str]:
     out = ["| baseline | model | mesh (DP × TP) | tokens per sequence | rank | measured (PyTorch) | predicted | error "
            "| idealised | its prediction | error |", "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
-    for kept, recompute, family, (dp, tp), seq in itertools.product(
-            (False, True), ("none", "full"), ("llama", "qwen2"), ((2, 2), (4, 2)), (32, 256)):
+    jobs = [(option, recompute) for option in ("", "-noreshard") for recompute in ("none", "full")]
+    for (option, recompute), family, (dp, tp), seq in itertools.product(
+            [*jobs, ("-torchtitan", "none")], ("llama", "qwen2"), ((2, 2), (4, 2)), (32, 256)):
         graph = trace_hf(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
         suffix = "+full" if recompute == "full" else ""
-        option = "-noreshard" if kept else ""
         name, ideal_name = f"torch-tp{tp}-fsdp{dp}{option}{suffix}", f"tp{tp}-fsdp{dp}{suffix}"
         predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", name, recompute=recompute).peak_bytes
         ideal = memshard.strategy_plan(graph, f"{dp}x{tp}", ideal_name, recompute=recompute,  # (per-layer
                                        zero3_unit="layer" if suffix else "op").peak_bytes  # ZeRO-3 to replay)
-        shard = functools.partial(fully_shard, reshard_after_forward=False) if kept else None
-        parallelize = functools.partial(checkpointed_tensor_parallel_fsdp2 if suffix else tensor_parallel_fsdp2,
-                                        shard=shard)
+        shard = functools.partial(fully_shard, reshard_after_forward=False) if option == "-noreshard" else None
+        parallelize = (tensor_parallel_torchtitan_wrapped if option == "-torchtitan" else
+                       functools.partial(checkpointed_tensor_parallel_fsdp2 if suffix else tensor_parallel_fsdp2,
+                                         shard=shard))
         for rank in (0, dp * tp - 1):
             measured = tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize=parallelize)
             out.append(f"| {name} | {family} | {dp} × {tp} | {seq} | {rank} | {measured:,} | {predicted:,.0f} | "

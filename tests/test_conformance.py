@@ -299,6 +299,14 @@ def tensor_parallel_fsdp2(model, mesh, shard=None):
     return fully_shard_blocks(model, dp_mesh, shard)
 
 
+def tensor_parallel_torchtitan_wrapped(model, mesh, shard=None):
+    """:func:`tensor_parallel` on the inner axis, then FSDP2 over the outer one wrapped as
+    torchtitan wraps a decoder (:func:`torchtitan_wrapped`)."""
+    dp_mesh, tp_mesh = (mesh[name] for name in mesh.mesh_dim_names)
+    tensor_parallel(model, tp_mesh)
+    return torchtitan_wrapped(model, dp_mesh, shard)
+
+
 def checkpointed_tensor_parallel_fsdp2(model, mesh, shard=None):
     """:func:`tensor_parallel_fsdp2` with torchtitan's full activation checkpointing: the
     blocks wrapped after tensor parallelism (whose plan names their submodules) and before
@@ -563,3 +571,19 @@ def test_fsdp2_wrapped_as_torchtitan_with_tied_embeddings_is_fsdp2():
     graph = trace_hf("gpt2", batch=4, seq=SEQ, precision="fp32", **FAMILIES["gpt2"])
     assert (memshard.strategy_plan(graph, "4", "fsdp2-torchtitan").peak_bytes
             == memshard.strategy_plan(graph, "4", "fsdp2").peak_bytes)
+
+
+@pytest.mark.parametrize("family, dp, tp, seq, precision", [
+    ("llama", 2, 2, 256, "fp32"), ("qwen2", 4, 2, SEQ, "fp32"), ("llama", 2, 2, 256, "mixed")])
+def test_torch_tensor_parallel_times_fsdp2_wrapped_as_torchtitan_is_what_pytorch_allocates(family, dp, tp, seq,
+                                                                                          precision):
+    """``torch-tp<T>-fsdp<D>-torchtitan``: torchtitan's 2-D recipe with its FSDP2 units (the
+    embedding and the output layers apart from the root), 5–13% below ``torch-tp<T>-fsdp<D>``."""
+    graph = trace_hf(family, batch=dp, seq=seq, precision=precision, **FAMILIES[family])
+    predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}-torchtitan").peak_bytes
+    parallelize = tensor_parallel_torchtitan_wrapped if precision == "fp32" else functools.partial(
+        mixed_precision, parallelize=tensor_parallel_torchtitan_wrapped)
+    for rank in (0, dp * tp - 1):
+        measured = tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize)
+        assert measured == pytest.approx(predicted, rel=0.02), rank
+    assert measured < 0.96 * memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}").peak_bytes

@@ -199,6 +199,22 @@ def test_the_exported_tensor_parallel_code_is_torchtitans_plan_and_allocates_wha
 
 
 @pytest.mark.runtime
+def test_the_exported_tensor_parallel_code_with_torchtitans_units_allocates_what_is_predicted():
+    """``torch-tp2-fsdp2-torchtitan``: the embedding and the output layers sharded over the
+    data-parallel axis first, then the blocks and the root."""
+    from memshard.trace.hf import trace_hf
+    from tests.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak
+
+    graph = trace_hf("llama", batch=2, seq=SEQ, precision="fp32", **FAMILIES["llama"])
+    text = memshard.export(graph, "2x2", strategy="torch-tp2-fsdp2-torchtitan")
+    assert 'fully_shard(model.get_submodule("model.embed_tokens"), mesh=dp_mesh)' in text
+    assert text.count(", reshard_after_forward=False)") == 1
+    predicted = memshard.strategy_plan(graph, "2x2", "torch-tp2-fsdp2-torchtitan").peak_bytes
+    for rank in (0, WORLD - 1):
+        assert tp_fsdp2_peak(2, 2, rank, SEQ, "llama", parallelize_of(text)) == pytest.approx(predicted, rel=0.02)
+
+
+@pytest.mark.runtime
 def test_the_exported_tensor_parallel_code_kept_after_forward_allocates_what_is_predicted():
     """``torch-tp2-fsdp2-noreshard``: every ``fully_shard`` given ``reshard_after_forward=False``."""
     from memshard.trace.hf import trace_hf

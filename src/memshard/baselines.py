@@ -30,7 +30,8 @@ space, no baseline beats memshard's minimal-memory plan by more than the solver'
 - ``tp_fsdp``: torchtitan's 2D recipe: tensor + sequence parallelism inside, FSDP outside,
   idealised; ``torch_tp_fsdp2``: the same as PyTorch runs it (``parallelize_module`` with
   torchtitan's plan × ``fully_shard``, on a problem built for ``TORCH_TP``; ``…-noreshard``:
-  every ``fully_shard`` with ``reshard_after_forward=False``).
+  every ``fully_shard`` with ``reshard_after_forward=False``; ``…-torchtitan``: with
+  torchtitan's units, as ``fsdp2-torchtitan``).
 
 Recomputation (``recompute.py``): on a problem whose policy is ``selective`` or ``full`` every
 baseline recomputes so; under ``auto`` each baseline comes without (its plain name), with
@@ -69,6 +70,7 @@ from memshard.problem import (
     MEGATRON,
     TORCH_TP,
     TORCH_TP_NO_RESHARD,
+    TORCH_TP_TORCHTITAN,
     Problem,
     Selection,
     complete_selection,
@@ -321,6 +323,8 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
                 lambda on=on: as_run_by(on(), TORCH_TP))
             add(f"torch-tp{tp}-fsdp{dp}-noreshard", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
                 lambda on=on: as_run_by(on(), TORCH_TP_NO_RESHARD))
+            add(f"torch-tp{tp}-fsdp{dp}-torchtitan", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
+                lambda on=on: as_run_by(on(), TORCH_TP_TORCHTITAN))
     if wanted is not None:  # the layer splits asked for by name (``compare`` finds its own)
         layers = problem.graph.num_layers
         for base in bases:

@@ -20,7 +20,8 @@ plan (:func:`render`):
   off the plan (:func:`tensor_parallel_styles`: column- and row-parallel projections,
   sequence-parallel norms, ``PrepareModuleInput`` where the plan gathers a block input once),
   on the inner mesh axis, then ``fully_shard`` over the outer one (``…-noreshard``: with
-  ``reshard_after_forward=False``); for traced models, whose module names it writes.
+  ``reshard_after_forward=False``; ``…-torchtitan``: the ends first, as ``fsdp2-torchtitan``);
+  for traced models, whose module names it writes.
 - ``megatron-tp…``: Megatron-LM's command-line arguments for a built-in GPT or LLaMA preset,
   with the layout the baseline's name says (tensor, sequence and data parallelism, the
   distributed optimizer, recomputation).
@@ -51,7 +52,7 @@ TORCH_STRATEGIES = ("fsdp2", "ddp", "torch-tp")
 # the baselines of a PyTorch API with an option set: (their kind, the keyword argument)
 WITH_OPTION = {"fsdp2-noreshard": ("fsdp2", "reshard_after_forward=False"),
                "ddp-bucket-view": ("ddp", "gradient_as_bucket_view=True")}
-TORCH_TP_NAME = re.compile(r"torch-tp(?P<tp>\d+)-fsdp(?P<dp>\d+)(?P<noreshard>-noreshard)?")
+TORCH_TP_NAME = re.compile(r"torch-tp(?P<tp>\d+)-fsdp(?P<dp>\d+)(?:(?P<noreshard>-noreshard)|(?P<torchtitan>-torchtitan))?")
 MEGATRON_NAME = re.compile(r"megatron-tp(?P<tp>\d+)(?:-dp(?P<dp>\d+))?(?P<sp>-sp)?(?P<distopt>-distopt)?")
 # +selective, +selective-op (torchtitan's per-op policy), +selective-mlp / +selective-attn-mlp
 # (Megatron-LM's MLP module, alone or with the core attention), +full, or +full-blockN / +full-everyN
@@ -180,7 +181,8 @@ def export_target(strategy: str) -> ExportTarget:
                                 "or run it with memshard.parallelize(model, plan) (README: \"Using a plan from "
                                 "Python\")")
         return ExportTarget(strategy, kind, recompute, "fp32", option=option, split=split, count=count,
-                            prefetch=explicit_prefetch(base), wrap_ends=base == FSDP2_TORCHTITAN)
+                            prefetch=explicit_prefetch(base),
+                            wrap_ends=base == FSDP2_TORCHTITAN or bool(torch_tp and torch_tp["torchtitan"]))
     raise MemshardError(f"{strategy} cannot be exported: {_why_not(base)}; {PARALLELIZE}")
 
 
@@ -434,7 +436,7 @@ def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
     return [*lines, f"    {_shard(plan, 'model', 'mesh', target.option)}", "    return model"]
 
 
-def _end_lines(plan: Plan) -> list[str]:
+def _end_lines(plan: Plan, mesh: str = "mesh") -> list[str]:
     """torchtitan's units at the ends of a decoder, by the modules holding their weights: the
     token embedding, then the final norm and output layer, not resharded after forward
     (backward needs them at once). Tied embeddings share one unit with the root's schedule:
@@ -444,9 +446,9 @@ def _end_lines(plan: Plan) -> list[str]:
         return []
     modules = [", ".join(f"model.get_submodule(\"{name.rpartition('.')[0]}\")" for name in names)
                for names in (before, after)]
-    lines = [f"    {_shard(plan, modules[0] if len(before) == 1 else f'[{modules[0]}]', 'mesh')}"]
+    lines = [f"    {_shard(plan, modules[0] if len(before) == 1 else f'[{modules[0]}]', mesh)}"]
     if after:
-        lines.append(f"    {_shard(plan, f'[{modules[1]}]', 'mesh', 'reshard_after_forward=False')}")
+        lines.append(f"    {_shard(plan, f'[{modules[1]}]', mesh, 'reshard_after_forward=False')}")
     return lines
 
 
@@ -543,7 +545,8 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
                             f"the model has {len(containers)}")
     (container,) = containers
     tp = int(TORCH_TP_NAME.fullmatch(target.strategy.removesuffix("+full"))["tp"])
-    defaults = f"with {target.option}" if target.option else "with their defaults"
+    defaults = (f"with {target.option}" if target.option else "the token embedding and the output layers first, as "
+                "torchtitan wraps a decoder" if target.wrap_ends else "with their defaults")
     dp = plan.job.mesh.num_devices // tp
     prefix = f"{container.path}.0."
     styles = tensor_parallel_styles(plan)
@@ -599,6 +602,7 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
                *_wrap_lines(target, "blocks", "container[k] = blocks[k]")]
               if target.recompute == "full" else []),
             *_fsdp_policy(plan),
+            *(_end_lines(plan, "dp_mesh") if target.wrap_ends else []),
             "    for block in blocks:",
             f"        {_shard(plan, 'block', 'dp_mesh', target.option)}",
             f"    {_shard(plan, 'model', 'dp_mesh', target.option)}",

@@ -73,14 +73,17 @@ SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout 
 # ``gradient_as_bucket_view=True``, the buckets are the gradients); TORCH_TP: PyTorch's
 # parallelize_module with torchtitan's plan (``tensor_parallel.with_input_gathers``: each
 # block's attention and MLP input gathered once) × fully_shard as FSDP2 (TORCH_TP_NO_RESHARD: with
-# ``reshard_after_forward=False``); MEGATRON: Megatron-LM's
+# ``reshard_after_forward=False``; TORCH_TP_TORCHTITAN: with torchtitan's units, as
+# FSDP2_TORCHTITAN); MEGATRON: Megatron-LM's
 # gradient buffer (``pricing.build_problem``: every local gradient in fp32, all step, reduced in
 # fp32). Not a search option: memshard's runtime executes "memshard" plans only.
 MEMSHARD, FSDP2, DDP, TORCH_TP, MEGATRON = "memshard", "fsdp2", "ddp", "torch-tp", "megatron"
 FSDP2_NO_RESHARD, DDP_BUCKET_VIEW, TORCH_TP_NO_RESHARD = "fsdp2-noreshard", "ddp-bucket-view", "torch-tp-noreshard"
 FSDP2_PREFETCH, FSDP2_TORCHTITAN = "fsdp2-prefetch2", "fsdp2-torchtitan"
-FRAMEWORKS = (MEMSHARD, FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, FSDP2_TORCHTITAN, DDP, DDP_BUCKET_VIEW, TORCH_TP, TORCH_TP_NO_RESHARD, MEGATRON)
-TORCH_TP_FRAMEWORKS = (TORCH_TP, TORCH_TP_NO_RESHARD)  # parallelize_module with torchtitan's plan
+TORCH_TP_TORCHTITAN = "torch-tp-torchtitan"
+FRAMEWORKS = (MEMSHARD, FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, FSDP2_TORCHTITAN, DDP, DDP_BUCKET_VIEW, TORCH_TP,
+              TORCH_TP_NO_RESHARD, TORCH_TP_TORCHTITAN, MEGATRON)
+TORCH_TP_FRAMEWORKS = (TORCH_TP, TORCH_TP_NO_RESHARD, TORCH_TP_TORCHTITAN)  # parallelize_module with torchtitan's plan
 NO_RESHARD_FRAMEWORKS = (FSDP2_NO_RESHARD, TORCH_TP_NO_RESHARD)  # fully_shard(reshard_after_forward=False)
 FSDP2_FRAMEWORKS = (FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, FSDP2_TORCHTITAN, *TORCH_TP_FRAMEWORKS)  # fully_shard on every layer and the root
 DDP_FRAMEWORKS = (DDP, DDP_BUCKET_VIEW)
@@ -96,7 +99,7 @@ def explicit_prefetch(framework: str) -> int:
 def fsdp2_options(framework: str) -> dict:
     """The options of ``gathers.fsdp2_units`` that an FSDP2 framework sets."""
     return {"reshard_after_forward": framework not in NO_RESHARD_FRAMEWORKS,
-            "prefetch": explicit_prefetch(framework), "wrap_ends": framework == FSDP2_TORCHTITAN}
+            "prefetch": explicit_prefetch(framework), "wrap_ends": framework in (FSDP2_TORCHTITAN, TORCH_TP_TORCHTITAN)}
 
 
 INPUT_COPY = "input_copy"  # the consumer's input during its forward
