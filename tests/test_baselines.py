@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import memshard
 from memshard.baselines import as_run_by, baselines, megatron_tp
+from memshard.errors import MemshardError
 from memshard.evaluate import evaluate
 from memshard.ilp.solve import solve
 from memshard.mesh import make_mesh, parse_mesh
 from memshard.models import build_graph
-from memshard.plans import build_plan
+from memshard.plans import build_plan, runnable
 from memshard.pricing import build_problem
 from memshard.problem import MEMSHARD
 from memshard.schedule import Schedule
@@ -201,3 +204,12 @@ def test_megatron_model_states_are_megatrons_bytes_per_parameter(precision, plai
         assert _model_state_bytes(build_plan(ours, b.selection)) == pytest.approx(
             (param_bytes + graph.precision.grad_bytes + graph.precision.optimizer_bytes / (4 if "distopt" in name else 1))
             * local_numel, rel=1e-9), name
+
+
+@pytest.mark.parametrize("name, recompute, instead", [
+    ("fsdp2-torchtitan", "none", "zero3-fsdp with --zero3-unit layer"), ("ddp-bucket-view", "none", "dp"),
+    ("torch-tp2-fsdp2-torchtitan+full", "full", "tp2-fsdp2+full"), ("torch-tp2-fsdp2-noreshard", "none", "tp2-fsdp2")])
+def test_a_baseline_priced_as_pytorch_runs_it_points_to_the_layout_memshards_runtime_runs(name, recompute, instead):
+    plan = memshard.strategy_plan("tiny-llama", "2x2", name, batch=4, seq=32, recompute=recompute)
+    with pytest.raises(MemshardError, match=f"run {re.escape(instead)} \\(memshard's runtime of the same layout\\)"):
+        runnable(plan)

@@ -14,6 +14,7 @@ executes) is built only when asked for.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -209,7 +210,7 @@ def runnable(plan: Plan) -> Plan:
                           advice=False)
     if framework != MEMSHARD:
         if framework in TORCH_TP_FRAMEWORKS:
-            name, instead = "parallelize_module × fully_shard", plan.strategy.removeprefix("torch-").replace("-noreshard", "")
+            name, instead = "parallelize_module × fully_shard", re.sub(r"-(noreshard|torchtitan)", "", plan.strategy.removeprefix("torch-"))
         elif framework in DDP_FRAMEWORKS:
             name, instead = "DistributedDataParallel", "dp"
         else:
