@@ -520,6 +520,22 @@ def test_torch_tensor_parallel_times_fsdp2_in_mixed_precision_is_what_pytorch_al
         assert tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize) == pytest.approx(predicted, rel=0.02), rank
 
 
+def check_fully_sharded(baseline: str, wrap, family: str, world: int, layers: int, seq: int, precision: str,
+                        recompute: str):
+    """``baseline`` (with ``+full`` under full recomputation) predicts the peak that FSDP2
+    applied by ``wrap`` (under FSDP2's mixed precision, and ``checkpointed``, as asked)
+    allocates on the first and the last rank, within 2%: (the traced graph, the last rank's peak)."""
+    graph = trace_hf(family, batch=world, seq=seq, precision=precision, **config(family, layers))
+    suffix = "+full" if recompute == "full" else ""
+    predicted = memshard.strategy_plan(graph, str(world), baseline + suffix, recompute=recompute).peak_bytes
+    parallelize = wrap if precision == "fp32" else functools.partial(mixed_precision, parallelize=wrap)
+    parallelize = checkpointed(parallelize) if recompute == "full" else parallelize
+    for rank in (0, world - 1):
+        measured = fully_sharded_peak(family, world, rank, parallelize=parallelize, seq=seq, layers=layers)
+        assert measured == pytest.approx(predicted, rel=0.02), rank
+    return graph, measured
+
+
 @pytest.mark.parametrize("family, world, layers, seq, precision, recompute", [
     ("llama", 4, 4, SEQ, "fp32", "none"), ("qwen2", 4, 3, 128, "fp32", "none"), ("llama", 8, 6, 256, "fp32", "none"),
     ("gpt2", 4, 5, 64, "mixed", "full")])
@@ -528,15 +544,8 @@ def test_fsdp2_with_explicit_prefetching_is_what_pytorch_allocates(family, world
     pre-forward, of the two before it at its pre-backward (FSDP2's default prefetches one, in
     backward only). On the first job FSDP2's default is measured too: the explicit prefetching
     holds more than the ``fsdp2`` baseline predicts, which the ``fsdp2-prefetch2`` one prices."""
-    graph = trace_hf(family, batch=world, seq=seq, precision=precision, **config(family, layers))
-    suffix = "+full" if recompute == "full" else ""
-    predicted = memshard.strategy_plan(graph, str(world), "fsdp2-prefetch2" + suffix, recompute=recompute).peak_bytes
-    parallelize = explicitly_prefetched if precision == "fp32" else functools.partial(
-        mixed_precision, parallelize=explicitly_prefetched)
-    parallelize = checkpointed(parallelize) if recompute == "full" else parallelize
-    for rank in (0, world - 1):
-        measured = fully_sharded_peak(family, world, rank, parallelize=parallelize, seq=seq, layers=layers)
-        assert measured == pytest.approx(predicted, rel=0.02), rank
+    graph, measured = check_fully_sharded("fsdp2-prefetch2", explicitly_prefetched, family, world, layers, seq,
+                                          precision, recompute)
     if (family, layers, seq) == ("llama", 4, SEQ):
         default = memshard.strategy_plan(graph, str(world), "fsdp2").peak_bytes
         assert fully_sharded_peak(family, world, 0, seq=seq, layers=layers) == pytest.approx(default, rel=0.02)
@@ -552,15 +561,8 @@ def test_fsdp2_wrapped_as_torchtitan_wraps_a_decoder_is_what_pytorch_allocates(f
     backward, the output layers gathered from their forward to their post-backward early in
     backward, where their gradients are reduced; 6–13% less than the ``fsdp2`` baseline's
     root, which holds them all step (measured on the first job)."""
-    graph = trace_hf(family, batch=world, seq=seq, precision=precision, **config(family, layers))
-    suffix = "+full" if recompute == "full" else ""
-    predicted = memshard.strategy_plan(graph, str(world), "fsdp2-torchtitan" + suffix, recompute=recompute).peak_bytes
-    parallelize = torchtitan_wrapped if precision == "fp32" else functools.partial(
-        mixed_precision, parallelize=torchtitan_wrapped)
-    parallelize = checkpointed(parallelize) if recompute == "full" else parallelize
-    for rank in (0, world - 1):
-        measured = fully_sharded_peak(family, world, rank, parallelize=parallelize, seq=seq, layers=layers)
-        assert measured == pytest.approx(predicted, rel=0.02), rank
+    graph, measured = check_fully_sharded("fsdp2-torchtitan", torchtitan_wrapped, family, world, layers, seq,
+                                          precision, recompute)
     if (family, layers, seq) == ("llama", 4, SEQ):
         assert measured < 0.9 * memshard.strategy_plan(graph, str(world), "fsdp2").peak_bytes
 
