@@ -573,6 +573,8 @@ def test_fsdp2_wrapped_as_torchtitan_with_tied_embeddings_is_fsdp2():
     graph = trace_hf("gpt2", batch=4, seq=SEQ, precision="fp32", **FAMILIES["gpt2"])
     assert (memshard.strategy_plan(graph, "4", "fsdp2-torchtitan").peak_bytes
             == memshard.strategy_plan(graph, "4", "fsdp2").peak_bytes)
+    text = memshard.export(graph, "4", strategy="fsdp2-torchtitan")  # and exported as fsdp2's blocks and root
+    assert text.count("fully_shard(") == 2 and "tied embedding" in text
 
 
 @pytest.mark.parametrize("family, dp, tp, seq, precision", [

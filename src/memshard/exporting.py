@@ -409,9 +409,7 @@ def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
         named = [f"# The blocks' container is named as memshard's built-in {plan.model.name} names it; give your "
                  "model's."]
     options = (f"with {target.option}" if target.option else f"with explicit prefetching of {target.prefetch} blocks"
-               if target.prefetch else "with the token embedding and the output layers wrapped first, as torchtitan "
-               "wraps a decoder"
-               if target.wrap_ends else "with its defaults")
+               if target.prefetch else _ends_note(plan) if target.wrap_ends else "with its defaults")
     lines = [*_usage(plan, "PyTorch's fully_shard (FSDP2) on every transformer block, then on the root module, "
                            f"{options}." + _precision_note(plan) + _checkpointing(target)),
              *named,
@@ -434,6 +432,13 @@ def fsdp2_code(target: ExportTarget, plan: Plan) -> list[str]:
                                           f"        {_shard(plan, 'block', 'mesh', target.option)}",
                                           *_prefetch_lines(target.prefetch)])
     return [*lines, f"    {_shard(plan, 'model', 'mesh', target.option)}", "    return model"]
+
+
+def _ends_note(plan: Plan) -> str:
+    if end_weights(plan.problem.graph)[0] is None:
+        return ("as torchtitan wraps a decoder: its tied embedding, final norm and output layer in one unit not "
+                "resharded after forward, which FSDP2 gathers and reduces as the root module's")
+    return "with the token embedding and the output layers wrapped first, as torchtitan wraps a decoder"
 
 
 def _end_lines(plan: Plan, mesh: str = "mesh") -> list[str]:
@@ -545,8 +550,7 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
                             f"the model has {len(containers)}")
     (container,) = containers
     tp = int(TORCH_TP_NAME.fullmatch(target.strategy.removesuffix("+full"))["tp"])
-    defaults = (f"with {target.option}" if target.option else "the token embedding and the output layers first, as "
-                "torchtitan wraps a decoder" if target.wrap_ends else "with their defaults")
+    defaults = f"with {target.option}" if target.option else _ends_note(plan) if target.wrap_ends else "with their defaults"
     dp = plan.job.mesh.num_devices // tp
     prefix = f"{container.path}.0."
     styles = tensor_parallel_styles(plan)
