@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 
 import pytest
 
@@ -220,6 +221,16 @@ def torchtitan_wrapped(model, mesh, shard=None):
         shard(block, mesh=mesh)
     shard(model, mesh=mesh)
     return model
+
+
+def resharded_within(group: int):
+    """FSDP2 as :func:`fully_shard_blocks` applies it, every ``fully_shard`` with
+    ``reshard_after_forward=group`` (the ranks resharded to after forward, a node)."""
+    def parallelize(model, mesh, shard=None):
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard_blocks(model, mesh, functools.partial(shard or fully_shard, reshard_after_forward=group))
+    return parallelize
 
 
 def bucket_views(model, mesh, **options):
@@ -591,3 +602,25 @@ def test_torch_tensor_parallel_times_fsdp2_wrapped_as_torchtitan_is_what_pytorch
         measured = tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize)
         assert measured == pytest.approx(predicted, rel=0.02), rank
     assert measured < 0.96 * memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}").peak_bytes
+
+
+@pytest.mark.parametrize("family, mesh, layers, seq, precision, recompute", [
+    ("llama", "2x2", 4, SEQ, "fp32", "none"), ("llama", "2x4", 4, 256, "fp32", "none"), ("gpt2", "4x2", 3, SEQ, "fp32", "none"),
+    ("qwen2", "2x2", 3, 128, "mixed", "none"), ("llama", "2x2", 3, 64, "fp32", "full")])
+def test_fsdp2_resharded_within_a_node_after_forward_is_what_pytorch_allocates(family, mesh, layers, seq, precision,
+                                                                                recompute):
+    """``fsdp2-reshard<N>``: ``fully_shard(reshard_after_forward=N)``, N the devices of a node
+    (the mesh's innermost axis), FSDP2 over all of them: each layer keeps its weights' 1/N
+    shard from its forward to its backward, where the all-gather within the node reads it."""
+    world, node = math.prod(map(int, mesh.split("x"))), int(mesh.split("x")[-1])
+    graph = trace_hf(family, batch=world, seq=seq, precision=precision, **config(family, layers))
+    suffix = "+full" if recompute == "full" else ""
+    predicted = memshard.strategy_plan(graph, mesh, f"fsdp2-reshard{node}{suffix}", recompute=recompute).peak_bytes
+    parallelize = resharded_within(node)
+    parallelize = parallelize if precision == "fp32" else functools.partial(mixed_precision, parallelize=parallelize)
+    parallelize = checkpointed(parallelize) if recompute == "full" else parallelize
+    for rank in (0, world - 1):
+        measured = fully_sharded_peak(family, world, rank, parallelize=parallelize, seq=seq, layers=layers)
+        assert measured == pytest.approx(predicted, rel=0.02), rank
+    if (family, layers, seq) == ("llama", 4, SEQ):  # more than resharding to all ranks
+        assert measured > 1.05 * memshard.strategy_plan(graph, mesh, "fsdp2").peak_bytes

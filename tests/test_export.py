@@ -139,6 +139,21 @@ def test_a_torchtitan_wrapped_fsdp2_export_allocates_what_is_predicted(family, p
 
 
 @pytest.mark.runtime
+def test_an_fsdp2_export_resharded_within_a_node_allocates_what_is_predicted():
+    """``fsdp2-reshard2`` on a 2x2 mesh: ``reshard_after_forward=2`` to every ``fully_shard``."""
+    from memshard.trace.hf import trace_hf
+    from tests.test_conformance import SEQ, config, fully_sharded_peak
+
+    graph = trace_hf("llama", batch=WORLD, seq=SEQ, precision="fp32", **config("llama", 3))
+    text = memshard.export(graph, "2x2", strategy="fsdp2-reshard2")
+    assert text.count(", reshard_after_forward=2)") == 2
+    predicted = memshard.strategy_plan(graph, "2x2", "fsdp2-reshard2").peak_bytes
+    for rank in (0, WORLD - 1):
+        assert fully_sharded_peak("llama", WORLD, rank, parallelize_of(text), layers=3) == pytest.approx(predicted,
+                                                                                                         rel=0.02)
+
+
+@pytest.mark.runtime
 @pytest.mark.parametrize("strategy, family", [("fsdp2", "gpt2"), ("fsdp2+full", "llama"), ("torch-tp2-fsdp2", "llama")])
 def test_a_mixed_precision_export_runs_fsdp2_mixed_precision_and_allocates_what_is_predicted(strategy, family):
     """A mixed-precision job's FSDP2 export gives every ``fully_shard`` the policy its

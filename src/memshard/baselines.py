@@ -19,7 +19,9 @@ space, no baseline beats memshard's minimal-memory plan by more than the solver'
   backward (``set_modules_to_forward_prefetch`` / ``…_backward_prefetch``, as PyTorch's FSDP2
   example sets them); ``fsdp2-torchtitan``: ``fully_shard`` as torchtitan wraps a decoder, the
   token embedding and the output layers (final norm and LM head, not resharded after forward)
-  units of their own beside the blocks.
+  units of their own beside the blocks; ``fsdp2-reshard<N>``: every ``fully_shard`` with
+  ``reshard_after_forward=N``, N the devices of a node (the innermost axis), where the mesh has
+  more than one node.
 - ``megatron_tp``, priced as Megatron-LM runs it (``framework="megatron"``: its gradient
   buffer, fp32 under bf16, all step): tensor parallelism over the innermost ``tp`` axes (column/row-parallel
   linears, attention split by heads, vocab-parallel embedding and loss), data parallelism over
@@ -66,6 +68,7 @@ from memshard.problem import (
     FSDP2,
     FSDP2_NO_RESHARD,
     FSDP2_PREFETCH,
+    FSDP2_RESHARD_NODE,
     FSDP2_TORCHTITAN,
     MEGATRON,
     TORCH_TP,
@@ -309,6 +312,9 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD), recipe=TORCH_RECIPE)
     add(FSDP2_PREFETCH, lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_PREFETCH), recipe=TORCH_RECIPE)
     add(FSDP2_TORCHTITAN, lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_TORCHTITAN), recipe=TORCH_RECIPE)
+    if 1 < mesh.shape[-1] < mesh.num_devices:  # resharded within a node after forward
+        add(f"fsdp2-reshard{mesh.shape[-1]}", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_RESHARD_NODE),
+            recipe=TORCH_RECIPE)
     for on, k, tp in tensor_parallel_layouts(problem):
         dp = mesh.num_devices // tp
         tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")

@@ -473,7 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--strategy", default="memshard",
                    help="fsdp2 (fully_shard per block and root), ddp (DistributedDataParallel), fsdp2-noreshard and "
                         "ddp-bucket-view (with reshard_after_forward=False, gradient_as_bucket_view=True), fsdp2-prefetch2 "
-                        "(explicit prefetching of two blocks each way), fsdp2-torchtitan (torchtitan's units), torch-tp…-fsdp…[-torchtitan] "
+                        "(explicit prefetching of two blocks each way), fsdp2-torchtitan (torchtitan's units), fsdp2-reshard<n> (reshard_after_forward=n), "
+                        "torch-tp…-fsdp…[-torchtitan] "
                         "(parallelize_module × fully_shard, traced models) or megatron-tp… "
                         "(`memshard compare` lists them); memshard's own plans run with memshard.parallelize")
     e.add_argument("--out", metavar="FILE", help="write to FILE, atomically, instead of standard output")

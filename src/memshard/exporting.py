@@ -15,7 +15,8 @@ plan (:func:`render`):
   ``fsdp2-prefetch2``: with each block's explicit prefetching of the next two blocks in forward
   and the two before it in backward; ``fsdp2-torchtitan``: first ``fully_shard`` of the token
   embedding and of the output layers (``reshard_after_forward=False``) as torchtitan wraps a
-  decoder, by the modules that hold those weights (``gathers.end_weights``).
+  decoder, by the modules that hold those weights (``gathers.end_weights``);
+  ``fsdp2-reshard<N>``: ``reshard_after_forward=N`` to every ``fully_shard``.
 - ``torch-tp<T>-fsdp<D>``: ``parallelize_module`` with one ``ParallelStyle`` per module, read
   off the plan (:func:`tensor_parallel_styles`: column- and row-parallel projections,
   sequence-parallel norms, ``PrepareModuleInput`` where the plan gathers a block input once),
@@ -173,6 +174,8 @@ def export_target(strategy: str) -> ExportTarget:
         kind, option = "torch-tp", "reshard_after_forward=False" if torch_tp["noreshard"] else ""
     else:
         kind, option = WITH_OPTION.get(base, ("fsdp2" if base in (FSDP2_PREFETCH, FSDP2_TORCHTITAN) else base, ""))
+        if node := re.fullmatch(r"fsdp2-reshard(\d+)", base):
+            kind, option = "fsdp2", f"reshard_after_forward={node[1]}"
     if kind in TORCH_STRATEGIES:
         # full and per-op recomputation are checked against torch.utils.checkpoint around every block
         if recompute not in ("none", *CHECKPOINTED) or (recompute == "selective-op" and split):

@@ -50,6 +50,10 @@ class LayerUnit:
     backward_buffer: tuple[int, int] | None = None
     scatter_buffer: tuple[int, int] | None = None
     root: bool = False  # FSDP2's root unit: its members' layouts need not agree
+    # FSDP2 with ``reshard_after_forward`` = a group size: the shard of the gathered weights
+    # over that group kept from the layer's post-forward to its backward copy-out
+    post_forward: tuple[int, int] | None = None
+    post_forward_group: int = 0
 
 
 def layer_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str, LayerUnit]:
@@ -83,7 +87,7 @@ def layer_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str,
 
 
 def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none", reshard_after_forward: bool = True,
-                prefetch: int = 0, wrap_ends: bool = False) -> dict[str, LayerUnit]:
+                prefetch: int = 0, wrap_ends: bool = False, post_forward_group: int = 0) -> dict[str, LayerUnit]:
     """PyTorch's ``fully_shard`` applied to every layer, then to the root module, with its
     defaults (torch 2.13, ``_fully_shard/_fsdp_param_group.py``): the layer units of
     :func:`layer_units` and a root unit of every other weight, with what FSDP2 holds besides.
@@ -112,7 +116,11 @@ def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none", reshard_afte
       prefetchers: layer min(k + N, L − 1) where that one has an explicit list, else (layers
       below N keep FSDP2's default) the layer after it; the last layer by the root.
     - ``wrap_ends``: the modules before the first layer and those after the last are units of
-      their own, as torchtitan wraps a decoder (``_end_units``); the root keeps the rest."""
+      their own, as torchtitan wraps a decoder (``_end_units``); the root keeps the rest.
+    - ``post_forward_group`` = N (``reshard_after_forward=N``): a layer's post-forward keeps a
+      clone of its gathered weights' 1/N shard (made before the gathered copy is freed) until
+      its pre-backward's copy-out, which frees it before the layer's first backward op (the
+      all-gather over the N devices read it)."""
     layers = layer_units(graph, S, recompute)
     ordered = sorted({id(u): u for u in layers.values()}.values(), key=lambda u: u.forward_span[0])
     first_op, last_op = {}, {}
@@ -150,7 +158,9 @@ def fsdp2_units(graph: Graph, S: Schedule, recompute: str = "none", reshard_afte
             backward_buffer=((pre_backward[_backward_prefetcher(k, last, prefetch)] + 1 if later else
                               head.pre_backward + 1 if head else S.backward(n - 1), pre_backward[k])
                              if backward_span else None),
-            scatter_buffer=(unit.reduce_point + 1, (ordered[k - 1] if k else below).reduce_point - 1))
+            scatter_buffer=(unit.reduce_point + 1, (ordered[k - 1] if k else below).reduce_point - 1),
+            post_forward=(forward_span[1], pre_backward[k] - 1) if post_forward_group and backward_span else None,
+            post_forward_group=post_forward_group)
         units.update((name, fsdp) for name, u in layers.items() if u is unit)
     if head:
         units.update(dict.fromkeys(head.names, replace(

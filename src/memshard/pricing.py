@@ -125,7 +125,7 @@ class _Builder:
                 replayed[starts[op.layer]] = (*replayed.get(starts[op.layer], ()), i)
         self.sched = Schedule(len(graph.ops), tuple(sorted(replayed.items())))
         if framework in FSDP2_FRAMEWORKS:
-            self.units = fsdp2_units(graph, self.sched, recompute, **fsdp2_options(framework))
+            self.units = fsdp2_units(graph, self.sched, recompute, **fsdp2_options(framework, mesh.shape[-1]))
         else:
             self.units = layer_units(graph, self.sched, recompute) if zero3_unit == "layer" else {}
         self.conflicts: list[Conflict] = []
@@ -467,9 +467,8 @@ class _Builder:
         return storage_group
 
     def replay_conflicts(self, gid: int, name: str, uses: list[tuple[int, int]], op_group: list[int]) -> None:
-        """A ZeRO-3 weight gathered per op cannot serve a replay (it would be gathered a third
-        time, around the replay): its op is not replayed then. A layer unit's replay uses the
-        unit's backward gather."""
+        """A ZeRO-3 weight gathered per op cannot serve a replay (gathered a third time, around
+        it): its op is not replayed then. A layer unit's replay uses the unit's backward gather."""
         if name in self.units:
             return
         stage3 = tuple(c for c, (_, opt) in enumerate(self.groups[gid].options) if opt.stage == 3)
@@ -611,9 +610,11 @@ class _Builder:
                 self.slot(gid, span[0], span[0], "transients", *v["gathering"])
                 self.slot(gid, span[0], span[0], "transients", *v["cast"])
         self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", *v["scattering"])
-        for buffer in (unit.forward_buffer, unit.backward_buffer):  # FSDP2's flat buffers
+        # FSDP2's flat buffers, and its post-forward shard under ``reshard_after_forward`` = N
+        for buffer, share in ((unit.forward_buffer, 1), (unit.backward_buffer, 1),
+                              (unit.post_forward, 1 / max(unit.post_forward_group, 1))):
             if buffer is not None:
-                self.slot(gid, *buffer, "transients", *v["gathered"])
+                self.slot(gid, *buffer, "transients", *(x * share for x in v["gathered"]))
         if unit.scatter_buffer is not None:
             self.slot(gid, *unit.scatter_buffer, "transients", flat, flat_red)
 
@@ -748,9 +749,8 @@ class _Builder:
     def add_framework_buffers(self) -> None:
         """DistributedDataParallel's gradient buckets: every parameter's gradient once more,
         allocated when DDP wraps the model and kept all step (the ``ddp`` baselines replicate
-        every parameter; any ``bucket_cap_mb`` allocates them all). Under
-        ``gradient_as_bucket_view=False`` (its default) besides the gradients; under ``True``
-        they are the gradients (``storage_slots``)."""
+        every parameter; any ``bucket_cap_mb`` allocates them all). Under its default
+        ``gradient_as_bucket_view=False`` besides the gradients; under ``True`` they are them."""
         if self.framework not in DDP_FRAMEWORKS:
             return
         n, grad_bytes = self.mesh.num_devices, self.graph.precision.grad_bytes

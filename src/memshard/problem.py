@@ -68,7 +68,9 @@ SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout 
 # weights gathered once, from the layer's forward to its backward; FSDP2_PREFETCH: explicit
 # prefetching of the next and the previous ``explicit_prefetch`` layers, as PyTorch's FSDP2
 # example sets it; FSDP2_TORCHTITAN: torchtitan's wrapping, the token embedding and the
-# output layers units of their own) and DistributedDataParallel
+# output layers units of their own; FSDP2_RESHARD_NODE: ``reshard_after_forward`` = the
+# innermost axis's size, each layer's weights resharded within a node after forward) and
+# DistributedDataParallel
 # (its gradient buckets, a second copy of the gradients; DDP_BUCKET_VIEW:
 # ``gradient_as_bucket_view=True``, the buckets are the gradients); TORCH_TP: PyTorch's
 # parallelize_module with torchtitan's plan (``tensor_parallel.with_input_gathers``: each
@@ -79,13 +81,13 @@ SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout 
 # fp32). Not a search option: memshard's runtime executes "memshard" plans only.
 MEMSHARD, FSDP2, DDP, TORCH_TP, MEGATRON = "memshard", "fsdp2", "ddp", "torch-tp", "megatron"
 FSDP2_NO_RESHARD, DDP_BUCKET_VIEW, TORCH_TP_NO_RESHARD = "fsdp2-noreshard", "ddp-bucket-view", "torch-tp-noreshard"
-FSDP2_PREFETCH, FSDP2_TORCHTITAN = "fsdp2-prefetch2", "fsdp2-torchtitan"
+FSDP2_PREFETCH, FSDP2_TORCHTITAN, FSDP2_RESHARD_NODE = "fsdp2-prefetch2", "fsdp2-torchtitan", "fsdp2-reshard-node"
 TORCH_TP_TORCHTITAN = "torch-tp-torchtitan"
-FRAMEWORKS = (MEMSHARD, FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, FSDP2_TORCHTITAN, DDP, DDP_BUCKET_VIEW, TORCH_TP,
+FRAMEWORKS = (MEMSHARD, FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, FSDP2_TORCHTITAN, FSDP2_RESHARD_NODE, DDP, DDP_BUCKET_VIEW, TORCH_TP,
               TORCH_TP_NO_RESHARD, TORCH_TP_TORCHTITAN, MEGATRON)
 TORCH_TP_FRAMEWORKS = (TORCH_TP, TORCH_TP_NO_RESHARD, TORCH_TP_TORCHTITAN)  # parallelize_module with torchtitan's plan
 NO_RESHARD_FRAMEWORKS = (FSDP2_NO_RESHARD, TORCH_TP_NO_RESHARD)  # fully_shard(reshard_after_forward=False)
-FSDP2_FRAMEWORKS = (FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, FSDP2_TORCHTITAN, *TORCH_TP_FRAMEWORKS)  # fully_shard on every layer and the root
+FSDP2_FRAMEWORKS = (FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, FSDP2_TORCHTITAN, FSDP2_RESHARD_NODE, *TORCH_TP_FRAMEWORKS)  # fully_shard on every layer and the root
 DDP_FRAMEWORKS = (DDP, DDP_BUCKET_VIEW)
 TORCH_FRAMEWORKS = (*FSDP2_FRAMEWORKS, *DDP_FRAMEWORKS)  # run with torch.optim.Adam (foreach)
 
@@ -96,9 +98,11 @@ def explicit_prefetch(framework: str) -> int:
     return int(framework.removeprefix("fsdp2-prefetch")) if framework.startswith("fsdp2-prefetch") else 0
 
 
-def fsdp2_options(framework: str) -> dict:
-    """The options of ``gathers.fsdp2_units`` that an FSDP2 framework sets."""
+def fsdp2_options(framework: str, node: int) -> dict:
+    """The options of ``gathers.fsdp2_units`` that an FSDP2 framework sets (``node``: the
+    devices of the mesh's innermost axis)."""
     return {"reshard_after_forward": framework not in NO_RESHARD_FRAMEWORKS,
+            "post_forward_group": node if framework == FSDP2_RESHARD_NODE else 0,
             "prefetch": explicit_prefetch(framework), "wrap_ends": framework in (FSDP2_TORCHTITAN, TORCH_TP_TORCHTITAN)}
 
 
