@@ -32,10 +32,10 @@ from memshard.cost.memory import (
     tensor_bytes,
 )
 from memshard.cost.reshard_memory import reshard_peak_bytes
-from memshard.eager import as_eager
+from memshard.eager import framework_graph
 from memshard.errors import MemshardError
 from memshard.gathers import LayerUnit, fsdp2_units, gather_points, layer_units
-from memshard.graph import MIXED, Graph, Op, TensorKind, TensorSpec
+from memshard.graph import Graph, Op, TensorKind, TensorSpec
 from memshard.mesh import Mesh
 from memshard.placement import PARTIAL, REPLICATE, Layout, Shard, local_numel, local_shape
 from memshard.problem import (
@@ -94,12 +94,7 @@ from memshard.strategies import (
     input_grad_layout,
     parameter_inputs,
 )
-from memshard.tensor_parallel import (
-    REDISTRIBUTIONS,
-    redistribute_grad_layout,
-    with_input_gathers,
-    with_output_scatters,
-)
+from memshard.tensor_parallel import REDISTRIBUTIONS, redistribute_grad_layout
 
 ADAM_SQRT_BYTES = 4  # one fp32 element per parameter element: torch Adam's sqrt(exp_avg_sq)
 
@@ -739,12 +734,24 @@ class _Builder:
             calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh) * (n_gathers * self.micro_batches)
         return calls
 
-    def add_inputs(self) -> None:
+    def add_inputs(self, op_group: list[int]) -> None:
+        """The model's inputs, held all step: a data loader's share of the batch in the layout
+        its consumer reads (a rank keeps only its sequences, or its slice of them); the rest
+        whole on every rank."""
         n = self.mesh.num_devices
-        for spec in self.graph.tensors.values():
-            if spec.kind is TensorKind.INPUT:
+        loaded = self.graph.loaded_inputs
+        for name, spec in self.graph.tensors.items():
+            if spec.kind is not TensorKind.INPUT:
+                continue
+            if name not in loaded:
                 self.constants.append(Constant(0, self.sched.optimizer, "activations", spec.nbytes,
                                                spec.nbytes * (1 - 1 / n), spec.nbytes))
+                continue
+            i, j = loaded[name]
+            gid = op_group[i]
+            prices = self.cached((gid, "loaded", j), lambda spec=spec, gid=gid, j=j: self.layout_prices(
+                spec, [s.input_layouts[j] for s in self.groups[gid].strategies]))
+            self.slot(gid, 0, self.sched.optimizer, "activations", *prices, spec.nbytes)
 
     def add_framework_buffers(self) -> None:
         """DistributedDataParallel's gradient buckets: every parameter's gradient once more,
@@ -769,17 +776,7 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         raise MemshardError(f"the framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     if recompute not in RECOMPUTE_POLICIES:
         raise MemshardError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {recompute!r}")
-    if framework in TORCH_FRAMEWORKS:  # the eager module's views, not memshard's runtime's copies
-        graph = as_eager(graph)
-    if framework in TORCH_TP_FRAMEWORKS:
-        graph = with_input_gathers(with_output_scatters(graph))
-    if framework == MEGATRON:  # bf16 training accumulates and reduces gradients in fp32 (main_grad)
-        graph = replace(graph, precision=replace(graph.precision, grad_bytes=4))
-    if framework in FSDP2_FRAMEWORKS and graph.precision.name == MIXED.name:
-        # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathered
-        # weights and computed gradients, the fp32 shard the master weight (as memshard's
-        # ZeRO-3), gradients reduce-scattered in fp32
-        graph = replace(graph, precision=replace(graph.precision, reduced_grad_bytes=4))
+    graph = framework_graph(graph, framework)
     b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute, framework)
     op_group = b.add_ops()
     b.op_slots(op_group)
@@ -787,7 +784,7 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
     for edge in b.edges:
         edge.executions = edge.instances * micro_batches
     storage_group = b.add_storage(op_group)
-    b.add_inputs()
+    b.add_inputs(op_group)
     b.add_framework_buffers()
     return Problem(
         graph=graph, mesh=mesh, schedule=b.sched, shared_layers=shared_layers, groups=b.groups,

@@ -28,7 +28,8 @@ and a mesh. A plan is a :class:`Selection`: one choice per group, a keep flag pe
   ``gathers.layer_units``.
 - **framework**: what runs the plan (``FRAMEWORKS``): memshard's runtime, or the PyTorch
   implementation a baseline is named after, priced as it allocates (``fsdp2``, ``ddp``).
-- **constants**: memory no choice changes (the input batch).
+- **constants**: memory no choice changes (a traced model's inputs besides the batch:
+  its rotary tables; the batch is priced at each op choice's share, ``pricing.add_inputs``).
 - **reshard points**: before an op's forward its inputs are resharded one by one, after its
   backward their gradients. A reshard holds its source, its intermediate layouts and the
   buffers its collectives allocate (``cost.reshard_memory``), priced per edge from the pair

@@ -86,6 +86,10 @@ def make_batch(graph: Graph, micro_batches: int, seed: int, device="cpu") -> lis
     return out
 
 
+class Shares(dict):
+    """A rank's share of one micro-batch's graph inputs (``ShardedGraphModel.shares``)."""
+
+
 # -- the interpreter -------------------------------------------------------------------------
 @dataclass
 class _Boundary:
@@ -144,7 +148,10 @@ def _run_graph(
         env[op.output.tensor] = out
         if replay is not None:
             replay.produced(i, out)
+        # (the loop's names would keep the last input — a gathered weight, a consumed
+        # activation — alive through the next op's reshards)
         del args, again
+        x = make = produced = None
         for operand in op.inputs:
             if last_use.get(operand.tensor) == i:
                 env.pop(operand.tensor, None)
@@ -476,6 +483,7 @@ class ShardedGraphModel(nn.Module):
         self.seed = model.seed
         self.kernels: ops.KernelTable = model.kernels
         self.step = 0
+        self.batch: dict[str, torch.Tensor] = {}
         self.coords = tuple(device_mesh.get_coordinate() or [0] * device_mesh.ndim)
         self.device = torch.device(device_mesh.device_type)
         self.groups = tuple(device_mesh.get_group(a) for a in range(device_mesh.ndim))
@@ -540,12 +548,33 @@ class ShardedGraphModel(nn.Module):
         return y, lambda: reshard_local(small, shape, self.mesh, b.lp, b.lc)
 
     def _input(self, i: int, j: int, x: torch.Tensor) -> torch.Tensor:
+        if self.graph.ops[i].inputs[j].tensor in self.graph.loaded_inputs:
+            return x  # this rank's share already (``load``)
         layout = self.strategies[i].input_layouts[j]
         dt = distribute_tensor(x, self.mesh, to_torch(layout), src_data_rank=None)
         return dt.to_local()
 
+    def shares(self, inputs: dict[str, torch.Tensor]) -> Shares:
+        """This rank's share of a micro-batch's graph inputs, as a data loader hands it out:
+        of the token ids and labels the slice the one op that reads each reads (views of
+        ``inputs``); the others whole."""
+        out = Shares(inputs)
+        for name, (i, j) in self.graph.loaded_inputs.items():
+            layout = to_torch(self.strategies[i].input_layouts[j])
+            out[name] = distribute_tensor(inputs[name], self.mesh, layout, src_data_rank=None).to_local()
+        return out
+
+    def load(self, shares: Shares) -> dict[str, torch.Tensor]:
+        """The shares in memory of their own, kept until the next micro-batch's (a training
+        loop's ``batch``: through the optimizer step)."""
+        self.batch = {name: x.clone() for name, x in shares.items()}
+        return self.batch
+
     def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of one micro-batch: the graph's inputs in full, or this rank's ``shares``
+        of them cut before the step (then no view of the full batch is made in it)."""
         g = self.graph
+        inputs = self.load(inputs if isinstance(inputs, Shares) else self.shares(inputs))
 
         def context(i):
             return ops.OpContext(g, g.ops[i], i, self.strategies[i], self.coords, self.groups,

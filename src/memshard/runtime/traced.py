@@ -27,7 +27,7 @@ from torch import nn
 
 from memshard.graph import LAYOUT_COPY, Graph, TensorKind
 from memshard.runtime import ops
-from memshard.runtime.executor import ShardedGraphModel
+from memshard.runtime.executor import ShardedGraphModel, Shares
 from memshard.trace.export import WRAPPER_PREFIX
 from memshard.trace.program import AtenCall, InputSlot
 
@@ -322,9 +322,14 @@ class ShardedTracedModel(ShardedGraphModel):
         # parameters now live in this model's shards.
         self.module_buffers = {n: b.to(self.device) for n, b in reference.module.named_buffers(remove_duplicate=False)}
 
+    def shares(self, *args, **kwargs) -> Shares:
+        """This rank's share of the graph inputs of a call with the module's arguments."""
+        return super().shares(constant_inputs(self.graph, self.module_buffers, args, kwargs, self.device))
+
     def forward(self, *args, **kwargs):
-        inputs = constant_inputs(self.graph, self.module_buffers, args, kwargs, self.device)
-        return super().forward(inputs)
+        if len(args) == 1 and isinstance(args[0], Shares) and not kwargs:
+            return super().forward(args[0])
+        return super().forward(self.shares(*args, **kwargs))
 
 
 def make_batch(graph: Graph, micro_batches: int, seed: int, device="cpu") -> list[tuple[tuple, dict]]:

@@ -77,10 +77,13 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
         last = step == steps - 1
         meter = MemoryMeter(model, optimizer)
         counter = CommCounter()
+        # The global batch, drawn alike on every rank (the same numbers as a one-process run)
+        # and cut to this rank's share, stands for the data loader's read: outside the
+        # measured step, which counts the share the model keeps (``ShardedGraphModel.load``).
+        batches = [((model.shares(*args, **kwargs),), {}) for args, kwargs in
+                   make_inputs(plan.problem.graph, plan.problem.micro_batches, seed + step, model.device)]
         start = time.perf_counter()
         with meter if last else nullcontext(), counter if last else nullcontext():
-            # the batches are made inside the measured region: they count as activations
-            batches = make_inputs(plan.problem.graph, plan.problem.micro_batches, seed + step, model.device)
             model.step = step
             model.watch_gradients(meter.mark_gradient if last else None)
             losses.append(_forward_backward(model, batches, counter, step) / len(batches))
