@@ -219,8 +219,10 @@ def op_points(problem, ev) -> list[float]:
     return [ev.live_bytes[t] for t in (S.forward(0), S.forward(1), S.backward(1), S.backward(0), S.optimizer)]
 
 
-# Constant per point: inputs 256 + 64, weight 2Ψ = 1024 and optimizer states 12Ψ = 6144.
+# Constant per point: inputs 256 + 64 (a data loader's share: whole here, each op replicated),
+# weight 2Ψ = 1024 and optimizer states 12Ψ = 6144.
 BASE = 320 + 1024 + 6144
+SPLIT_INPUTS = 320 // 4 - 320  # the inputs split with the batch over 4 devices
 
 
 def test_liveness_replicated_plan():
@@ -241,13 +243,15 @@ def test_liveness_replicated_plan():
 
 
 def test_liveness_data_parallel_plan():
-    # split a (the batch) 4 ways: y and its gradient are 512/4 = 128 B; w stays whole
+    # split a (the batch) 4 ways: y and its gradient are 512/4 = 128 B, the inputs 80 B (each
+    # rank loads its rows); w stays whole
     problem = build_problem(hand_graph(), parse_mesh("4"))
     sel = complete_selection(problem, pick(problem, {0: ("a",), 1: ("a",)}))
     ev = evaluate(problem, sel)
-    assert op_points(problem, ev) == [BASE + 128, BASE + 132 + 64, BASE + 256, BASE + 1024 + 128, BASE + 1024]
-    # redundant at B(lin): inputs, w, its gradient and optimizer states (3/4 each); y's grad is sharded
-    assert ev.redundant_bytes == pytest.approx(0.75 * (320 + 1024 + 1024 + 6144))
+    base = BASE + SPLIT_INPUTS
+    assert op_points(problem, ev) == [base + 128, base + 132 + 64, base + 256, base + 1024 + 128, base + 1024]
+    # redundant at B(lin): w, its gradient and optimizer states (3/4 each); y's grad is sharded
+    assert ev.redundant_bytes == pytest.approx(0.75 * (1024 + 1024 + 6144))
     # w's gradient is a partial sum over the batch axis: one all-reduce of 2Ψ = 1024 B on 4 devices
     assert ev.communication_bytes == pytest.approx(2 * 3 / 4 * 1024)
 
@@ -262,13 +266,13 @@ def test_liveness_zero3_plan():
     storage = {problem.storage_group["w"]: StorageOption(3, (0,))}
     sel = complete_selection(problem, pick(problem, {0: ("a",), 1: ("a",)}), storage=storage)
     ev = evaluate(problem, sel)
-    base = 320 + 512 + 1024
+    base = 320 // 4 + 512 + 1024
     assert op_points(problem, ev) == [base + 128 + 1024, base + 128 + 4 + 64, base + 256,
                                       base + 128 + 1024, base + 512]
     assert ev.live_bytes[problem.schedule.reshard_out(0)] == base + 1024 + 256
     assert ev.peak_point == problem.schedule.reshard_out(0)
-    # redundant at the peak: inputs 3/4·320 and the 1024 B unreduced gradient, 3/4 of it
-    assert ev.redundant_bytes == pytest.approx(0.75 * (320 + 1024))
+    # redundant at the peak: the 1024 B unreduced gradient, 3/4 of it
+    assert ev.redundant_bytes == pytest.approx(0.75 * 1024)
 
 
 def test_zero_redundancy_bound_hand_graph():

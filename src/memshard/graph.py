@@ -24,9 +24,6 @@ from typing import Any
 
 from memshard.errors import MemshardError
 
-# The batch dim's name (sequences), in built and traced graphs alike.
-BATCH_DIM = "b"
-
 
 class TensorKind(str, Enum):
     PARAMETER = "parameter"
@@ -216,16 +213,14 @@ class Graph:
 
     @cached_property
     def loaded_inputs(self) -> dict[str, tuple[int, int]]:
-        """The inputs a data loader gives each rank its share of (token ids, labels: a batch
-        dim ``b``, one consumer) → that consumer (op index, input index). The others (a traced
-        model's rotary tables, its token count) are made whole on every rank."""
+        """The inputs a data loader gives each rank its share of — those one op reads (token
+        ids, labels) — → that op (op index, input index). Those several ops read (a traced
+        model's rotary tables) are made whole on every rank."""
         out = {}
         for name, spec in self.tensors.items():
             uses = self.consumers.get(name, ())
             if spec.kind is TensorKind.INPUT and len(uses) == 1:
-                i, j = uses[0]
-                if BATCH_DIM in self.ops[i].inputs[j].dims:
-                    out[name] = uses[0]
+                out[name] = uses[0]
         return out
 
     @cached_property

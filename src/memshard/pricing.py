@@ -32,7 +32,6 @@ from memshard.cost.memory import (
     tensor_bytes,
 )
 from memshard.cost.reshard_memory import reshard_peak_bytes
-from memshard.eager import framework_graph
 from memshard.errors import MemshardError
 from memshard.gathers import LayerUnit, fsdp2_units, gather_points, layer_units
 from memshard.graph import Graph, Op, TensorKind, TensorSpec
@@ -81,6 +80,7 @@ from memshard.problem import (
     Slot,
     StorageGroup,
     explicit_prefetch,
+    framework_graph,
     fsdp2_options,
     without_partial,
 )

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -53,11 +53,13 @@ from memshard.cost.memory import (
     tensor_bytes,
 )
 from memshard.cost.reshard_memory import reshard_peak_bytes
-from memshard.graph import Graph, TensorKind, TensorSpec
+from memshard.eager import as_eager
+from memshard.graph import MIXED, Graph, TensorKind, TensorSpec
 from memshard.mesh import Mesh
 from memshard.placement import REPLICATE, Layout, Partial
 from memshard.schedule import Schedule
 from memshard.strategies import Strategy
+from memshard.tensor_parallel import with_input_gathers, with_output_scatters
 
 # Holder kinds
 PRODUCER = "producer"  # the producer's output until its last forward use (or its backward if saved)
@@ -97,6 +99,22 @@ def explicit_prefetch(framework: str) -> int:
     """How many layers each ``fully_shard`` of ``framework`` prefetches explicitly
     (``set_modules_to_forward_prefetch`` / ``…_backward_prefetch``); 0: FSDP2's default."""
     return int(framework.removeprefix("fsdp2-prefetch")) if framework.startswith("fsdp2-prefetch") else 0
+
+
+def framework_graph(graph: Graph, framework: str) -> Graph:
+    """``graph`` as ``framework`` (``problem.FRAMEWORKS``) runs it."""
+    if framework in TORCH_FRAMEWORKS:  # the eager module's views, not memshard's runtime's copies
+        graph = as_eager(graph)
+    if framework in TORCH_TP_FRAMEWORKS:
+        graph = with_input_gathers(with_output_scatters(graph))
+    if framework == MEGATRON:  # bf16 training accumulates and reduces gradients in fp32 (main_grad)
+        graph = replace(graph, precision=replace(graph.precision, grad_bytes=4))
+    if framework in FSDP2_FRAMEWORKS and graph.precision.name == MIXED.name:
+        # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathered
+        # weights and computed gradients, the fp32 shard the master weight (as memshard's
+        # ZeRO-3), gradients reduce-scattered in fp32
+        graph = replace(graph, precision=replace(graph.precision, reduced_grad_bytes=4))
+    return graph
 
 
 def fsdp2_options(framework: str, node: int) -> dict:
