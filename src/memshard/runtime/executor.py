@@ -547,12 +547,15 @@ class ShardedGraphModel(nn.Module):
         small = x.detach()
         return y, lambda: reshard_local(small, shape, self.mesh, b.lp, b.lc)
 
+    def _slice(self, i: int, j: int, x: torch.Tensor) -> torch.Tensor:
+        """The piece of model input ``x`` that op ``i`` reads as its input ``j`` here (a view)."""
+        layout = to_torch(self.strategies[i].input_layouts[j])
+        return distribute_tensor(x, self.mesh, layout, src_data_rank=None).to_local()
+
     def _input(self, i: int, j: int, x: torch.Tensor) -> torch.Tensor:
         if self.graph.ops[i].inputs[j].tensor in self.graph.loaded_inputs:
             return x  # this rank's share already (``load``)
-        layout = self.strategies[i].input_layouts[j]
-        dt = distribute_tensor(x, self.mesh, to_torch(layout), src_data_rank=None)
-        return dt.to_local()
+        return self._slice(i, j, x)
 
     def shares(self, inputs: dict[str, torch.Tensor]) -> Shares:
         """This rank's share of a micro-batch's graph inputs, as a data loader hands it out:
@@ -560,8 +563,7 @@ class ShardedGraphModel(nn.Module):
         ``inputs``); the others whole."""
         out = Shares(inputs)
         for name, (i, j) in self.graph.loaded_inputs.items():
-            layout = to_torch(self.strategies[i].input_layouts[j])
-            out[name] = distribute_tensor(inputs[name], self.mesh, layout, src_data_rank=None).to_local()
+            out[name] = self._slice(i, j, inputs[name])
         return out
 
     def load(self, shares: Shares) -> dict[str, torch.Tensor]:
