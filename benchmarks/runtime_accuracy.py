@@ -58,7 +58,8 @@ def row(name: str, plan, reports: list[dict]) -> str:
     p, m = r0["predicted"], r0["measured"]
     worst = max((error(r["measured"]["peak_bytes"], r["predicted"]["peak_bytes"]) for r in reports), key=abs)
     ev = evaluate(plan.problem, plan.selection)
-    category = max((e for r in reports for e in category_errors(ev, r["measured"]["breakdown"])[1].values()), key=abs)
+    breakdowns = (r["measured"]["breakdown"] for r in reports)
+    category = max((e for b in breakdowns for e in category_errors(ev, b, plan.problem.schedule)[1].values()), key=abs)
     comm = max(abs(error(r["measured"]["communication_bytes"], r["predicted"]["communication_bytes"]) or 0.0)
                 for r in reports)
     return (f"| {name} | {mib(p['peak_bytes'])} | {mib(m['peak_bytes'])} | "
