@@ -69,6 +69,28 @@ def test_a_dive_whose_rounding_breaks_a_row_has_the_supports_plan_before_any_bra
     assert dived is not None and dived.objective == 4.0 and dived.bound <= 4.0
 
 
+def test_reduced_cost_fixing_pins_only_what_no_better_plan_moves(monkeypatch):
+    """Five groups, no two at option 0: the relaxation 2.5, the dive's plan 4 (the support's,
+    no branches), optimal. Option 2 of every group (cost 10, off the relaxation's support)
+    has a reduced cost above 4 − 2.5: pinned at 0, no plan better than 4 takes it; options
+    0 and 1 are not pinned. Branch and bound with the pins proves 4 (gap 0), and the model's
+    bounds are as they were after it."""
+    monkeypatch.setattr(highs_module, "DIVE_BRANCHES", 0)
+    model, disjunctions, objective, columns = odd_cycle(5)
+    search = HighsSearch(model, time.perf_counter() + 60, disjunctions)
+    search.set_objective(objective)
+    x = relaxation(search)
+    dived = search.dive(0.0, None)
+    assert dived.objective == 4.0 and dived.relaxed == pytest.approx(2.5) and dived.bound < 4.0
+    pinned = search.reduced_cost_fixing(dived)
+    assert sorted(pinned.columns.tolist()) == sorted(int(cols[2]) for cols in columns)
+    assert np.all(pinned.values == 0.0) and pinned.bound > dived.objective
+    found = search.branch_and_bound(0.0, dived.values, pinned)
+    assert found.objective == pytest.approx(4.0) and found.gap == 0.0
+    assert np.allclose(relaxation(search), x)  # every column free again
+    assert search.minimise(objective, 0.0).objective == pytest.approx(4.0)  # the same, end to end
+
+
 def test_a_search_out_of_time_before_any_plan_returns_the_start_it_was_given():
     """LLaMA-3 8B on 8x8 with recomputation searched: the relaxation alone takes seconds, so
     half a second finds no plan; the search returns the plan it started from, priced, with
@@ -123,7 +145,7 @@ def test_a_recomputing_search_out_of_time_keeps_time_for_the_peaks_own_bound(mon
                             parse_mesh("8"), recompute="auto")
     limits = []
 
-    def out_of_time(search, gap, start=None):
+    def out_of_time(search, gap, start=None, pinned=None):
         limits.append((search.reserve_s, search.relaxation_s))
         raise SolverTimeLimit()
     monkeypatch.setattr(HighsSearch, "branch_and_bound", out_of_time)
