@@ -47,10 +47,6 @@ DIVE_EFFORT = 1.0  # and spends at most this many times the relaxation's simplex
 DIVE_CUTOFF = 0.25  # a dive's branch stops this fraction of the gap below the best plan
 SUPPORT_NODES = 200  # the search within a relaxation's support explores at most this many nodes
 SUPPORT_TRIGGER = 0.01  # and runs where the rounding breaks a row or is this far above the relaxation
-# Where a plan-independent floor cannot prove the first pass's plan, the blend's branch and
-# bound leaves this many times the root relaxation's time for the primary objective's own
-# relaxation (its bound: interior point took about twice the root's simplex time)
-BOUND_RESERVE = 2.5
 # A branch and bound with columns pinned by reduced-cost fixing presolves a model of at least
 # this many nonzeros: below, presolve's probing costs more than the analytic centre of the
 # whole LP it saves (GPT-3 6.7B's fastest plan on 2x4, 76k: 1.7 s without it, 5 s with it);
@@ -220,9 +216,7 @@ class HighsSearch:
         self.disjunctions = disjunctions or []
         self.diving = bool(self.disjunctions)  # until a dive fails to prove its plan
         self.relaxation_solver: str | None = None  # within ``relaxing``: its LP solver
-        self.relaxation_s = 0.0  # how long the last dive's root relaxation took
         self.relaxation_iterations = 0  # and its simplex iterations
-        self.reserve_s = 0.0  # how long before the deadline branch and bound stops (BOUND_RESERVE)
         self.objective: Expression | None = None  # the objective set
         self.lower, self.upper = np.array(model.lower), np.array(model.upper)  # the integer columns' bounds
         self.integer_columns = np.flatnonzero(np.array(model.integer, dtype=bool))
@@ -255,23 +249,13 @@ class HighsSearch:
     def expired(self) -> bool:
         return time.perf_counter() >= self.deadline
 
-    def limit_time(self, reserve_s: float = 0.0) -> None:
-        """HiGHS's time limit: what is left until ``reserve_s`` before the deadline. A branch
-        and bound compares the limit with its own run's time, an LP with the model's run
-        clock, which adds up every run so far."""
+    def limit_time(self) -> None:
+        """HiGHS's time limit: what is left until the deadline. A branch and bound compares
+        the limit with its own run's time, an LP with the model's run clock, which adds up
+        every run so far."""
         highs = self.highs
-        left = max(self.deadline - reserve_s - time.perf_counter(), 1e-3)
+        left = max(self.deadline - time.perf_counter(), 1e-3)
         highs.setOptionValue("time_limit", left + (highs.getRunTime() if _option(highs, "solve_relaxation") else 0.0))
-
-    @contextlib.contextmanager
-    def reserving(self, relaxations: float):
-        """Within: branch and bound stops ``relaxations`` times the root relaxation's time
-        before the deadline (time kept for a bound computed after it)."""
-        self.reserve_s = relaxations
-        try:
-            yield
-        finally:
-            self.reserve_s = 0.0
 
     @contextlib.contextmanager
     def relaxing(self, solver: str):
@@ -387,7 +371,7 @@ class HighsSearch:
     def run_branch_and_bound(self, gap: float, start=None) -> Solution:
         highs = self.highs
         highs.setOptionValue("mip_rel_gap", gap)
-        self.limit_time(self.reserve_s * self.relaxation_s)
+        self.limit_time()
         if isinstance(start, tuple):  # partial: HiGHS completes it
             highs.setSolution(len(start[0]), start[0].astype(np.int32), start[1].astype(np.float64))
         elif start is not None:
@@ -427,9 +411,7 @@ class HighsSearch:
         times, so that the same input gives the same plan. The dive gives up where the
         relaxation's own branches, explored first, yield no plan."""
         with self.relaxing("simplex") as highs:
-            started = time.perf_counter()
             highs.run()
-            self.relaxation_s = time.perf_counter() - started
             self.relaxation_iterations = highs.getInfo().simplex_iteration_count
             if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
                 return None
@@ -618,7 +600,7 @@ class HighsSearch:
             return float(highs.getInfo().objective_function_value)
 
     def first_pass(self, expr: Expression, tie_break: Expression, floor: float, scales: tuple[float, float],
-                   gap: float, fallback, tie_break_cap: float = math.inf, reserve: float = 0.0,
+                   gap: float, fallback, tie_break_cap: float = math.inf, loose_floor: bool = False,
                    simplex_bound: bool = False) -> FirstPass:
         """Minimise ``expr`` (≥ ``floor``), ties broken by ``tie_break``.
 
@@ -635,18 +617,19 @@ class HighsSearch:
         bound B then bounds ``expr`` too, expr ≥ B − w·cap, which is the bound a blend out of
         time reports.
 
-        ``reserve``: where ``floor`` is known to be loose (recomputation: it lets every
-        replayable tensor go for free), the blend's branch and bound stops that many times the
-        root relaxation's time before the deadline, so that a plan found out of time still gets
-        the bound of ``expr``'s own relaxation (by interior point with presolve: without it,
-        on a recomputing problem's peak (LLaMA-3 8B, 8x8), it had not converged after a minute;
-        with it, 6 s). ``simplex_bound``: ``expr``'s relaxation by primal simplex from the
+        ``loose_floor``: where ``floor`` is known to be loose (recomputation: it lets every
+        replayable tensor go for free), the bound of ``expr``'s own relaxation is computed
+        before the blend's branch and bound, so that a plan found out of time has it too (by
+        interior point with presolve: without it, on a recomputing problem's peak (LLaMA-3 8B,
+        8x8), it had not converged after a minute; with it, 4–6 s; a time kept for it after
+        the branch and bound, scaled to the root relaxation's, was sometimes too short). ``simplex_bound``: ``expr``'s relaxation by primal simplex from the
         blend's basis first (the step time, a sum over ops: from 6.9 s by interior point to
         0.15 s on LLaMA-3 8B's fastest plan with recomputation; the peak, a maximum over
         points, is degenerate: simplex took longer than interior point there)."""
         blend, w = blend_objective(expr, tie_break, scales)
-        with self.reserving(reserve):
-            blended = self.minimise(blend, gap * TIE_BREAK, start=fallback)
+        relaxed = self.relaxation(expr, presolve=True) if loose_floor else None
+        floor = max(floor, relaxed if relaxed is not None else -math.inf)
+        blended = self.minimise(blend, gap * TIE_BREAK, start=fallback)
         values = blended.values
         value = value_of(expr, values)
         # what the blend may be off by: its gap, and the integrality and feasibility tolerances
@@ -654,8 +637,8 @@ class HighsSearch:
         ties_resolved = blend_error <= w * gap * abs(value_of(tie_break, values))
         floor = max(floor, blended.objective * (1 - blended.gap) - w * tie_break_cap)
         floor_gap = relative_gap(value, floor)
-        if floor_gap > gap and not self.expired():
-            bound = self.relaxation(expr, simplex_first=simplex_bound, presolve=reserve > 0)
+        if floor_gap > gap and not loose_floor and not self.expired():
+            bound = self.relaxation(expr, simplex_first=simplex_bound)
             if bound is not None and bound > floor:
                 floor, floor_gap = bound, relative_gap(value, bound)
         if blended.timed_out or self.expired():

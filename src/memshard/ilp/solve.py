@@ -33,7 +33,6 @@ from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, evaluate
 from memshard.ilp.formulation import Expression, Formulation
 from memshard.ilp.highs import (
-    BOUND_RESERVE,
     TIE_RESOLUTION,
     HighsSearch,
     Infeasible,
@@ -192,7 +191,7 @@ class Solver:
             try:
                 found = self.search.first_pass(self.primary, self.secondary, self.floor, self.scales,
                                                max(mip_gap, TIE_RESOLUTION), fallback, self.secondary_cap,
-                                               reserve=BOUND_RESERVE if self.loose_floor else 0.0,
+                                               loose_floor=self.loose_floor,
                                                simplex_bound=self.objective == "time")
             except Infeasible:
                 raise Infeasible(self.objective) from None
