@@ -76,6 +76,7 @@ def test_reduced_cost_fixing_pins_only_what_no_better_plan_moves(monkeypatch):
     0 and 1 are not pinned. Branch and bound with the pins proves 4 (gap 0), and the model's
     bounds are as they were after it."""
     monkeypatch.setattr(highs_module, "DIVE_BRANCHES", 0)
+    monkeypatch.setattr(highs_module, "PIN_GAP", 1.0)  # (the relaxation is 37.5% below the plan)
     model, disjunctions, objective, columns = odd_cycle(5)
     search = HighsSearch(model, time.perf_counter() + 60, disjunctions)
     search.set_objective(objective)
@@ -89,6 +90,8 @@ def test_reduced_cost_fixing_pins_only_what_no_better_plan_moves(monkeypatch):
     assert found.objective == pytest.approx(4.0) and found.gap == 0.0
     assert np.allclose(relaxation(search), x)  # every column free again
     assert search.minimise(objective, 0.0).objective == pytest.approx(4.0)  # the same, end to end
+    monkeypatch.setattr(highs_module, "PIN_GAP", 0.3)
+    assert search.reduced_cost_fixing(dived) is None  # a dive this far off pins nothing
 
 
 def test_a_search_out_of_time_before_any_plan_returns_the_start_it_was_given():
