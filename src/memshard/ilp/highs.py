@@ -56,7 +56,7 @@ PRESOLVE_NONZEROS = 150_000
 # Reduced-cost fixing runs where the dive's plan is within this of its bound: there most of the
 # choices are ruled out and what is left is the proof (GPT-3 175B's fastest plan with
 # recomputation, 0.02%: branch and bound 10 s → 1.6 s; LLaMA-3 70B's, 0.18%: 22 s → 8 s);
-# further off, the few pins sent HiGHS down another path (LLaMA-3 70B's least memory with full
+# further off, the pins sent HiGHS down another path (LLaMA-3 70B's least memory with full
 # recomputation, 4%: optimal in 13 s without them, 1.7% off at the 60 s limit with them).
 PIN_GAP = 0.01
 # The step time's relaxation tries primal simplex from the blend's basis for at most this many
@@ -108,11 +108,11 @@ class Dive:
 @dataclass(frozen=True)
 class Pinned:
     """Integer columns pinned at values for a branch and bound, and the least objective any
-    plan that moves one of them off has (``math.inf`` where none is pinned)."""
+    plan that moves one of them off has."""
 
     columns: np.ndarray
     values: np.ndarray
-    bound: float = math.inf
+    bound: float
 
 
 @dataclass
@@ -357,8 +357,8 @@ class HighsSearch:
                       dived.relaxed + float(np.abs(d[pin]).min()))
 
     def branch_and_bound(self, gap: float, start=None, pinned: Pinned | None = None) -> Solution:
-        """HiGHS's branch and bound on the objective set, from ``start`` (until the deadline,
-        less what ``reserving`` keeps), with the ``pinned`` columns fixed; on a model of at
+        """HiGHS's branch and bound on the objective set, from ``start`` (until the deadline),
+        with the ``pinned`` columns fixed; on a model of at
         least PRESOLVE_NONZEROS, with presolve, which drops them (HiGHS computes the analytic
         centre of the whole LP at every root, an interior-point solve)."""
         if pinned is None:
