@@ -252,7 +252,7 @@ def as_measured(breakdown: dict, point: int, schedule) -> dict:
     everything allocated an activation (it cannot tell what autograd will save), so before
     the first backward point the plan's transients (a reshard's buffers) and activations are
     one category."""
-    if point >= 2 * schedule.num_ops:  # (schedule.py numbers the forward points 0 … 2n − 1)
+    if point >= schedule.backward_begins(schedule.num_ops - 1):
         return breakdown
     merged = {c: b for c, b in breakdown.items() if c != "transients"}
     merged["activations"] += breakdown["transients"]

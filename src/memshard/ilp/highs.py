@@ -358,9 +358,9 @@ class HighsSearch:
 
     def branch_and_bound(self, gap: float, start=None, pinned: Pinned | None = None) -> Solution:
         """HiGHS's branch and bound on the objective set, from ``start`` (until the deadline),
-        with the ``pinned`` columns fixed; on a model of at
-        least PRESOLVE_NONZEROS, with presolve, which drops them (HiGHS computes the analytic
-        centre of the whole LP at every root, an interior-point solve)."""
+        with the ``pinned`` columns fixed; on a model of at least PRESOLVE_NONZEROS, with
+        presolve, which drops them (HiGHS computes the analytic centre of the whole LP at every
+        root, an interior-point solve)."""
         if pinned is None:
             return self.run_branch_and_bound(gap, start)
         highs = self.highs
@@ -628,13 +628,15 @@ class HighsSearch:
         before the blend's branch and bound, so that a plan found out of time has it too (by
         interior point with presolve: without it, on a recomputing problem's peak (LLaMA-3 8B,
         8x8), it had not converged after a minute; with it, 4–6 s; a time kept for it after
-        the branch and bound, scaled to the root relaxation's, was sometimes too short). ``simplex_bound``: ``expr``'s relaxation by primal simplex from the
+        the branch and bound, scaled to the root relaxation's, was sometimes too short).
+        ``simplex_bound``: ``expr``'s relaxation by primal simplex from the
         blend's basis first (the step time, a sum over ops: from 6.9 s by interior point to
         0.15 s on LLaMA-3 8B's fastest plan with recomputation; the peak, a maximum over
         points, is degenerate: simplex took longer than interior point there)."""
         blend, w = blend_objective(expr, tie_break, scales)
         relaxed = self.relaxation(expr, presolve=True) if loose_floor else None
-        floor = max(floor, relaxed if relaxed is not None else -math.inf)
+        if relaxed is not None:
+            floor = max(floor, relaxed)
         blended = self.minimise(blend, gap * TIE_BREAK, start=fallback)
         values = blended.values
         value = value_of(expr, values)
