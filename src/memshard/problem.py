@@ -519,6 +519,8 @@ COPY_PRICES = ("after", "regathered", "held", "replay-after")  # a finished copy
 # or the producer's held tensor), and reshards a replayed op's output into the saved copies of
 # consumers that are not replayed ("ticket-during", the copy itself priced by its holder).
 REPLAY_PRICES = ("replay-after", "replay-during", "ticket-during")
+# Kinds whose price is the same function of the layouts as another's.
+SAME_PRICE = {"replay-during": "during", "regathering": "during", "replay-after": "after", "regathered": "after"}
 REPLAY_INPUTS, REPLAY_TICKETS = "inputs", "tickets"  # ReshardPoint.replay
 
 
@@ -563,8 +565,16 @@ def reshard_price(spec: TensorSpec, kind: str, producer_side: Layout, consumer_s
 def reshard_price_table(spec: TensorSpec, kind: str, producer_sides: list[Layout], consumer_sides: list[Layout],
                         mesh: Mesh, last: bool) -> np.ndarray:
     """``reshard_price`` of every (producer side, consumer side) pair, as rows × columns (read
-    only: tables are shared by every edge and every solve of the same shape and layouts)."""
-    return _price_table(spec.shape, spec.dtype_bytes, kind, tuple(producer_sides), tuple(consumer_sides), mesh, last)
+    only: tables are shared by every edge and every solve of the same shape and layouts, and by
+    the kinds priced alike; each distinct pair is priced once)."""
+    producers, consumers = list(dict.fromkeys(producer_sides)), list(dict.fromkeys(consumer_sides))
+    table = _price_table(spec.shape, spec.dtype_bytes, SAME_PRICE.get(kind, kind), tuple(producers), tuple(consumers),
+                         mesh, last and kind == "held+during")
+    if len(producers) == len(producer_sides) and len(consumers) == len(consumer_sides):
+        return table
+    rows = [producers.index(a) for a in producer_sides]
+    columns = [consumers.index(c) for c in consumer_sides]
+    return table[np.ix_(rows, columns)]
 
 
 @functools.lru_cache(maxsize=512)

@@ -24,6 +24,7 @@ import numpy as np
 
 from memshard.ilp.model import LinearModel, RowTag
 from memshard.problem import (
+    ALWAYS,
     BACKWARD_PRICES,
     KEPT_PRICES,
     REPLAY_PRICES,
@@ -52,24 +53,22 @@ class ReshardRows:
     def add(self, live_column: dict[int, int], peak: int, constants_at: dict[int, float],
             points: set[int] | None = None) -> None:
         """The rows of each candidate reshard point of ``points`` (default all) not added yet."""
-        swap: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+        swap: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)  # S_t's terms
         for s in self.problem.slots:
-            if s.reshard_change:
-                for col, nbytes in zip(self.choice_columns[s.group], s.nbytes):
-                    swap[s.end][int(col)] += s.reshard_change * nbytes / self.bytes_unit
+            if s.phase != ALWAYS:
+                swap[s.end].append((self.choice_columns[s.group], s.reshard_change * s.nbytes / self.bytes_unit))
         for i, rp in enumerate(self.problem.reshard_points):
             if rp.point not in live_column or (points is not None and rp.point not in points) or i in self.added:
                 continue
             self.added.add(i)
+            changes = swap.get(rp.point, [])
             for terms in reshard_terms(rp):
                 cols = [c for c in (self.price_column(e, kind, last) for e, kind, last in terms) if c is not None]
                 if cols:
-                    coefs = dict(swap.get(rp.point, {}))
-                    coefs[live_column[rp.point]] = 1.0
-                    coefs[peak] = -1.0
-                    for c in cols:
-                        coefs[c] = coefs.get(c, 0.0) + 1.0
-                    self.model.row(coefs, -highspy.kHighsInf, -constants_at[rp.point], RowTag("reshard", rp.point))
+                    columns = np.concatenate([[live_column[rp.point], peak], cols, *(c for c, _ in changes)])
+                    values = np.concatenate([[1.0, -1.0], np.ones(len(cols)), *(v for _, v in changes)])
+                    self.model.row((columns, values), -highspy.kHighsInf, -constants_at[rp.point],
+                                   RowTag("reshard", rp.point))
 
     def price_column(self, e: int, kind: str, last: bool) -> int | None:
         """ρ ≥ the price ``kind`` of edge ``e`` (``problem.reshard_price``) under the chosen
