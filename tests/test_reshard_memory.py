@@ -17,8 +17,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from memshard.cost.reshard_memory import reshard_peak_bytes
+from memshard.graph import TensorKind, TensorSpec
 from memshard.mesh import parse_mesh
 from memshard.placement import Partial, Replicate, Shard, format_layout, local_shape
+from memshard.problem import reshard_price, reshard_price_table
 from memshard.runtime.measure import MemoryMeter, destroy, init_fake_world
 from memshard.runtime.reshard import reshard_local
 
@@ -63,3 +65,20 @@ def test_nothing_to_change_allocates_nothing():
     spec = parse_mesh("2x2")
     layout = (Shard(0), Replicate())
     assert reshard_peak_bytes((8, 8), 4, layout, layout, spec) == 0
+
+
+def test_a_price_table_is_each_pairs_price_with_sides_repeated_and_kinds_shared():
+    """``reshard_price_table`` prices each distinct layout pair once and shares a table among
+    kinds priced alike: every cell must still be that pair's own ``reshard_price``."""
+    mesh = parse_mesh("2x2")
+    spec = TensorSpec("x", (8, 32, 64), 2, TensorKind.ACTIVATION)
+    placements = [Replicate(), Partial(), Shard(0), Shard(2)]
+    layouts = list(itertools.product(placements, repeat=2))
+    producers = layouts[::3] + layouts[:4]  # repeated sides, as a replay's (layout, flag) pairs give
+    consumers = [c for c in layouts if Partial() not in c][::2] * 2
+    kinds = ("after", "during", "held", "held+during", "regathered", "regathering", "replay-after",
+             "replay-during", "ticket-during")
+    for kind, last in itertools.product(kinds, (False, True)):
+        table = reshard_price_table(spec, kind, producers, consumers, mesh, last)
+        expected = [[reshard_price(spec, kind, a, c, mesh, last) for c in consumers] for a in producers]
+        assert table.tolist() == expected, (kind, last)
