@@ -17,7 +17,13 @@ from memshard.graph import Graph
 from memshard.job import HFModel, Job, TracedModule, is_module
 from memshard.mesh import Mesh
 from memshard.models import ModelConfig
-from memshard.planner import SearchOptions, baseline_plans, plan_job, searched_problem
+from memshard.planner import (
+    SearchOptions,
+    baseline_plans,
+    baseline_problem,
+    plan_job,
+    searched_problem,
+)
 from memshard.plans import Plan, build_plan, runnable
 from memshard.pricing import build_problem
 
@@ -53,7 +59,7 @@ def plan(
     time_limit_s: float = 60.0,
     mip_gap: float = 2e-3,
     start: Plan | None = None,
-    zero3_unit: str = "op",
+    zero3_unit: str | None = None,
     top: int = 10,
     recompute: str = "none",
     **model_overrides,
@@ -73,8 +79,9 @@ def plan(
     memory-optimal plan when asking for the fastest one under a budget it meets; where axes
     are planned as one, used if it treats them alike). ``zero3_unit``: ZeRO-3 weights
     gathered per op (``"op"``, least memory) or per layer (``"layer"``, FSDP's unit: fewer,
-    larger collectives). ``top``: how many of the most redundant ops the plan lists, each
-    with what sharding it further would cost. ``recompute``: activation recomputation —
+    larger collectives); None: per op, and for the least memory with recomputation both,
+    the leaner plan kept (``SearchOptions.zero3_units``). ``top``: how many of the most
+    redundant ops the plan lists, each with what sharding it further would cost. ``recompute``: activation recomputation —
     ``"none"``, ``"selective"`` (Megatron-LM's core attention), ``"full"`` (each layer keeps
     its input only) or ``"auto"`` (the search decides per op role; see ``recompute.py``).
     """
@@ -110,7 +117,7 @@ def compare(model: Model | Job, mesh: str | Mesh = "2x4", *, time_slack: float =
     job, options = job_and_options(model, mesh, arguments)
     problem = searched_problem(job, options)
     best = plan_job(job, options, problem=problem)
-    base_plans, skipped = baseline_plans(job, best.problem)
+    base_plans, skipped = baseline_plans(job, baseline_problem(job, options, best))
     rows = [best]
     if base_plans:
         budget = min(p.step_time_s for p in base_plans) * time_slack
@@ -209,5 +216,5 @@ def runtime_plan(job: Job, strategy: str = "memshard", options: SearchOptions | 
     options = options or SearchOptions(mip_gap=0.02)
     if strategy == "memshard":
         return plan_job(job, options)
-    plan = strategy_plan(job, strategy=strategy, zero3_unit=options.zero3_unit, recompute=options.recompute)
+    plan = strategy_plan(job, strategy=strategy, zero3_unit=options.priced_unit, recompute=options.recompute)
     return runnable(plan)

@@ -126,8 +126,9 @@ def add_search_arguments(parser: argparse.ArgumentParser, objective: bool) -> No
         s.add_argument("--memory-budget",
                        help="with --objective time: bytes per device, e.g. 80GiB (default: --device-memory)")
     s.add_argument("--zero3-unit", choices=("op", "layer"),
-                   help="what ZeRO-3 gathers at once: each op's weights (least memory, default) or a "
-                        "whole layer's (FSDP's unit: far fewer collectives)")
+                   help="what ZeRO-3 gathers at once: each op's weights (least memory) or a whole layer's "
+                        "(FSDP's unit: far fewer collectives); default: per op, and for the least memory with "
+                        "--recompute both, the leaner plan kept")
     s.add_argument("--recompute", choices=("none", "selective", "full", "auto"),
                    help="activation recomputation: none (default), selective (core attention, as Megatron-LM), "
                         "full (every layer keeps only its input), auto (the search chooses per op; with "
@@ -161,7 +162,7 @@ def options_of(args, gap: float = 2e-3):
 
     return SearchOptions(objective=given("objective", "memory"), max_step_time_s=given("max_step_time", None),
                          memory_budget=given("memory_budget", None), exact=args.exact, full_mesh=args.full_mesh,
-                         zero3_unit=given("zero3_unit", "op"), time_limit_s=given("time_limit", 60.0),
+                         zero3_unit=given("zero3_unit", None), time_limit_s=given("time_limit", 60.0),
                          mip_gap=given("gap", gap), top=given("top", 10), recompute=given("recompute", "none"))
 
 

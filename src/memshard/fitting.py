@@ -351,7 +351,7 @@ class Prober:
         if value not in self.jobs:
             job, o = job_at(self.job, self.knob, value), self.options
             self.jobs[value] = job, build_problem(job.graph, job.mesh, shared_layers=not o.exact,
-                                                  micro_batches=job.micro_batches, zero3_unit=o.zero3_unit,
+                                                  micro_batches=job.micro_batches, zero3_unit=o.priced_unit,
                                                   recompute=o.recompute)
         return self.jobs[value]
 

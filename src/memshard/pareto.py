@@ -15,7 +15,7 @@ from memshard.api import Model, job_and_options
 from memshard.errors import MemshardError
 from memshard.job import Job
 from memshard.mesh import Mesh
-from memshard.planner import baseline_plans, plan_job, searched_problem
+from memshard.planner import baseline_plans, baseline_problem, plan_job, searched_problem
 from memshard.units import format_bytes, format_seconds
 
 
@@ -48,7 +48,7 @@ def frontier(model: Model | Job, mesh: str | Mesh | None = None, points: int = 8
         p = plan_job(job, replace(options, max_step_time_s=budget), problem=problem)
         out.append(FrontierPoint(budget, p.step_time_s, p.peak_bytes, p.redundant_bytes))
     out.append(FrontierPoint(None, least.step_time_s, least.peak_bytes, least.redundant_bytes))
-    base, _ = baseline_plans(job, least.problem)
+    base, _ = baseline_plans(job, baseline_problem(job, options, least))
     return out, [{"strategy": b.strategy, "step_time_s": b.step_time_s, "peak_bytes": b.peak_bytes} for b in base]
 
 

@@ -10,14 +10,15 @@ built; a request no plan meets is explained with the least achievable figure.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memshard.baselines import baselines, layer_split, split_baseline
 from memshard.coarsen import lower_selection, merge_groups, merged_mesh, solve_merged
 from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, InconsistentPlan, check_plan, evaluate
-from memshard.ilp.highs import Infeasible
+from memshard.ilp.highs import Infeasible, NoBetterPlan, relative_gap
 from memshard.ilp.solve import OBJECTIVES, SolveResult, solve
 from memshard.job import Job
 from memshard.plans import Budgets, Plan, build_plan
@@ -32,7 +33,8 @@ class SearchOptions:
     """What to search for and how: the objective and its budget (``max_step_time_s`` with
     ``memory``, ``memory_budget`` with ``time``: bytes or a string like ``80GiB``), the search
     space (``exact``: no variable sharing across identical layers; ``full_mesh``: no merged
-    axes; ``zero3_unit``: ZeRO-3 weights gathered per ``op`` or per ``layer``; ``recompute``:
+    axes; ``zero3_unit``: ZeRO-3 weights gathered per ``op`` or per ``layer``, None: as
+    ``zero3_units`` says; ``recompute``:
     which activations may be recomputed, ``none``, ``selective``, ``full`` or ``auto``), the solver's
     limit and gap, and how many of the most redundant ops the plan lists with advice."""
 
@@ -41,7 +43,7 @@ class SearchOptions:
     memory_budget: int | float | str | None = None
     exact: bool = False
     full_mesh: bool = False
-    zero3_unit: str = "op"
+    zero3_unit: str | None = None
     time_limit_s: float = 60.0
     mip_gap: float = 2e-3
     top: int = 10
@@ -68,7 +70,7 @@ class SearchOptions:
             raise MemshardError(f"top (how many redundant ops to list) must be a positive integer, got {self.top!r}")
         if self.recompute not in RECOMPUTE_POLICIES:
             raise MemshardError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {self.recompute!r}")
-        if self.zero3_unit not in ZERO3_UNITS:
+        if self.zero3_unit is not None and self.zero3_unit not in ZERO3_UNITS:
             raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, "
                                 f"got {self.zero3_unit!r}")
 
@@ -76,9 +78,26 @@ class SearchOptions:
     def budgets(self) -> Budgets:
         return Budgets(self.max_step_time_s, self.memory_budget)
 
+    @property
+    def zero3_units(self) -> tuple[str, ...]:
+        """The ZeRO-3 gather units searched, each its own problem, the better plan kept: the
+        one given; else, for the least memory with recomputation, per layer and then per op
+        (per op, a replayed op's weight cannot be gathered per op: its layer's weights stay
+        whole or sharded by its strategy, and the least-memory plans per layer were 10–45%
+        leaner on the jobs of BENCHMARKS.md); else per op."""
+        if self.zero3_unit is not None:
+            return (self.zero3_unit,)
+        return ("layer", "op") if self.objective == "memory" and self.recompute != "none" else ("op",)
+
+    @property
+    def priced_unit(self) -> str:
+        """The unit a fixed plan (a baseline) is priced with: the one given, else per op."""
+        return self.zero3_unit or "op"
+
 
 def searched_problem(job: Job, options: SearchOptions) -> Problem:
-    """The problem the search solves: the job's mesh, or it with alike axes merged."""
+    """The problem the search solves (the first of ``options.zero3_units``): the job's mesh,
+    or it with alike axes merged."""
     mesh, groups = job.mesh, merge_groups(job.mesh)
     mergeable = mesh.ndim >= 3 and len(groups) < mesh.ndim
     if options.full_mesh and not mergeable:
@@ -87,27 +106,58 @@ def searched_problem(job: Job, options: SearchOptions) -> Problem:
     if mergeable and not options.full_mesh:
         mesh = merged_mesh(mesh, groups)
     return build_problem(job.graph, mesh, shared_layers=not options.exact, micro_batches=job.micro_batches,
-                         zero3_unit=options.zero3_unit, recompute=options.recompute)
+                         zero3_unit=options.zero3_units[0], recompute=options.recompute)
 
 
 def plan_job(job: Job, options: SearchOptions, start: Plan | None = None, problem: Problem | None = None) -> Plan:
     """The plan ``options`` ask for (``start``: a plan of the same job the search starts
     from; ``problem``: the searched problem, if already built)."""
-    problem = problem or searched_problem(job, options)
+    units = options.zero3_units
+    if len(units) > 1:
+        searched, result = _least_memory_of_units(job, options, start, problem)
+    else:
+        searched = problem if problem is not None else searched_problem(job, options)
+        try:
+            result = _search(searched, options, start)
+        except Infeasible:
+            raise explain_infeasible(searched, options) from None
+    return build_plan(searched, result.selection, job, result=result, budgets=options.budgets, top=options.top)
+
+
+def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
+                           problem: Problem | None) -> tuple[Problem, SolveResult]:
+    """The leaner of the least-memory plans over ``options.zero3_units``, each unit its own
+    problem (``problem``: that of the first, if built): each search after the first stops as
+    soon as its bound reaches the least peak found; the plan's gap is against the least of
+    the searches' bounds, its time theirs together."""
+    best: tuple[Problem, SolveResult, float] | None = None
+    bounds, started = [], time.perf_counter()
+    for unit in options.zero3_units:
+        searched = (problem if problem is not None and problem.zero3_unit == unit
+                    else searched_problem(job, replace(options, zero3_unit=unit)))
+        try:
+            result = _search(searched, options, start, cutoff=best[2] if best else None)
+        except Infeasible:  # under a step-time budget: no plan of this unit meets it
+            continue
+        except NoBetterPlan as no_better:
+            bounds.append(no_better.bound)
+            continue
+        bounds.append(result.bound)
+        result = replace(result, evaluation=_evaluation(searched, result))
+        if best is None or result.evaluation.peak_bytes < best[2]:
+            best = searched, result, result.evaluation.peak_bytes
+    if best is None:
+        raise explain_infeasible(problem or searched_problem(job, options), options)
+    searched, result, peak = best
+    return searched, replace(result, gap=relative_gap(peak, min(bounds)), time_s=time.perf_counter() - started)
+
+
+def _search(problem: Problem, options: SearchOptions, start: Plan | None, cutoff: float | None = None) -> SolveResult:
     initial = _start_selection(start, problem) if start is not None else None
     o = options
-    try:
-        if problem.mesh.real is problem.mesh:
-            result = solve(problem, o.objective, max_step_time_s=o.max_step_time_s,
-                           memory_budget_bytes=o.memory_budget, time_limit_s=o.time_limit_s, mip_gap=o.mip_gap,
-                           start=initial)
-        else:
-            result = solve_merged(problem, o.objective, max_step_time_s=o.max_step_time_s,
-                                  memory_budget_bytes=o.memory_budget, time_limit_s=o.time_limit_s,
-                                  mip_gap=o.mip_gap, start=initial)
-    except Infeasible:
-        raise explain_infeasible(problem, options) from None
-    return build_plan(problem, result.selection, job, result=result, budgets=options.budgets, top=options.top)
+    search = solve if problem.mesh.real is problem.mesh else solve_merged
+    return search(problem, o.objective, max_step_time_s=o.max_step_time_s, memory_budget_bytes=o.memory_budget,
+                  time_limit_s=o.time_limit_s, mip_gap=o.mip_gap, start=initial, cutoff=cutoff)
 
 
 def _start_selection(start: Plan, problem: Problem) -> Selection | None:
@@ -149,6 +199,15 @@ def _carried(source: Problem, selection: Selection, problem: Problem) -> Selecti
     except InconsistentPlan:
         return None
     return carried
+
+
+def baseline_problem(job: Job, options: SearchOptions, plan: Plan) -> Problem:
+    """The problem the baselines of ``job`` are priced on: ``plan``'s on the real mesh where
+    it gathers ZeRO-3 weights as ``options.priced_unit`` says, else that one built."""
+    if plan.problem.zero3_unit == options.priced_unit:
+        return plan.problem
+    return build_problem(job.graph, job.mesh, shared_layers=not options.exact, micro_batches=job.micro_batches,
+                         zero3_unit=options.priced_unit, recompute=options.recompute)
 
 
 def explain_infeasible(problem: Problem, options: SearchOptions) -> MemshardError:

@@ -36,6 +36,7 @@ from memshard.ilp.highs import (
     TIE_RESOLUTION,
     HighsSearch,
     Infeasible,
+    NoBetterPlan,
     SolverTimeLimit,
     blend_objective,
     relative_gap,
@@ -56,6 +57,7 @@ class SolveResult:
     variables: int
     constraints: int
     ilp_peak_bytes: float = 0.0  # the ILP's own M (≥ the evaluated peak; equal at optimum)
+    bound: float = 0.0  # no plan's objective (bytes or seconds) is below it, as the search proved
     search_space: str = "full"
     evaluation: Evaluation | None = None  # the plan priced by the evaluator
 
@@ -130,6 +132,7 @@ class Solver:
         # the zero-redundancy floor lets every replayable tensor go for free: far below a
         # recomputing plan's least peak, it proves nothing there
         self.loose_floor = objective == "memory" and problem.recompute != "none"
+        self.cutoff = math.inf  # the primary objective (model units) another plan reaches
 
     def fallback_start(self) -> Expression | Callable[[], Expression | np.ndarray]:
         """Where branch and bound starts without a given plan: every op unsplit, or, where that
@@ -192,7 +195,7 @@ class Solver:
                 found = self.search.first_pass(self.primary, self.secondary, self.floor, self.scales,
                                                max(mip_gap, TIE_RESOLUTION), fallback, self.secondary_cap,
                                                loose_floor=self.loose_floor,
-                                               simplex_bound=self.objective == "time")
+                                               simplex_bound=self.objective == "time", cutoff=self.cutoff)
             except Infeasible:
                 raise Infeasible(self.objective) from None
             except SolverTimeLimit:
@@ -269,6 +272,7 @@ class Solver:
             constraints=f.model.num_rows,
             # The first pass's optimum: the tie-break pass may leave M anywhere in its slack.
             ilp_peak_bytes=outcome.best * f.bytes_unit if self.objective == "memory" else f.peak_bytes(outcome.values),
+            bound=max(outcome.lower, 0.0) * (f.bytes_unit if self.objective == "memory" else f.time_unit),
             evaluation=outcome.evaluation,
         )
 
@@ -282,23 +286,32 @@ def solve(
     mip_gap: float = 2e-3,
     fixed: Selection | None = None,
     start: Selection | None = None,
+    cutoff: float | None = None,
 ) -> SolveResult:
     """Solve ``problem`` for ``objective``; with ``fixed``, price that complete plan through
     the ILP instead (every choice pinned), which checks the linearisation against the
     evaluator. ``start``: a plan of ``problem`` branch and bound starts from (default: every
     op unsplit); one within the budget guarantees an answer under a time limit (itself, if
-    the search finds none in time)."""
+    the search finds none in time). ``cutoff``: the objective (bytes or seconds) a plan found
+    elsewhere reaches: where the search's first bound shows that no plan of ``problem`` is
+    below it, :class:`NoBetterPlan` is raised with that bound (in the same units)."""
     if objective not in OBJECTIVES:
         raise MemshardError(f"unknown objective {objective!r}; use memory or time")
     started = time.perf_counter()
     solver = Solver(problem, objective, max_step_time_s, memory_budget_bytes, started + time_limit_s, fixed)
     f = solver.formulation
+    unit = f.bytes_unit if objective == "memory" else f.time_unit
+    if cutoff is not None:
+        solver.cutoff = cutoff / unit
     if fixed is not None:  # the one plan the rows allow: its objective, no search around it
         found = solver.search.minimise(solver.primary, TIE_RESOLUTION)
         return solver.result(Outcome(found.values, found.objective, 0.0, found.timed_out, True, found.objective),
                              started)
     fallback = f.selection_start(start) if start is not None else solver.fallback_start()
-    outcome = solver.first_pass(mip_gap, fallback, time_limit_s, start)
+    try:
+        outcome = solver.first_pass(mip_gap, fallback, time_limit_s, start)
+    except NoBetterPlan as e:
+        raise NoBetterPlan(e.bound * unit) from None
     if not outcome.ties_resolved and not solver.search.expired():
         outcome = solver.second_pass(outcome, mip_gap)
     return solver.result(outcome, started)
