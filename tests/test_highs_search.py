@@ -13,7 +13,7 @@ import pytest
 from memshard.baselines import baselines
 from memshard.evaluate import evaluate
 from memshard.ilp import highs as highs_module
-from memshard.ilp.highs import HighsSearch, SolverTimeLimit, relative_gap
+from memshard.ilp.highs import HighsSearch, NoBetterPlan, SolverTimeLimit, relative_gap
 from memshard.ilp.model import LinearModel, RowTag
 from memshard.ilp.reference import reference
 from memshard.ilp.solve import solve
@@ -176,3 +176,24 @@ def test_the_fastest_plan_is_proved_by_the_step_times_relaxation_from_the_blends
     result = solve(problem, "time", memory_budget_bytes=80 * 2**30, time_limit_s=60)
     assert result.status == "optimal" and result.gap <= 2e-3
     assert "ipm" not in solvers and solvers.count("simplex") >= 2
+
+
+def test_a_search_given_a_cutoff_its_bound_reaches_finds_no_better_plan():
+    """A least-memory search with recomputation given a cutoff just above its plan-independent
+    floor, which the peak's relaxation reaches (that floor is over 5% below the plan, the
+    relaxation not: the test above), stops there, saying so with that bound; given one at its
+    floor it stops at once; given one above its optimum it returns the plan it returns
+    without one."""
+    problem = build_problem(build_graph("gpt3-1.3b", batch=8, seq=1024, num_layers=2, precision="mixed"),
+                            parse_mesh("8"), recompute="auto")
+    plain = solve(problem, "memory", time_limit_s=60)
+    assert plain.status == "optimal" and 0 < plain.bound <= plain.ilp_peak_bytes
+    floor = reference(problem).least_peak_bytes
+    with pytest.raises(NoBetterPlan) as stopped:
+        solve(problem, "memory", time_limit_s=60, cutoff=floor * 1.001)
+    assert floor * 1.001 <= stopped.value.bound <= plain.bound * (1 + 1e-6)
+    with pytest.raises(NoBetterPlan) as at_once:
+        solve(problem, "memory", time_limit_s=60, cutoff=floor)
+    assert at_once.value.bound == pytest.approx(floor)
+    above = solve(problem, "memory", time_limit_s=60, cutoff=plain.ilp_peak_bytes * 1.5)
+    assert above.selection == plain.selection

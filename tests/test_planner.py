@@ -301,3 +301,32 @@ def test_a_start_plan_carries_its_strategies_into_a_search_of_other_recomputatio
     assert [(op.name, op.split) for op in started.ops] == [(op.name, op.split) for op in recomputing.ops]
     assert [p.storage for p in started.parameters] == [p.storage for p in recomputing.parameters]
     assert not any(op.recomputed for op in started.ops)
+
+
+def test_the_zero3_units_searched_are_the_given_one_else_both_for_least_memory_with_recomputation():
+    from memshard.planner import SearchOptions
+    assert SearchOptions().zero3_units == ("op",)
+    assert SearchOptions(recompute="auto").zero3_units == ("layer", "op")
+    assert SearchOptions(recompute="full", max_step_time_s=2.0).zero3_units == ("layer", "op")
+    assert SearchOptions(recompute="auto", objective="time").zero3_units == ("op",)
+    assert SearchOptions(recompute="auto", zero3_unit="op").zero3_units == ("op",)
+    assert SearchOptions(recompute="auto").priced_unit == "op"
+    assert SearchOptions(zero3_unit="layer").priced_unit == "layer"
+
+
+def test_the_least_memory_with_recomputation_is_the_leaner_of_both_zero3_units():
+    """Per op, a replayed op's weight cannot be gathered (ZeRO-3), so GPT-3 1.3B fully
+    recomputed on 8 devices keeps its layers' weights whole; per layer they are gathered for
+    the replay: the plan searched with both is the per-layer one, and its bound holds for the
+    per-op plan too (no plan of either unit is below it)."""
+    job = dict(batch=16, seq=2048, recompute="full")
+    per_op = memshard.plan("gpt3-1.3b", "8", zero3_unit="op", **job)
+    per_layer = memshard.plan("gpt3-1.3b", "8", zero3_unit="layer", **job)
+    both = memshard.plan("gpt3-1.3b", "8", **job)
+    assert per_layer.peak_bytes < per_op.peak_bytes * 0.98
+    assert both.solver.zero3_unit == "layer" and both.peak_bytes == per_layer.peak_bytes
+    bound = both.peak_bytes * (1 - both.solver.gap)
+    assert bound <= per_layer.peak_bytes * (1 - per_layer.solver.gap) * (1 + 1e-9)
+    assert bound <= per_op.peak_bytes and both.solver.gap <= 2e-3
+    fastest = memshard.plan("gpt3-1.3b", "8", objective="time", memory_budget="80GiB", **job)
+    assert fastest.solver.zero3_unit == "op"  # the time objective searches per op only

@@ -149,7 +149,9 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
     if best is None:
         raise explain_infeasible(problem or searched_problem(job, options), options)
     searched, result, peak = best
-    return searched, replace(result, gap=relative_gap(peak, min(bounds)), time_s=time.perf_counter() - started)
+    gap = relative_gap(peak, min(bounds))
+    status = result.status if gap <= max(result.gap, options.mip_gap) else "time_limit"  # the other one's gap
+    return searched, replace(result, gap=gap, status=status, time_s=time.perf_counter() - started)
 
 
 def _search(problem: Problem, options: SearchOptions, start: Plan | None, cutoff: float | None = None) -> SolveResult:
