@@ -18,7 +18,7 @@ from memshard.baselines import baselines, layer_split, split_baseline
 from memshard.coarsen import lower_selection, merge_groups, merged_mesh, solve_merged
 from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, InconsistentPlan, check_plan, evaluate
-from memshard.ilp.highs import Infeasible, NoBetterPlan, relative_gap
+from memshard.ilp.highs import Infeasible, NoBetterPlan, SolverTimeLimit, relative_gap
 from memshard.ilp.solve import OBJECTIVES, SolveResult, solve
 from memshard.job import Job
 from memshard.plans import Budgets, Plan, build_plan
@@ -131,7 +131,7 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
     soon as its bound reaches the least peak found; the plan's gap is against the least of
     the searches' bounds, its time theirs together."""
     best: tuple[Problem, SolveResult, float] | None = None
-    bounds, started = [], time.perf_counter()
+    bounds, started, out_of_time = [], time.perf_counter(), None
     for unit in options.zero3_units:
         searched = (problem if problem is not None and problem.zero3_unit == unit
                     else searched_problem(job, replace(options, zero3_unit=unit)))
@@ -142,11 +142,17 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
         except NoBetterPlan as no_better:
             bounds.append(no_better.bound)
             continue
+        except SolverTimeLimit as error:  # no plan of this unit in time (``start`` may be of the other)
+            out_of_time = error
+            bounds.append(0.0)  # nothing proved of this unit
+            continue
         bounds.append(result.bound)
         result = replace(result, evaluation=_evaluation(searched, result))
         if best is None or result.evaluation.peak_bytes < best[2]:
             best = searched, result, result.evaluation.peak_bytes
     if best is None:
+        if out_of_time is not None:
+            raise out_of_time
         raise explain_infeasible(problem or searched_problem(job, options), options)
     searched, result, peak = best
     gap = relative_gap(peak, min(bounds))
