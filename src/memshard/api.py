@@ -81,9 +81,10 @@ def plan(
     gathered per op (``"op"``, least memory) or per layer (``"layer"``, FSDP's unit: fewer,
     larger collectives); None: per op, and for the least memory with recomputation both,
     the leaner plan kept (``SearchOptions.zero3_units``). ``top``: how many of the most
-    redundant ops the plan lists, each with what sharding it further would cost. ``recompute``: activation recomputation —
-    ``"none"``, ``"selective"`` (Megatron-LM's core attention), ``"full"`` (each layer keeps
-    its input only) or ``"auto"`` (the search decides per op role; see ``recompute.py``).
+    redundant ops the plan lists, each with what sharding it further would cost.
+    ``recompute``: activation recomputation — ``"none"``, ``"selective"`` (Megatron-LM's core
+    attention), ``"full"`` (each layer keeps its input only) or ``"auto"`` (the search decides
+    per op role; see ``recompute.py``).
     """
     options = SearchOptions(objective, max_step_time_s, memory_budget, exact, full_mesh, zero3_unit, time_limit_s,
                             mip_gap, top, recompute)
