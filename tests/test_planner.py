@@ -330,3 +330,22 @@ def test_the_least_memory_with_recomputation_is_the_leaner_of_both_zero3_units()
     assert bound <= per_op.peak_bytes and both.solver.gap <= 2e-3
     fastest = memshard.plan("gpt3-1.3b", "8", objective="time", memory_budget="80GiB", **job)
     assert fastest.solver.zero3_unit == "op"  # the time objective searches per op only
+
+
+def test_a_unit_out_of_time_before_any_plan_leaves_the_other_units_plan_with_nothing_proved(monkeypatch):
+    """Per layer out of time before any plan (its start, if any, a plan of the other unit):
+    the per-op plan stands, and no bound is claimed for the per-layer space (gap 100%)."""
+    from memshard import planner
+    from memshard.ilp.highs import SolverTimeLimit
+    search = planner._search
+
+    def layer_out_of_time(problem, options, start, cutoff=None):
+        if problem.zero3_unit == "layer":
+            raise SolverTimeLimit(options.time_limit_s)
+        return search(problem, options, start, cutoff)
+    monkeypatch.setattr(planner, "_search", layer_out_of_time)
+    job = dict(batch=16, seq=2048, recompute="full")
+    plan = memshard.plan("gpt3-1.3b", "8", **job)
+    per_op = memshard.plan("gpt3-1.3b", "8", zero3_unit="op", **job)
+    assert plan.solver.zero3_unit == "op" and plan.peak_bytes == per_op.peak_bytes
+    assert plan.solver.gap == 1.0 and plan.solver.status == "time_limit"
