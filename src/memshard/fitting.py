@@ -41,9 +41,14 @@ from memshard.job import HFModel, Job
 from memshard.mesh import MAX_DEVICES
 from memshard.models import ModelConfig
 from memshard.models.config import MAX_LAYERS
-from memshard.planner import SearchOptions, baseline_plans, plan_job, searched_problem
+from memshard.planner import (
+    SearchOptions,
+    baseline_plans,
+    baseline_problem,
+    plan_job,
+    searched_problem,
+)
 from memshard.plans import Plan
-from memshard.pricing import build_problem
 from memshard.units import format_bytes
 
 KNOBS = ("batch", "seq", "layers", "hidden")  # pushed as far as they fit (--max)
@@ -349,10 +354,8 @@ class Prober:
     def job_and_problem(self, value: int):
         """The job at ``value`` and its problem on the real mesh, built once."""
         if value not in self.jobs:
-            job, o = job_at(self.job, self.knob, value), self.options
-            self.jobs[value] = job, build_problem(job.graph, job.mesh, shared_layers=not o.exact,
-                                                  micro_batches=job.micro_batches, zero3_unit=o.priced_unit,
-                                                  recompute=o.recompute)
+            job = job_at(self.job, self.knob, value)
+            self.jobs[value] = job, baseline_problem(job, self.options)
         return self.jobs[value]
 
     def baseline_plans(self, value: int, names: set[str] | None = None) -> dict[str, Plan]:

@@ -209,10 +209,10 @@ def _carried(source: Problem, selection: Selection, problem: Problem) -> Selecti
     return carried
 
 
-def baseline_problem(job: Job, options: SearchOptions, plan: Plan) -> Problem:
-    """The problem the baselines of ``job`` are priced on: ``plan``'s on the real mesh where
-    it gathers ZeRO-3 weights as ``options.priced_unit`` says, else that one built."""
-    if plan.problem.zero3_unit == options.priced_unit:
+def baseline_problem(job: Job, options: SearchOptions, plan: Plan | None = None) -> Problem:
+    """The problem the baselines of ``job`` are priced on, on the real mesh, its ZeRO-3 weights
+    gathered as ``options.priced_unit`` says: ``plan``'s where it is that one, else built."""
+    if plan is not None and plan.problem.zero3_unit == options.priced_unit:
         return plan.problem
     return build_problem(job.graph, job.mesh, shared_layers=not options.exact, micro_batches=job.micro_batches,
                          zero3_unit=options.priced_unit, recompute=options.recompute)
