@@ -337,13 +337,13 @@ def test_a_unit_out_of_time_before_any_plan_leaves_the_other_units_plan_with_not
     the per-op plan stands, and no bound is claimed for the per-layer space (gap 100%)."""
     from memshard import planner
     from memshard.ilp.highs import SolverTimeLimit
-    search = planner._search
+    solve = planner.solve
 
-    def layer_out_of_time(problem, options, start, cutoff=None):
+    def layer_out_of_time(problem, objective, **options):
         if problem.zero3_unit == "layer":
-            raise SolverTimeLimit(options.time_limit_s)
-        return search(problem, options, start, cutoff)
-    monkeypatch.setattr(planner, "_search", layer_out_of_time)
+            raise SolverTimeLimit(options["time_limit_s"])
+        return solve(problem, objective, **options)
+    monkeypatch.setattr(planner, "solve", layer_out_of_time)
     job = dict(batch=16, seq=2048, recompute="full")
     plan = memshard.plan("gpt3-1.3b", "8", **job)
     per_op = memshard.plan("gpt3-1.3b", "8", zero3_unit="op", **job)
