@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +33,7 @@ from memshard.trace.hf import build_model, load_config, trace_hf  # noqa: E402
 
 pytestmark = pytest.mark.runtime
 
+ROOT = Path(__file__).resolve().parent.parent
 SEQ = 32
 FAMILIES = {
     "llama": {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -65,10 +68,14 @@ def fake_rank(family: str, world: int, rank: int, layers: int | None = None):
         destroy()
 
 
-def train_step(module, opt, seed: int, seq: int = SEQ) -> None:
-    """One step on one sequence of ``SEQ`` random tokens: forward to the loss, backward, Adam."""
+def train_step(module, opt, seed: int, seq: int = SEQ, autocast: bool = False) -> None:
+    """One step on one sequence of ``SEQ`` random tokens: forward to the loss, backward, Adam
+    (``autocast``: the forward and the loss under ``torch.autocast`` to bf16, as a bf16 DDP
+    user writes it)."""
     ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(seed))
-    module(ids, labels=ids, use_cache=False).loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+        loss = module(ids, labels=ids, use_cache=False).loss
+    loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -99,14 +106,14 @@ def fully_shard_blocks(model, mesh, shard=None):
 
 
 def fully_sharded_peak(family: str, world: int, rank: int, parallelize=fully_shard_blocks, seq: int = SEQ,
-                       layers: int | None = None) -> int:
+                       layers: int | None = None, autocast: bool = False) -> int:
     """The peak bytes of the second training step of rank ``rank`` under FSDP2
     (``parallelize(model, mesh)`` on a 1-D mesh of the world)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     with fake_rank(family, world, rank, layers) as model:
         model = parallelize(model, init_device_mesh("cpu", (world,)))
-        return last_step_peak(model, lambda opt, seed: train_step(model, opt, seed, seq))
+        return last_step_peak(model, lambda opt, seed: train_step(model, opt, seed, seq, autocast))
 
 
 def data_parallel(model, mesh, **options):
@@ -116,7 +123,8 @@ def data_parallel(model, mesh, **options):
     return DistributedDataParallel(model, **options)
 
 
-def ddp_peak(family: str, world: int, rank: int, parallelize=data_parallel, seq: int = SEQ) -> int:
+def ddp_peak(family: str, world: int, rank: int, parallelize=data_parallel, seq: int = SEQ,
+             autocast: bool = False) -> int:
     """The peak bytes of the third training step of rank ``rank`` under
     ``DistributedDataParallel`` (``parallelize(model, mesh)``; DDP rebuilds its buckets in the
     second). DDP allocates its gradient buckets in C++ when it wraps the model, where MemTracker
@@ -138,7 +146,7 @@ def ddp_peak(family: str, world: int, rank: int, parallelize=data_parallel, seq:
             return future
 
         wrapped.register_comm_hook(None, allreduce)
-        return last_step_peak(model, lambda opt, seed: train_step(wrapped, opt, seed, seq), steps=3,
+        return last_step_peak(model, lambda opt, seed: train_step(wrapped, opt, seed, seq, autocast), steps=3,
                               tracked=lambda: buckets.values())
 
 
@@ -624,3 +632,39 @@ def test_fsdp2_resharded_within_a_node_after_forward_is_what_pytorch_allocates(f
         assert measured == pytest.approx(predicted, rel=0.02), rank
     if (family, layers, seq) == ("llama", 4, SEQ):  # more than resharding to all ranks
         assert measured > 1.05 * memshard.strategy_plan(graph, mesh, "fsdp2").peak_bytes
+
+
+@pytest.mark.parametrize("baseline, family, world, seq", [
+    ("ddp", "llama", 4, 256), ("ddp", "gpt2", 8, SEQ), ("ddp-bucket-view", "qwen2", 8, SEQ),
+    ("ddp+full", "llama", 4, 256), ("fsdp2", "gpt2", 4, SEQ), ("fsdp2+full", "qwen2", 8, SEQ)])
+def test_ddp_and_fsdp2_under_autocast_are_what_pytorch_allocates(baseline, family, world, seq):
+    """A bf16 DDP user's step (``--precision autocast``): fp32 weights, gradients, buckets and
+    Adam states; the forward and the loss under ``torch.autocast``, each activation in the dtype
+    autocast computes it in, each weight's bf16 copy saved for its backward. The ranks run CPU
+    autocast here, so the trace takes CPU's op lists (``autocast_device="cpu"``; CUDA's are
+    checked against a GPU's measurements below)."""
+    graph = trace_hf(family, batch=world, seq=seq, precision="autocast", autocast_device="cpu", **FAMILIES[family])
+    predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute_of(baseline)).peak_bytes
+    for rank in (0, world - 1):
+        measured = MEASURED[baseline](family, world, rank, seq=seq, autocast=True)
+        assert measured == pytest.approx(predicted, rel=0.02), rank
+
+
+def test_ddp_under_cuda_autocast_is_what_pytorch_allocated_on_a_gpu():
+    """The trace with CUDA's autocast lists against ``DistributedDataParallel`` under
+    ``torch.autocast("cuda")`` as measured on an H200 (``benchmarks/ddp_autocast.py --measure``,
+    recorded in ``benchmarks/ddp_autocast_cuda.json``: one rank of the fake process group,
+    MemTracker). CPU's lists would miss GPT-2's GELU, which CUDA runs in fp32 (its ``pow``)."""
+    recorded = json.loads((ROOT / "benchmarks" / "ddp_autocast_cuda.json").read_text())
+    assert recorded["device"] == "cuda"
+    runs = [run for run in recorded["runs"] if run["run"] == "ddp-autocast"]
+    assert {run["family"] for run in runs} == {"gpt2", "llama", "qwen2"}
+    def predicted(run: dict, device: str) -> float:
+        graph = trace_hf(run["family"], batch=run["world"], seq=run["seq"], precision="autocast",
+                         autocast_device=device, **run["config"])
+        return memshard.strategy_plan(graph, str(run["world"]), "ddp").peak_bytes
+
+    for run in runs:
+        assert predicted(run, "cuda") == pytest.approx(run["peak"], rel=0.02), run
+        if run["family"] == "gpt2" and run["seq"] >= 1024:
+            assert predicted(run, "cpu") < 0.9 * run["peak"]

@@ -58,7 +58,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from memshard.graph import PRECISIONS
+from memshard.graph import AUTOCAST, PRECISIONS
 from memshard.mesh import Mesh
 from memshard.placement import local_numel
 from memshard.pricing import build_problem
@@ -285,6 +285,10 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     def add(name, make, on: Callable[[], Problem] = lambda: problem, recipe: str = ""):
         bases.append(name)
         names = [(name + suffix, suffix) for suffix in suffixes[recipe] if wanted is None or wanted(name + suffix)]
+        if recipe == MEGATRON_RECIPE and problem.graph.precision == AUTOCAST:
+            skipped.extend((full_name, "Megatron-LM trains bf16 in its own layout (--precision mixed), not under "
+                                       "torch.autocast") for full_name, _ in names)
+            return
         if names:
             on = on()
             replayed_by = dict(recompute_variants(on, recipe))  # its own op indices (torch-tp adds ops)

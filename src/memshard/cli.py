@@ -104,9 +104,10 @@ def add_job_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
             g.add_argument(flag, choices=("on", "off"), help="dropout layers (built-in models)")
         else:
             g.add_argument(flag, type=_positive_int, dest=knob)
-    g.add_argument("--precision", choices=("mixed", "fp32"),
+    g.add_argument("--precision", choices=("mixed", "fp32", "autocast"),
                    help="mixed (bf16 with fp32 master weights and Adam states; the default, but the tiny "
-                        "models are fp32) or fp32")
+                        "models are fp32), fp32, or autocast (fp32 weights, torch.autocast to bf16 on CUDA, as "
+                        "DDP users train in bf16; traced models only)")
     m = parser.add_argument_group("hardware (defaults: A100/H100-class)")
     m.add_argument("--axis-names", help="comma-separated mesh axis names")
     m.add_argument("--bandwidth", type=_floats, help="GB/s per device for each mesh axis, comma-separated")

@@ -165,7 +165,10 @@ class Precision:
 
 MIXED = Precision("mixed", 2, 2, 12, 2, master_bytes=4)
 FP32 = Precision("fp32", 4, 4, 8, 4)
-PRECISIONS = {p.name: p for p in (MIXED, FP32)}
+# ``torch.autocast`` to bf16 over fp32 weights (a DDP user's bf16): fp32 model states, each
+# activation in the dtype autocast computes it in (a traced module's casts; ``trace.autocast``)
+AUTOCAST = Precision("autocast", 4, 4, 8, 2)
+PRECISIONS = {p.name: p for p in (MIXED, FP32, AUTOCAST)}
 
 
 class Origin(str, Enum):

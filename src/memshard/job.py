@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import Any
 
 from memshard.errors import MemshardError
-from memshard.graph import PRECISIONS, Graph
+from memshard.graph import AUTOCAST, PRECISIONS, Graph
 from memshard.mesh import Mesh, make_mesh, parse_mesh
 from memshard.models import ModelConfig, build_graph, get_config
 
@@ -93,7 +93,7 @@ class Job:
             if value is not None:
                 _positive_int(value, what)
         if self.precision is not None and self.precision not in PRECISIONS:
-            raise MemshardError(f"unknown precision {self.precision!r}; use mixed or fp32")
+            raise MemshardError(f"unknown precision {self.precision!r}; use mixed, fp32 or autocast")
         knobs = {k: v for k, v in self.overrides.items() if v is not None}
         known = MODEL_KNOBS if isinstance(self.model, HFModel) else {**MODEL_KNOBS, **dict.fromkeys(CONFIG_FIELDS)}
         unknown = sorted(set(knobs) - set(known))
@@ -117,6 +117,9 @@ class Job:
             if fixed:
                 raise MemshardError(f"Hugging Face models take no {', '.join(fixed)} option")
         elif isinstance(model, (str, ModelConfig)):
+            if self.precision == AUTOCAST.name:  # its casts are what a traced module makes
+                raise MemshardError("--precision autocast prices the casts torch.autocast makes in a traced model: "
+                                    "give a Hugging Face config (--hf-config) or an nn.Module")
             if self.overrides.get("dropout") and self.config.family == "llama":
                 raise MemshardError(f"{self.config.name}: LLaMA models have no dropout")
         else:
@@ -156,7 +159,9 @@ class Job:
             from memshard.trace import trace_module
 
             args, kwargs = _call_arguments(model.example_inputs)
-            return trace_module(model.module, args, kwargs, precision=PRECISIONS.get(self.precision))
+            autocast = "cuda" if self.precision == AUTOCAST.name else None
+            return trace_module(model.module, args, kwargs, precision=PRECISIONS.get(self.precision),
+                                autocast=autocast)
         if isinstance(model, HFModel):
             from memshard.trace.hf import trace_hf
 

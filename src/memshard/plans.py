@@ -29,7 +29,7 @@ from memshard.cost.memory import CATEGORIES, StorageOption, param_layout
 from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, evaluate
 from memshard.files import read_json, write_text_atomically
-from memshard.graph import Origin
+from memshard.graph import AUTOCAST, Origin
 from memshard.ilp.solve import SolveResult
 from memshard.job import Job, mesh_to_dict
 from memshard.mesh import Mesh
@@ -205,6 +205,9 @@ def runnable(plan: Plan) -> Plan:
     in the job's precision). Refused: the baselines priced as PyTorch's implementations run
     them (``fsdp2``, ``ddp``, ``torch-tp*``)."""
     framework = plan.problem.framework
+    if plan.model.precision == AUTOCAST.name:
+        raise MemshardError("memshard's runtime executes fp32 and mixed-precision plans; an autocast plan is priced "
+                            "as PyTorch runs it (DDP, FSDP2), not run here")
     if framework == MEGATRON:
         return build_plan(as_run_by(plan.problem, MEMSHARD), plan.selection, plan.job, strategy=plan.strategy,
                           advice=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from memshard.errors import MemshardError
-from memshard.graph import FP32, MIXED, PRECISIONS, Precision
+from memshard.graph import AUTOCAST, FP32, MIXED, PRECISIONS, Precision
 
 MAX_LAYERS = 4096  # a guard against runaway input: no model comes near it
 
@@ -110,8 +110,9 @@ def get_config(name: str, **overrides) -> ModelConfig:
         )
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(overrides.get("precision"), str):
-        if overrides["precision"] not in PRECISIONS:
-            raise MemshardError(f"unknown precision {overrides['precision']!r}; use mixed or fp32")
+        if overrides["precision"] not in PRECISIONS or overrides["precision"] == AUTOCAST.name:
+            raise MemshardError(f"a built-in model's precision is mixed or fp32, not {overrides['precision']!r} "
+                                "(autocast: a Hugging Face config or an nn.Module, traced)")
         overrides["precision"] = PRECISIONS[overrides["precision"]]
     cfg = replace(PRESETS[key], **overrides)
     if overrides:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from memshard.graph import FP32, MIXED, Graph, Precision
+from memshard.errors import MemshardError
+from memshard.graph import AUTOCAST, FP32, MIXED, Graph, Precision
 from memshard.trace.program import AtenCall, TracedProgram
 
 __all__ = ["AtenCall", "TracedProgram", "trace_module"]
@@ -30,12 +31,15 @@ def trace_module(
     *,
     name: str | None = None,
     precision: Precision | None = None,
+    autocast: str | None = None,
 ) -> Graph:
     """The training graph of ``module(*args, **kwargs)`` (which returns the loss).
 
-    Model states are priced at ``precision`` (default: fp32 for fp32 parameters, else mixed
-    precision); activations at the dtypes the module really computes in. ``graph.unknown_ops``
-    counts the ATen ops without a rule (planned replicated); ``graph.traced`` is the
+    Model states are priced at ``precision`` (default: autocast's under ``autocast``, else fp32
+    for fp32 parameters, else mixed precision); activations at the dtypes the module really
+    computes in (``autocast``, "cuda" or "cpu": under ``torch.autocast`` to bf16 with that
+    device's op lists; the module and inputs on CPU, fake or real). ``graph.unknown_ops`` counts
+    the ATen ops without a rule (planned replicated); ``graph.traced`` is the
     :class:`~memshard.trace.program.TracedProgram` the runtime runs (the exported program,
     each op's ATen call, ``parameter_axes``: parameter FQN → the IR dims of each of its torch
     axes, outermost first).
@@ -43,6 +47,10 @@ def trace_module(
     from memshard.trace.export import export_training_forward, split_kwargs
     from memshard.trace.lower import lower
 
-    ep = export_training_forward(module, tuple(args), kwargs)
+    if autocast and any(p.device.type == "meta" for p in module.parameters()):
+        raise MemshardError("autocast casts CPU and CUDA tensors only: build the module on CPU (under "
+                            "torch._subclasses.FakeTensorMode to allocate nothing), not on meta")
+    ep = export_training_forward(module, tuple(args), kwargs, autocast)
     fixed = split_kwargs(kwargs)[1]  # e.g. use_cache=False: part of the trace
-    return lower(ep, name or type(module).__name__, precision or _precision_of(module), fixed)
+    precision = precision or (AUTOCAST if autocast else _precision_of(module))
+    return lower(ep, name or type(module).__name__, precision, fixed)

@@ -48,10 +48,13 @@ def split_kwargs(kwargs: Mapping | None) -> tuple[dict, dict]:
 
 
 def export_training_forward(
-    module: torch.nn.Module, args: tuple, kwargs: Mapping | None = None
+    module: torch.nn.Module, args: tuple, kwargs: Mapping | None = None, autocast: str | None = None
 ) -> torch.export.ExportedProgram:
     """Export ``module(*args, **kwargs)`` up to its loss, in training mode, without running it.
 
+    ``autocast`` ("cuda" or "cpu"): the forward and the loss under ``torch.autocast(autocast,
+    torch.bfloat16)`` as a bf16 user runs them, its casts written into the program (the module
+    and inputs must then be fake CPU tensors, not meta: autocast casts CPU tensors only).
     Parameter names in the program keep the module's FQNs behind :data:`WRAPPER_PREFIX`.
     """
     if not isinstance(module, torch.nn.Module):
@@ -60,7 +63,8 @@ def export_training_forward(
     was_training = module.training
     module.train()
     try:
-        return torch.export.export(_LossOf(module, fixed), tuple(args), kwargs=tensors, strict=False)
+        program = torch.export.export(_LossOf(module, fixed), tuple(args), kwargs=tensors, strict=False)
+        return program if autocast is None else _autocast(program, autocast)
     except MemshardError:
         raise
     except Exception as exc:  # export's own errors are long; keep the first line
@@ -68,3 +72,23 @@ def export_training_forward(
         raise MemshardError(f"torch.export could not trace {type(module).__name__}: {first}") from exc
     finally:
         module.train(was_training)
+
+
+def _autocast(program: torch.export.ExportedProgram, device: str) -> torch.export.ExportedProgram:
+    """The program re-traced op by op under autocast, with an empty decomposition table: each
+    op stays as it was, autocast's casts are written before it and the module stack of each
+    cast is its op's. (Export ignores an autocast entered around it; one entered inside the
+    forward becomes a single region that loses the module stacks.) The program's dtype
+    assertions, true of the fp32 trace, are dropped; a decision the module's Python took on a
+    dtype (``x.to(y.dtype)``) stays as the fp32 trace took it. CPU autocast applies CUDA's op
+    lists where ``device`` is "cuda" (``autocast.policy``)."""
+    from memshard.trace.autocast import policy
+
+    graph = program.graph_module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
+    program.graph_module.recompile()
+    ops = {node.target for node in graph.nodes if isinstance(node.target, torch._ops.OpOverload)}
+    with policy(device, ops), torch.autocast("cpu", dtype=torch.bfloat16):
+        return program.run_decompositions({})

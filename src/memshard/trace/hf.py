@@ -107,13 +107,13 @@ def max_positions(cfg) -> int | None:
 
 
 def build_model(cfg, precision: str = "mixed", attn_implementation: str | None = None, device="meta"):
-    """The model on ``device`` (meta: no memory), in bf16 for mixed precision or fp32."""
+    """The model on ``device`` (meta: no memory), in bf16 for mixed precision, else fp32."""
     import torch
 
     auto_class, _ = _model_class(cfg)
     if attn_implementation:
         cfg._attn_implementation = attn_implementation
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    dtype = torch.bfloat16 if precision == "mixed" else torch.float32
     with torch.device(device):
         model = auto_class.from_config(cfg, dtype=dtype)
     return model
@@ -139,17 +139,25 @@ def config_label(source: str | dict) -> str:
 
 
 def trace_hf(source: str | dict, batch: int, seq: int | None = None, precision: str = "mixed",
-             attn_implementation: str | None = None, **overrides) -> Graph:
-    """Trace a Hugging Face model for a micro-batch of ``batch`` sequences of ``seq`` tokens."""
+             attn_implementation: str | None = None, autocast_device: str = "cuda", **overrides) -> Graph:
+    """Trace a Hugging Face model for a micro-batch of ``batch`` sequences of ``seq`` tokens
+    (``precision="autocast"``: fp32 weights under ``torch.autocast(autocast_device)``, CUDA's
+    op lists by default)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     if precision not in PRECISIONS:
-        raise MemshardError(f"unknown precision {precision!r}; use mixed or fp32")
+        raise MemshardError(f"unknown precision {precision!r}; use mixed, fp32 or autocast")
     cfg = load_config(source, **overrides)
     seq = seq or min(max_positions(cfg) or 2048, 2048)
-    model = build_model(cfg, precision, attn_implementation)
-    args, kwargs = example_inputs(cfg, batch, seq)
+    autocast = autocast_device if precision == "autocast" else None
+    # autocast casts CPU tensors only: its trace runs on fake CPU tensors, the others on meta
+    with FakeTensorMode() if autocast else contextlib.nullcontext():
+        device = "cpu" if autocast else "meta"
+        model = build_model(cfg, precision, attn_implementation, device=device)
+        args, kwargs = example_inputs(cfg, batch, seq, device=device)
     with eager_masks():
         graph = trace_module(model, args, kwargs, name=f"hf:{config_label(source)}",
-                             precision=PRECISIONS[precision])
+                             precision=PRECISIONS[precision], autocast=autocast)
     return replace(graph, seq=seq)
 
 

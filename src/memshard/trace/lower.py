@@ -70,6 +70,8 @@ class _Lowering:
         self.grad: dict[Node, bool] = {}
         self.base: dict[Node, Node] = {}  # view → the node that owns the data
         self.descs: dict[Node, Desc] = {}
+        # autocast's cast of a parameter (and views of it) → bytes per element of the cast
+        self.param_casts: dict[Node, int] = {}
         self.unknown: Counter[str] = Counter()
         # pass 2: the IR's tensors, each node's tensor name, and every atom's dim name
         self.tensors: dict[str, TensorSpec] = {}
@@ -96,21 +98,38 @@ class _Lowering:
         if packet == "getitem":
             self._getitem(node)
             return
+        if packet == "_to_copy" and self.base.get(args[0], args[0]).name in self.param_fqn:
+            self._param_cast(node, args[0])
+            return
         out_axes, desc = self._apply_rule(node, packet)
         self.axes[node] = out_axes
         if desc is None:  # a view: owns no data
             self.base[node] = self.base.get(args[0], args[0])
+            if args[0] in self.param_casts:
+                self.param_casts[node] = self.param_casts[args[0]]
         else:
             self.descs[node] = desc
 
+    def _param_cast(self, node: Node, param: Node) -> None:
+        """Autocast's cast of a parameter (``_to_copy`` to bf16): read as the parameter itself,
+        so that its gradient is the parameter's (partial where its consumer's batch is split,
+        one layout for every use of a tied weight); the cast copy an op saves for backward is
+        priced as that op's buffer, laid out as the weight is there (``_op``)."""
+        self.axes[node] = self.axes[param]
+        self.base[node] = self.base.get(param, param)
+        self.param_casts[node] = node.meta["val"].element_size()
+
     def _getitem(self, node: Node) -> None:
-        """One output of a multi-output node: a piece of a split, or an output of an op
-        without a rule (whole, like its op)."""
+        """One output of a multi-output node: a piece of a split, an output of an op without a
+        rule (whole, like its op), or a fused kernel's output (``native_dropout``'s)."""
         parent, index = node.args
         self.axes[node] = self.axes[parent][index]
         up = self.descs.get(parent)
         if up is not None and up.whole:
             self.descs[node] = Desc(up.kind, whole=True, item=index)
+        elif up is not None and up.item == 0:  # a fused kernel's output (then what it keeps)
+            if index == 0:
+                self.descs[node] = up
         elif up is not None:
             self.descs[node] = Desc("select", unsplittable=up.unsplittable, index=index)
 
@@ -233,6 +252,9 @@ class _Lowering:
         buffers = tuple(
             SavedBuffer(f"{op_name}.saved{j}", *self._buffer_layout(shape, nbytes, node, inputs))
             for j, (shape, nbytes) in enumerate(saved.buffers)
+        ) + tuple(
+            SavedBuffer(f"{op_name}.cast{i}", operands[i].dims, self.param_casts[inputs[i]])
+            for i in saved.inputs if i < len(inputs) and inputs[i] in self.param_casts
         )
         return Op(
             name=op_name, kind=desc.kind, inputs=tuple(operands), output=output,

@@ -209,6 +209,17 @@ def dropout(s: RuleState, node: Node, packet: str):
     return list(s.ax(node.args[0])), Desc("dropout", flops_per_point=2.0, saved=mask)
 
 
+@rule("native_dropout")
+def native_dropout(s: RuleState, node: Node, packet: str):
+    """``dropout`` as its fused kernel runs on CPU and CUDA tensors (a trace on CPU tensors
+    records it): the output, its op, and the mask it keeps (``dropout``'s)."""
+    p = node.args[1]
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    axes = list(s.ax(node.args[0]))
+    kept = () if p == 0 or train is False else ((tuple(int(n) for n in node.meta["val"][0].shape), DROPOUT_MASK_BYTES),)
+    return [axes, list(axes)], Desc("dropout", flops_per_point=2.0, saved=Saved((), False, kept), item=0)
+
+
 @rule(*MATMULS)
 def matmul(s: RuleState, node: Node, packet: str):
     """A contraction: ``linear`` when it reads a parameter, else ``matmul``."""

@@ -1,0 +1,97 @@
+"""``--precision autocast``: a traced model under ``torch.autocast`` to bf16, with CUDA's op
+lists applied while tracing on CPU (``memshard.trace.autocast``). What PyTorch allocates under
+it is checked in ``test_conformance.py``; here, the lists, the casts and where the precision
+is refused."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import memshard  # noqa: E402
+from memshard.errors import MemshardError  # noqa: E402
+from memshard.graph import TensorKind  # noqa: E402
+from memshard.plans import runnable  # noqa: E402
+from memshard.trace import autocast  # noqa: E402
+from memshard.trace.hf import trace_hf  # noqa: E402
+from tests.test_cli import assert_one_line_error, run  # noqa: E402
+
+pytestmark = pytest.mark.trace
+
+GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 64}
+
+
+def header_lists() -> dict[str, set[str]]:
+    """CUDA's autocast lists as the installed PyTorch's ``ATen/autocast_mode.h`` defines them."""
+    header = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
+    if not header.exists():
+        pytest.skip("this PyTorch ships no C++ headers")
+    text = header.read_text().replace("\\\n", " ")
+    lists = {}
+    for macro in ("AT_FORALL_LOWER_PRECISION_FP", "AT_FORALL_FP32", "AT_FORALL_FP32_SET_OPT_DTYPE", "AT_FORALL_PROMOTE"):
+        body = re.search(rf"#define {macro}\(_\)(.*)", text).group(1)
+        lists[macro] = {f"{n}.{o}" if o else n for n, o in re.findall(r"_\((\w+)(?:,\s*(\w+))?\)", body)}
+    return lists
+
+
+def test_the_policy_lists_are_those_of_the_installed_pytorch():
+    lists = header_lists()
+    assert set(autocast.LOWER_PRECISION) == lists["AT_FORALL_LOWER_PRECISION_FP"] - {
+        "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"}
+    assert set(autocast.FP32) == lists["AT_FORALL_FP32"] - {
+        n for n in lists["AT_FORALL_FP32"] if n.startswith(("upsample", "_upsample"))}
+    assert set(autocast.FP32_SET_OPT_DTYPE) == lists["AT_FORALL_FP32_SET_OPT_DTYPE"]
+    assert set(autocast.PROMOTE) == lists["AT_FORALL_PROMOTE"]
+
+
+def test_the_cuda_policy_casts_as_cudas_lists_say_then_cpus_lists_return():
+    x = torch.randn(4, 8)
+    half = x.bfloat16()
+    with autocast.policy("cuda"), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.mm(x, x.T).dtype == torch.bfloat16  # lower precision
+        assert F.layer_norm(half, (8,)).dtype == torch.float32  # fp32 on CUDA, bf16 on CPU
+        assert half.pow(3).dtype == torch.float32
+        assert half.rsqrt().dtype == torch.float32
+        assert torch.softmax(half, -1).dtype == torch.float32  # fp32 unless a dtype is given
+        assert torch.softmax(half, -1, dtype=torch.bfloat16).dtype == torch.bfloat16
+        assert half.sum().dtype == torch.float32
+        assert torch.addcmul(x, half, half).dtype == torch.float32  # the widest input
+        assert F.gelu(half).dtype == torch.bfloat16  # on no list
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.layer_norm(half, (8,)).dtype == torch.bfloat16
+        assert half.pow(3).dtype == torch.bfloat16
+
+
+def test_a_weights_autocast_copy_is_priced_as_its_consumers_saved_buffer():
+    """The bf16 copy of a weight is no activation of its own: the consumer reads the weight, so
+    the gradient (partial across the data-parallel ranks) and a tied weight's layout stay the
+    weight's; the copy it saves for backward is its buffer, 2 bytes an element."""
+    graph = trace_hf("gpt2", batch=4, seq=32, precision="autocast", **GPT2)
+    fp32 = trace_hf("gpt2", batch=4, seq=32, precision="fp32", **GPT2)
+    assert graph.precision.name == "autocast" and graph.num_layers == 2
+    weights = {name for name, t in graph.tensors.items() if t.kind is TensorKind.PARAMETER}
+    assert weights == {name for name, t in fp32.tensors.items() if t.kind is TensorKind.PARAMETER}
+    assert all(graph.tensors[w].dtype_bytes == 4 for w in weights)
+    head = next(op for op in graph.ops if op.name.startswith("lm_head/") and op.kind == "matmul")
+    assert "lm_head.weight" in {o.tensor for o in head.inputs}  # tied to the token embedding
+    copies = [b for op in graph.ops for b in op.buffers if ".cast" in b.name]
+    assert copies and all(b.dtype_bytes == 2 for b in copies)
+    assert len(copies) == sum(1 for op in graph.ops if op.kind == "matmul" and any(o.tensor in weights for o in op.inputs))
+    ddp, ddp_fp32 = (memshard.strategy_plan(g, "4", "ddp") for g in (graph, fp32))
+    assert ddp.communication.bytes_per_step == pytest.approx(ddp_fp32.communication.bytes_per_step)  # in fp32
+
+
+def test_autocast_is_priced_for_traced_models_and_run_by_none():
+    assert "traced" in assert_one_line_error(run("plan", "--model", "tiny-gpt", "--mesh", "2", "--precision",
+                                                 "autocast"))
+    graph = trace_hf("gpt2", batch=2, seq=32, precision="autocast", **GPT2)
+    with pytest.raises(MemshardError, match="autocast plan"):
+        runnable(memshard.strategy_plan(graph, "2", "ddp"))
+    names = {row["strategy"]: row for row in memshard.compare(graph, "2x2")["skipped"]}
+    assert "autocast" in names["megatron-tp2-dp2"]["reason"]
