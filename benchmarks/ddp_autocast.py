@@ -223,8 +223,10 @@ def main() -> None:
 
     cuda = json.loads(RECORDED.read_text())
     text = "\n".join([provenance("OMP_NUM_THREADS=1 python benchmarks/ddp_autocast.py --write"),
-                      f"CUDA rows: measured {cuda['measured']} by `--measure --device cuda` on the GPU machine ({cuda['gpu']}, torch {cuda['torch']}, transformers "
-                      f"{cuda['transformers']}); CPU rows measured by this run.", "",
+                      f"CUDA rows: `--measure --device cuda` on the GPU machine ({cuda['gpu']}, torch {cuda['torch']}, "
+                      f"transformers {cuda['transformers']}), {cuda['measured']}, recorded in "
+                      f"`benchmarks/ddp_autocast_cuda.json`{' (' + cuda['note'] + ')' if 'note' in cuda else ''}; "
+                      "CPU rows measured by this run (torch.autocast on CPU, whose op lists memshard then traces).", "",
                       *table([cuda, measure("cpu")])])
     print(text)
     if args.write:

@@ -93,5 +93,12 @@ def test_autocast_is_priced_for_traced_models_and_run_by_none():
     graph = trace_hf("gpt2", batch=2, seq=32, precision="autocast", **GPT2)
     with pytest.raises(MemshardError, match="autocast plan"):
         runnable(memshard.strategy_plan(graph, "2", "ddp"))
-    names = {row["strategy"]: row for row in memshard.compare(graph, "2x2")["skipped"]}
+    compared = memshard.compare(trace_hf("gpt2", batch=4, seq=32, precision="autocast", **GPT2), "2x2")
+    names = {row["strategy"]: row for row in compared["skipped"]}
     assert "autocast" in names["megatron-tp2-dp2"]["reason"]
+    assert {"fsdp2-noreshard", "torch-tp2-fsdp2"} <= set(names)  # measured off, or not checked, under it
+    offered = {row["strategy"] for row in compared["rows"]}
+    assert {"ddp", "ddp-bucket-view", "fsdp2", "fsdp2-torchtitan", "zero3-fsdp"} <= offered
+    assert not compared["notes"]
+    mixed = memshard.compare(trace_hf("gpt2", batch=2, seq=32, precision="mixed", **GPT2), "2")
+    assert any("--precision autocast" in note for note in mixed["notes"])  # what its ddp row is not

@@ -132,7 +132,16 @@ def compare(model: Model | Job, mesh: str | Mesh = "2x4", *, time_slack: float =
         "mesh": summary["mesh"],
         "rows": [_compare_row(p, best) for p in rows],
         "skipped": [{"strategy": n, "reason": r} for n, r in skipped],
+        "notes": _compare_notes(job, rows),
     }
+
+
+def _compare_notes(job: Job, rows: list[Plan]) -> list[str]:
+    """What a row's name alone would not say."""
+    if job.graph.precision.name == "mixed" and any(p.strategy.startswith("ddp") for p in rows):
+        return ["ddp rows: memshard's bf16 layout (bf16 weights and gradients, fp32 masters); DDP as its users "
+                "train in bf16, under torch.autocast, is --precision autocast (traced models)"]
+    return []
 
 
 def _compare_row(p: Plan, best: Plan) -> dict:

@@ -280,6 +280,8 @@ def render_comparison(result: dict, console: Console) -> None:
     console.print(t)
     for s in result["skipped"]:
         console.print(f"skipped {s['strategy']}: {s['reason']}")
+    for note in result.get("notes", ()):
+        console.print(f"note: {note}")
 
 
 def render_fit(result, console: Console) -> None:
