@@ -8,7 +8,7 @@ Hugging Face GPT-2, LLaMA and Qwen2 (small configs, fp32 weights, dropout off) w
 user trains in bf16: the forward and the loss under ``torch.autocast(device, torch.bfloat16)``,
 backward and ``torch.optim.Adam`` (foreach) outside it; also without autocast (fp32), and
 FSDP2 in mixed precision as torchtitan sets it. ``--measure`` only measures (the planner is not
-imported, so it runs wherever PyTorch and transformers do: the GPU machine) and writes each
+imported, so it runs wherever PyTorch, transformers and pytest do: the GPU machine) and writes each
 run's peak (``MemoryMeter``, DDP's third step, FSDP2's second) with its breakdown, and each
 family's op dtypes in an autocast forward. Without it, the script measures on this machine's
 CPU, reads the CUDA measurements recorded in ``benchmarks/ddp_autocast_cuda.json``, and sets
@@ -27,12 +27,14 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from tests.test_conformance import seen_buckets  # noqa: E402
 
 from memshard.runtime.measure import MemoryMeter, destroy, init_fake_world  # noqa: E402
 from memshard.trace.hf import build_model, load_config  # noqa: E402
@@ -96,17 +98,7 @@ def wrap(run: str, model, world: int, device: str):
         for k, block in enumerate(layers):
             layers[k] = checkpoint_wrapper(block, preserve_rng_state=False)
     wrapped = DistributedDataParallel(model)
-    buckets: dict[int, torch.Tensor] = {}
-
-    def allreduce(_, bucket):  # what DDP's own hook does; the fake group's returns no tensor
-        buckets[bucket.index()] = buffer = bucket.buffer()
-        dist.all_reduce(buffer.div_(world))
-        future = torch.futures.Future()
-        future.set_result(buffer)
-        return future
-
-    wrapped.register_comm_hook(None, allreduce)
-    return wrapped, buckets
+    return wrapped, seen_buckets(wrapped, world)
 
 
 def peak(run: str, family: str, world: int, seq: int, device: str) -> dict:

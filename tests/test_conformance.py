@@ -123,29 +123,38 @@ def data_parallel(model, mesh, **options):
     return DistributedDataParallel(model, **options)
 
 
+def seen_buckets(wrapped, world: int) -> dict[int, torch.Tensor]:
+    """DDP's gradient buckets by index, filled in as its comm hook sees them: the hook
+    registered here does what DDP's built-in one does (average the bucket in place, all-reduce
+    it in place) and allocates nothing either, and returns the bucket itself, which the fake
+    process group's all-reduce does not."""
+    import torch.distributed as dist
+
+    buckets: dict[int, torch.Tensor] = {}
+
+    def allreduce(_, bucket):
+        buckets[bucket.index()] = buffer = bucket.buffer()
+        dist.all_reduce(buffer.div_(world))
+        future = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+
+    wrapped.register_comm_hook(None, allreduce)
+    return buckets
+
+
 def ddp_peak(family: str, world: int, rank: int, parallelize=data_parallel, seq: int = SEQ,
              autocast: bool = False) -> int:
     """The peak bytes of the third training step of rank ``rank`` under
     ``DistributedDataParallel`` (``parallelize(model, mesh)``; DDP rebuilds its buckets in the
     second). DDP allocates its gradient buckets in C++ when it wraps the model, where MemTracker
     cannot see them: they are handed to the meter. The fake process group's all-reduce returns
-    no tensor, which DDP's built-in hook needs; the hook here does what that one does (average
-    the bucket in place, all-reduce it in place) and allocates nothing either."""
-    import torch.distributed as dist
+    no tensor, which DDP's built-in hook needs (:func:`seen_buckets`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     with fake_rank(family, world, rank) as model:
         wrapped = parallelize(model, init_device_mesh("cpu", (world,)))
-        buckets: dict[int, torch.Tensor] = {}
-
-        def allreduce(_, bucket):
-            buckets[bucket.index()] = buffer = bucket.buffer()
-            dist.all_reduce(buffer.div_(world))
-            future = torch.futures.Future()
-            future.set_result(buffer)
-            return future
-
-        wrapped.register_comm_hook(None, allreduce)
+        buckets = seen_buckets(wrapped, world)
         return last_step_peak(model, lambda opt, seed: train_step(wrapped, opt, seed, seq, autocast), steps=3,
                               tracked=lambda: buckets.values())
 

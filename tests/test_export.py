@@ -57,13 +57,13 @@ def traced():
     return {f: trace_hf(f, batch=WORLD, seq=SEQ, precision="fp32", **FAMILIES[f]) for f in FAMILIES}
 
 
-def measured(strategy: str, parallelize, family: str, rank: int) -> int:
+def measured(strategy: str, parallelize, family: str, rank: int, autocast: bool = False) -> int:
     """The measured peak of rank ``rank`` with the exported function applied, as
     ``test_conformance`` measures the baseline (DDP's buckets and comm hook included)."""
     from tests.test_conformance import ddp_peak, fully_sharded_peak
 
     return {"fsdp2": fully_sharded_peak, "ddp": ddp_peak}[strategy.split("+")[0].split("-")[0]](
-        family, WORLD, rank, parallelize)
+        family, WORLD, rank, parallelize, autocast=autocast)
 
 
 MEASURED = ("ddp", "fsdp2", "ddp+full", "fsdp2+full", "ddp-bucket-view", "fsdp2-noreshard", "fsdp2+selective-op",
@@ -99,6 +99,23 @@ def test_the_exported_code_allocates_what_the_plan_predicts(strategy, family, tr
         print(f"{strategy} {family} rank {rank}: measured {peak:,} B, predicted {round(predicted):,} B, "
               f"{peak / predicted - 1:+.2%}")
         assert peak == pytest.approx(predicted, rel=0.02), rank
+
+
+@pytest.mark.runtime
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2+full"])
+def test_an_autocast_export_says_how_to_train_and_allocates_what_is_predicted(strategy):
+    """Under ``--precision autocast`` the code is the fp32 one; its header says to train under
+    ``torch.autocast``, as the step measured here does (CPU's, whose lists the trace takes)."""
+    from memshard.trace.hf import trace_hf
+    from tests.test_conformance import FAMILIES, SEQ, recompute_of
+
+    graph = trace_hf("llama", batch=WORLD, seq=SEQ, precision="autocast", autocast_device="cpu", **FAMILIES["llama"])
+    text = memshard.export(graph, str(WORLD), strategy=strategy)
+    assert 'torch.autocast("cuda", dtype=torch.bfloat16)' in text and "mp_policy" not in text
+    predicted = memshard.strategy_plan(graph, str(WORLD), strategy, recompute=recompute_of(strategy)).peak_bytes
+    for rank in (0, WORLD - 1):
+        assert measured(strategy, parallelize_of(text), "llama", rank, autocast=True) == pytest.approx(
+            predicted, rel=0.02), rank
 
 
 @pytest.mark.runtime

@@ -209,9 +209,10 @@ def check_exportable(target: ExportTarget, job: Job) -> None:
     """Refuse, before any planning, a job the target's code cannot run as priced."""
     given = isinstance(job.model, (Graph, TracedModule))  # the graph or module fixes its precision
     precision = job.graph.precision.name if given else job.precision
-    if target.kind == "ddp" and precision not in (None, "fp32"):
-        raise MemshardError(f"{target.strategy} is exported as PyTorch's defaults run it, in fp32 (the precision "
-                            "memshard checks it in against PyTorch): give --precision fp32")
+    if target.kind == "ddp" and precision not in (None, "fp32", "autocast"):
+        raise MemshardError(f"{target.strategy} is exported as PyTorch's defaults run it, in fp32 or under "
+                            "torch.autocast (the precisions memshard checks it in against PyTorch): give "
+                            "--precision fp32 or autocast")
     traced = isinstance(job.model, (HFModel, TracedModule)) or (
         isinstance(job.model, Graph) and job.model.origin is Origin.TRACED)
     if target.kind == "torch-tp" and not traced:
@@ -400,6 +401,9 @@ def _shard(plan: Plan, module: str, mesh: str, option: str = "") -> str:
 
 
 def _precision_note(plan: Plan) -> str:
+    if plan.problem.graph.precision.name == "autocast":
+        return (" Train in bf16 as priced: the forward and the loss under torch.autocast(\"cuda\", "
+                "dtype=torch.bfloat16), backward and the optimizer step after it.")
     return (" Mixed precision: FSDP2's MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
             "reduce_dtype=torch.float32).") if _mixed(plan) else ""
 
@@ -481,7 +485,7 @@ def ddp_code(target: ExportTarget, plan: Plan) -> list[str]:
             else "its gradient buckets hold a second copy of the gradients all step")
     options = f"with {target.option}" if target.option else "with its defaults"
     return [*_usage(plan, f"PyTorch's DistributedDataParallel {options}; train the module it returns."
-                    + _checkpointing(target)),
+                    + _precision_note(plan) + _checkpointing(target)),
             "",
             *(["import torch"] if _policy_lines(target) else []),
             "from torch import nn",
