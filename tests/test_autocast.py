@@ -102,3 +102,27 @@ def test_autocast_is_priced_for_traced_models_and_run_by_none():
     assert not compared["notes"]
     mixed = memshard.compare(trace_hf("gpt2", batch=2, seq=32, precision="mixed", **GPT2), "2")
     assert any("--precision autocast" in note for note in mixed["notes"])  # what its ddp row is not
+
+
+class ThriceRead(torch.nn.Module):
+    """One weight read by three matmuls: autocast casts it once per forward (its cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        return (((x @ self.w).relu() @ self.w).relu() @ self.w).square().mean()
+
+
+def test_a_weight_read_thrice_has_one_bf16_copy_priced_with_the_first_reader_that_keeps_it():
+    """(The first matmul reads the input, which needs no gradient: it keeps no weight.)"""
+    from memshard.trace import trace_module
+
+    graph = trace_module(ThriceRead(), (torch.randn(8, 16),), autocast="cpu")
+    assert graph.precision.name == "autocast"
+    readers = [op for op in graph.ops if op.kind == "matmul"]
+    assert len(readers) == 3 and all("w" in {o.tensor for o in op.inputs} for op in readers)
+    assert [len([b for b in op.buffers if ".cast" in b.name]) for op in readers] == [0, 1, 0]
+    with pytest.raises(MemshardError, match="not on meta"):
+        trace_module(ThriceRead().to("meta"), (torch.randn(8, 16, device="meta"),), autocast="cuda")

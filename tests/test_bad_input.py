@@ -157,6 +157,7 @@ CLI = {
                                     "1.1", "--max-step-time", "1s"], "--max-step-time"),
     "run-fsdp2-baseline": (["simulate", "--model", "tiny-gpt", "--mesh", "2", "--precision", "fp32",
                             "--strategy", "fsdp2"], "fully_shard"),
+    "simulate-autocast": (["simulate", "--hf-model", "gpt2", "--mesh", "2", "--precision", "autocast"], "autocast"),
     "run-timeout-zero": (["run", "--model", "tiny-gpt", "--mesh", "2", "--timeout", "0"], "0"),
     "simulate-rank-outside": (["simulate", "--model", "tiny-gpt", "--mesh", "2", "--rank", "7"], "--rank"),
     "simulate-rank-negative": (["simulate", "--model", "tiny-gpt", "--mesh", "2", "--rank", "-1"], "--rank"),

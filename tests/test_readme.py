@@ -35,8 +35,8 @@ COMMANDS = {
     "memshard plan --model gpt3-6.7b --mesh 2x4 --json plan.json": (),
     "memshard compare --model gpt3-6.7b --mesh 2x4 --batch 16 --seq 2048": (),
     "memshard plan --hf-model gpt2 --mesh 4 --batch 8 --seq 1024": (pytest.mark.trace,),
-    "memshard compare --hf-config examples/tiny_llama.json --mesh 4 --batch 4 --seq 64 --precision autocast":
-        (pytest.mark.trace,),
+    "memshard compare --hf-model llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --vocab 256 --mesh 4 "
+    "--batch 4 --seq 64 --precision autocast": (pytest.mark.trace,),
     "memshard run --model tiny-gpt --mesh 2x2 --steps 3": (pytest.mark.runtime,),
     "memshard plan --model gpt3-13b --mesh 1x8 --batch 16 --seq 2048 --objective time --memory-budget 80GiB "
     "--recompute auto": (),

@@ -70,8 +70,10 @@ class _Lowering:
         self.grad: dict[Node, bool] = {}
         self.base: dict[Node, Node] = {}  # view → the node that owns the data
         self.descs: dict[Node, Desc] = {}
-        # autocast's cast of a parameter (and views of it) → bytes per element of the cast
+        # autocast's cast of a parameter (and views of it) → its bytes per element; the
+        # parameters whose copy is already priced as an op's buffer
         self.param_casts: dict[Node, int] = {}
+        self.buffered_casts: set[Node] = set()
         self.unknown: Counter[str] = Counter()
         # pass 2: the IR's tensors, each node's tensor name, and every atom's dim name
         self.tensors: dict[str, TensorSpec] = {}
@@ -252,10 +254,7 @@ class _Lowering:
         buffers = tuple(
             SavedBuffer(f"{op_name}.saved{j}", *self._buffer_layout(shape, nbytes, node, inputs))
             for j, (shape, nbytes) in enumerate(saved.buffers)
-        ) + tuple(
-            SavedBuffer(f"{op_name}.cast{i}", operands[i].dims, self.param_casts[inputs[i]])
-            for i in saved.inputs if i < len(inputs) and inputs[i] in self.param_casts
-        )
+        ) + self._cast_buffers(op_name, saved, inputs, operands)
         return Op(
             name=op_name, kind=desc.kind, inputs=tuple(operands), output=output,
             reduced_dims=tuple(dict.fromkeys(self._name(x, desc) for x in self.atoms.leaves(desc.reduced))),
@@ -264,6 +263,19 @@ class _Lowering:
             flops_per_point=desc.flops_per_point, backward_flops_ratio=desc.backward_flops_ratio,
             layer=layer, role=role,
         )
+
+    def _cast_buffers(self, op_name: str, saved: Saved, inputs: list[Node], operands: list[Operand]) -> tuple:
+        """The bf16 copies of weights an op keeps for backward. Autocast casts a weight once per
+        forward (its cache), so a copy is priced once, with the first op that keeps it: that
+        one's backward is the last to need it."""
+        out = []
+        for i in saved.inputs:
+            if i < len(inputs) and inputs[i] in self.param_casts:
+                param = self.base[inputs[i]]  # (one cast per forward: the trace may make more)
+                if param not in self.buffered_casts:
+                    self.buffered_casts.add(param)
+                    out.append(SavedBuffer(f"{op_name}.cast{i}", operands[i].dims, self.param_casts[inputs[i]]))
+        return tuple(out)
 
     def _name(self, atom: int, desc: Desc) -> str:
         renamed = self.atoms.leaves(desc.renamed)
