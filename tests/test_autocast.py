@@ -53,7 +53,7 @@ def test_the_policy_lists_are_those_of_the_installed_pytorch():
 def test_the_cuda_policy_casts_as_cudas_lists_say_then_cpus_lists_return():
     x = torch.randn(4, 8)
     half = x.bfloat16()
-    with autocast.policy("cuda"), torch.autocast("cpu", dtype=torch.bfloat16):
+    with autocast.cuda_policy(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.mm(x, x.T).dtype == torch.bfloat16  # lower precision
         assert F.layer_norm(half, (8,)).dtype == torch.float32  # fp32 on CUDA, bf16 on CPU
         assert half.pow(3).dtype == torch.float32

@@ -4,21 +4,20 @@ A DDP user trains in bf16 with ``torch.autocast("cuda", torch.bfloat16)`` over f
 each op runs in the dtype autocast's per-op lists give it. memshard traces on CPU (fake
 tensors), where ``torch.autocast("cpu")`` applies the CPU lists, which differ from CUDA's
 (CUDA runs ``pow``, ``exp``, ``rsqrt``, ``layer_norm``, ``softmax``… in fp32; CPU keeps them
-in bf16). :func:`policy` therefore registers, for the length of a trace, a kernel on the
+in bf16). :func:`cuda_policy` therefore registers, for the length of a trace, a kernel on the
 ``AutocastCPU`` dispatch key of every op on CUDA's lists (``ATen/autocast_mode.h``:
 ``AT_FORALL_LOWER_PRECISION_FP``, ``AT_FORALL_FP32``, ``AT_FORALL_FP32_SET_OPT_DTYPE``,
 ``AT_FORALL_PROMOTE``) that casts as CUDA's autocast kernel does, so the trace records CUDA's
-casts: ``_to_copy`` nodes whose outputs are what the ops save for backward. As in PyTorch, a
-parameter's cast is made once per forward (autocast's cast cache) and every other tensor's at
-each use. Ops on none of CUDA's lists keep no autocast kernel: PyTorch's own CPU ones are
-shadowed by a plain redispatch while the policy is active.
+casts: ``_to_copy`` nodes whose outputs are what the ops save for backward. A parameter's
+cast is made once (autocast's cast cache), every other tensor's at each use. PyTorch's own
+CPU kernels for ops on none of CUDA's lists are shadowed by a plain redispatch meanwhile.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.utils._pytree import tree_map
@@ -108,35 +107,24 @@ def _tensors(args, kwargs) -> list:
 
 
 @contextlib.contextmanager
-def policy(device: str, ops: Iterable = (), dtype: torch.dtype = torch.bfloat16) -> Iterator[None]:
-    """While active, ``torch.autocast("cpu", dtype)`` casts as ``device``'s autocast does:
-    CUDA's lists for "cuda", CPU's own for "cpu". Each of ``ops`` (a traced program's
-    ``OpOverload``s) on no list gets a kernel that only passes it on, as an op without an
-    autocast kernel does eagerly: without one, the autocast key's fallthrough would decompose a
-    composite op (``dropout`` into ``native_dropout``) that the program keeps whole."""
+def cuda_policy(dtype: torch.dtype = torch.bfloat16) -> Iterator[None]:
+    """While active, ``torch.autocast("cpu", dtype)`` casts as CUDA's autocast does: a kernel
+    per op of CUDA's lists, and CPU's own kernels (ops CUDA's lists do not hold) shadowed by
+    one that only passes the op on."""
     state = _Policy(dtype)
     library = torch.library.Library("aten", "IMPL")
     lists = {"lower": LOWER_PRECISION, "fp32": FP32, "set_dtype": FP32_SET_OPT_DTYPE, "promote": PROMOTE}
-    ours = {name for names in lists.values() for name in names} if device == "cuda" else set()
-    passed = {_short(op) for op in ops if op.namespace == "aten"}
-    if device == "cuda":  # CPU's own kernels shadowed: CUDA has none for these
-        passed |= {name.removeprefix("aten::") for name in torch._C._dispatch_get_all_op_names()
-                   if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(name, _KEY)}
+    ours = {name for names in lists.values() for name in names}
+    cpus = {name.removeprefix("aten::") for name in torch._C._dispatch_get_all_op_names()
+            if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(name, _KEY)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": CPU's own
-        for kind, names in lists.items() if device == "cuda" else ():
+        for kind, names in lists.items():
             for name in names:
                 library.impl(name, state.kernel(_overload(name), kind), _KEY)
-        for name in sorted(passed - ours):
-            if device == "cuda" or not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", _KEY):
-                library.impl(name, state.kernel(_overload(name), "none"), _KEY)
+        for name in sorted(cpus - ours):
+            library.impl(name, state.kernel(_overload(name), "none"), _KEY)
     try:
         yield
     finally:
         library._destroy()
-
-
-def _short(op) -> str:
-    """``aten.mm.default`` → "mm", ``aten.pow.Tensor_Scalar`` → "pow.Tensor_Scalar"."""
-    packet, overload = op.name().removeprefix("aten::").partition(".")[::2]
-    return f"{packet}.{overload}" if overload and overload != "default" else packet

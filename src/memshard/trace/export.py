@@ -7,6 +7,7 @@ non-strict (Python runs as usual), so ordinary ``nn.Module`` code traces without
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import torch
@@ -81,14 +82,14 @@ def _autocast(program: torch.export.ExportedProgram, device: str) -> torch.expor
     forward becomes a single region that loses the module stacks.) The program's dtype
     assertions, true of the fp32 trace, are dropped; a decision the module's Python took on a
     dtype (``x.to(y.dtype)``) stays as the fp32 trace took it. CPU autocast applies CUDA's op
-    lists where ``device`` is "cuda" (``autocast.policy``)."""
-    from memshard.trace.autocast import policy
+    lists where ``device`` is "cuda" (``autocast.cuda_policy``)."""
+    from memshard.trace.autocast import cuda_policy
 
     graph = program.graph_module.graph
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
             graph.erase_node(node)
     program.graph_module.recompile()
-    ops = {node.target for node in graph.nodes if isinstance(node.target, torch._ops.OpOverload)}
-    with policy(device, ops), torch.autocast("cpu", dtype=torch.bfloat16):
+    with cuda_policy() if device == "cuda" else contextlib.nullcontext(), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
         return program.run_decompositions({})
