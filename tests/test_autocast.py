@@ -126,3 +126,5 @@ def test_a_weight_read_thrice_has_one_bf16_copy_priced_with_the_first_reader_tha
     assert [len([b for b in op.buffers if ".cast" in b.name]) for op in readers] == [0, 1, 0]
     with pytest.raises(MemshardError, match="not on meta"):
         trace_module(ThriceRead().to("meta"), (torch.randn(8, 16, device="meta"),), autocast="cuda")
+    planned = memshard.plan(ThriceRead(), (torch.randn(8, 16),), mesh="2", precision="autocast")  # CUDA's lists
+    assert planned.model.precision == "autocast"
