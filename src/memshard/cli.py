@@ -324,8 +324,9 @@ def _runtime_plan(args):
         return runnable(load_plan(args.plan))
     if (args.model, args.hf_config, args.hf_model) == (None, None, None) or args.mesh is None:
         raise MemshardError("give --plan, or a model (--model, --hf-config or --hf-model) and --mesh")
-    if args.precision == "autocast":  # said before any planning (``plans.runnable`` says it of a plan)
-        raise MemshardError("memshard's runtime executes fp32 and mixed-precision plans, not autocast ones")
+    from memshard.plans import check_runnable_precision
+
+    check_runnable_precision(args.precision)  # before any planning
     return runtime_plan(job_of(args), args.strategy or "memshard", options_of(args, gap=0.02))
 
 

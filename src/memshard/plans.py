@@ -199,15 +199,21 @@ class Plan:
         write_text_atomically(path, self.to_json())
 
 
+def check_runnable_precision(precision: str | None) -> None:
+    """Refuse a precision memshard's runtime does not execute: autocast is priced as PyTorch
+    runs it, not run here."""
+    if precision == AUTOCAST.name:
+        raise MemshardError("memshard's runtime executes fp32 and mixed-precision plans; an autocast plan is priced "
+                            "as PyTorch runs it (DDP, FSDP2), not run here")
+
+
 def runnable(plan: Plan) -> Plan:
     """The plan memshard's runtime executes for ``plan``: ``plan`` itself, or a Megatron-LM
     baseline's layout priced as memshard's runtime runs it (no gradient buffer, its gradients
     in the job's precision). Refused: the baselines priced as PyTorch's implementations run
     them (``fsdp2``, ``ddp``, ``torch-tp*``)."""
     framework = plan.problem.framework
-    if plan.model.precision == AUTOCAST.name:
-        raise MemshardError("memshard's runtime executes fp32 and mixed-precision plans; an autocast plan is priced "
-                            "as PyTorch runs it (DDP, FSDP2), not run here")
+    check_runnable_precision(plan.model.precision)
     if framework == MEGATRON:
         return build_plan(as_run_by(plan.problem, MEMSHARD), plan.selection, plan.job, strategy=plan.strategy,
                           advice=False)
