@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/conformance.py [--write]
 
-Hugging Face LLaMA and GPT-2 (tiny configs, fp32, dropout off), ``fully_shard`` on every block
+Hugging Face LLaMA and GPT-2 (tiny configs, fp32, dropout off; attention on the kernel CUDA
+takes: ``trace.kernels.cuda_attention``), ``fully_shard`` on every block
 and on the root module, or ``DistributedDataParallel`` (defaults), ``torch.optim.Adam``
 (foreach), with and without torchtitan's full activation checkpointing (``checkpoint_wrapper``,
 ``torch.utils.checkpoint``, around every block: ``fsdp2+full``, ``ddp+full``; with its per-op

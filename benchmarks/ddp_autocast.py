@@ -188,8 +188,7 @@ def table(measured: list[dict]) -> list[str]:
         for run in result["runs"]:
             family, world, seq = run["family"], run["world"], run["seq"]
             label, precision, baseline, recompute = RUNS[run["run"]]
-            options = {"autocast_device": result["device"]} if precision == "autocast" else {}
-            graph = trace_hf(family, batch=world, seq=seq, precision=precision, **run["config"], **options)
+            graph = trace_hf(family, batch=world, seq=seq, precision=precision, device=result["device"], **run["config"])
             predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute).peak_bytes
             contrast = ""
             if run["run"] == "ddp-autocast":

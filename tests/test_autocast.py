@@ -119,12 +119,12 @@ def test_a_weight_read_thrice_has_one_bf16_copy_priced_with_the_first_reader_tha
     """(The first matmul reads the input, which needs no gradient: it keeps no weight.)"""
     from memshard.trace import trace_module
 
-    graph = trace_module(ThriceRead(), (torch.randn(8, 16),), autocast="cpu")
+    graph = trace_module(ThriceRead(), (torch.randn(8, 16),), autocast=True, device="cpu")
     assert graph.precision.name == "autocast"
     readers = [op for op in graph.ops if op.kind == "matmul"]
     assert len(readers) == 3 and all("w" in {o.tensor for o in op.inputs} for op in readers)
     assert [len([b for b in op.buffers if ".cast" in b.name]) for op in readers] == [0, 1, 0]
     with pytest.raises(MemshardError, match="not on meta"):
-        trace_module(ThriceRead().to("meta"), (torch.randn(8, 16, device="meta"),), autocast="cuda")
+        trace_module(ThriceRead().to("meta"), (torch.randn(8, 16, device="meta"),), autocast=True)
     planned = memshard.plan(ThriceRead(), (torch.randn(8, 16),), mesh="2", precision="autocast")  # CUDA's lists
     assert planned.model.precision == "autocast"

@@ -6,7 +6,9 @@ its defaults (``fsdp2-noreshard``: ``reshard_after_forward=False``; ``ddp-bucket
 ``gradient_as_bucket_view=True``), and ``fsdp2+full``/``ddp+full`` the same with torchtitan's full activation
 checkpointing (``torch.utils.checkpoint`` around every block). Here the real thing runs: a Hugging Face
 model (tiny configs, fp32, dropout off: on CPU a dropout keeps an fp32 mask and makes SDPA take
-its math path, neither what the GPUs planned for do), one rank of a 4- or 8-rank world under
+its math path, neither what the GPUs planned for do; each attention call on the kernel CUDA
+takes, ``trace.kernels.cuda_attention``: the math path for fp32 grouped-query attention, as
+the traces priced for CUDA), one rank of a 4- or 8-rank world under
 the ``fake`` process group, ``torch.optim.Adam`` as on GPUs by default (``foreach``: one
 square root of every state at once), one sequence per rank; the second step is
 measured by ``MemoryMeter`` (MemTracker; DDP's third). Its peak must be the baseline's
@@ -30,6 +32,7 @@ import torch  # noqa: E402
 import memshard  # noqa: E402
 from memshard.runtime.measure import MemoryMeter, destroy, init_fake_world  # noqa: E402
 from memshard.trace.hf import build_model, load_config, trace_hf  # noqa: E402
+from memshard.trace.kernels import cuda_attention  # noqa: E402
 
 pytestmark = pytest.mark.runtime
 
@@ -85,11 +88,12 @@ def last_step_peak(model, run, steps: int = 2, tracked=tuple) -> int:
     with ``torch.optim.Adam`` (foreach), as ``MemoryMeter`` measures it; ``tracked()``: the
     tensors made before the meter that count too."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-    for seed in range(steps - 1):
-        run(opt, seed)
-    meter = MemoryMeter(model, opt, *tracked())
-    with meter:
-        run(opt, steps - 1)
+    with cuda_attention():  # attention as CUDA runs it (its math path for fp32 GQA)
+        for seed in range(steps - 1):
+            run(opt, seed)
+        meter = MemoryMeter(model, opt, *tracked())
+        with meter:
+            run(opt, steps - 1)
     return meter.peak_bytes
 
 
@@ -650,30 +654,50 @@ def test_ddp_and_fsdp2_under_autocast_are_what_pytorch_allocates(baseline, famil
     """A bf16 DDP user's step (``--precision autocast``): fp32 weights, gradients, buckets and
     Adam states; the forward and the loss under ``torch.autocast``, each activation in the dtype
     autocast computes it in, each weight's bf16 copy saved for its backward. The ranks run CPU
-    autocast here, so the trace takes CPU's op lists (``autocast_device="cpu"``; CUDA's are
+    autocast here, so the trace takes CPU's op lists (``device="cpu"``; CUDA's are
     checked against a GPU's measurements below)."""
-    graph = trace_hf(family, batch=world, seq=seq, precision="autocast", autocast_device="cpu", **FAMILIES[family])
+    graph = trace_hf(family, batch=world, seq=seq, precision="autocast", device="cpu", **FAMILIES[family])
     predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute_of(baseline)).peak_bytes
     for rank in (0, world - 1):
         measured = MEASURED[baseline](family, world, rank, seq=seq, autocast=True)
         assert measured == pytest.approx(predicted, rel=0.02), rank
 
 
-def test_ddp_under_cuda_autocast_is_what_pytorch_allocated_on_a_gpu():
-    """The trace with CUDA's autocast lists against ``DistributedDataParallel`` under
-    ``torch.autocast("cuda")`` as measured on an H200 (``benchmarks/ddp_autocast.py --measure``,
-    recorded in ``benchmarks/ddp_autocast_cuda.json``: one rank of the fake process group,
-    MemTracker). CPU's lists would miss GPT-2's GELU, which CUDA runs in fp32 (its ``pow``)."""
-    recorded = json.loads((ROOT / "benchmarks" / "ddp_autocast_cuda.json").read_text())
-    assert recorded["device"] == "cuda"
-    runs = [run for run in recorded["runs"] if run["run"] == "ddp-autocast"]
-    assert {run["family"] for run in runs} == {"gpt2", "llama", "qwen2"}
-    def predicted(run: dict, device: str) -> float:
-        graph = trace_hf(run["family"], batch=run["world"], seq=run["seq"], precision="autocast",
-                         autocast_device=device, **run["config"])
-        return memshard.strategy_plan(graph, str(run["world"]), "ddp").peak_bytes
+GPU_RUNS = json.loads((ROOT / "benchmarks" / "ddp_autocast_cuda.json").read_text())
+# Each run recorded on the GPU: memshard's precision, baseline and recomputation for it
+GPU_BASELINES = {"ddp-autocast": ("autocast", "ddp", "none"), "ddp+full-autocast": ("autocast", "ddp+full", "full"),
+                 "fsdp2-autocast": ("autocast", "fsdp2", "none"), "ddp-fp32": ("fp32", "ddp", "none"),
+                 "fsdp2-mixed": ("mixed", "fsdp2", "none")}
+GPT2_CUDA_AUTOCAST_GAP = pytest.mark.xfail(strict=True, reason=(
+    "known: GPT-2 under CUDA autocast with FSDP2 or checkpointed blocks is priced 1.7-4.3% low (its fp32 GELU "
+    "chain's backward; CPU autocast, without that chain, is exact)"))
 
-    for run in runs:
-        assert predicted(run, "cuda") == pytest.approx(run["peak"], rel=0.02), run
-        if run["family"] == "gpt2" and run["seq"] >= 1024:
-            assert predicted(run, "cpu") < 0.9 * run["peak"]
+
+def gpu_cases() -> list:
+    cases = []
+    for run in GPU_RUNS["runs"]:
+        known = run["family"] == "gpt2" and run["run"] in ("ddp+full-autocast", "fsdp2-autocast")
+        cases.append(pytest.param(run, id=f"{run['run']}-{run['family']}-{run['world']}x{run['seq']}",
+                                  marks=[GPT2_CUDA_AUTOCAST_GAP] if known else []))
+    return cases
+
+
+def predicted_on(run: dict, device: str) -> float:
+    precision, baseline, recompute = GPU_BASELINES[run["run"]]
+    graph = trace_hf(run["family"], batch=run["world"], seq=run["seq"], precision=precision, device=device,
+                     **run["config"])
+    return memshard.strategy_plan(graph, str(run["world"]), baseline, recompute=recompute).peak_bytes
+
+
+@pytest.mark.parametrize("run", gpu_cases())
+def test_a_baseline_is_what_pytorch_allocated_on_a_gpu(run):
+    """The traces priced for CUDA against PyTorch measured on an H200 (``benchmarks/ddp_autocast.py
+    --measure``, recorded in ``benchmarks/ddp_autocast_cuda.json``: one rank of the fake process
+    group, MemTracker): DDP and FSDP2 under ``torch.autocast("cuda")``, DDP with checkpointed
+    blocks, FSDP2's ``MixedPrecisionPolicy``, DDP in fp32. Priced for CPU they would be wrong
+    where CUDA runs differently: GPT-2's GELU, which CUDA's autocast runs in fp32 (its ``pow``),
+    and fp32 grouped-query attention, which CUDA runs unfused (``trace.kernels``)."""
+    assert GPU_RUNS["device"] == "cuda"
+    assert predicted_on(run, "cuda") == pytest.approx(run["peak"], rel=0.02)
+    if run["seq"] >= 1024 and (run["run"], run["family"]) in (("ddp-autocast", "gpt2"), ("ddp-fp32", "llama")):
+        assert predicted_on(run, "cpu") < 0.9 * run["peak"]

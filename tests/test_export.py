@@ -109,7 +109,7 @@ def test_an_autocast_export_says_how_to_train_and_allocates_what_is_predicted(st
     from memshard.trace.hf import trace_hf
     from tests.test_conformance import FAMILIES, SEQ, recompute_of
 
-    graph = trace_hf("llama", batch=WORLD, seq=SEQ, precision="autocast", autocast_device="cpu", **FAMILIES["llama"])
+    graph = trace_hf("llama", batch=WORLD, seq=SEQ, precision="autocast", device="cpu", **FAMILIES["llama"])
     text = memshard.export(graph, str(WORLD), strategy=strategy)
     assert 'torch.autocast("cuda", dtype=torch.bfloat16)' in text and "mp_policy" not in text
     predicted = memshard.strategy_plan(graph, str(WORLD), strategy, recompute=recompute_of(strategy)).peak_bytes

@@ -124,7 +124,7 @@ def test_traced_ops_cost_the_builders_flops(source, preset, same, same_total):
     attention once over the head dim, an unfused attention's scores over both sequences, the
     activation functions the builder's per-element count."""
     family, overrides = source
-    traced = flops_by_kind(trace_hf(family, batch=2, seq=32, precision="fp32", **overrides))
+    traced = flops_by_kind(trace_hf(family, batch=2, seq=32, precision="mixed", **overrides))
     built = flops_by_kind(build_graph(preset, batch=2, seq=32))
     for kind in same:
         assert traced[kind] == built[kind], kind
@@ -149,13 +149,17 @@ def test_a_traced_llamas_step_computes_as_long_as_the_builders():
 def test_traced_llama_attention_takes_the_eager_path():
     """An eager training step on whole sequences has no mask: SDPA is causal and reads the
     key/value heads themselves (grouped-query), saving neither a mask nor repeated keys. The
-    query heads are (key/value head × group); the query sequence stays whole (is_causal)."""
-    graph = trace_hf("llama", batch=2, seq=32, precision="fp32", **FAMILIES["llama"])
+    query heads are (key/value head × group); the query sequence stays whole (is_causal). (In
+    bf16 on a GPU, or in fp32 on CPU: CUDA runs fp32 grouped-query attention unfused, below.)"""
+    graph = trace_hf("llama", batch=2, seq=32, precision="mixed", **FAMILIES["llama"])
     assert not any(t.kind is TensorKind.INPUT and t.shape[-2:] == (32, 32) for t in graph.tensors.values())
     sdpa = next(op for op in graph.ops if op.kind == "sdpa" and op.layer == 0)
     sizes = graph.dim_sizes(sdpa)
     q, k, v = (sdpa.inputs[i].dims for i in range(3))
     assert len(sdpa.inputs) == 3 and graph.tensors[sdpa.inputs[1].tensor].numel == 2 * 2 * 32 * 16
+    on_cpu = [op.kind for op in trace_hf("llama", batch=2, seq=32, precision="fp32", device="cpu",
+                                         **FAMILIES["llama"]).ops]
+    assert on_cpu.count("sdpa") == 2 and "matmul" not in on_cpu
     kv_head = k[1]  # [b, kv heads, s, head dim]: the query reads each of its groups' heads
     assert sizes[kv_head] == 2 and kv_head in q and kv_head in v
     assert math.prod(sizes[d] for d in q) == 2 * 32 * 64

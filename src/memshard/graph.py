@@ -189,6 +189,9 @@ class Graph:
     seq: int | None = None  # the sequence length it was built or traced for
     # A traced module: the ATen ops memshard has no rule for (op → count, planned replicated)
     unknown_ops: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
+    # A traced module: the inputs its code makes from no model input (the causal mask of a math
+    # attention path), whole on every rank and alive while the ops that read them need them
+    made_inputs: frozenset[str] = frozenset()
     # A traced module: its ``memshard.trace.TracedProgram`` (the exported program and each
     # op's ATen call), which the runtime runs; None for a built graph.
     traced: Any = field(default=None, compare=False, hash=False, repr=False)
@@ -218,11 +221,11 @@ class Graph:
     def loaded_inputs(self) -> dict[str, tuple[int, int]]:
         """The inputs a data loader gives each rank its share of — those one op reads (token
         ids, labels) — → that op (op index, input index). Those several ops read (a traced
-        model's rotary tables) are made whole on every rank."""
+        model's rotary tables) are made whole on every rank, and so are ``made_inputs``."""
         out = {}
         for name, spec in self.tensors.items():
             uses = self.consumers.get(name, ())
-            if spec.kind is TensorKind.INPUT and len(uses) == 1:
+            if spec.kind is TensorKind.INPUT and len(uses) == 1 and name not in self.made_inputs:
                 out[name] = uses[0]
         return out
 

@@ -159,9 +159,8 @@ class Job:
             from memshard.trace import trace_module
 
             args, kwargs = _call_arguments(model.example_inputs)
-            autocast = "cuda" if self.precision == AUTOCAST.name else None
             return trace_module(model.module, args, kwargs, precision=PRECISIONS.get(self.precision),
-                                autocast=autocast)
+                                autocast=self.precision == AUTOCAST.name)
         if isinstance(model, HFModel):
             from memshard.trace.hf import trace_hf
 

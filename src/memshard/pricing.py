@@ -743,6 +743,10 @@ class _Builder:
         for name, spec in self.graph.tensors.items():
             if spec.kind is not TensorKind.INPUT:
                 continue
+            if name in self.graph.made_inputs:
+                self.constants.append(Constant(*self.made_span(name), "activations", spec.nbytes,
+                                               spec.nbytes * (1 - 1 / n), spec.nbytes))
+                continue
             if name not in loaded:
                 self.constants.append(Constant(0, self.sched.optimizer, "activations", spec.nbytes,
                                                spec.nbytes * (1 - 1 / n), spec.nbytes))
@@ -752,6 +756,13 @@ class _Builder:
             prices = self.cached((gid, "loaded", j), lambda spec=spec, gid=gid, j=j: self.layout_prices(
                 spec, [s.input_layouts[j] for s in self.groups[gid].strategies]))
             self.slot(gid, 0, self.sched.optimizer, "activations", *prices, spec.nbytes)
+
+    def made_span(self, name: str) -> tuple[int, int]:
+        """Where a made input lives: from its first reader's forward to its last reader's
+        forward, or to the backward of a reader that keeps it."""
+        S, uses = self.sched, self.graph.consumers[name]
+        ends = [S.backward(i) if j in self.graph.ops[i].saves_inputs else S.forward(i) for i, j in uses]
+        return S.forward(uses[0][0]), max(ends)
 
     def add_framework_buffers(self) -> None:
         """DistributedDataParallel's gradient buckets: every parameter's gradient once more,

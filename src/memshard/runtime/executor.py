@@ -90,6 +90,12 @@ class Shares(dict):
     """A rank's share of one micro-batch's graph inputs (``ShardedGraphModel.shares``)."""
 
 
+def made(x) -> torch.Tensor:
+    """A model input, or one the module's code makes where it is read (a callable, as
+    ``traced.MadeInput``), made now."""
+    return x() if callable(x) else x
+
+
 # -- the interpreter -------------------------------------------------------------------------
 @dataclass
 class _Boundary:
@@ -196,7 +202,7 @@ class GraphModel(nn.Module):
             g, inputs, self.kernels, context,
             weight=lambda i, j: (self.parameter(g.ops[i].inputs[j].tensor), None),
             feed=lambda i, j, x: (x, None),
-            input_for=lambda i, j, x: x,
+            input_for=lambda i, j, x: made(x),
         )
 
 
@@ -553,6 +559,7 @@ class ShardedGraphModel(nn.Module):
         return distribute_tensor(x, self.mesh, layout, src_data_rank=None).to_local()
 
     def _input(self, i: int, j: int, x: torch.Tensor) -> torch.Tensor:
+        x = made(x)
         if self.graph.ops[i].inputs[j].tensor in self.graph.loaded_inputs:
             return x  # this rank's share already (``load``)
         return self._slice(i, j, x)
@@ -569,7 +576,7 @@ class ShardedGraphModel(nn.Module):
     def load(self, shares: Shares) -> dict[str, torch.Tensor]:
         """The shares in memory of their own, kept until the next micro-batch's (a training
         loop's ``batch``: through the optimizer step)."""
-        self.batch = {name: x.clone() for name, x in shares.items()}
+        self.batch = {name: x if callable(x) else x.clone() for name, x in shares.items()}
         return self.batch
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -273,13 +273,16 @@ def _flatten_inputs(ep, args: tuple, kwargs: dict) -> list:
 @torch.no_grad()
 def constant_inputs(graph: Graph, buffers: dict, args: tuple, kwargs: dict, device) -> dict[str, torch.Tensor]:
     """The graph's INPUT tensors for one call, computed in full by the exported program's
-    parameter-free nodes (on ``device``) from the call's arguments and the module's buffers."""
+    parameter-free nodes (on ``device``) from the call's arguments and the module's buffers.
+    A made input (``graph.made_inputs``: a causal mask built from nothing) is a
+    :class:`MadeInput`, made where an op reads it, as the eager module makes it there."""
     ep = graph.traced.program
     sig = ep.graph_signature
     params = set(sig.inputs_to_parameters)
     user = iter(_flatten_inputs(ep, args, kwargs))
     env: dict = {}
     grad: set = set()
+    made: list = []  # the nodes computed from no placeholder, in order
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             if node.name in params:
@@ -293,13 +296,10 @@ def constant_inputs(graph: Graph, buffers: dict, args: tuple, kwargs: dict, devi
         elif node.op == "call_function":
             if any(a in grad for a in node.all_input_nodes):
                 grad.add(node)
-                continue
-            def value(a):  # traced on meta: constants are made on the run's device
-                return env[a] if isinstance(a, torch.fx.Node) else (device if isinstance(a, torch.device) else a)
-
-            node_args = pytree.tree_map(value, node.args)
-            node_kwargs = pytree.tree_map(value, dict(node.kwargs))
-            env[node] = node.target(*node_args, **node_kwargs)
+            else:
+                if all(a in made for a in node.all_input_nodes):
+                    made.append(node)
+                env[node] = _run_node(node, env, device)
     by_name = {n.name: v for n, v in env.items()}
     out = {}
     for name, spec in graph.tensors.items():
@@ -308,9 +308,50 @@ def constant_inputs(graph: Graph, buffers: dict, args: tuple, kwargs: dict, devi
         count = graph.traced.synthetic.get(name)
         if count is not None:
             out[name] = (by_name[count.labels] != count.ignore_index).sum()
+        elif name in graph.made_inputs:
+            out[name] = MadeInput(_ancestors(next(n for n in made if n.name == name), made), spec.shape, device)
         else:
             out[name] = by_name[name].reshape(spec.shape)
     return out
+
+
+def _run_node(node: torch.fx.Node, env: dict, device):
+    def value(a):  # traced on meta: constants are made on the run's device
+        return env[a] if isinstance(a, torch.fx.Node) else (device if isinstance(a, torch.device) else a)
+
+    return node.target(*pytree.tree_map(value, node.args), **pytree.tree_map(value, dict(node.kwargs)))
+
+
+def _ancestors(node: torch.fx.Node, order: list) -> list:
+    """``node`` and the nodes it is computed from, in ``order``."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return [n for n in order if n in seen]
+
+
+class MadeInput:
+    """An input the module's code makes from nothing (``graph.made_inputs``): called, it runs
+    the program's nodes up to it and returns the tensor, which lives as long as its reader
+    holds it."""
+
+    def __init__(self, nodes: list, shape: tuple[int, ...], device):
+        self.nodes, self.shape, self.device = nodes, shape, device
+
+    @torch.no_grad()
+    def __call__(self) -> torch.Tensor:
+        env: dict = {}
+        uses = {n: sum(u in self.nodes for u in n.users) for n in self.nodes}
+        for node in self.nodes:
+            env[node] = _run_node(node, env, self.device)
+            for a in node.all_input_nodes:  # dropped after their last use, as eager code drops them
+                uses[a] -= 1
+                if not uses[a]:
+                    del env[a]
+        return env[self.nodes[-1]].reshape(self.shape)
 
 
 class ShardedTracedModel(ShardedGraphModel):

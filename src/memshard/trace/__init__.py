@@ -31,14 +31,16 @@ def trace_module(
     *,
     name: str | None = None,
     precision: Precision | None = None,
-    autocast: str | None = None,
+    autocast: bool = False,
+    device: str = "cuda",
 ) -> Graph:
     """The training graph of ``module(*args, **kwargs)`` (which returns the loss).
 
     Model states are priced at ``precision`` (default: autocast's under ``autocast``, else fp32
     for fp32 parameters, else mixed precision); activations at the dtypes the module really
-    computes in (``autocast``, "cuda" or "cpu": under ``torch.autocast`` to bf16 with that
-    device's op lists; the module and inputs on CPU, fake or real). ``graph.unknown_ops`` counts
+    computes in (``autocast``: under ``torch.autocast`` to bf16 with ``device``'s op lists; the
+    module and inputs on CPU, fake or real) and with the attention kernels ``device`` ("cuda",
+    what memshard plans for, or "cpu") runs (``kernels.py``). ``graph.unknown_ops`` counts
     the ATen ops without a rule (planned replicated); ``graph.traced`` is the
     :class:`~memshard.trace.program.TracedProgram` the runtime runs (the exported program,
     each op's ATen call, ``parameter_axes``: parameter FQN → the IR dims of each of its torch
@@ -50,7 +52,7 @@ def trace_module(
     if autocast and any(p.device.type == "meta" for p in module.parameters()):
         raise MemshardError("autocast casts CPU and CUDA tensors only: build the module on CPU (under "
                             "torch._subclasses.FakeTensorMode to allocate nothing), not on meta")
-    ep = export_training_forward(module, tuple(args), kwargs, autocast)
+    ep = export_training_forward(module, tuple(args), kwargs, device if autocast else None, device)
     fixed = split_kwargs(kwargs)[1]  # e.g. use_cache=False: part of the trace
     precision = precision or (AUTOCAST if autocast else _precision_of(module))
     return lower(ep, name or type(module).__name__, precision, fixed)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from memshard.errors import MemshardError
+from memshard.trace.kernels import math_attention
 
 WRAPPER_PREFIX = "module."
 
@@ -49,14 +50,16 @@ def split_kwargs(kwargs: Mapping | None) -> tuple[dict, dict]:
 
 
 def export_training_forward(
-    module: torch.nn.Module, args: tuple, kwargs: Mapping | None = None, autocast: str | None = None
+    module: torch.nn.Module, args: tuple, kwargs: Mapping | None = None, autocast: str | None = None,
+    device: str = "cuda",
 ) -> torch.export.ExportedProgram:
     """Export ``module(*args, **kwargs)`` up to its loss, in training mode, without running it.
 
     ``autocast`` ("cuda" or "cpu"): the forward and the loss under ``torch.autocast(autocast,
     torch.bfloat16)`` as a bf16 user runs them, its casts written into the program (the module
     and inputs must then be fake CPU tensors, not meta: autocast casts CPU tensors only).
-    Parameter names in the program keep the module's FQNs behind :data:`WRAPPER_PREFIX`.
+    Attention runs as on ``device`` (``kernels.math_attention``). Parameter names in the
+    program keep the module's FQNs behind :data:`WRAPPER_PREFIX`.
     """
     if not isinstance(module, torch.nn.Module):
         raise MemshardError(f"expected an nn.Module, got {type(module).__name__}")
@@ -65,7 +68,8 @@ def export_training_forward(
     module.train()
     try:
         program = torch.export.export(_LossOf(module, fixed), tuple(args), kwargs=tensors, strict=False)
-        return program if autocast is None else _autocast(program, autocast)
+        program = program if autocast is None else _autocast(program, autocast)
+        return math_attention(program) if device == "cuda" else program
     except MemshardError:
         raise
     except Exception as exc:  # export's own errors are long; keep the first line

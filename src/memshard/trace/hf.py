@@ -139,25 +139,25 @@ def config_label(source: str | dict) -> str:
 
 
 def trace_hf(source: str | dict, batch: int, seq: int | None = None, precision: str = "mixed",
-             attn_implementation: str | None = None, autocast_device: str = "cuda", **overrides) -> Graph:
-    """Trace a Hugging Face model for a micro-batch of ``batch`` sequences of ``seq`` tokens
-    (``precision="autocast"``: fp32 weights under ``torch.autocast(autocast_device)``, CUDA's
-    op lists by default)."""
+             attn_implementation: str | None = None, device: str = "cuda", **overrides) -> Graph:
+    """Trace a Hugging Face model for a micro-batch of ``batch`` sequences of ``seq`` tokens,
+    priced as it runs on ``device`` ("cuda" or "cpu": its attention kernels and, for
+    ``precision="autocast"`` — fp32 weights under ``torch.autocast`` — its op lists)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if precision not in PRECISIONS:
         raise MemshardError(f"unknown precision {precision!r}; use mixed, fp32 or autocast")
     cfg = load_config(source, **overrides)
     seq = seq or min(max_positions(cfg) or 2048, 2048)
-    autocast = autocast_device if precision == "autocast" else None
+    autocast = precision == "autocast"
     # autocast casts CPU tensors only: its trace runs on fake CPU tensors, the others on meta
     with FakeTensorMode() if autocast else contextlib.nullcontext():
-        device = "cpu" if autocast else "meta"
-        model = build_model(cfg, precision, attn_implementation, device=device)
-        args, kwargs = example_inputs(cfg, batch, seq, device=device)
+        where = "cpu" if autocast else "meta"
+        model = build_model(cfg, precision, attn_implementation, device=where)
+        args, kwargs = example_inputs(cfg, batch, seq, device=where)
     with eager_masks():
         graph = trace_module(model, args, kwargs, name=f"hf:{config_label(source)}",
-                             precision=PRECISIONS[precision], autocast=autocast)
+                             precision=PRECISIONS[precision], autocast=autocast, device=device)
     return replace(graph, seq=seq)
 
 

@@ -68,6 +68,7 @@ class _Lowering:
         self.axes: dict[Node, Any] = {}  # node → list of atom tuples (or a list of those)
         self.rules = RuleState(self.atoms, self.axes, frozenset(self.param_fqn))
         self.grad: dict[Node, bool] = {}
+        self.made: set[Node] = set()  # computed from no placeholder: a factory-made constant
         self.base: dict[Node, Node] = {}  # view → the node that owns the data
         self.descs: dict[Node, Desc] = {}
         # autocast's cast of a parameter (and views of it) → its bytes per element; the
@@ -89,6 +90,8 @@ class _Lowering:
                 if isinstance(val, torch.Tensor):
                     self.axes[node] = [self.atoms.axis(n) for n in val.shape]
             elif node.op == "call_function":
+                if all(a in self.made for a in node.all_input_nodes):
+                    self.made.add(node)
                 self._dims_of(node)
 
     def _dims_of(self, node: Node) -> None:
@@ -177,6 +180,8 @@ class _Lowering:
             name=self.name, tensors=self.tensors, ops=tuple(ops), loss=self.ir_name[loss_node],
             precision=self.precision, num_layers=len({op.layer for op in ops if op.layer is not None}),
             unknown_ops=dict(sorted(self.unknown.items())), traced=program,
+            made_inputs=frozenset(name for node, name in self.ir_name.items()
+                                  if node in self.made and self.tensors[name].kind is TensorKind.INPUT),
         )
 
     def _loss_node(self) -> Node:

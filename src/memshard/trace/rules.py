@@ -27,7 +27,7 @@ VIEWS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "t", "unsque
 SKIP = {"_assert_tensor_metadata", "_assert_scalar", "sym_size", "sym_constrain_range_for_size"}
 MATMULS = {"linear", "addmm", "mm", "bmm", "matmul"}
 REDUCTIONS = {"sum", "mean"}  # a split reduced dim leaves a partial sum
-SOFTMAXES = {"_softmax", "softmax", "_log_softmax", "log_softmax"}
+SOFTMAXES = {"_softmax", "softmax", "_safe_softmax", "_log_softmax", "log_softmax"}
 SPLITS = {"split", "split_with_sizes", "chunk", "unbind"}
 DROPOUT_MASK_BYTES = 1  # native_dropout's bool mask (the CPU kernel keeps a float one)
 LSE_BYTES = 4
@@ -364,6 +364,20 @@ def _pieces(s: RuleState, axis: tuple[int, ...], pieces: int) -> tuple[tuple[int
     outer, inner = A.axis(pieces), A.axis(n // pieces)
     A.unify(axis, (*outer, *inner))
     return outer, inner
+
+
+@rule("repeat_interleave")
+def repeat_interleave(s: RuleState, node: Node, packet: str):
+    """Each slice along one axis repeated ``r`` times in a row (the math attention path's keys
+    and values, repeated to the query's heads): that axis becomes (its atoms × r), a copy."""
+    x, repeats = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    d = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if not isinstance(x, Node) or not isinstance(repeats, int) or d is None:
+        raise DimConflict("repeat_interleave without one int repeat along one dim")
+    out = list(s.ax(x))
+    d = _dim(d, len(out))
+    out[d] = (*out[d], *s.atoms.axis(repeats))
+    return out, Desc("copy")
 
 
 @rule(*SPLITS)
