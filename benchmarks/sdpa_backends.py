@@ -1,7 +1,7 @@
 """Which kernel ``F.scaled_dot_product_attention`` runs on a GPU, and what it saves for backward.
 
     python3 benchmarks/sdpa_backends.py --measure --out benchmarks/sdpa_backends_cuda.json   (GPU machine)
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sdpa_backends.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sdpa_backends.py [--write]
 
 PyTorch picks SDPA's kernel per call from the inputs' dtype, head dimension, mask, dropout and
 whether grouped-query attention is asked for (``enable_gqa``); the fused kernels save the inputs,
@@ -10,8 +10,8 @@ seq²). ``--measure`` (torch only: it runs on the GPU machine) records ``torch._
 over a grid of such calls and, for a few of them, the bytes autograd saves and the peak of one
 forward and backward. Without it, the script checks memshard's rule
 (``memshard.trace.kernels.cuda_sdpa_backend``: the math path or a fused kernel) against every
-recorded choice and prints the saved bytes of the same calls on this machine's CPU (the math
-kernel where the GPU took it) beside the GPU's.
+recorded choice and sets the saved bytes of the same calls on this machine's CPU (the math
+kernel where the GPU took it) beside the GPU's; ``--write`` puts that into BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def measure(device: str) -> dict:
     return result
 
 
-def check() -> None:
+def check() -> list[str]:
     sys.path.insert(0, str(ROOT / "src"))
     from memshard.trace.kernels import MATH, cuda_sdpa_backend
 
@@ -123,14 +123,18 @@ def check() -> None:
     wrong = [c for c in recorded["choices"] if (cuda_sdpa_backend(
         c["dtype"], c["head_dim"], gqa=c["kv_heads"] != HEADS and c["enable_gqa"], mask=c["mask"] is not None)
         == MATH) != (c["backend"] == "math")]
-    print(f"{recorded['gpu']}, torch {recorded['torch']}: memshard's rule (math path or fused kernel) agrees "
-          f"with {len(recorded['choices']) - len(wrong)} of {len(recorded['choices'])} recorded choices")
-    for c in wrong[:20]:
-        print("  differs:", c)
+    lines = [f"{recorded['gpu']}, torch {recorded['torch']}, {recorded['measured']}: memshard's rule (math path or "
+             f"fused kernel) agrees with {len(recorded['choices']) - len(wrong)} of {len(recorded['choices'])} "
+             "recorded choices.", "",
+             "| GPU kernel | dtype | key/value heads of 8 | seq | saved on the GPU (bytes) | saved on CPU (bytes) |",
+             "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| differs: {c} |" for c in wrong[:20]]
     for row in recorded["memory"]:
         cpu = saved_and_peak(row["case"], "cpu", backend={"math": "MATH"}.get(row["backend"]))
-        print(f"  {row['backend']:9} {row['case']['dtype']} kv {row['case']['kv_heads']} seq {row['case']['seq']}: "
-              f"GPU saves {row['saved_bytes']} B (peak +{row['peak_above_inputs']}), CPU {cpu['saved_bytes']} B")
+        case = row["case"]
+        lines.append(f"| {row['backend']} | {case['dtype']} | {case['kv_heads']} | {case['seq']} "
+                     f"| {row['saved_bytes']:,} | {cpu['saved_bytes']:,} |")
+    return lines
 
 
 def main() -> None:
@@ -138,11 +142,18 @@ def main() -> None:
     parser.add_argument("--measure", action="store_true", help="measure only, into --out")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out")
+    parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     if args.measure:
         Path(args.out).write_text(json.dumps(measure(args.device), indent=1))
-    else:
-        check()
+        return
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from benchmarks_md import provenance, write_section
+
+    text = "\n".join([provenance("OMP_NUM_THREADS=1 python benchmarks/sdpa_backends.py --write"), *check()])
+    print(text)
+    if args.write:
+        write_section("sdpa-backends", "Which attention kernel CUDA runs", text)
 
 
 if __name__ == "__main__":

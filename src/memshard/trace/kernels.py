@@ -83,8 +83,12 @@ def cuda_attention():
     fused = torch.nn.functional.scaled_dot_product_attention
 
     def as_on_cuda(*args, **kwargs):
+        query, key = args[0], args[1]
+        device = query.device.type
+        if torch.is_autocast_enabled(device):  # the kernel sees autocast's dtype (SDPA is on its lists)
+            query = query.to(torch.get_autocast_dtype(device))
         mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-        if takes_math(args[0], args[1], mask, kwargs.get("enable_gqa")):
+        if takes_math(query, key, mask, kwargs.get("enable_gqa")):
             with sdpa_kernel(SDPBackend.MATH):
                 return fused(*args, **kwargs)
         return fused(*args, **kwargs)
