@@ -128,3 +128,57 @@ def test_a_weight_read_thrice_has_one_bf16_copy_priced_with_the_first_reader_tha
         trace_module(ThriceRead().to("meta"), (torch.randn(8, 16, device="meta"),), autocast=True)
     planned = memshard.plan(ThriceRead(), (torch.randn(8, 16),), mesh="2", precision="autocast")  # CUDA's lists
     assert planned.model.precision == "autocast"
+
+
+class Widening(torch.nn.Module):
+    """Blocks whose bf16 activation meets an fp32 one in a product, as GPT-2's GELU under CUDA's
+    autocast (``0.5 * x`` in bf16 times ``1 + tanh(…pow(x, 3)…)`` in fp32)."""
+
+    def __init__(self, checkpointed: bool = False):
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        blocks = [self.Block() for _ in range(2)]
+        self.layers = torch.nn.ModuleList([checkpoint_wrapper(b, preserve_rng_state=False) if checkpointed else b
+                                           for b in blocks])
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256)
+
+        def forward(self, x):
+            h = self.up(x).to(torch.bfloat16)
+            return x + self.down((0.5 * h) * (1.0 + torch.tanh(torch.pow(h.float(), 3.0))))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_narrow_input_of_a_wide_product_gets_a_wide_gradient_then_its_cast(checkpointed):
+    """The bf16 input's gradient is computed in fp32 and cast by autograd after the op's
+    backward, both alive at once; in a checkpointed block the op's saved tensors (the
+    checkpoint's) are freed before that cast, so the peak is the fp32 gradient with them.
+    Priced as PyTorch allocates it on CPU (``MemoryMeter``, second step; the input added,
+    made before the meter)."""
+    from memshard.runtime.measure import MemoryMeter
+    from memshard.trace import trace_module
+
+    x = torch.randn(512, 256)
+    torch.manual_seed(0)
+    graph = trace_module(Widening(), (x,), device="cpu")
+    predicted = memshard.strategy_plan(graph, "1", "dp+full" if checkpointed else "dp",
+                                       recompute="full" if checkpointed else "none").peak_bytes
+    torch.manual_seed(0)
+    model = Widening(checkpointed)
+    opt = torch.optim.Adam(model.parameters(), foreach=True)
+    for _ in range(2):
+        meter = MemoryMeter(model, opt)
+        with meter:
+            model(x).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert meter.peak_bytes + x.nbytes == pytest.approx(predicted, rel=0.001)

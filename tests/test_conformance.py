@@ -668,19 +668,6 @@ GPU_RUNS = json.loads((ROOT / "benchmarks" / "ddp_autocast_cuda.json").read_text
 GPU_BASELINES = {"ddp-autocast": ("autocast", "ddp", "none"), "ddp+full-autocast": ("autocast", "ddp+full", "full"),
                  "fsdp2-autocast": ("autocast", "fsdp2", "none"), "ddp-fp32": ("fp32", "ddp", "none"),
                  "fsdp2-mixed": ("mixed", "fsdp2", "none")}
-GPT2_CUDA_AUTOCAST_GAP = pytest.mark.xfail(strict=True, reason=(
-    "known: GPT-2 under CUDA autocast with FSDP2 or checkpointed blocks is priced 1.7-4.3% low (its fp32 GELU "
-    "chain's backward; CPU autocast, without that chain, is exact)"))
-
-
-def gpu_cases() -> list:
-    cases = []
-    for run in GPU_RUNS["runs"]:
-        known = run["family"] == "gpt2" and (run["run"] == "fsdp2-autocast" or (
-            run["run"] == "ddp+full-autocast" and run["seq"] >= 1024))
-        cases.append(pytest.param(run, id=f"{run['run']}-{run['family']}-{run['world']}x{run['seq']}",
-                                  marks=[GPT2_CUDA_AUTOCAST_GAP] if known else []))
-    return cases
 
 
 def predicted_on(run: dict, device: str) -> float:
@@ -690,15 +677,16 @@ def predicted_on(run: dict, device: str) -> float:
     return memshard.strategy_plan(graph, str(run["world"]), baseline, recompute=recompute).peak_bytes
 
 
-@pytest.mark.parametrize("run", gpu_cases())
+@pytest.mark.parametrize("run", GPU_RUNS["runs"], ids=lambda run: f"{run['run']}-{run['family']}-{run['world']}x{run['seq']}")
 def test_a_baseline_is_what_pytorch_allocated_on_a_gpu(run):
     """The traces priced for CUDA against PyTorch measured on an H200 (``benchmarks/ddp_autocast.py
     --measure``, recorded in ``benchmarks/ddp_autocast_cuda.json``: one rank of the fake process
     group, MemTracker): DDP and FSDP2 under ``torch.autocast("cuda")``, DDP with checkpointed
     blocks, FSDP2's ``MixedPrecisionPolicy``, DDP in fp32. Priced for CPU they would be wrong
-    where CUDA runs differently: GPT-2's GELU, which CUDA's autocast runs in fp32 (its ``pow``),
-    and fp32 grouped-query attention, which CUDA runs unfused (``trace.kernels``)."""
+    where CUDA runs differently: GPT-2's GELU, which CUDA's autocast runs in fp32 (its ``pow``;
+    the bf16 half of its last product then gets an fp32 gradient that autograd casts), and fp32
+    grouped-query attention, which CUDA runs unfused (``trace.kernels``)."""
     assert GPU_RUNS["device"] == "cuda"
-    assert predicted_on(run, "cuda") == pytest.approx(run["peak"], rel=0.02)
+    assert predicted_on(run, "cuda") == pytest.approx(run["peak"], rel=0.01)
     if run["seq"] >= 1024 and (run["run"], run["family"]) in (("ddp-autocast", "gpt2"), ("ddp-fp32", "llama")):
         assert predicted_on(run, "cpu") < 0.9 * run["peak"]
