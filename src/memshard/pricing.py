@@ -26,6 +26,7 @@ from memshard.cost.memory import (
     buffer_global_bytes,
     buffer_redundant_bytes,
     param_layout,
+    promoted_gradient,
     redundant_bytes,
     storage_memory,
     storage_options,
@@ -34,7 +35,7 @@ from memshard.cost.memory import (
 from memshard.cost.reshard_memory import reshard_peak_bytes
 from memshard.errors import MemshardError
 from memshard.gathers import LayerUnit, fsdp2_units, gather_points, layer_units
-from memshard.graph import LAYOUT_COPY, Graph, Op, TensorKind, TensorSpec
+from memshard.graph import Graph, Op, TensorKind, TensorSpec
 from memshard.mesh import Mesh
 from memshard.placement import PARTIAL, REPLICATE, Layout, Shard, local_numel, local_shape
 from memshard.problem import (
@@ -102,18 +103,6 @@ def _role_key(op: Op, shared: bool) -> str:
     return op.share_key if shared and op.role is not None else op.name
 
 
-
-# Ops whose gradient for an input is the output's gradient itself (before autograd casts it).
-GRADIENT_PASSES_THROUGH = frozenset({"add", "copy", LAYOUT_COPY})
-
-
-def promoted_gradient(op: Op, source: TensorSpec, out: TensorSpec) -> float:
-    """An input narrower than the op's output of its size (bf16 times fp32 under autocast): its
-    gradient is computed in the output's dtype, then autograd casts it to the input's, both
-    alive at once. The extra tensor, per byte of the input's gradient (0: none)."""
-    if source.dtype_bytes >= out.dtype_bytes or source.numel != out.numel or op.kind in GRADIENT_PASSES_THROUGH:
-        return 0.0
-    return out.dtype_bytes / source.dtype_bytes
 
 class _Builder:
     def __init__(self, graph: Graph, mesh: Mesh, shared: bool, micro_batches: int, zero3_unit: str = "op",

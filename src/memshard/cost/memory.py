@@ -5,7 +5,8 @@ For a tensor of shape ``S`` laid out as ``L`` on the mesh, one device holds
 same bytes sit on ``replication(L)`` devices. The model prices, per choice the planner makes:
 
 - an op's strategy: private saved buffers (dropout masks), the gradients it produces for its
-  activation inputs, the gradient of its output (``op_memory``);
+  activation inputs (and, for a narrow input of a wide op, the wide gradient autograd casts:
+  ``promoted_gradient``), the gradient of its output (``op_memory``);
 - a parameter's layout and storage sharding (``storage_memory``): weight, gradient and
   optimizer states, each divided further by the mesh axes the storage shards over
   (ZeRO-1: optimizer states, ZeRO-2: + gradients, ZeRO-3/FSDP: + weights), plus the
@@ -24,7 +25,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from memshard.graph import Graph, Op, Precision, TensorSpec
+from memshard.graph import LAYOUT_COPY, Graph, Op, Precision, TensorSpec
 from memshard.mesh import Mesh
 from memshard.placement import REPLICATE, Layout, Shard, local_numel, replication
 from memshard.strategies import Strategy
@@ -161,3 +162,16 @@ def storage_memory(
         redundant_gradients=rg,
         redundant_optimizer_states=ro,
     )
+
+
+# Ops whose gradient for an input is the output's gradient itself (before autograd casts it).
+GRADIENT_PASSES_THROUGH = frozenset({"add", "copy", LAYOUT_COPY})
+
+
+def promoted_gradient(op: Op, source: TensorSpec, out: TensorSpec) -> float:
+    """An input narrower than the op's output of its size (bf16 times fp32 under autocast): its
+    gradient is computed in the output's dtype, then autograd casts it to the input's, both
+    alive at once. The extra tensor, per byte of the input's gradient (0: none)."""
+    if source.dtype_bytes >= out.dtype_bytes or source.numel != out.numel or op.kind in GRADIENT_PASSES_THROUGH:
+        return 0.0
+    return out.dtype_bytes / source.dtype_bytes
