@@ -67,6 +67,8 @@ RUNS = {
     "ddp+full-autocast": ("DDP, autocast, checkpointed blocks", "autocast", "ddp+full", "full"),
     "fsdp2-autocast": ("FSDP2, autocast", "autocast", "fsdp2", "none"),
     "ddp-fp32": ("DDP, fp32", "fp32", "ddp", "none"),
+    "ddp+full-fp32": ("DDP, fp32, checkpointed blocks", "fp32", "ddp+full", "full"),
+    "fsdp2-fp32": ("FSDP2, fp32", "fp32", "fsdp2", "none"),
     "fsdp2-mixed": ("FSDP2, MixedPrecisionPolicy", "mixed", "fsdp2", "none"),
 }
 

@@ -667,6 +667,7 @@ GPU_RUNS = json.loads((ROOT / "benchmarks" / "ddp_autocast_cuda.json").read_text
 # Each run recorded on the GPU: memshard's precision, baseline and recomputation for it
 GPU_BASELINES = {"ddp-autocast": ("autocast", "ddp", "none"), "ddp+full-autocast": ("autocast", "ddp+full", "full"),
                  "fsdp2-autocast": ("autocast", "fsdp2", "none"), "ddp-fp32": ("fp32", "ddp", "none"),
+                 "ddp+full-fp32": ("fp32", "ddp+full", "full"), "fsdp2-fp32": ("fp32", "fsdp2", "none"),
                  "fsdp2-mixed": ("mixed", "fsdp2", "none")}
 
 
