@@ -103,7 +103,6 @@ def _role_key(op: Op, shared: bool) -> str:
     return op.share_key if shared and op.role is not None else op.name
 
 
-
 class _Builder:
     def __init__(self, graph: Graph, mesh: Mesh, shared: bool, micro_batches: int, zero3_unit: str = "op",
                  recompute: str = "none", framework: str = MEMSHARD):

@@ -11,7 +11,8 @@ CPU's flash kernel takes every case memshard traces. ``cuda_sdpa_backend`` is th
 checked against ``torch._fused_sdp_choice`` recorded on an H200 (``benchmarks/sdpa_backends.py``);
 ``math_attention`` rewrites those calls of a program into PyTorch's own math path
 (``aten._scaled_dot_product_attention_math``'s composite kernel), so the lowering prices its ops
-as it prices any other and the runtime runs them.
+as it prices any other and the runtime runs them. ``cuda_attention`` makes eager PyTorch on CPU
+take CUDA's path, for the tests that measure it.
 """
 
 from __future__ import annotations

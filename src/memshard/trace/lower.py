@@ -12,7 +12,8 @@ Three passes over the FX graph:
    the two kernels that save differently on the GPUs we plan for (dropout keeps a 1-byte mask,
    fused attention keeps q, k, v, its output and the log-sum-exp). Nodes that depend on no
    parameter (masks, positions, shifted labels) are computed in full on every device: they are
-   the IR's inputs. Ops without a rule keep every dim whole (replicated) and are counted in
+   the IR's inputs; those computed from no placeholder at all (a math attention path's causal
+   mask) are ``Graph.made_inputs``, made where they are read. Ops without a rule keep every dim whole (replicated) and are counted in
    ``Graph.unknown_ops``. Each op keeps the ATen call the runtime makes for it
    (``program.AtenCall``, in ``Graph.traced``).
 3. **layers**: ops inside ``<container>.<i>.`` modules get ``layer = i`` and a role (their
