@@ -17,6 +17,8 @@ from memshard.trace.hf import trace_hf  # noqa: E402
 from memshard.trace.kernels import MATH, cuda_attention, cuda_sdpa_backend  # noqa: E402
 from tests.test_conformance import FAMILIES  # noqa: E402
 
+pytestmark = pytest.mark.trace
+
 ROOT = Path(__file__).resolve().parent.parent
 RECORDED = json.loads((ROOT / "benchmarks" / "sdpa_backends_cuda.json").read_text())
 
@@ -76,3 +78,21 @@ def test_fp32_grouped_query_attention_is_traced_as_cudas_math_path():
               for device in ("cpu", "cuda")]
     peaks = [memshard.strategy_plan(g, "2", "ddp").peak_bytes for g in longer]
     assert peaks[1] > 1.1 * peaks[0]
+
+
+@pytest.mark.runtime
+def test_the_math_path_runs_split_over_heads():
+    """Megatron-LM's tensor parallelism on a traced fp32 LLaMA: the math path's ops run on
+    each rank's key/value heads (the repeat's copies stay whole), under ``simulate`` (the fake
+    process group, every op on local shards) within 2% of the predicted peak, collectives exact."""
+    from memshard.runtime.simulate import simulate
+
+    config = {"model_type": "llama", **FAMILIES["llama"], "hidden_size": 64, "intermediate_size": 128,
+              "vocab_size": 256}
+    plan = memshard.strategy_plan(memshard.HFModel(config), "2x2", "megatron-tp2-dp2", batch=4, seq=64,
+                                  precision="fp32")
+    math_ops = [op for op in plan.ops if op.kind in ("matmul", "softmax") or "repeat_interleave" in op.name]
+    assert len(math_ops) == 5 and all(op.split.get("intra") for op in math_ops)
+    report = simulate(plan, rank=0)
+    assert report["measured"]["peak_bytes"] == pytest.approx(report["predicted"]["peak_bytes"], rel=0.02)
+    assert report["measured"]["communication_bytes"] == report["predicted"]["communication_bytes"]

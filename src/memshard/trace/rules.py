@@ -376,8 +376,10 @@ def repeat_interleave(s: RuleState, node: Node, packet: str):
         raise DimConflict("repeat_interleave without one int repeat along one dim")
     out = list(s.ax(x))
     d = _dim(d, len(out))
-    out[d] = (*out[d], *s.atoms.axis(repeats))
-    return out, Desc("copy")
+    copies = s.atoms.axis(repeats)
+    out[d] = (*out[d], *copies)
+    # the call makes all ``repeats`` copies: that atom stays whole here
+    return out, Desc("copy", unsplittable=tuple(copies))
 
 
 @rule(*SPLITS)
