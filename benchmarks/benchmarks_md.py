@@ -49,3 +49,24 @@ def write_section(name: str, title: str, text: str) -> None:
     else:
         doc = doc.rstrip() + f"\n\n## {title}\n\n{block}\n"
     BENCHMARKS.write_text(doc)
+
+
+def gpu_or_here(description: str, measure) -> bool | None:
+    """The options of a benchmark measured on the GPU machine and tabled here: with
+    ``--measure``, ``measure(--device)`` is written to ``--out`` and None returned; otherwise
+    whether ``--write`` was given."""
+    import argparse
+    import json
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--measure", action="store_true", help="measure only, into --out")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out")
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    if args.measure:
+        Path(args.out).write_text(json.dumps(measure(args.device), indent=1))
+        return None
+    return args.write

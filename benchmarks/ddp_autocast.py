@@ -19,7 +19,6 @@ lists; the ``ddp`` baseline of the mixed-precision job, memshard's bf16 layout, 
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import sys
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from tests.test_conformance import seen_buckets  # noqa: E402
 
+from benchmarks_md import gpu_or_here, provenance, write_section  # noqa: E402
 from memshard.runtime.measure import MemoryMeter, destroy, init_fake_world  # noqa: E402
 from memshard.trace.hf import build_model, load_config  # noqa: E402
 
@@ -203,17 +203,9 @@ def table(measured: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--measure", action="store_true", help="measure only, into --out")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out")
-    parser.add_argument("--write", action="store_true")
-    args = parser.parse_args()
-    if args.measure:
-        Path(args.out).write_text(json.dumps(measure(args.device), indent=1))
+    write = gpu_or_here(__doc__.splitlines()[0], measure)
+    if write is None:
         return
-    from benchmarks_md import provenance, write_section
-
     cuda = json.loads(RECORDED.read_text())
     text = "\n".join([provenance("OMP_NUM_THREADS=1 python benchmarks/ddp_autocast.py --write"),
                       f"CUDA rows: `--measure --device cuda` on the GPU machine ({cuda['gpu']}, torch {cuda['torch']}, "
@@ -222,9 +214,8 @@ def main() -> None:
                       "CPU rows measured by this run (torch.autocast on CPU, whose op lists memshard then traces).", "",
                       *table([cuda, measure("cpu")])])
     print(text)
-    if args.write:
+    if write:
         write_section("ddp-autocast", "DDP under torch.autocast", text)
-
 
 if __name__ == "__main__":
     main()

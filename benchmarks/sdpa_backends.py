@@ -16,7 +16,6 @@ kernel where the GPU took it) beside the GPU's; ``--write`` puts that into BENCH
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import itertools
 import json
@@ -26,6 +25,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from benchmarks_md import gpu_or_here, provenance, write_section  # noqa: E402
+
 RECORDED = ROOT / "benchmarks" / "sdpa_backends_cuda.json"
 BACKENDS = {-1: "error", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -138,23 +141,13 @@ def check() -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--measure", action="store_true", help="measure only, into --out")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out")
-    parser.add_argument("--write", action="store_true")
-    args = parser.parse_args()
-    if args.measure:
-        Path(args.out).write_text(json.dumps(measure(args.device), indent=1))
+    write = gpu_or_here(__doc__.splitlines()[0], measure)
+    if write is None:
         return
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from benchmarks_md import provenance, write_section
-
     text = "\n".join([provenance("OMP_NUM_THREADS=1 python benchmarks/sdpa_backends.py --write"), *check()])
     print(text)
-    if args.write:
+    if write:
         write_section("sdpa-backends", "Which attention kernel CUDA runs", text)
-
 
 if __name__ == "__main__":
     main()
