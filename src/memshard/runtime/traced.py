@@ -282,7 +282,6 @@ def constant_inputs(graph: Graph, buffers: dict, args: tuple, kwargs: dict, devi
     user = iter(_flatten_inputs(ep, args, kwargs))
     env: dict = {}
     grad: set = set()
-    made: list = []  # the nodes computed from no placeholder, in order
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             if node.name in params:
@@ -297,10 +296,9 @@ def constant_inputs(graph: Graph, buffers: dict, args: tuple, kwargs: dict, devi
             if any(a in grad for a in node.all_input_nodes):
                 grad.add(node)
             else:
-                if all(a in made for a in node.all_input_nodes):
-                    made.append(node)
                 env[node] = _run_node(node, env, device)
     by_name = {n.name: v for n, v in env.items()}
+    by_node = {n.name: n for n in env}
     out = {}
     for name, spec in graph.tensors.items():
         if spec.kind is not TensorKind.INPUT:
@@ -309,7 +307,7 @@ def constant_inputs(graph: Graph, buffers: dict, args: tuple, kwargs: dict, devi
         if count is not None:
             out[name] = (by_name[count.labels] != count.ignore_index).sum()
         elif name in graph.made_inputs:
-            out[name] = MadeInput(_ancestors(next(n for n in made if n.name == name), made), spec.shape, device)
+            out[name] = MadeInput(_ancestors(by_node[name], list(ep.graph.nodes)), spec.shape, device)
         else:
             out[name] = by_name[name].reshape(spec.shape)
     return out
@@ -323,7 +321,8 @@ def _run_node(node: torch.fx.Node, env: dict, device):
 
 
 def _ancestors(node: torch.fx.Node, order: list) -> list:
-    """``node`` and the nodes it is computed from, in ``order``."""
+    """``node`` and the nodes it is computed from (for a made input: from no placeholder), in
+    ``order``."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()

@@ -52,7 +52,7 @@ def trace_module(
     if autocast and any(p.device.type == "meta" for p in module.parameters()):
         raise MemshardError("autocast casts CPU and CUDA tensors only: build the module on CPU (under "
                             "torch._subclasses.FakeTensorMode to allocate nothing), not on meta")
-    ep = export_training_forward(module, tuple(args), kwargs, device if autocast else None, device)
+    ep = export_training_forward(module, tuple(args), kwargs, autocast, device)
     fixed = split_kwargs(kwargs)[1]  # e.g. use_cache=False: part of the trace
     precision = precision or (AUTOCAST if autocast else _precision_of(module))
     return lower(ep, name or type(module).__name__, precision, fixed)

@@ -50,15 +50,15 @@ def split_kwargs(kwargs: Mapping | None) -> tuple[dict, dict]:
 
 
 def export_training_forward(
-    module: torch.nn.Module, args: tuple, kwargs: Mapping | None = None, autocast: str | None = None,
+    module: torch.nn.Module, args: tuple, kwargs: Mapping | None = None, autocast: bool = False,
     device: str = "cuda",
 ) -> torch.export.ExportedProgram:
     """Export ``module(*args, **kwargs)`` up to its loss, in training mode, without running it.
 
-    ``autocast`` ("cuda" or "cpu"): the forward and the loss under ``torch.autocast(autocast,
-    torch.bfloat16)`` as a bf16 user runs them, its casts written into the program (the module
-    and inputs must then be fake CPU tensors, not meta: autocast casts CPU tensors only).
-    Attention runs as on ``device`` (``kernels.math_attention``). Parameter names in the
+    ``autocast``: the forward and the loss under ``torch.autocast(device, torch.bfloat16)`` as a
+    bf16 user runs them, its casts written into the program (the module and inputs must then be
+    fake CPU tensors, not meta: autocast casts CPU tensors only). Attention runs as on
+    ``device``, "cuda" or "cpu" (``kernels.math_attention``). Parameter names in the
     program keep the module's FQNs behind :data:`WRAPPER_PREFIX`.
     """
     if not isinstance(module, torch.nn.Module):
@@ -68,7 +68,7 @@ def export_training_forward(
     module.train()
     try:
         program = torch.export.export(_LossOf(module, fixed), tuple(args), kwargs=tensors, strict=False)
-        program = program if autocast is None else _autocast(program, autocast)
+        program = _autocast(program, device) if autocast else program
         return math_attention(program) if device == "cuda" else program
     except MemshardError:
         raise

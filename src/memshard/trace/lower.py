@@ -13,8 +13,8 @@ Three passes over the FX graph:
    fused attention keeps q, k, v, its output and the log-sum-exp). Nodes that depend on no
    parameter (masks, positions, shifted labels) are computed in full on every device: they are
    the IR's inputs; those computed from no placeholder at all (a math attention path's causal
-   mask) are ``Graph.made_inputs``, made where they are read. Ops without a rule keep every dim whole (replicated) and are counted in
-   ``Graph.unknown_ops``. Each op keeps the ATen call the runtime makes for it
+   mask) are ``Graph.made_inputs``, made where they are read. Ops without a rule keep every dim
+   whole (replicated) and are counted in ``Graph.unknown_ops``. Each op keeps the ATen call the runtime makes for it
    (``program.AtenCall``, in ``Graph.traced``).
 3. **layers**: ops inside ``<container>.<i>.`` modules get ``layer = i`` and a role (their
    path and ordinal inside the layer); when all layers have the same roles and their dims
