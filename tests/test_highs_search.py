@@ -13,6 +13,7 @@ import pytest
 from memshard.baselines import baselines
 from memshard.evaluate import evaluate
 from memshard.ilp import highs as highs_module
+from memshard.ilp.formulation import Formulation
 from memshard.ilp.highs import HighsSearch, NoBetterPlan, SolverTimeLimit, relative_gap
 from memshard.ilp.model import LinearModel, RowTag
 from memshard.ilp.reference import reference
@@ -161,6 +162,38 @@ def test_a_recomputing_search_out_of_time_has_the_peaks_own_bound(monkeypatch):
         assert evaluate(problem, plan.selection).peak_bytes >= bound, plan.name
 
 
+def every_row(problem) -> int:
+    """The rows of ``problem``'s least-memory model with every reshard row."""
+    formulation = Formulation(problem)
+    formulation.add_plan_constraints(problem.candidate_points)
+    return formulation.model.num_rows
+
+
+def test_a_least_memory_plan_the_floor_proves_is_found_by_one_dive_without_reshard_rows(monkeypatch):
+    """LLaMA-3 8B on 8x8 with recomputation, least memory, ZeRO-3 per layer: the first dive,
+    its reshard rows left out, finds a plan the plan-independent floor proves (within 0.01%)
+    and that meets every row left out (priced by the evaluator, its peak is the model's):
+    no relaxation of the peak, no branch and bound, fewer rows than the whole model."""
+    problem = build_problem(build_graph("llama3-8b", batch=64, seq=8192), parse_mesh("8x8"), recompute="auto",
+                            zero3_unit="layer")
+    calls = []
+
+    def recorded(name):
+        method = getattr(HighsSearch, name)
+
+        def call(search, *args, **kwargs):
+            calls.append(name)
+            return method(search, *args, **kwargs)
+        return call
+    for name in ("relaxation", "branch_and_bound"):
+        monkeypatch.setattr(HighsSearch, name, recorded(name))
+    result = solve(problem, "memory", time_limit_s=60)
+    assert result.status == "optimal" and result.gap <= 1e-4 and not calls
+    assert result.constraints < every_row(problem)
+    assert result.bound == pytest.approx(reference(problem).least_peak_bytes)
+    assert evaluate(problem, result.selection).peak_bytes == pytest.approx(result.ilp_peak_bytes, rel=1e-6)
+
+
 def test_the_fastest_plan_is_proved_by_the_step_times_relaxation_from_the_blends_basis(monkeypatch):
     """LLaMA-3 8B on 8x8 with recomputation, the fastest plan within 80 GiB: the blend's
     bound proves it only to w·(budget − M); the step time's own relaxation, by primal simplex
@@ -179,21 +212,23 @@ def test_the_fastest_plan_is_proved_by_the_step_times_relaxation_from_the_blends
 
 
 def test_a_search_given_a_cutoff_its_bound_reaches_finds_no_better_plan():
-    """A least-memory search with recomputation given a cutoff just above its plan-independent
-    floor, which the peak's relaxation reaches (that floor is over 5% below the plan, the
-    relaxation not: the test above), stops there, saying so with that bound; given one at its
-    floor it stops at once; given one above its optimum it returns the plan it returns
-    without one."""
+    """A least-memory search with recomputation given a cutoff above its plan-independent
+    floor by more than the gap, which the peak's relaxation reaches (that floor is over 5%
+    below the plan, the relaxation not: the test above), stops there, saying so with that
+    bound; given one within the gap of its floor it stops at once, before the model is built;
+    given one above its optimum it returns the plan it returns without one (after a dive on
+    every row: its first dive, with the reshard rows left out, leaves the gap open)."""
     problem = build_problem(build_graph("gpt3-1.3b", batch=8, seq=1024, num_layers=2, precision="mixed"),
                             parse_mesh("8"), recompute="auto")
     plain = solve(problem, "memory", time_limit_s=60)
     assert plain.status == "optimal" and 0 < plain.bound <= plain.ilp_peak_bytes
+    assert plain.constraints == every_row(problem)
     floor = reference(problem).least_peak_bytes
     with pytest.raises(NoBetterPlan) as stopped:
-        solve(problem, "memory", time_limit_s=60, cutoff=floor * 1.001)
-    assert floor * 1.001 <= stopped.value.bound <= plain.bound * (1 + 1e-6)
+        solve(problem, "memory", time_limit_s=60, cutoff=floor * 1.01)
+    assert floor * 1.01 * (1 - 2e-3) <= stopped.value.bound <= plain.bound * (1 + 1e-6)
     with pytest.raises(NoBetterPlan) as at_once:
-        solve(problem, "memory", time_limit_s=60, cutoff=floor)
+        solve(problem, "memory", time_limit_s=60, cutoff=floor * 1.001)
     assert at_once.value.bound == pytest.approx(floor)
     above = solve(problem, "memory", time_limit_s=60, cutoff=plain.ilp_peak_bytes * 1.5)
     assert above.selection == plain.selection

@@ -76,6 +76,11 @@ class Infeasible(MemshardError):
         self.objective = objective
 
 
+class Unsettled(Exception):
+    """A first pass asked to stop after its dive (``speculative``) needs more: branch and
+    bound, or a relaxation to prove the dive's plan."""
+
+
 class NoBetterPlan(MemshardError):
     """The search's bound shows that no plan is below the cutoff it was given (``bound``, in
     the objective's units)."""
@@ -299,10 +304,13 @@ class HighsSearch:
         np.add.at(cost, expr[0], expr[1])
         self.highs.changeColsCost(self.num_columns, np.arange(self.num_columns, dtype=np.int32), cost)
 
-    def minimise(self, expr: Expression, gap: float, start=None) -> Solution:
+    def minimise(self, expr: Expression, gap: float, start=None,
+                 before_branching: Callable[[], None] | None = None) -> Solution:
         """Minimise ``expr`` to relative ``gap``: the dive, and where it does not prove its
         plan, branch and bound from that plan, else from ``start`` (a full solution, a
-        partial one as (columns, values), or a function making one when it is needed)."""
+        partial one as (columns, values), or a function making one when it is needed).
+        ``before_branching``: called once a branch and bound is needed, before it starts (it
+        may solve relaxations of its own)."""
         self.set_objective(expr)
         dived = None
         if self.diving:
@@ -318,6 +326,9 @@ class HighsSearch:
             # A model whose relaxation a dive did not settle seldom changes in the next runs
             # (the same rows and a few more, another objective): no more dives, each an LP.
             self.diving = False
+        if before_branching is not None:
+            before_branching()
+            self.set_objective(expr)
         if callable(start):
             start = start()
             self.set_objective(expr)
@@ -616,7 +627,7 @@ class HighsSearch:
 
     def first_pass(self, expr: Expression, tie_break: Expression, floor: float, scales: tuple[float, float],
                    gap: float, fallback, tie_break_cap: float = math.inf, loose_floor: bool = False,
-                   simplex_bound: bool = False, cutoff: float = math.inf) -> FirstPass:
+                   simplex_bound: bool = False, cutoff: float = math.inf, speculative: bool = False) -> FirstPass:
         """Minimise ``expr`` (≥ ``floor``), ties broken by ``tie_break``.
 
         Branch and bound first minimises the blend ``expr`` + w·``tie_break`` from
@@ -632,27 +643,39 @@ class HighsSearch:
         bound B then bounds ``expr`` too, expr ≥ B − w·cap, which is the bound a blend out of
         time reports.
 
-        ``loose_floor``: where ``floor`` is known to be loose (recomputation: it lets every
-        replayable tensor go for free), the bound of ``expr``'s own relaxation is computed
-        before the blend's branch and bound, so that a plan found out of time has it too (by
-        interior point with presolve: without it, on a recomputing problem's peak (LLaMA-3 8B,
-        8x8), it had not converged after a minute; with it, 4–6 s; a time kept for it after
-        the branch and bound, scaled to the root relaxation's, was sometimes too short).
+        ``loose_floor``: where ``floor`` may be loose (recomputation: it lets every replayable
+        tensor go for free), ``expr``'s own relaxation bounds it before the blend's branch and
+        bound, so that a plan found out of time has it too (by interior point with presolve:
+        without it, on LLaMA-3 8B's peak on 8x8, not converged after a minute; with it, 4–6 s;
+        a time kept for it after the branch and bound was sometimes too short); not where the
+        floor proves the blend's dive (LLaMA-3 8B's least memory on 8x8: 0.006% above it).
         ``simplex_bound``: ``expr``'s relaxation by primal simplex from the
         blend's basis first (the step time, a sum over ops: from 6.9 s by interior point to
         0.15 s on LLaMA-3 8B's fastest plan with recomputation; the peak, a maximum over
         points, is degenerate: simplex took longer than interior point there).
         ``cutoff``: a value some other plan reaches; where the floor (and ``expr``'s relaxation,
-        with ``loose_floor``) is not below it, :class:`NoBetterPlan` is raised at once."""
+        with ``loose_floor``, computed first then) is not below it by the gap,
+        :class:`NoBetterPlan` is raised at once. ``speculative``: the dive alone; where its
+        plan is not proved by the dive's bound or the floor, :class:`Unsettled` is raised."""
         blend, w = blend_objective(expr, tie_break, scales)
-        if floor >= cutoff:
-            raise NoBetterPlan(floor)
-        relaxed = self.relaxation(expr, presolve=True) if loose_floor else None
-        if relaxed is not None:
-            floor = max(floor, relaxed)
-        if floor >= cutoff:
-            raise NoBetterPlan(floor)
-        blended = self.minimise(blend, gap * TIE_BREAK, start=fallback)
+        relaxed = not loose_floor  # whether the floor has had ``expr``'s relaxation (or needs none first)
+
+        def bound_by_relaxation() -> None:
+            nonlocal floor, relaxed
+            if not relaxed:
+                relaxed, bound = True, self.relaxation(expr, presolve=True)
+                floor = floor if bound is None else max(floor, bound)
+            if floor >= cutoff * (1 - gap):
+                raise NoBetterPlan(floor)
+
+        def before_branching() -> None:
+            if speculative:
+                raise Unsettled()
+            bound_by_relaxation()
+
+        if math.isfinite(cutoff):
+            bound_by_relaxation()
+        blended = self.minimise(blend, gap * TIE_BREAK, start=fallback, before_branching=before_branching)
         values = blended.values
         value = value_of(expr, values)
         # what the blend may be off by: its gap, and the integrality and feasibility tolerances
@@ -660,8 +683,13 @@ class HighsSearch:
         ties_resolved = blend_error <= w * gap * abs(value_of(tie_break, values))
         floor = max(floor, blended.objective * (1 - blended.gap) - w * tie_break_cap)
         floor_gap = relative_gap(value, floor)
-        if floor_gap > gap and not loose_floor and not self.expired():
-            bound = self.relaxation(expr, simplex_first=simplex_bound)
+        if floor_gap > gap and speculative and not self.expired():
+            raise Unsettled()
+        if floor_gap > gap and not self.expired():
+            if loose_floor:
+                bound = None if relaxed else self.relaxation(expr, presolve=True)
+            else:
+                bound = self.relaxation(expr, simplex_first=simplex_bound)
             if bound is not None and bound > floor:
                 floor, floor_gap = bound, relative_gap(value, bound)
         if blended.timed_out or self.expired():
