@@ -32,6 +32,7 @@ CASES = [  # model, mesh, batch, seq (None: the CLI's defaults), micro-batches, 
     ("gpt3-175b", "8x8x16", 1536, 2048, 1, 10.0,
      ("--recompute", "auto", "--objective", "time", "--memory-budget", "80GiB")),
     ("llama3-8b", "8x8", None, None, 1, 2.0, ("--recompute", "auto")),
+    ("gpt3-175b", "8x8x16", 1536, 2048, 1, 10.0, ("--recompute", "auto")),
 ]
 MEMSHARD = [sys.executable, "-m", "memshard.cli"]
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

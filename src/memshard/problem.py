@@ -611,6 +611,7 @@ def edge_calls(spec: TensorSpec, layouts: EdgeLayouts, mesh: Mesh) -> tuple[comm
 ZERO3_UNITS = ("op", "layer")  # what ZeRO-3 gathers at once: each op's weights, or a layer's
 
 
+@functools.lru_cache(maxsize=4096)  # called per edge, per choice, in every solve
 def without_partial(layout: Layout) -> Layout:
     return tuple(REPLICATE if isinstance(p, Partial) else p for p in layout)
 

@@ -81,6 +81,10 @@ class Unsettled(Exception):
     bound, or a relaxation to prove the dive's plan."""
 
 
+def _unsettled() -> None:
+    raise Unsettled()
+
+
 class NoBetterPlan(MemshardError):
     """The search's bound shows that no plan is below the cutoff it was given (``bound``, in
     the objective's units)."""
@@ -668,14 +672,10 @@ class HighsSearch:
             if floor >= cutoff * (1 - gap):
                 raise NoBetterPlan(floor)
 
-        def before_branching() -> None:
-            if speculative:
-                raise Unsettled()
-            bound_by_relaxation()
-
         if math.isfinite(cutoff):
             bound_by_relaxation()
-        blended = self.minimise(blend, gap * TIE_BREAK, start=fallback, before_branching=before_branching)
+        blended = self.minimise(blend, gap * TIE_BREAK, start=fallback,
+                                before_branching=_unsettled if speculative else bound_by_relaxation)
         values = blended.values
         value = value_of(expr, values)
         # what the blend may be off by: its gap, and the integrality and feasibility tolerances
@@ -683,9 +683,9 @@ class HighsSearch:
         ties_resolved = blend_error <= w * gap * abs(value_of(tie_break, values))
         floor = max(floor, blended.objective * (1 - blended.gap) - w * tie_break_cap)
         floor_gap = relative_gap(value, floor)
-        if floor_gap > gap and speculative and not self.expired():
-            raise Unsettled()
         if floor_gap > gap and not self.expired():
+            if speculative:
+                raise Unsettled()
             if loose_floor:
                 bound = None if relaxed else self.relaxation(expr, presolve=True)
             else:
