@@ -84,6 +84,7 @@ class LiveBytes:
         self.live_column: dict[int, int] = {}  # schedule point → its live-bytes column
         self.constants_at: dict[int, float] = {}  # schedule point → its constant bytes
         self.indicators: dict[tuple, dict[int, float]] = {}
+        self.outputs: dict[int, dict[Layout, list[tuple[int, bool]]]] = {}  # see output_choices
         self.checkpointed: dict[tuple[int, ...], int] = {}  # a layer's replaying groups → u
         self.expressions: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
@@ -99,12 +100,11 @@ class LiveBytes:
     def _indicator(self, h: Holder, layout: Layout, part: str) -> dict[int, float]:
         problem, x = self.problem, self.choice_columns
         if h.kind in GROUP_KINDS:  # retained, cached: where the op is not replayed
-            group = problem.groups[h.source]
             wanted = {PRODUCER: (False, True), RETAINED: (False,), CACHED: (False,), REPLAY_OUT: (True,)}[h.kind]
-            held = {int(x[h.source][c]): 1.0 for c, s in enumerate(group.strategies)
-                    if without_partial(s.output_layout) == layout and group.replayed(c) in wanted}
+            held = {int(x[h.source][c]): 1.0 for c, replayed in self.output_choices(h.source).get(layout, ())
+                    if replayed in wanted}
             if h.kind == CACHED:  # and its layer replays some op
-                return self.conjunction(held, self.layer_replays(h.source), group.key)
+                return self.conjunction(held, self.layer_replays(h.source), problem.groups[h.source].key)
             return held
         edge = problem.edges[h.source]
         if h.kind == INPUT_COPY:
@@ -130,6 +130,15 @@ class LiveBytes:
             if h.kind == REPLAY_READ and edge.replay != READ_BY_REPLAY:
                 out = self.both(out, edge.consumer)
         return out
+
+    def output_choices(self, group: int) -> dict[Layout, list[tuple[int, bool]]]:
+        """Op group ``group``'s choices by the layout of their output, partial sums reduced:
+        (choice, replayed) per layout."""
+        if group not in self.outputs:
+            grp = self.outputs[group] = defaultdict(list)
+            for c, s in enumerate(self.problem.groups[group].strategies):
+                grp[without_partial(s.output_layout)].append((c, self.problem.groups[group].replayed(c)))
+        return self.outputs[group]
 
     def both(self, indicator: dict[int, float], group: int, replayed: bool = True) -> dict[int, float]:
         """w ≥ A + r[group] − 1 (or, ``replayed`` False, w ≥ A − r[group]): A and the group's op
