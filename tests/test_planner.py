@@ -332,6 +332,23 @@ def test_the_least_memory_with_recomputation_is_the_leaner_of_both_zero3_units()
     assert fastest.solver.zero3_unit == "op"  # the time objective searches per op only
 
 
+def test_a_unit_whose_floor_reaches_the_plan_found_is_not_searched(monkeypatch):
+    """LLaMA-3 8B on 8x8, least memory with recomputation: per layer, a plan within 0.01% of
+    the plan-independent floor, which is the same per op; so the per-op problem is ruled out
+    by its floor before its model is built (one solver made, per layer), the plan proved."""
+    from memshard.ilp import solve as solve_module
+    made = []
+
+    class Counted(solve_module.Solver):
+        def __init__(self, problem, *args, **kwargs):
+            made.append(problem.zero3_unit)
+            super().__init__(problem, *args, **kwargs)
+    monkeypatch.setattr(solve_module, "Solver", Counted)
+    plan = memshard.plan("llama3-8b", "8x8", recompute="auto")
+    assert made == ["layer"]
+    assert plan.solver.zero3_unit == "layer" and plan.solver.status == "optimal" and plan.solver.gap <= 1e-4
+
+
 def test_a_unit_out_of_time_before_any_plan_leaves_the_other_units_plan_with_nothing_proved(monkeypatch):
     """Per layer out of time before any plan (its start, if any, a plan of the other unit):
     the per-op plan stands, and no bound is claimed for the per-layer space (gap 100%)."""
