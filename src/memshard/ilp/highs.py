@@ -653,10 +653,9 @@ class HighsSearch:
         without it, on LLaMA-3 8B's peak on 8x8, not converged after a minute; with it, 4–6 s;
         a time kept for it after the branch and bound was sometimes too short); not where the
         floor proves the blend's dive (LLaMA-3 8B's least memory on 8x8: 0.006% above it).
-        ``simplex_bound``: ``expr``'s relaxation by primal simplex from the
-        blend's basis first (the step time, a sum over ops: from 6.9 s by interior point to
-        0.15 s on LLaMA-3 8B's fastest plan with recomputation; the peak, a maximum over
-        points, is degenerate: simplex took longer than interior point there).
+        ``simplex_bound``: ``expr``'s relaxation by primal simplex from the blend's basis first
+        (the step time, a sum over ops: 6.9 s by interior point, 0.15 s so, on LLaMA-3 8B's
+        fastest plan with recomputation; the peak, a max over points, is degenerate: slower so).
         ``cutoff``: a value some other plan reaches; where the floor (and ``expr``'s relaxation,
         with ``loose_floor``, computed first then) is not below it by the gap,
         :class:`NoBetterPlan` is raised at once. ``speculative``: the dive alone; where its
@@ -664,11 +663,14 @@ class HighsSearch:
         blend, w = blend_objective(expr, tie_break, scales)
         relaxed = not loose_floor  # whether the floor has had ``expr``'s relaxation (or needs none first)
 
-        def bound_by_relaxation() -> None:
+        def relax_floor() -> None:  # once: the floor raised to ``expr``'s relaxation
             nonlocal floor, relaxed
             if not relaxed:
                 relaxed, bound = True, self.relaxation(expr, presolve=True)
                 floor = floor if bound is None else max(floor, bound)
+
+        def bound_by_relaxation() -> None:
+            relax_floor()
             if floor >= cutoff * (1 - gap):
                 raise NoBetterPlan(floor)
 
@@ -687,11 +689,12 @@ class HighsSearch:
             if speculative:
                 raise Unsettled()
             if loose_floor:
-                bound = None if relaxed else self.relaxation(expr, presolve=True)
+                relax_floor()
+                floor_gap = relative_gap(value, floor)
             else:
                 bound = self.relaxation(expr, simplex_first=simplex_bound)
-            if bound is not None and bound > floor:
-                floor, floor_gap = bound, relative_gap(value, bound)
+                if bound is not None and bound > floor:
+                    floor, floor_gap = bound, relative_gap(value, bound)
         if blended.timed_out or self.expired():
             return FirstPass(values, value, floor_gap, True, False)
         if floor_gap <= gap:
