@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from memshard.baselines import baselines, layer_split, split_baseline
@@ -19,6 +20,7 @@ from memshard.coarsen import lower_selection, merge_groups, merged_mesh, solve_m
 from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, InconsistentPlan, check_plan, evaluate
 from memshard.ilp.highs import Infeasible, NoBetterPlan, SolverTimeLimit, relative_gap
+from memshard.ilp.reference import Reference, reference
 from memshard.ilp.solve import OBJECTIVES, SolveResult, solve
 from memshard.job import Job
 from memshard.plans import Budgets, Plan, build_plan
@@ -129,27 +131,41 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
     """The leaner of the least-memory plans over ``options.zero3_units``, each unit its own
     problem (``problem``: that of the first, if built): each search after the first stops as
     soon as its bound reaches the least peak found; the plan's gap is against the least of
-    the searches' bounds, its time theirs together."""
+    the searches' bounds, its time theirs together. The next unit's problem is built on a
+    thread while HiGHS solves the one before (it releases the GIL): started earlier, it
+    would only slow that one's formulation by as much."""
     best: tuple[Problem, SolveResult, float] | None = None
     bounds, started, out_of_time = [], time.perf_counter(), None
-    for unit in options.zero3_units:
-        searched = (problem if problem is not None and problem.zero3_unit == unit
-                    else searched_problem(job, replace(options, zero3_unit=unit)))
-        try:
-            result = _search(searched, options, start, cutoff=best[2] if best else None)
-        except Infeasible:  # under a step-time budget: no plan of this unit meets it
-            continue
-        except NoBetterPlan as no_better:
-            bounds.append(no_better.bound)
-            continue
-        except SolverTimeLimit as error:  # no plan of this unit in time (``start`` may be of the other)
-            out_of_time = error
-            bounds.append(0.0)  # nothing proved of this unit
-            continue
-        bounds.append(result.bound)
-        result = replace(result, evaluation=_evaluation(searched, result))
-        if best is None or result.evaluation.peak_bytes < best[2]:
-            best = searched, result, result.evaluation.peak_bytes
+    units = options.zero3_units
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        following: list[Future] = []
+        for k, unit in enumerate(units):
+            if following:
+                searched, figures = following.pop().result()
+            else:
+                searched = (problem if problem is not None and problem.zero3_unit == unit
+                            else searched_problem(job, replace(options, zero3_unit=unit)))
+                figures = None
+            on_formulated = None
+            if k + 1 < len(units):
+                def on_formulated(unit=units[k + 1]):
+                    following.append(pool.submit(_with_figures, job, replace(options, zero3_unit=unit)))
+            try:
+                result = _search(searched, options, start, cutoff=best[2] if best else None, figures=figures,
+                                 on_formulated=on_formulated)
+            except Infeasible:  # under a step-time budget: no plan of this unit meets it
+                continue
+            except NoBetterPlan as no_better:
+                bounds.append(no_better.bound)
+                continue
+            except SolverTimeLimit as error:  # no plan of this unit in time (``start`` may be of the other)
+                out_of_time = error
+                bounds.append(0.0)  # nothing proved of this unit
+                continue
+            bounds.append(result.bound)
+            result = replace(result, evaluation=_evaluation(searched, result))
+            if best is None or result.evaluation.peak_bytes < best[2]:
+                best = searched, result, result.evaluation.peak_bytes
     if best is None:
         if out_of_time is not None:
             raise out_of_time
@@ -160,12 +176,20 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
     return searched, replace(result, gap=gap, status=status, time_s=time.perf_counter() - started)
 
 
-def _search(problem: Problem, options: SearchOptions, start: Plan | None, cutoff: float | None = None) -> SolveResult:
+def _with_figures(job: Job, options: SearchOptions) -> tuple[Problem, Reference]:
+    """The problem searched under ``options``, and its reference figures."""
+    searched = searched_problem(job, options)
+    return searched, reference(searched)
+
+
+def _search(problem: Problem, options: SearchOptions, start: Plan | None, cutoff: float | None = None,
+            figures: Reference | None = None, on_formulated: Callable[[], None] | None = None) -> SolveResult:
     initial = _start_selection(start, problem) if start is not None else None
     o = options
     search = solve if problem.mesh.real is problem.mesh else solve_merged
     return search(problem, o.objective, max_step_time_s=o.max_step_time_s, memory_budget_bytes=o.memory_budget,
-                  time_limit_s=o.time_limit_s, mip_gap=o.mip_gap, start=initial, cutoff=cutoff)
+                  time_limit_s=o.time_limit_s, mip_gap=o.mip_gap, start=initial, cutoff=cutoff, figures=figures,
+                  on_formulated=on_formulated)
 
 
 def _start_selection(start: Plan, problem: Problem) -> Selection | None:

@@ -28,6 +28,7 @@ for gradients), and a ``Collective``'s axis is an axis of ``mesh.real``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from memshard.mesh import Mesh
@@ -88,6 +89,7 @@ def reshard_step(
     return tuple(calls)
 
 
+@functools.lru_cache(maxsize=8192)  # per edge, per flow state, per solve: the same few steps
 def _real_step(
     shape: tuple[int, ...], dtype_bytes: int, current: Layout, axis: int, target: Placement, mesh: Mesh
 ) -> tuple[Collective, ...]:

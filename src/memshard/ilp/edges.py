@@ -218,12 +218,17 @@ def step_time(shape: tuple[int, ...], dtype_bytes: int, a: int, prefix, suffix, 
     kept and gathered again, or replayed) and the gradient's step back (none through a
     redistribution)."""
     consumer_prefix = tuple(pl for pl, _ in prefix)
+    forward = _step_seconds(shape, dtype_bytes, consumer_prefix + suffix, a, placement[0], mesh, False)
+    forward *= 2 if keep else 1
+    if gradient_through:
+        return forward
     grad_prefix = tuple(g for _, g in prefix)
     grad_suffix = tuple(without_partial(suffix))
-    calls = comm.reshard_step(shape, dtype_bytes, consumer_prefix + suffix, a, placement[0], mesh)
-    calls = calls * (2 if keep else 1)
-    if gradient_through:
-        return comm.total_time(calls, mesh)
     backward = grad_prefix + (placement[1],) + grad_suffix[1:]
-    calls += comm.reshard_step(shape, dtype_bytes, backward, a, grad_suffix[0], mesh, reverse=True)
-    return comm.total_time(calls, mesh)
+    return forward + _step_seconds(shape, dtype_bytes, backward, a, grad_suffix[0], mesh, True)
+
+
+@functools.lru_cache(maxsize=8192)  # flow states of different prefixes share their steps
+def _step_seconds(shape: tuple[int, ...], dtype_bytes: int, layout: Layout, a: int, target, mesh: Mesh,
+                  reverse: bool) -> float:
+    return comm.total_time(comm.reshard_step(shape, dtype_bytes, layout, a, target, mesh, reverse=reverse), mesh)

@@ -220,28 +220,40 @@ class LiveBytes:
         return keys, vectors, np.array([k[1] for k in keys]), np.array([k[2] for k in keys])
 
     def chain_rows(self, points: list[int], terms: list, slot_keys: list, slot_vectors: dict) -> list[int]:
+        """λ_k = λ_(k−1) + (what starts being held at point k − what stops) (family
+        ``live-bytes``, λ_0 = the first point's terms) and λ_k ≤ M − constants(k) (``memory``):
+        each row holds only the change since the point before, so the rows stay short."""
         model = self.model
         live = model.columns(len(points), integer=False, lo=-highspy.kHighsInf, hi=highspy.kHighsInf)
-        n = model.num_columns
-        previous = np.zeros(n)
+        dense = np.zeros(model.num_columns)  # λ_k's coefficients: the scale changes are measured against
+        slots_before: set[int] = set()
+        counts_before: dict[tuple, int] = {}
         rows = []
         for k, (live_slots, signatures, const) in enumerate(terms):
-            dense = np.zeros(n)
-            for idx in live_slots:
-                key = slot_keys[idx]
-                dense[self.choice_columns[key[0]]] += slot_vectors[key]
+            slots = set(live_slots.tolist())
+            counts: dict[tuple, int] = defaultdict(int)
             for signature, count in signatures:
-                cols, vals = self.expressions[signature]
-                dense[cols] += vals * count
-            diff = dense - previous
-            changed = np.nonzero(np.abs(diff) > 1e-12 * max(1.0, float(np.abs(dense).max())))[0]
-            cols = np.concatenate([changed, [live[k]], [live[k - 1]] if k else []]).astype(np.int64)
-            vals = np.concatenate([diff[changed], [-1.0], [1.0] if k else []])
-            model.row((cols, vals), 0.0, 0.0, RowTag("live-bytes", points[k]))
+                counts[signature] += count
+            parts = [(self.choice_columns[slot_keys[i][0]], slot_vectors[slot_keys[i]] * (1.0 if i in slots else -1.0))
+                     for i in sorted(slots ^ slots_before)]
+            for signature in sorted(counts.keys() | counts_before.keys()):
+                change = counts.get(signature, 0) - counts_before.get(signature, 0)
+                if change:
+                    cols, vals = self.expressions[signature]
+                    parts.append((cols, vals * change))
+            cols, inverse = np.unique(np.concatenate([c for c, _ in parts] or [np.zeros(0, np.int64)]),
+                                      return_inverse=True)
+            diff = np.bincount(inverse, weights=np.concatenate([v for _, v in parts] or [np.zeros(0)]),
+                               minlength=len(cols))
+            dense[cols] += diff
+            changed = np.abs(diff) > 1e-12 * max(1.0, float(np.abs(dense).max()))
+            cols, diff = cols[changed], diff[changed]
+            model.row((np.concatenate([cols, [live[k]], [live[k - 1]] if k else []]).astype(np.int64),
+                       np.concatenate([diff, [-1.0], [1.0] if k else []])), 0.0, 0.0, RowTag("live-bytes", points[k]))
             rows.append(model.row({int(live[k]): 1.0, self.peak: -1.0}, -highspy.kHighsInf, -const,
                                   RowTag("memory", points[k])))
             self.live_column[points[k]] = int(live[k])
-            previous = dense
+            slots_before, counts_before = slots, counts
         return rows
 
     def expression(self, holders: _HolderIndex, key: int, mask: int, tensor: int) -> tuple[np.ndarray, np.ndarray]:

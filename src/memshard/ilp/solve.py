@@ -305,6 +305,8 @@ def solve(
     fixed: Selection | None = None,
     start: Selection | None = None,
     cutoff: float | None = None,
+    figures: Reference | None = None,
+    on_formulated: Callable[[], None] | None = None,
 ) -> SolveResult:
     """Solve ``problem`` for ``objective``; with ``fixed``, price that complete plan through
     the ILP instead (every choice pinned), which checks the linearisation against the
@@ -313,11 +315,13 @@ def solve(
     the search finds none in time). ``cutoff``: the objective (bytes or seconds) a plan found
     elsewhere reaches: where the search's first bounds show that no plan of ``problem`` is
     more than the gap below it, :class:`NoBetterPlan` is raised with that bound (in the same
-    units)."""
+    units). ``figures``: ``reference(problem)``, if already computed. ``on_formulated``:
+    called once the model is built, before HiGHS solves anything (HiGHS releases the GIL
+    while it solves: work started then on another thread runs beside it)."""
     if objective not in OBJECTIVES:
         raise MemshardError(f"unknown objective {objective!r}; use memory or time")
     started = time.perf_counter()
-    figures = reference(problem)
+    figures = figures or reference(problem)
     if cutoff is not None:  # the plan-independent floor may rule the problem out before it is built
         floor = figures.least_peak_bytes if objective == "memory" else figures.time_floor_s
         if floor >= cutoff * (1 - max(mip_gap, TIE_RESOLUTION)):
@@ -327,6 +331,8 @@ def solve(
     unit = f.bytes_unit if objective == "memory" else f.time_unit
     if cutoff is not None:
         solver.cutoff = cutoff / unit
+    if on_formulated is not None:
+        on_formulated()
     if fixed is not None:  # the one plan the rows allow: its objective, no search around it
         found = solver.search.minimise(solver.primary, TIE_RESOLUTION)
         return solver.result(Outcome(found.values, found.objective, 0.0, found.timed_out, True, found.objective),
