@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from memshard.bounds import least_choice_bound, peak_lower_bound, zero_redundancy_bound
-from memshard.evaluate import evaluate
+from memshard.evaluate import evaluate, slot_peak
 from memshard.graph import FP32, MIXED, Graph, Op, Operand, SavedBuffer, TensorKind, TensorSpec
 from memshard.ilp.formulation import Formulation
 from memshard.ilp.highs import TIE_RESOLUTION, HighsSearch
@@ -92,6 +92,8 @@ def test_ilp_matches_brute_force(graph, shape, budget_quantile):
     bound = np.maximum(zero_redundancy_bound(problem), least_choice_bound(problem))
     assert all((ev.live_bytes >= bound - 1e-9 * min_peak).all() for _, ev in evals)
     assert peak_lower_bound(problem) <= min_peak * (1 + 1e-12)
+    # what a plan's slots alone hold (the quick check a start within a budget is made from) is below its peak
+    assert all(slot_peak(problem, selection) <= ev.peak_bytes * (1 + 1e-12) for selection, ev in evals)
     ties = [ev for _, ev in evals if ev.peak_bytes <= min_peak * (1 + 1e-9)]
     min_time_at_min_peak = min(ev.step_time_s for ev in ties)
     result = solve(problem, "memory", mip_gap=0.0)

@@ -192,6 +192,15 @@ def _communication(problem: Problem, selection: Selection) -> tuple[float, float
     return compute, communication, wire, by_kind
 
 
+def slot_peak(problem: Problem, selection: Selection) -> float:
+    """The most bytes ``selection``'s constants and slots alone (weights, gradients, optimizer
+    states, buffers) hold at one point: a lower bound on its peak, for a fraction of
+    :func:`evaluate`'s cost (no activation, no reshard)."""
+    ledger = _Ledger(problem.schedule.num_points)
+    _add_slots(problem, selection, ledger)
+    return float(np.cumsum(ledger.live.sum(axis=0))[:problem.schedule.num_points].max())
+
+
 def evaluate(problem: Problem, selection: Selection) -> Evaluation:
     check_plan(problem, selection)
     n_points = problem.schedule.num_points

@@ -572,9 +572,9 @@ def reshard_price_table(spec: TensorSpec, kind: str, producer_sides: list[Layout
                          mesh, last and kind == "held+during")
     if len(producers) == len(producer_sides) and len(consumers) == len(consumer_sides):
         return table
-    rows = [producers.index(a) for a in producer_sides]
-    columns = [consumers.index(c) for c in consumer_sides]
-    return table[np.ix_(rows, columns)]
+    row_of = {a: i for i, a in enumerate(producers)}
+    column_of = {c: j for j, c in enumerate(consumers)}
+    return table[np.ix_([row_of[a] for a in producer_sides], [column_of[c] for c in consumer_sides])]
 
 
 @functools.lru_cache(maxsize=512)

@@ -58,10 +58,17 @@ class LinearModel:
         if isinstance(coefs, dict):
             cols = np.fromiter(coefs.keys(), dtype=np.int64, count=len(coefs))
             vals = np.fromiter(coefs.values(), dtype=float, count=len(coefs))
-        else:
+        else:  # sorted, a repeated column's values summed in the order given (as np.unique would, for less)
             cols, vals = coefs
-            cols, inverse = np.unique(cols, return_inverse=True)
-            vals = np.bincount(inverse, weights=vals)
+            order = np.argsort(cols, kind="stable")
+            cols, vals = cols[order], vals[order]
+            first = np.empty(len(cols), dtype=bool)
+            first[:1] = True
+            np.not_equal(cols[1:], cols[:-1], out=first[1:])
+            if not first.all():
+                inverse = np.empty(len(cols), dtype=np.int64)
+                inverse[order] = np.cumsum(first) - 1
+                cols, vals = cols[first], np.bincount(inverse, weights=coefs[1])
         keep = vals != 0
         self.row_columns.append(cols[keep].astype(np.int64))
         self.row_values.append(vals[keep])

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memshard.errors import MemshardError
-from memshard.evaluate import Evaluation, evaluate
+from memshard.evaluate import Evaluation, evaluate, slot_peak
 from memshard.ilp.formulation import Expression, Formulation
 from memshard.ilp.highs import (
     TIE_RESOLUTION,
@@ -152,8 +152,11 @@ class Solver:
             memory = None
         if memory is None and step_time is None:
             return f.selection_start(replicated)
-        unsplit = evaluate(self.problem, replicated)
-        if (memory is None or unsplit.peak_bytes <= memory) and (step_time is None or unsplit.step_time_s <= step_time):
+        fits = memory is None or slot_peak(self.problem, replicated) <= memory  # (cheap: a weight-bound job breaks it)
+        if fits:
+            unsplit = evaluate(self.problem, replicated)
+            fits = (memory is None or unsplit.peak_bytes <= memory) and (step_time is None or unsplit.step_time_s <= step_time)
+        if fits:
             return f.selection_start(replicated)
 
         @functools.cache  # the dive may ask first, then branch and bound
