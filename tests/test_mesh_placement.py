@@ -244,3 +244,22 @@ def test_parse_layout_rejects(text):
 )
 def test_is_valid_on_2x4(shape, layout, ok):
     assert is_valid(layout, shape, parse_mesh("2x4")) is ok
+
+
+def test_placements_are_one_object_each_and_behave_as_values():
+    """Interned placements (a planner speed-up) keep value semantics: equality, order, the
+    hash the generated one gives (sets of layouts iterate as before: the same plans), and
+    pickling, copying and ``replace`` give the same objects back."""
+    import copy
+    import dataclasses
+    import pickle
+
+    assert Shard(1) is Shard(1) and Replicate() is REPLICATE and Partial() is PARTIAL
+    assert Shard(0) != Shard(1) and Shard(0) < Shard(1) and REPLICATE != PARTIAL and Shard(0) != REPLICATE
+    assert hash(Shard(2)) == hash((2,)) and hash(REPLICATE) == hash(PARTIAL) == hash(())
+    layout = (Shard(0), REPLICATE, PARTIAL)
+    assert pickle.loads(pickle.dumps(layout)) == layout and all(
+        a is b for a, b in zip(pickle.loads(pickle.dumps(layout)), layout))
+    assert all(a is b for a, b in zip(copy.deepcopy(layout), layout))
+    assert dataclasses.replace(Shard(0), dim=3) is Shard(3) and Shard(0).dim == 0
+    assert {(Shard(0), REPLICATE): 1}[(Shard(0), Replicate())] == 1

@@ -14,10 +14,41 @@ from dataclasses import dataclass
 
 from memshard.mesh import Mesh
 
+# Placements are interned: one object per kind and dim, its hash computed once (the value the
+# generated one gives). Layouts are compared and hashed hundreds of thousands of times while a
+# problem is built and formulated: equal placements are then identical, which tuples compare
+# without calling __eq__, and hashing costs one attribute read instead of a new tuple.
+_SHARDS: dict[int, Shard] = {}
+_ONE: dict[type, Replicate | Partial] = {}
+
+
+def _the_one(cls):
+    return _ONE.setdefault(cls, object.__new__(cls))
+
+
+def _no_fields_hash(self) -> int:
+    return _NO_FIELDS_HASH
+
+
+_NO_FIELDS_HASH = hash(())
+
 
 @dataclass(frozen=True, order=True)
 class Shard:
     dim: int
+
+    def __new__(cls, dim: int):
+        shard = _SHARDS.get(dim)
+        if shard is None:
+            shard = _SHARDS[dim] = object.__new__(cls)
+            object.__setattr__(shard, "_hash", hash((dim,)))
+        return shard
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return Shard, (self.dim,)
 
     def __str__(self) -> str:
         return f"S({self.dim})"
@@ -25,12 +56,24 @@ class Shard:
 
 @dataclass(frozen=True, order=True)
 class Replicate:
+    __new__ = _the_one
+    __hash__ = _no_fields_hash
+
+    def __reduce__(self):
+        return Replicate, ()
+
     def __str__(self) -> str:
         return "R"
 
 
 @dataclass(frozen=True, order=True)
 class Partial:
+    __new__ = _the_one
+    __hash__ = _no_fields_hash
+
+    def __reduce__(self):
+        return Partial, ()
+
     def __str__(self) -> str:
         return "P"
 
