@@ -6,6 +6,7 @@ gives pieces of ceil(n/m), the largest one sits on rank 0).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from memshard.errors import MemshardError
@@ -263,3 +264,4 @@ def test_placements_are_one_object_each_and_behave_as_values():
     assert all(a is b for a, b in zip(copy.deepcopy(layout), layout))
     assert dataclasses.replace(Shard(0), dim=3) is Shard(3) and Shard(0).dim == 0
     assert {(Shard(0), REPLICATE): 1}[(Shard(0), Replicate())] == 1
+    assert Shard(np.int64(2)) is Shard(2) and type(Shard(np.int64(2)).dim) is int and repr(Shard(2)) == "Shard(dim=2)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
 
 from memshard.mesh import Mesh
@@ -33,15 +34,17 @@ def _no_fields_hash(self) -> int:
 _NO_FIELDS_HASH = hash(())
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, init=False)  # (set once, here: not again by each call)
 class Shard:
     dim: int
 
     def __new__(cls, dim: int):
         shard = _SHARDS.get(dim)
         if shard is None:
-            shard = _SHARDS[dim] = object.__new__(cls)
-            object.__setattr__(shard, "_hash", hash((dim,)))
+            shard = object.__new__(cls)
+            object.__setattr__(shard, "dim", operator.index(dim))
+            object.__setattr__(shard, "_hash", hash((shard.dim,)))
+            _SHARDS[shard.dim] = shard
         return shard
 
     def __hash__(self) -> int:

@@ -152,12 +152,11 @@ class Solver:
             memory = None
         if memory is None and step_time is None:
             return f.selection_start(replicated)
-        fits = memory is None or slot_peak(self.problem, replicated) <= memory  # (cheap: a weight-bound job breaks it)
-        if fits:
+        # (its slots alone first: a fraction of pricing it, and where weights are what breaks the budget, enough)
+        if memory is None or slot_peak(self.problem, replicated) <= memory:
             unsplit = evaluate(self.problem, replicated)
-            fits = (memory is None or unsplit.peak_bytes <= memory) and (step_time is None or unsplit.step_time_s <= step_time)
-        if fits:
-            return f.selection_start(replicated)
+            if (memory is None or unsplit.peak_bytes <= memory) and (step_time is None or unsplit.step_time_s <= step_time):
+                return f.selection_start(replicated)
 
         @functools.cache  # the dive may ask first, then branch and bound
         def within_budget() -> Expression | np.ndarray:
@@ -324,7 +323,8 @@ def solve(
     if objective not in OBJECTIVES:
         raise MemshardError(f"unknown objective {objective!r}; use memory or time")
     started = time.perf_counter()
-    figures = figures or reference(problem)
+    if figures is None:
+        figures = reference(problem)
     if cutoff is not None:  # the plan-independent floor may rule the problem out before it is built
         floor = figures.least_peak_bytes if objective == "memory" else figures.time_floor_s
         if floor >= cutoff * (1 - max(mip_gap, TIE_RESOLUTION)):
