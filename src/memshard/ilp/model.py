@@ -55,9 +55,11 @@ class LinearModel:
     def row(self, coefs: dict[int, float] | tuple[np.ndarray, np.ndarray], lo: float, hi: float,
             tag: RowTag) -> int:
         """Add ``lo ≤ Σ coefs·x ≤ hi``; coefficients of one column given twice are summed."""
-        if isinstance(coefs, dict):
-            cols = np.fromiter(coefs.keys(), dtype=np.int64, count=len(coefs))
-            vals = np.fromiter(coefs.values(), dtype=float, count=len(coefs))
+        if isinstance(coefs, dict):  # (most rows: a few columns, fastest without numpy masks)
+            if 0.0 in coefs.values():
+                coefs = {c: v for c, v in coefs.items() if v != 0}
+            self.row_columns.append(np.fromiter(coefs.keys(), dtype=np.int64, count=len(coefs)))
+            self.row_values.append(np.fromiter(coefs.values(), dtype=float, count=len(coefs)))
         else:  # sorted, a repeated column's values summed in the order given (as np.unique would, for less)
             cols, vals = coefs
             order = np.argsort(cols, kind="stable")
@@ -69,9 +71,9 @@ class LinearModel:
                 inverse = np.empty(len(cols), dtype=np.int64)
                 inverse[order] = np.cumsum(first) - 1
                 cols, vals = cols[first], np.bincount(inverse, weights=coefs[1])
-        keep = vals != 0
-        self.row_columns.append(cols[keep].astype(np.int64))
-        self.row_values.append(vals[keep])
+            keep = vals != 0
+            self.row_columns.append(cols[keep].astype(np.int64))
+            self.row_values.append(vals[keep])
         self.rows_lower.append(lo)
         self.rows_upper.append(hi)
         self.tags.append(tag)
