@@ -55,9 +55,12 @@ def least_choice_bound(problem: Problem) -> np.ndarray:
     return np.cumsum(least)[:n_points]
 
 
-def peak_lower_bound(problem: Problem) -> float:
-    """No plan's peak is lower: the larger of the two plan-independent bounds, point by point."""
-    return float(np.maximum(zero_redundancy_bound(problem), least_choice_bound(problem)).max())
+def peak_lower_bound(problem: Problem, zero_redundancy: np.ndarray | None = None) -> float:
+    """No plan's peak is lower: the larger of the two plan-independent bounds, point by point
+    (``zero_redundancy``: :func:`zero_redundancy_bound`, if already computed)."""
+    if zero_redundancy is None:
+        zero_redundancy = zero_redundancy_bound(problem)
+    return float(np.maximum(zero_redundancy, least_choice_bound(problem)).max())
 
 
 def zero_redundancy_bound(problem: Problem) -> np.ndarray:

@@ -380,6 +380,9 @@ class Problem:
     framework: str = MEMSHARD  # one of FRAMEWORKS
     recompute: str = "none"  # one of recompute.RECOMPUTE_POLICIES
     conflicts: list[Conflict] = field(default_factory=list)
+    # ``edge_layouts`` of the selection last asked about (pricing a plan asks ~10 times per edge)
+    _layouts_seen: tuple[Selection | None, dict[int, EdgeLayouts]] = field(
+        default=(None, {}), init=False, repr=False, compare=False)
 
     def strategy(self, selection: Selection, group: int) -> Strategy:
         return self.groups[group].strategies[selection.choices[group]]
@@ -412,6 +415,15 @@ class Problem:
 
     def edge_layouts(self, selection: Selection, e: int) -> EdgeLayouts:
         """The layouts of edge ``e`` under ``selection``."""
+        seen, known = self._layouts_seen
+        if seen is not selection:
+            known = {}
+            self._layouts_seen = (selection, known)
+        if e not in known:
+            known[e] = self._computed_edge_layouts(selection, e)
+        return known[e]
+
+    def _computed_edge_layouts(self, selection: Selection, e: int) -> EdgeLayouts:
         edge = self.edges[e]
         producer = self.strategy(selection, edge.producer).output_layout
         consumer_grad = self.groups[edge.consumer].input_grads[edge.input_index][selection.choices[edge.consumer]]

@@ -39,9 +39,10 @@ def reference(problem: Problem) -> Reference:
         time_estimate = step_time(problem, data_parallel(problem, 3))
     except (SplitUnavailable, ValueError):  # no ZeRO-3 here (e.g. a batch smaller than the mesh)
         time_estimate = time_floor
+    zero_redundancy = zero_redundancy_bound(problem)
     return Reference(
-        memory_floor_bytes=float(zero_redundancy_bound(problem).max()),
-        least_peak_bytes=peak_lower_bound(problem),
+        memory_floor_bytes=float(zero_redundancy.max()),
+        least_peak_bytes=peak_lower_bound(problem, zero_redundancy),
         time_floor_s=time_floor,
         time_estimate_s=time_estimate,
         # even where latencies, not FLOPs, dominate (tiny models)
