@@ -38,7 +38,7 @@ import highspy
 import numpy as np
 
 from memshard.ilp.edges import EdgeFlow
-from memshard.ilp.model import LinearModel, RowTag
+from memshard.ilp.model import LinearModel, RowTag, summed
 from memshard.placement import Layout
 from memshard.problem import (
     CACHED,
@@ -241,10 +241,8 @@ class LiveBytes:
                 if change:
                     cols, vals = self.expressions[signature]
                     parts.append((cols, vals * change))
-            cols, inverse = np.unique(np.concatenate([c for c, _ in parts] or [np.zeros(0, np.int64)]),
-                                      return_inverse=True)
-            diff = np.bincount(inverse, weights=np.concatenate([v for _, v in parts] or [np.zeros(0)]),
-                               minlength=len(cols))
+            cols, diff = summed(np.concatenate([c for c, _ in parts] or [np.zeros(0, np.int64)]),
+                                np.concatenate([v for _, v in parts] or [np.zeros(0)]))
             dense[cols] += diff
             changed = np.abs(diff) > 1e-12 * max(1.0, float(np.abs(dense).max()))
             cols, diff = cols[changed], diff[changed]

@@ -24,6 +24,20 @@ class RowTag:
         return f"{self.family}{where}{f' ({self.item})' if self.item else ''}"
 
 
+def summed(cols: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct columns, sorted, each with its values summed in the order given (what
+    ``np.unique`` and ``np.bincount`` give, for less: rows seldom repeat a column)."""
+    order = np.argsort(cols, kind="stable")
+    unique = np.empty(len(cols), dtype=bool)
+    unique[:1] = True
+    np.not_equal(cols[order][1:], cols[order][:-1], out=unique[1:])
+    if unique.all():
+        return cols[order], vals[order]
+    inverse = np.empty(len(cols), dtype=np.int64)
+    inverse[order] = np.cumsum(unique) - 1
+    return cols[order][unique], np.bincount(inverse, weights=vals)
+
+
 class LinearModel:
     """Columns (bounds, integrality) and rows (bounds, sparse coefficients, tag)."""
 
@@ -60,17 +74,8 @@ class LinearModel:
                 coefs = {c: v for c, v in coefs.items() if v != 0}
             self.row_columns.append(np.fromiter(coefs.keys(), dtype=np.int64, count=len(coefs)))
             self.row_values.append(np.fromiter(coefs.values(), dtype=float, count=len(coefs)))
-        else:  # sorted, a repeated column's values summed in the order given (as np.unique would, for less)
-            cols, vals = coefs
-            order = np.argsort(cols, kind="stable")
-            cols, vals = cols[order], vals[order]
-            first = np.empty(len(cols), dtype=bool)
-            first[:1] = True
-            np.not_equal(cols[1:], cols[:-1], out=first[1:])
-            if not first.all():
-                inverse = np.empty(len(cols), dtype=np.int64)
-                inverse[order] = np.cumsum(first) - 1
-                cols, vals = cols[first], np.bincount(inverse, weights=coefs[1])
+        else:
+            cols, vals = summed(*coefs)
             keep = vals != 0
             self.row_columns.append(cols[keep].astype(np.int64))
             self.row_values.append(vals[keep])
