@@ -4,6 +4,7 @@ time limits, and searches out of time."""
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import highspy
@@ -17,7 +18,7 @@ from memshard.ilp.formulation import Formulation
 from memshard.ilp.highs import HighsSearch, NoBetterPlan, SolverTimeLimit, relative_gap
 from memshard.ilp.model import LinearModel, RowTag
 from memshard.ilp.reference import reference
-from memshard.ilp.solve import solve
+from memshard.ilp.solve import relaxed_floor, solve
 from memshard.mesh import parse_mesh
 from memshard.models import build_graph
 from memshard.pricing import build_problem
@@ -187,8 +188,9 @@ def test_a_least_memory_plan_the_floor_proves_is_found_by_one_dive_without_resha
         return call
     for name in ("relaxation", "branch_and_bound"):
         monkeypatch.setattr(HighsSearch, name, recorded(name))
-    result = solve(problem, "memory", time_limit_s=60)
-    assert result.status == "optimal" and result.gap <= 1e-4 and not calls
+    branched = []
+    result = solve(problem, "memory", time_limit_s=60, on_branching=lambda: branched.append(True))
+    assert result.status == "optimal" and result.gap <= 1e-4 and not calls and not branched
     assert result.constraints < every_row(problem)
     assert result.bound == pytest.approx(reference(problem).least_peak_bytes)
     assert evaluate(problem, result.selection).peak_bytes == pytest.approx(result.ilp_peak_bytes, rel=1e-6)
@@ -217,16 +219,23 @@ def test_a_search_given_a_cutoff_its_bound_reaches_finds_no_better_plan():
     below the plan, the relaxation not: the test above), stops there, saying so with that
     bound; given one within the gap of its floor it stops at once, before the model is built;
     given one above its optimum it returns the plan it returns without one (after a dive on
-    every row: its first dive, with the reshard rows left out, leaves the gap open)."""
+    every row: its first dive, with the reshard rows left out, leaves the gap open, and
+    ``on_branching`` is called once). ``relaxed_floor`` computes the bound the cutoff is
+    checked against, without the search (the floor alone where it is stopped)."""
     problem = build_problem(build_graph("gpt3-1.3b", batch=8, seq=1024, num_layers=2, precision="mixed"),
                             parse_mesh("8"), recompute="auto")
-    plain = solve(problem, "memory", time_limit_s=60)
+    branched = []
+    plain = solve(problem, "memory", time_limit_s=60, on_branching=lambda: branched.append(True))
     assert plain.status == "optimal" and 0 < plain.bound <= plain.ilp_peak_bytes
-    assert plain.constraints == every_row(problem)
+    assert plain.constraints == every_row(problem) and branched == [True]
     floor = reference(problem).least_peak_bytes
     with pytest.raises(NoBetterPlan) as stopped:
         solve(problem, "memory", time_limit_s=60, cutoff=floor * 1.01)
     assert floor * 1.01 * (1 - 2e-3) <= stopped.value.bound <= plain.bound * (1 + 1e-6)
+    assert relaxed_floor(problem, reference(problem), time.perf_counter() + 60) == stopped.value.bound
+    stop = threading.Event()
+    stop.set()
+    assert relaxed_floor(problem, reference(problem), time.perf_counter() + 60, stop=stop) == floor
     with pytest.raises(NoBetterPlan) as at_once:
         solve(problem, "memory", time_limit_s=60, cutoff=floor * 1.001)
     assert at_once.value.bound == pytest.approx(floor)

@@ -10,6 +10,9 @@ import pytest
 
 import memshard
 from memshard.errors import MemshardError
+from memshard.ilp.highs import relative_gap
+from memshard.ilp.reference import reference
+from memshard.ilp.solve import relaxed_floor
 from memshard.placement import Shard, local_numel, parse_layout
 
 # A 4-layer GPT small enough that every solve takes a few seconds at most. (On a 2x2 mesh the
@@ -349,9 +352,19 @@ def test_a_unit_whose_floor_reaches_the_plan_found_is_not_searched(monkeypatch):
     assert plan.solver.zero3_unit == "layer" and plan.solver.status == "optimal" and plan.solver.gap <= 1e-4
 
 
-def test_a_unit_out_of_time_before_any_plan_leaves_the_other_units_plan_with_nothing_proved(monkeypatch):
+def _unit_problem(unit: str, **job):
+    """GPT-3 1.3B's problem on 8 devices with ZeRO-3 per ``unit``."""
+    from memshard.mesh import parse_mesh
+    from memshard.models import build_graph
+    from memshard.pricing import build_problem
+    graph = build_graph("gpt3-1.3b", batch=job["batch"], seq=job["seq"], precision="mixed")
+    return build_problem(graph, parse_mesh("8"), zero3_unit=unit, recompute=job["recompute"])
+
+
+def test_a_unit_out_of_time_before_any_plan_leaves_the_other_units_plan_with_its_floor_as_bound(monkeypatch):
     """Per layer out of time before any plan (its start, if any, a plan of the other unit):
-    the per-op plan stands, and no bound is claimed for the per-layer space (gap 100%)."""
+    the per-op plan stands, and all that is claimed of the per-layer space is its
+    plan-independent floor."""
     from memshard import planner
     from memshard.ilp.highs import SolverTimeLimit
     solve = planner.solve
@@ -365,4 +378,34 @@ def test_a_unit_out_of_time_before_any_plan_leaves_the_other_units_plan_with_not
     plan = memshard.plan("gpt3-1.3b", "8", **job)
     per_op = memshard.plan("gpt3-1.3b", "8", zero3_unit="op", **job)
     assert plan.solver.zero3_unit == "op" and plan.peak_bytes == per_op.peak_bytes
-    assert plan.solver.gap == 1.0 and plan.solver.status == "time_limit"
+    floor = reference(_unit_problem("layer", **job)).least_peak_bytes
+    assert floor < per_op.peak_bytes * (1 - per_op.solver.gap)  # (so the floor is the bound)
+    assert plan.solver.gap == pytest.approx(relative_gap(plan.peak_bytes, floor)) and plan.solver.status == "time_limit"
+
+
+def test_the_time_limit_covers_the_searches_of_both_units(monkeypatch):
+    """The time limit is the plan's, not each unit's: the per-layer search gets what is left
+    of it, and where that search leaves nothing, the per-op unit is not searched. Its bound
+    is then the one computed beside the per-layer search once that one branched (the
+    relaxation a search given a cutoff computes first, ``relaxed_floor``), which here rules
+    the unit out as that search would have (its floor, 4% below the plan, would not)."""
+    import time
+
+    from memshard import planner
+    solve, units, limits = planner.solve, [], []
+
+    def layer_takes_all_the_time(problem, objective, **options):
+        units.append(problem.zero3_unit)
+        limits.append(options["time_limit_s"])
+        until = time.perf_counter() + options["time_limit_s"]
+        result = solve(problem, objective, **{**options, "time_limit_s": 60})
+        time.sleep(max(until - time.perf_counter(), 0))
+        return result
+    monkeypatch.setattr(planner, "solve", layer_takes_all_the_time)
+    job = dict(batch=16, seq=2048, recompute="full")
+    plan = memshard.plan("gpt3-1.3b", "8", time_limit_s=8, **job)
+    assert units == ["layer"] and 0 < limits[0] <= 8
+    per_op = _unit_problem("op", **job)
+    floor, bound = reference(per_op).least_peak_bytes, relaxed_floor(per_op, reference(per_op), time.perf_counter() + 60)
+    assert relative_gap(plan.peak_bytes, floor) > 0.01 and bound >= plan.peak_bytes * (1 - 2e-3)
+    assert plan.solver.zero3_unit == "layer" and plan.solver.status == "optimal" and plan.solver.gap <= 2e-3

@@ -10,6 +10,7 @@ built; a request no plan meets is explained with the least achievable figure.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,9 +20,15 @@ from memshard.baselines import baselines, layer_split, split_baseline
 from memshard.coarsen import lower_selection, merge_groups, merged_mesh, solve_merged
 from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, InconsistentPlan, check_plan, evaluate
-from memshard.ilp.highs import Infeasible, NoBetterPlan, SolverTimeLimit, relative_gap
+from memshard.ilp.highs import (
+    TIE_RESOLUTION,
+    Infeasible,
+    NoBetterPlan,
+    SolverTimeLimit,
+    relative_gap,
+)
 from memshard.ilp.reference import Reference, reference
-from memshard.ilp.solve import OBJECTIVES, SolveResult, solve
+from memshard.ilp.solve import OBJECTIVES, SolveResult, relaxed_floor, solve
 from memshard.job import Job
 from memshard.plans import Budgets, Plan, build_plan
 from memshard.pricing import build_problem
@@ -131,41 +138,51 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
     """The leaner of the least-memory plans over ``options.zero3_units``, each unit its own
     problem (``problem``: that of the first, if built): each search after the first stops as
     soon as its bound reaches the least peak found; the plan's gap is against the least of
-    the searches' bounds, its time theirs together. The next unit's problem is built on a
-    thread while HiGHS solves the one before (it releases the GIL): started earlier, it
-    would only slow that one's formulation by as much."""
+    the searches' bounds, its time theirs together. The time limit is the searches'
+    together: a unit reached with no time left is not searched, and the bound it has then
+    (its floor, or the relaxation computed beside the search before) is its bound. The next
+    unit's work runs on a thread beside the search before (``_NextUnit``)."""
     best: tuple[Problem, SolveResult, float] | None = None
     bounds, started, out_of_time = [], time.perf_counter(), None
+    deadline = started + options.time_limit_s
     units = options.zero3_units
     with ThreadPoolExecutor(max_workers=1) as pool:
-        following: list[Future] = []
-        for k, unit in enumerate(units):
-            if following:
-                searched, figures = following.pop().result()
-            else:
-                searched = (problem if problem is not None and problem.zero3_unit == unit
-                            else searched_problem(job, replace(options, zero3_unit=unit)))
-                figures = None
-            on_formulated = None
-            if k + 1 < len(units):
-                def on_formulated(unit=units[k + 1]):
-                    following.append(pool.submit(_with_figures, job, replace(options, zero3_unit=unit)))
-            try:
-                result = _search(searched, options, start, cutoff=best[2] if best else None, figures=figures,
-                                 on_formulated=on_formulated)
-            except Infeasible:  # under a step-time budget: no plan of this unit meets it
-                continue
-            except NoBetterPlan as no_better:
-                bounds.append(no_better.bound)
-                continue
-            except SolverTimeLimit as error:  # no plan of this unit in time (``start`` may be of the other)
-                out_of_time = error
-                bounds.append(0.0)  # nothing proved of this unit
-                continue
-            bounds.append(result.bound)
-            result = replace(result, evaluation=_evaluation(searched, result))
-            if best is None or result.evaluation.peak_bytes < best[2]:
-                best = searched, result, result.evaluation.peak_bytes
+        following: _NextUnit | None = None
+        try:
+            for k, unit in enumerate(units):
+                if following is not None and following.built is not None:
+                    (searched, figures), bound = following.built.result(), following.bound()
+                else:
+                    searched = (problem if problem is not None and problem.zero3_unit == unit
+                                else searched_problem(job, replace(options, zero3_unit=unit)))
+                    figures, bound = None, None
+                left = deadline - time.perf_counter()
+                if k and (left <= 0 or (bound is not None and best is not None and bound >= _cutoff(best[2], options))):
+                    bounds.append(bound if bound is not None else (figures or reference(searched)).least_peak_bytes)
+                    continue
+                following = (_NextUnit(pool, job, replace(options, zero3_unit=units[k + 1]), deadline)
+                             if k + 1 < len(units) else None)
+                try:
+                    result = _search(searched, replace(options, time_limit_s=max(left, 1e-3)), start,
+                                     cutoff=best[2] if best else None, figures=figures,
+                                     on_formulated=following and following.build,
+                                     on_branching=following and following.relax)
+                except Infeasible:  # under a step-time budget: no plan of this unit meets it
+                    continue
+                except NoBetterPlan as no_better:
+                    bounds.append(no_better.bound)
+                    continue
+                except SolverTimeLimit:  # no plan of this unit in time (``start`` may be of the other)
+                    out_of_time = SolverTimeLimit(options.time_limit_s)
+                    bounds.append((figures or reference(searched)).least_peak_bytes)  # its floor: no plan is below it
+                    continue
+                bounds.append(result.bound)
+                result = replace(result, evaluation=_evaluation(searched, result))
+                if best is None or result.evaluation.peak_bytes < best[2]:
+                    best = searched, result, result.evaluation.peak_bytes
+        finally:
+            if following is not None:
+                following.stop.set()
     if best is None:
         if out_of_time is not None:
             raise out_of_time
@@ -176,6 +193,40 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
     return searched, replace(result, gap=gap, status=status, time_s=time.perf_counter() - started)
 
 
+def _cutoff(peak: float, options: SearchOptions) -> float:
+    """The bound at which a unit's search stops: no plan of it is more than the gap below ``peak``."""
+    return peak * (1 - max(options.mip_gap, TIE_RESOLUTION))
+
+
+class _NextUnit:
+    """The next ZeRO-3 unit's work, on a thread beside the search of the one before (HiGHS
+    releases the GIL while it solves): its problem and figures, built once that search's
+    model is formulated (started earlier, the build would only slow that formulation by as
+    much), and, where that search branches (a long one follows), the bound the next search
+    would compute first (``relaxed_floor``: on GPT-3 175B's recomputing least-memory plan, a
+    5 s relaxation that the first unit's minute of branch and bound leaves the second core
+    for). ``stop``: set once the searches end, the relaxation is cut short."""
+
+    def __init__(self, pool: ThreadPoolExecutor, job: Job, options: SearchOptions, deadline: float):
+        self.pool, self.job, self.options, self.deadline = pool, job, options, deadline
+        self.stop = threading.Event()
+        self.built: Future | None = None
+        self.relaxed: Future | None = None
+
+    def build(self) -> None:
+        self.built = self.pool.submit(_with_figures, self.job, self.options)
+
+    def relax(self) -> None:
+        built = self.built
+        if built is not None:
+            self.relaxed = self.pool.submit(
+                lambda: relaxed_floor(*built.result(), self.deadline, self.options.max_step_time_s, self.stop))
+
+    def bound(self) -> float | None:
+        """The relaxed floor, once computed (None where the search before did not branch)."""
+        return None if self.relaxed is None else self.relaxed.result()
+
+
 def _with_figures(job: Job, options: SearchOptions) -> tuple[Problem, Reference]:
     """The problem searched under ``options``, and its reference figures."""
     searched = searched_problem(job, options)
@@ -183,13 +234,14 @@ def _with_figures(job: Job, options: SearchOptions) -> tuple[Problem, Reference]
 
 
 def _search(problem: Problem, options: SearchOptions, start: Plan | None, cutoff: float | None = None,
-            figures: Reference | None = None, on_formulated: Callable[[], None] | None = None) -> SolveResult:
+            figures: Reference | None = None, on_formulated: Callable[[], None] | None = None,
+            on_branching: Callable[[], None] | None = None) -> SolveResult:
     initial = _start_selection(start, problem) if start is not None else None
     o = options
     search = solve if problem.mesh.real is problem.mesh else solve_merged
     return search(problem, o.objective, max_step_time_s=o.max_step_time_s, memory_budget_bytes=o.memory_budget,
                   time_limit_s=o.time_limit_s, mip_gap=o.mip_gap, start=initial, cutoff=cutoff, figures=figures,
-                  on_formulated=on_formulated)
+                  on_formulated=on_formulated, on_branching=on_branching)
 
 
 def _start_selection(start: Plan, problem: Problem) -> Selection | None:

@@ -193,39 +193,42 @@ def step_states(shape: tuple[int, ...], dtype_bytes: int, producer_layouts: tupl
                 consumer_keys: tuple[tuple, ...], keeps: tuple[int, ...], gradient_through: bool, mesh: Mesh) -> dict:
     """Per (keep, step a): the flow states σ and each one's time (shared by every edge and
     every solve of one shape and layouts; read only); ``gradient_through``: no gradient
-    step back (``Edge.gradient_through``)."""
+    step back (``Edge.gradient_through``). A state's time is its forward step (twice if the
+    copy is kept and gathered again, or replayed) and its gradient's step back: each priced
+    once per state, whichever copies have it."""
     axes = mesh.ndim
     suffixes = [{L[a:] for L in producer_layouts} for a in range(axes + 1)]
     prefixes = [{K[:a] for K in consumer_keys} for a in range(axes + 1)]
     placements = [sorted({K[a] for K in consumer_keys}, key=repr) for a in range(axes)]
     out = {}
-    for k in keeps:
-        for a in range(axes):
-            states = [(prefix, suffix, placement)
-                      for prefix in prefixes[a]
-                      for suffix in suffixes[a] if not (k == 1 and any(isinstance(x, Partial) for x in suffix))
-                      for placement in placements[a] if prefix + (placement,) in prefixes[a + 1]]
-            times = np.array([step_time(shape, dtype_bytes, a, *state, k, mesh, gradient_through) for state in states],
-                             dtype=float)
+    for a in range(axes):
+        states = [(prefix, suffix, placement) for prefix in prefixes[a] for suffix in suffixes[a]
+                  for placement in placements[a] if prefix + (placement,) in prefixes[a + 1]]
+        forward = np.array([_forward_seconds(shape, dtype_bytes, a, *state, mesh) for state in states], dtype=float)
+        backward = (np.zeros(len(states)) if gradient_through else
+                    np.array([_backward_seconds(shape, dtype_bytes, a, *state, mesh) for state in states], dtype=float))
+        # a kept copy is gathered from the producer's tensor, never from partial sums
+        whole = np.array([not any(isinstance(x, Partial) for x in suffix) for _, suffix, _ in states], dtype=bool)
+        for k in keeps:
+            chosen = whole if k == 1 else np.ones(len(states), dtype=bool)
+            times = (forward * (2 if k else 1) + backward)[chosen]
             times.setflags(write=False)
-            out[(k, a)] = (tuple(states), times)
-    return out
+            out[(k, a)] = (tuple(s for s, c in zip(states, chosen) if c), times)
+    return {(k, a): out[(k, a)] for k in keeps for a in range(axes)}
 
 
-def step_time(shape: tuple[int, ...], dtype_bytes: int, a: int, prefix, suffix, placement, keep: int, mesh,
-              gradient_through: bool = False) -> float:
-    """Seconds of resharding step ``a`` in one state: the forward step (twice if the copy is
-    kept and gathered again, or replayed) and the gradient's step back (none through a
-    redistribution)."""
+def _forward_seconds(shape: tuple[int, ...], dtype_bytes: int, a: int, prefix, suffix, placement, mesh) -> float:
+    """Seconds of the forward resharding step ``a`` in one state."""
     consumer_prefix = tuple(pl for pl, _ in prefix)
-    forward = _step_seconds(shape, dtype_bytes, consumer_prefix + suffix, a, placement[0], mesh, False)
-    forward *= 2 if keep else 1
-    if gradient_through:
-        return forward
+    return _step_seconds(shape, dtype_bytes, consumer_prefix + suffix, a, placement[0], mesh, False)
+
+
+def _backward_seconds(shape: tuple[int, ...], dtype_bytes: int, a: int, prefix, suffix, placement, mesh) -> float:
+    """Seconds of the gradient's step back through step ``a`` in one state."""
     grad_prefix = tuple(g for _, g in prefix)
     grad_suffix = tuple(without_partial(suffix))
     backward = grad_prefix + (placement[1],) + grad_suffix[1:]
-    return forward + _step_seconds(shape, dtype_bytes, backward, a, grad_suffix[0], mesh, True)
+    return _step_seconds(shape, dtype_bytes, backward, a, grad_suffix[0], mesh, True)
 
 
 @functools.lru_cache(maxsize=8192)  # flow states of different prefixes share their steps

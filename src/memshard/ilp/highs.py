@@ -25,6 +25,7 @@ import contextlib
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -177,19 +178,23 @@ def value_of(expr: Expression, values: np.ndarray) -> float:
     return float(values[expr[0]] @ expr[1])
 
 
+_STDOUT_SWAP = threading.Lock()  # two threads swapping file descriptor 1 at once could lose it
+
+
 @contextlib.contextmanager
 def _silenced_stdout():
     """Send the process's C-level stdout to /dev/null for a moment (HiGHS's banner)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
+    with _STDOUT_SWAP:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 1)
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            os.close(devnull)
 
 
 def _option(highs: highspy.Highs, name: str):
@@ -267,6 +272,15 @@ class HighsSearch:
 
     def expired(self) -> bool:
         return time.perf_counter() >= self.deadline
+
+    def stop_on(self, event: threading.Event) -> None:
+        """Interior point stops (unsolved) once ``event`` is set: a bound computed beside
+        another search, no longer needed when that one ends."""
+        def interrupt(_kind, _message, _data_out, data_in, _user) -> None:
+            if event.is_set():
+                data_in.user_interrupt = True
+        self.highs.setCallback(interrupt, None)
+        self.highs.startCallback(highspy.cb.HighsCallbackType.kCallbackIpmInterrupt)
 
     def limit_time(self) -> None:
         """HiGHS's time limit: what is left until the deadline. A branch and bound compares
@@ -626,7 +640,8 @@ class HighsSearch:
 
     def first_pass(self, expr: Expression, tie_break: Expression, floor: float, scales: tuple[float, float],
                    gap: float, fallback, tie_break_cap: float = math.inf, loose_floor: bool = False,
-                   simplex_bound: bool = False, cutoff: float = math.inf, speculative: bool = False) -> FirstPass:
+                   simplex_bound: bool = False, cutoff: float = math.inf, speculative: bool = False,
+                   on_branching: Callable[[], None] | None = None) -> FirstPass:
         """Minimise ``expr`` (≥ ``floor``), ties broken by ``tie_break``.
 
         Branch and bound first minimises the blend ``expr`` + w·``tie_break`` from
@@ -638,23 +653,20 @@ class HighsSearch:
         branch and bound on ``expr`` alone continues from it, and where it finds nothing
         better the blend's plan (and its tie-breaking) stands.
 
-        ``tie_break_cap`` bounds ``tie_break`` on every plan (a memory budget): the blend's
-        bound B then bounds ``expr`` too, expr ≥ B − w·cap, which is the bound a blend out of
-        time reports.
+        ``tie_break_cap`` bounds ``tie_break`` on every plan (a memory budget): then the blend's
+        bound B bounds ``expr`` too, expr ≥ B − w·cap (what a blend out of time reports).
 
         ``loose_floor``: where ``floor`` may be loose (recomputation: it lets every replayable
-        tensor go for free), ``expr``'s own relaxation bounds it before the blend's branch and
-        bound, so that a plan found out of time has it too (by interior point with presolve:
-        without it, on LLaMA-3 8B's peak on 8x8, not converged after a minute; with it, 4–6 s;
-        a time kept for it after the branch and bound was sometimes too short); not where the
-        floor proves the blend's dive (LLaMA-3 8B's least memory on 8x8: 0.006% above it).
+        tensor go for free), ``expr``'s own relaxation (interior point with presolve) bounds it
+        before the blend's branch and bound, so that a plan found out of time has it too; not
+        where the floor proves the blend's dive (docs/design.md, *The least-memory bound with
+        recomputation*).
         ``simplex_bound``: ``expr``'s relaxation by primal simplex from the blend's basis first
-        (the step time, a sum over ops: 6.9 s by interior point, 0.15 s so, on LLaMA-3 8B's
-        fastest plan with recomputation; the peak, a max over points, is degenerate: slower so).
-        ``cutoff``: a value some other plan reaches; where the floor (and ``expr``'s relaxation,
-        with ``loose_floor``, computed first then) is not below it by the gap,
-        :class:`NoBetterPlan` is raised at once. ``speculative``: the dive alone; where its
-        plan is not proved by the dive's bound or the floor, :class:`Unsettled` is raised."""
+        (the step time; docs/design.md, *The step time's own bound*).
+        ``cutoff``: a value some other plan reaches: :class:`NoBetterPlan` at once where the floor
+        (with ``loose_floor``, raised to ``expr``'s relaxation first) is not below it by the gap.
+        ``speculative``: the dive alone; :class:`Unsettled` where its plan is not proved.
+        ``on_branching``: called where the blend's dive leaves its gap open (a long search follows)."""
         blend, w = blend_objective(expr, tie_break, scales)
         relaxed = not loose_floor  # whether the floor has had ``expr``'s relaxation (or needs none first)
 
@@ -664,15 +676,17 @@ class HighsSearch:
                 relaxed, bound = True, self.relaxation(expr, presolve=True)
                 floor = floor if bound is None else max(floor, bound)
 
-        def bound_by_relaxation() -> None:
+        def bound_by_relaxation(branching: bool = False) -> None:
+            if branching and on_branching is not None:
+                on_branching()
             relax_floor()
             if floor >= cutoff * (1 - gap):
                 raise NoBetterPlan(floor)
 
         if math.isfinite(cutoff):
             bound_by_relaxation()
-        blended = self.minimise(blend, gap * TIE_BREAK, start=fallback,
-                                before_branching=_unsettled if speculative else bound_by_relaxation)
+        blended = self.minimise(blend, gap * TIE_BREAK, start=fallback, before_branching=_unsettled if speculative
+                                else lambda: bound_by_relaxation(branching=True))
         values = blended.values
         value = value_of(expr, values)
         # what the blend may be off by: its gap, and the integrality and feasibility tolerances

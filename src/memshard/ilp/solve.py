@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -197,9 +198,10 @@ class Solver:
         return Outcome(values, best, relative_gap(best, self.floor), True, False, self.floor, evaluation)
 
     def first_pass(self, mip_gap: float, fallback: Expression, time_limit_s: float,
-                   start: Selection | None = None) -> Outcome:
+                   start: Selection | None = None, on_branching: Callable[[], None] | None = None) -> Outcome:
         """The first pass, round after round until its plan meets every lazy row; out of time
-        before any plan, the ``start`` it was given, where that one meets the budgets."""
+        before any plan, the ``start`` it was given, where that one meets the budgets
+        (``on_branching``: see ``HighsSearch.first_pass``)."""
         f = self.formulation
         previous = None  # an earlier round's plan (over M at some reshard) and its evaluated objective
         lower = -math.inf  # every round's bound holds for the whole ILP: it has fewer rows
@@ -209,7 +211,7 @@ class Solver:
                                                max(mip_gap, TIE_RESOLUTION), fallback, self.secondary_cap,
                                                loose_floor=self.loose_floor,
                                                simplex_bound=self.objective == "time", cutoff=self.cutoff,
-                                               speculative=self.speculative)
+                                               speculative=self.speculative, on_branching=on_branching)
             except Unsettled:
                 self.add_reshard_rows(None)
                 continue
@@ -309,6 +311,7 @@ def solve(
     cutoff: float | None = None,
     figures: Reference | None = None,
     on_formulated: Callable[[], None] | None = None,
+    on_branching: Callable[[], None] | None = None,
 ) -> SolveResult:
     """Solve ``problem`` for ``objective``; with ``fixed``, price that complete plan through
     the ILP instead (every choice pinned), which checks the linearisation against the
@@ -319,7 +322,8 @@ def solve(
     more than the gap below it, :class:`NoBetterPlan` is raised with that bound (in the same
     units). ``figures``: ``reference(problem)``, if already computed. ``on_formulated``:
     called once the model is built, before HiGHS solves anything (HiGHS releases the GIL
-    while it solves: work started then on another thread runs beside it)."""
+    while it solves: work started then on another thread runs beside it). ``on_branching``:
+    called once, where the first pass's dive leaves its gap open (a long search follows)."""
     if objective not in OBJECTIVES:
         raise MemshardError(f"unknown objective {objective!r}; use memory or time")
     started = time.perf_counter()
@@ -342,9 +346,26 @@ def solve(
                              started)
     fallback = f.selection_start(start) if start is not None else solver.fallback_start()
     try:
-        outcome = solver.first_pass(mip_gap, fallback, time_limit_s, start)
+        outcome = solver.first_pass(mip_gap, fallback, time_limit_s, start,
+                                    on_branching and functools.cache(on_branching))
     except NoBetterPlan as e:
         raise NoBetterPlan(e.bound * unit) from None
     if not outcome.ties_resolved and not solver.search.expired():
         outcome = solver.second_pass(outcome, mip_gap)
     return solver.result(outcome, started)
+
+
+def relaxed_floor(problem: Problem, figures: Reference, deadline: float, max_step_time_s: float | None = None,
+                  stop: threading.Event | None = None) -> float:
+    """A lower bound on ``problem``'s least peak (bytes), the one a least-memory search given a
+    cutoff computes before anything else: the floor, raised where it is loose
+    (recomputation) to the LP relaxation of the peak, solved until ``deadline`` or until
+    ``stop`` is set (then the floor alone)."""
+    solver = Solver(problem, "memory", max_step_time_s, None, deadline, figures=figures)
+    if not solver.loose_floor:
+        return figures.least_peak_bytes
+    if stop is not None:
+        solver.search.stop_on(stop)
+    relaxed = solver.search.relaxation(solver.primary, presolve=True)
+    return figures.least_peak_bytes if relaxed is None else max(figures.least_peak_bytes,
+                                                                relaxed * solver.formulation.bytes_unit)
