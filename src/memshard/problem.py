@@ -296,7 +296,15 @@ class HeldTensor:
     global_bytes: float
 
     def layout_id(self, layout: Layout) -> int:
-        return self.layouts.index(without_partial(layout))
+        return self.layout_ids[without_partial(layout)]
+
+    @functools.cached_property
+    def layout_ids(self) -> dict[Layout, int]:
+        """Each layout's id (the first, were one listed twice), found by hash, not by scan."""
+        ids: dict[Layout, int] = {}
+        for k, layout in enumerate(self.layouts):
+            ids.setdefault(layout, k)
+        return ids
 
 
 @dataclass(frozen=True)
