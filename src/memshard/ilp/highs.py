@@ -337,7 +337,7 @@ class HighsSearch:
                 if start is None or callable(start):
                     start = dived.values
             # A model whose relaxation a dive did not settle seldom changes in the next runs
-            # (the same rows and a few more, another objective): no more dives, each an LP.
+            # (the same rows and a few more): no more dives, each an LP (but see second_pass).
             self.diving = False
         if before_branching is not None:
             before_branching()
