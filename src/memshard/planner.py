@@ -20,15 +20,9 @@ from memshard.baselines import baselines, layer_split, split_baseline
 from memshard.coarsen import lower_selection, merge_groups, merged_mesh, solve_merged
 from memshard.errors import MemshardError
 from memshard.evaluate import Evaluation, InconsistentPlan, check_plan, evaluate
-from memshard.ilp.highs import (
-    TIE_RESOLUTION,
-    Infeasible,
-    NoBetterPlan,
-    SolverTimeLimit,
-    relative_gap,
-)
+from memshard.ilp.highs import Infeasible, NoBetterPlan, SolverTimeLimit, relative_gap
 from memshard.ilp.reference import Reference, reference
-from memshard.ilp.solve import OBJECTIVES, SolveResult, relaxed_floor, solve
+from memshard.ilp.solve import OBJECTIVES, SolveResult, relaxed_floor, rules_out, solve
 from memshard.job import Job
 from memshard.plans import Budgets, Plan, build_plan
 from memshard.pricing import build_problem
@@ -155,10 +149,11 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
                 else:
                     searched = (problem if problem is not None and problem.zero3_unit == unit
                                 else searched_problem(job, replace(options, zero3_unit=unit)))
-                    figures, bound = None, None
+                    figures, bound = reference(searched), None  # (solve would compute them; the floor serves here too)
                 left = deadline - time.perf_counter()
-                if k and (left <= 0 or (bound is not None and best is not None and bound >= _cutoff(best[2], options))):
-                    bounds.append(bound if bound is not None else (figures or reference(searched)).least_peak_bytes)
+                if k and (left <= 0 or (bound is not None and best is not None
+                                        and rules_out(bound, best[2], options.mip_gap))):
+                    bounds.append(bound if bound is not None else figures.least_peak_bytes)
                     continue
                 following = (_NextUnit(pool, job, replace(options, zero3_unit=units[k + 1]), deadline)
                              if k + 1 < len(units) else None)
@@ -174,7 +169,7 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
                     continue
                 except SolverTimeLimit:  # no plan of this unit in time (``start`` may be of the other)
                     out_of_time = SolverTimeLimit(options.time_limit_s)
-                    bounds.append((figures or reference(searched)).least_peak_bytes)  # its floor: no plan is below it
+                    bounds.append(figures.least_peak_bytes)  # its floor: no plan is below it
                     continue
                 bounds.append(result.bound)
                 result = replace(result, evaluation=_evaluation(searched, result))
@@ -191,11 +186,6 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
     gap = relative_gap(peak, min(bounds))
     status = result.status if gap <= max(result.gap, options.mip_gap) else "time_limit"  # the other one's gap
     return searched, replace(result, gap=gap, status=status, time_s=time.perf_counter() - started)
-
-
-def _cutoff(peak: float, options: SearchOptions) -> float:
-    """The bound at which a unit's search stops: no plan of it is more than the gap below ``peak``."""
-    return peak * (1 - max(options.mip_gap, TIE_RESOLUTION))
 
 
 class _NextUnit:

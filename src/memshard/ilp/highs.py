@@ -238,7 +238,7 @@ class HighsSearch:
         self.deadline = deadline
         self.num_columns = model.num_columns
         self.disjunctions = disjunctions or []
-        self.diving = bool(self.disjunctions)  # until a dive fails to prove its plan
+        self.dive_again()  # until a dive fails to prove its plan
         self.relaxation_solver: str | None = None  # within ``relaxing``: its LP solver
         self.relaxation_iterations = 0  # and its simplex iterations
         self.objective: Expression | None = None  # the objective set
@@ -272,6 +272,10 @@ class HighsSearch:
 
     def expired(self) -> bool:
         return time.perf_counter() >= self.deadline
+
+    def dive_again(self) -> None:
+        """The next minimisation starts with a dive (where there are disjunctions to branch on)."""
+        self.diving = bool(self.disjunctions)
 
     def stop_on(self, event: threading.Event) -> None:
         """Interior point stops (unsolved) once ``event`` is set: a bound computed beside

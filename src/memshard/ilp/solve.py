@@ -174,7 +174,7 @@ class Solver:
         self.search.extend(model, columns, rows)
         if points is None:
             self.lazy = self.speculative = False
-            self.search.diving = bool(self.search.disjunctions)
+            self.search.dive_again()
 
     def primary_of(self, evaluation: Evaluation) -> float:
         """The primary objective of a plan as the evaluator prices it (model units)."""
@@ -264,7 +264,7 @@ class Solver:
                                     (value_of(self.secondary, start), value_of(self.primary, start)))[0]
         # A dive again, though the first pass's may have left its gap open: another objective,
         # and its reduced costs pin choices for the branch and bound (tiny-gpt on 2x2: 24 s → 9 s)
-        self.search.diving = bool(self.search.disjunctions)
+        self.search.dive_again()
         with contextlib.suppress(SolverTimeLimit):  # else keep the first pass's plan
             while True:
                 second = self.search.minimise(objective, tolerance, start=start)
@@ -334,7 +334,7 @@ def solve(
         figures = reference(problem)
     if cutoff is not None:  # the plan-independent floor may rule the problem out before it is built
         floor = figures.least_peak_bytes if objective == "memory" else figures.time_floor_s
-        if floor >= cutoff * (1 - max(mip_gap, TIE_RESOLUTION)):
+        if rules_out(floor, cutoff, mip_gap):
             raise NoBetterPlan(floor)
     solver = Solver(problem, objective, max_step_time_s, memory_budget_bytes, started + time_limit_s, fixed, figures)
     f = solver.formulation
@@ -356,6 +356,12 @@ def solve(
     if not outcome.ties_resolved and not solver.search.expired():
         outcome = solver.second_pass(outcome, mip_gap)
     return solver.result(outcome, started)
+
+
+def rules_out(bound: float, cutoff: float, mip_gap: float) -> bool:
+    """Whether ``bound`` shows that no plan is more than the gap below ``cutoff``, the
+    objective a plan found elsewhere reaches: a search given that cutoff stops there."""
+    return bound >= cutoff * (1 - max(mip_gap, TIE_RESOLUTION))
 
 
 def relaxed_floor(problem: Problem, figures: Reference, deadline: float, max_step_time_s: float | None = None,
