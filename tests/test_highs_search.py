@@ -96,6 +96,86 @@ def test_reduced_cost_fixing_pins_only_what_no_better_plan_moves(monkeypatch):
     assert search.reduced_cost_fixing(dived) is None  # a dive this far off pins nothing
 
 
+def partial_start(columns, chosen: list[int]):
+    """A plan of ``odd_cycle`` as a partial start (columns, values): group g at ``chosen[g]``."""
+    cols = np.array([int(c) for group in columns for c in group])
+    return cols, np.array([float(k == chosen[g]) for g, group in enumerate(columns) for k in range(len(group))])
+
+
+def test_branch_and_bound_starts_from_the_dives_plan_not_a_worse_start_given(monkeypatch):
+    """Five groups, no two at option 0, the start given costs 40 (option 2 everywhere but
+    one): the dive (no branches, its plan the support's, 4) leaves a gap to the relaxation
+    (2.5), and branch and bound then starts from the dive's plan, not from the worse start."""
+    monkeypatch.setattr(highs_module, "DIVE_BRANCHES", 0)
+    monkeypatch.setattr(highs_module, "PIN_GAP", 0.0)  # (no pins: branch and bound takes the start as given)
+    model, disjunctions, objective, columns = odd_cycle(5)
+    search = HighsSearch(model, time.perf_counter() + 60, disjunctions)
+    starts = []
+    run = HighsSearch.run_branch_and_bound
+
+    def recorded(self, gap, start=None):
+        starts.append(start)
+        return run(self, gap, start)
+    monkeypatch.setattr(HighsSearch, "run_branch_and_bound", recorded)
+    found = search.minimise(objective, 0.0, start=partial_start(columns, [0, 2, 2, 2, 2]))
+    assert found.objective == pytest.approx(4.0)
+    (start,) = starts
+    assert isinstance(start, np.ndarray) and value_of(objective, start) == pytest.approx(4.0)
+
+
+def test_the_better_start_is_the_dives_plan_or_the_start_given_completed():
+    """``better_start``: a partial start that costs more than the dive's plan gives way to it;
+    one that costs less is completed (its columns as given, the rest solved for) and kept."""
+    model, disjunctions, objective, columns = odd_cycle(5)
+    search = HighsSearch(model, time.perf_counter() + 60, disjunctions)
+    search.set_objective(objective)
+    with search.relaxing("simplex"):
+        worse, cost = search.completed(*partial_start(columns, [0, 2, 2, 2, 2]))
+    assert cost == pytest.approx(40.0)
+    dived = highs_module.Dive(worse, 40.0, 2.5)
+    cols, values = partial_start(columns, [0, 1, 1, 1, 1])
+    better = search.better_start((cols, values), dived)
+    assert value_of(objective, better) == pytest.approx(4.0) and np.allclose(better[cols], values)
+    best = highs_module.Dive(better, 4.0, 2.5)
+    assert search.better_start(partial_start(columns, [0, 2, 2, 2, 2]), best) is better
+    assert search.better_start(worse, best) is better  # a full start: the dive had it as incumbent
+
+
+def first_pass_with_lazy_rows(breaks: bool):
+    """``odd_cycle(5)``'s first pass (floor 1), told that every plan does (or does not) break
+    rows the model lacks: the pass, the relaxations it solved, the plans it asked about."""
+    model, disjunctions, objective, columns = odd_cycle(5)
+    tie_break = (np.array([int(group[0]) for group in columns]), np.ones(5))
+    search = HighsSearch(model, time.perf_counter() + 60, disjunctions)
+    relaxations, asked = [], []
+    relax = search.relaxation
+
+    def relaxation_counted(*args, **kwargs):
+        relaxations.append(args)
+        return relax(*args, **kwargs)
+
+    def needs_rows(values: np.ndarray) -> bool:
+        asked.append(value_of(objective, values))
+        return breaks
+    search.relaxation = relaxation_counted
+    found = search.first_pass(objective, tie_break, 1.0, (4.0, 1.0), 1e-3, None, needs_rows=needs_rows)
+    return found, relaxations, asked
+
+
+def test_a_blended_plan_that_breaks_lazy_rows_is_returned_before_any_proof(monkeypatch):
+    """The first pass's plan, off its floor by more than the gap: where ``needs_rows`` says it
+    breaks rows the model lacks, it comes back unproved (its gap the floor's), no relaxation
+    or branch and bound spent on a model about to change; where it breaks none, the proof
+    follows (the relaxation, then the search on the objective alone), to the optimum."""
+    monkeypatch.setattr(highs_module, "DIVE_BRANCHES", 0)
+    unproved, relaxations, asked = first_pass_with_lazy_rows(breaks=True)
+    assert asked == [pytest.approx(unproved.objective)] and not relaxations
+    assert not unproved.timed_out and not unproved.ties_resolved
+    assert unproved.gap == pytest.approx(relative_gap(unproved.objective, 1.0))
+    proved, relaxations, _ = first_pass_with_lazy_rows(breaks=False)
+    assert relaxations and proved.objective == pytest.approx(4.0) and proved.gap <= 1e-3
+
+
 def test_a_search_out_of_time_before_any_plan_returns_the_start_it_was_given():
     """LLaMA-3 8B on 8x8 with recomputation searched: the relaxation alone takes seconds, so
     half a second finds no plan; the search returns the plan it started from, priced, with
@@ -138,6 +218,20 @@ def test_each_run_gets_the_time_left_on_the_clock_highs_reads():
     limit = search.highs.getOptionValue("time_limit")  # (status, value) in some highspy versions
     assert (limit[1] if isinstance(limit, tuple) else limit) <= 60
     assert search.branch_and_bound(0.0).objective == 11.0
+
+
+def test_a_branch_and_bound_out_of_time_before_any_bound_proves_nothing():
+    """Out of time before its root, HiGHS has a plan (the start) and no bound (its mip_gap
+    infinite): the search's gap is then 100%, the bound 0 of every objective here, not 0%."""
+    model, disjunctions, objective, columns = odd_cycle(150)  # (11,175 conflict rows)
+    search = HighsSearch(model, time.perf_counter() + 60, disjunctions)
+    search.set_objective(objective)
+    with search.relaxing("simplex"):
+        start, cost = search.completed(*partial_start(columns, [0] + [2] * 149))
+    search.deadline = time.perf_counter()  # (the least limit HiGHS is given: 1 ms)
+    found = search.branch_and_bound(0.0, start)
+    assert not np.isfinite(search.highs.getInfo().mip_gap)
+    assert found.timed_out and found.objective == pytest.approx(cost) and found.gap == 1.0
 
 
 def test_a_recomputing_search_out_of_time_has_the_peaks_own_bound(monkeypatch):

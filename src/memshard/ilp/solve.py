@@ -10,10 +10,11 @@ The reshard rows are lazy (without a memory budget): most plans' peak is not at 
 and without those rows (and their ρ columns) each HiGHS solve is smaller. The first pass runs
 without them; where the plan, priced by the evaluator, holds more than its M at a reshard
 point, that point's rows are added and the first pass runs again, from that plan, until none
-is over (``Formulation.over_peak``); the second pass likewise. A plan that meets M is optimal
+is over (``Formulation.over_peak``; the first pass's blended plan is checked before any proof
+of it); the second pass likewise. A plan that meets M is optimal
 with every row too: dropping rows only enlarges the feasible set. Rows come point by point,
 not all at the first violation: a plan is often over M at a handful of its hundreds of
-reshard points. Every round's bound holds for the whole ILP. Out of time in a later round, the
+reshard points. Every round's bound holds for the whole ILP: the next round starts from it. Out of time in a later round, the
 plan kept is the better of that round's and the one before it, as the evaluator prices them,
 with its gap to the best bound.
 """
@@ -140,6 +141,7 @@ class Solver:
         # recomputing plan's least peak, it proves nothing there
         self.loose_floor = objective == "memory" and problem.recompute != "none"
         self.cutoff = math.inf  # the primary objective (model units) another plan reaches
+        self.last_priced: tuple[np.ndarray, Evaluation, set[int]] | None = None
 
     def fallback_start(self) -> Expression | Callable[[], Expression | np.ndarray]:
         """Where branch and bound starts without a given plan: every op unsplit, or, where that
@@ -176,6 +178,17 @@ class Solver:
             self.lazy = self.speculative = False
             self.search.dive_again()
 
+    def priced(self, values: np.ndarray) -> tuple[Evaluation, set[int]]:
+        """The plan of a solution priced by the evaluator, and the lazy rows it breaks
+        (``Formulation.over_peak``); the last one remembered (the search may ask first)."""
+        if self.last_priced is None or not np.array_equal(self.last_priced[0], values):
+            evaluation = evaluate(self.problem, self.formulation.selection(values))
+            self.last_priced = (values, evaluation, self.formulation.over_peak(values, evaluation))
+        return self.last_priced[1], self.last_priced[2]
+
+    def over_peak(self, values: np.ndarray) -> bool:
+        return bool(self.priced(values)[1])
+
     def primary_of(self, evaluation: Evaluation) -> float:
         """The primary objective of a plan as the evaluator prices it (model units)."""
         f = self.formulation
@@ -207,11 +220,12 @@ class Solver:
         lower = -math.inf  # every round's bound holds for the whole ILP: it has fewer rows
         while True:
             try:
-                found = self.search.first_pass(self.primary, self.secondary, self.floor, self.scales,
+                found = self.search.first_pass(self.primary, self.secondary, max(self.floor, lower), self.scales,
                                                max(mip_gap, TIE_RESOLUTION), fallback, self.secondary_cap,
                                                loose_floor=self.loose_floor,
                                                simplex_bound=self.objective == "time", cutoff=self.cutoff,
-                                               speculative=self.speculative, on_branching=on_branching)
+                                               speculative=self.speculative, on_branching=on_branching,
+                                               needs_rows=self.over_peak if self.lazy else None)
             except Unsettled:
                 self.add_reshard_rows(None)
                 continue
@@ -229,8 +243,7 @@ class Solver:
             outcome = Outcome(found.values, found.objective, found.gap, found.timed_out, found.ties_resolved, lower)
             if not self.lazy:
                 return outcome
-            outcome.evaluation = evaluate(self.problem, f.selection(found.values))
-            over = f.over_peak(found.values, outcome.evaluation)
+            outcome.evaluation, over = self.priced(found.values)
             if not over:
                 return outcome
             if self.speculative and not (found.timed_out or self.search.expired()):
