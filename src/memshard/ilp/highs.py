@@ -686,9 +686,8 @@ class HighsSearch:
         (with ``loose_floor``, raised to ``expr``'s relaxation first) is not below it by the gap.
         ``speculative``: the dive alone; :class:`Unsettled` where its plan is not proved.
         ``on_branching``: called where the blend's dive leaves its gap open (a long search follows).
-        ``needs_rows``: whether a plan breaks rows the model lacks (lazy ones): the blend's plan
-        that does is returned unproved, its bound the floor (its proof would be for a model
-        about to change)."""
+        ``needs_rows``: whether a plan breaks lazy rows; the blend's plan that does is returned
+        unproved (a proof would be for a model about to change)."""
         blend, w = blend_objective(expr, tie_break, scales)
         relaxed = not loose_floor  # whether the floor has had ``expr``'s relaxation (or needs none first)
 
@@ -732,21 +731,26 @@ class HighsSearch:
             return FirstPass(values, value, floor_gap, True, False)
         if floor_gap <= gap:
             return FirstPass(values, value, floor_gap, False, ties_resolved)
+        # a dive on ``expr`` alone first (tiny-llama on 2x2: its branch and bound 13 s → 4 s after
+        # it), not on a loose floor's peak, whose relaxation simplex solves slowly (GPT-3 175B: not
+        # in 25 s; interior point, above, took 7 s)
+        return self.primary_alone(expr, gap, FirstPass(values, value, floor_gap, False, ties_resolved), floor,
+                                  dive=not loose_floor)
+
+    def primary_alone(self, expr: Expression, gap: float, blended: FirstPass, floor: float, dive: bool) -> FirstPass:
+        """The search on ``expr`` alone (a dive first if ``dive``), from the blend's plan
+        ``blended`` that ``floor`` leaves unproved: that plan, its ties broken, where nothing
+        better is found or the bound reached proves it within the gap too; else the better plan."""
+        values, value = blended.values, blended.objective
         try:
-            # a dive on ``expr`` alone first: its plans, not the blend's, are what this search
-            # looks for (tiny-llama on 2x2: its branch and bound 13 s → 4 s after the dive);
-            # not on a loose floor's peak (recomputation), whose relaxation simplex solves slowly
-            # (GPT-3 175B: not in 25 s; interior point, above, took 7 s)
-            if not loose_floor:
+            if dive:
                 self.dive_again()
             best = self.minimise(expr, gap, start=values)
         except SolverTimeLimit:
-            return FirstPass(values, value, floor_gap, True, False)
+            return FirstPass(values, value, blended.gap, True, False)
         # the best bound known: branch and bound's own (none where time ran out at once), or the floor
         floor = max(floor, best.objective - best.gap * abs(best.objective))
-        # the blend's plan (its ties broken) stands where nothing better was found, or where the
-        # bound now proves it within the gap too
         if best.objective >= value - abs(value) * TIE_RESOLUTION or relative_gap(value, floor) <= gap:
             return FirstPass(values, value, relative_gap(value, floor), best.timed_out,
-                             ties_resolved and not best.timed_out)
+                             blended.ties_resolved and not best.timed_out)
         return FirstPass(best.values, best.objective, relative_gap(best.objective, floor), best.timed_out, False)
