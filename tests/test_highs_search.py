@@ -15,7 +15,14 @@ from memshard.baselines import baselines
 from memshard.evaluate import evaluate
 from memshard.ilp import highs as highs_module
 from memshard.ilp.formulation import Formulation
-from memshard.ilp.highs import HighsSearch, NoBetterPlan, SolverTimeLimit, relative_gap, value_of
+from memshard.ilp.highs import (
+    HighsSearch,
+    NoBetterPlan,
+    RowsNeeded,
+    SolverTimeLimit,
+    relative_gap,
+    value_of,
+)
 from memshard.ilp.model import LinearModel, RowTag
 from memshard.ilp.reference import reference
 from memshard.ilp.solve import relaxed_floor, second_pass_cap, solve
@@ -141,39 +148,46 @@ def test_the_better_start_is_the_dives_plan_or_the_start_given_completed():
     assert search.better_start(worse, best) is better  # a full start: the dive had it as incumbent
 
 
-def first_pass_with_lazy_rows(breaks: bool):
-    """``odd_cycle(5)``'s first pass (floor 1), told that every plan does (or does not) break
-    rows the model lacks: the pass, the relaxations it solved, the plans it asked about."""
+def first_pass_with_lazy_rows(monkeypatch, breaks: list[bool]):
+    """``odd_cycle(5)``'s first pass (floor 1; the dive without branches leaves its gap open),
+    told in turn by ``breaks`` whether the plans it asks about break rows the model lacks: the
+    pass, and the relaxations, branch and bounds and plans (their costs) it asked about."""
+    monkeypatch.setattr(highs_module, "DIVE_BRANCHES", 0)
     model, disjunctions, objective, columns = odd_cycle(5)
     tie_break = (np.array([int(group[0]) for group in columns]), np.ones(5))
     search = HighsSearch(model, time.perf_counter() + 60, disjunctions)
-    relaxations, asked = [], []
-    relax = search.relaxation
-
-    def relaxation_counted(*args, **kwargs):
-        relaxations.append(args)
-        return relax(*args, **kwargs)
+    calls = {"relaxation": [], "run_branch_and_bound": [], "needs_rows": []}
+    for name in ("relaxation", "run_branch_and_bound"):
+        method = getattr(search, name)
+        monkeypatch.setattr(search, name, lambda *a, method=method, name=name, **k: calls[name].append(a) or method(*a, **k))
 
     def needs_rows(values: np.ndarray) -> bool:
-        asked.append(value_of(objective, values))
-        return breaks
-    search.relaxation = relaxation_counted
+        calls["needs_rows"].append(value_of(objective, values))
+        return breaks[len(calls["needs_rows"]) - 1]
     found = search.first_pass(objective, tie_break, 1.0, (4.0, 1.0), 1e-3, None, needs_rows=needs_rows)
-    return found, relaxations, asked
+    return found, calls
+
+
+def test_a_dives_plan_that_breaks_lazy_rows_stops_the_pass_before_branch_and_bound(monkeypatch):
+    """Where the dive's plan breaks rows the model lacks, the first pass stops there, with
+    that plan: no branch and bound or relaxation is spent on a model about to change."""
+    with pytest.raises(RowsNeeded) as needed:
+        first_pass_with_lazy_rows(monkeypatch, [True])
+    assert value_of(odd_cycle(5)[2], needed.value.values) == pytest.approx(4.0)
 
 
 def test_a_blended_plan_that_breaks_lazy_rows_is_returned_before_any_proof(monkeypatch):
-    """The first pass's plan, off its floor by more than the gap: where ``needs_rows`` says it
-    breaks rows the model lacks, it comes back unproved (its gap the floor's), no relaxation
-    or branch and bound spent on a model about to change; where it breaks none, the proof
-    follows (the relaxation, then the search on the objective alone), to the optimum."""
-    monkeypatch.setattr(highs_module, "DIVE_BRANCHES", 0)
-    unproved, relaxations, asked = first_pass_with_lazy_rows(breaks=True)
-    assert asked == [pytest.approx(unproved.objective)] and not relaxations
+    """The blend's plan (its branch and bound run: the dive's plan broke no row), off its
+    floor by more than the gap: where it breaks rows the model lacks, it comes back unproved
+    (its gap the floor's), no relaxation spent on it; where it breaks none, the proof follows
+    (the relaxation, then the search on the objective alone), to the optimum."""
+    unproved, calls = first_pass_with_lazy_rows(monkeypatch, [False, True])
+    assert calls["needs_rows"] == [pytest.approx(4.0), pytest.approx(unproved.objective)]
+    assert len(calls["run_branch_and_bound"]) == 1 and not calls["relaxation"]
     assert not unproved.timed_out and not unproved.ties_resolved
     assert unproved.gap == pytest.approx(relative_gap(unproved.objective, 1.0))
-    proved, relaxations, _ = first_pass_with_lazy_rows(breaks=False)
-    assert relaxations and proved.objective == pytest.approx(4.0) and proved.gap <= 1e-3
+    proved, calls = first_pass_with_lazy_rows(monkeypatch, [False, False])
+    assert calls["relaxation"] and proved.objective == pytest.approx(4.0) and proved.gap <= 1e-3
 
 
 def test_a_search_out_of_time_before_any_plan_returns_the_start_it_was_given():

@@ -82,8 +82,13 @@ class Unsettled(Exception):
     bound, or a relaxation to prove the dive's plan."""
 
 
-def _unsettled() -> None:
-    raise Unsettled()
+class RowsNeeded(Exception):
+    """A first pass's dive found a plan that breaks rows the model lacks (lazy ones): they
+    come before any branch and bound, which would search a model about to change."""
+
+    def __init__(self, values: np.ndarray):
+        super().__init__()
+        self.values = values
 
 
 class NoBetterPlan(MemshardError):
@@ -322,12 +327,12 @@ class HighsSearch:
         self.highs.changeColsCost(self.num_columns, np.arange(self.num_columns, dtype=np.int32), cost)
 
     def minimise(self, expr: Expression, gap: float, start=None,
-                 before_branching: Callable[[], None] | None = None) -> Solution:
+                 before_branching: Callable[[np.ndarray | None], None] | None = None) -> Solution:
         """Minimise ``expr`` to relative ``gap``: the dive, and where it does not prove its
         plan, branch and bound from that plan, else from ``start`` (a full solution, a
         partial one as (columns, values), or a function making one when it is needed).
-        ``before_branching``: called once a branch and bound is needed, before it starts (it
-        may solve relaxations of its own)."""
+        ``before_branching``: called once a branch and bound is needed, before it starts, with
+        the dive's plan if any (it may solve relaxations of its own)."""
         self.set_objective(expr)
         dived = None
         if self.diving:
@@ -342,7 +347,7 @@ class HighsSearch:
             # (the same rows and a few more): no more dives, each an LP (but see second_pass).
             self.diving = False
         if before_branching is not None:
-            before_branching()
+            before_branching(None if dived is None else dived.values)
             self.set_objective(expr)
         if dived is not None:
             # branch and bound from the better of the dive's plan and the start given (a full
@@ -666,28 +671,22 @@ class HighsSearch:
         Branch and bound first minimises the blend ``expr`` + w·``tie_break`` from
         ``fallback`` (a start as ``minimise`` takes it), w such that ``tie_break`` weighs TIE_BREAK of
         ``expr`` at their typical ``scales``, to a gap TIE_BREAK times finer. Usually that plan
-        is optimal for ``expr``, as ``floor`` often shows at once, or else the LP relaxation
-        of ``expr`` alone. Its ties are resolved to within ``gap`` of ``tie_break`` when the
-        blend's remaining gap and HiGHS's tolerances, divided by w, are that small. Otherwise
-        branch and bound on ``expr`` alone continues from it, and where it finds nothing
-        better the blend's plan (and its tie-breaking) stands.
-
+        is optimal for ``expr``, as ``floor`` or the LP relaxation of ``expr`` alone shows. Its
+        ties are resolved to within ``gap`` of ``tie_break`` when the blend's remaining gap and
+        HiGHS's tolerances, divided by w, are that small. Otherwise ``primary_alone``.
         ``tie_break_cap`` bounds ``tie_break`` on every plan (a memory budget): then the blend's
         bound B bounds ``expr`` too, expr ≥ B − w·cap (what a blend out of time reports).
-
         ``loose_floor``: where ``floor`` may be loose (recomputation: it lets every replayable
         tensor go for free), ``expr``'s own relaxation (interior point with presolve) bounds it
-        before the blend's branch and bound, so that a plan found out of time has it too; not
-        where the floor proves the blend's dive (docs/design.md, *The least-memory bound with
-        recomputation*).
-        ``simplex_bound``: ``expr``'s relaxation by primal simplex from the blend's basis first
-        (the step time; docs/design.md, *The step time's own bound*).
+        before the blend's branch and bound, but not where the floor proves the blend's dive
+        (docs/design.md, *The least-memory bound with recomputation*).
+        ``simplex_bound``: ``expr``'s relaxation by primal simplex from the blend's basis first.
         ``cutoff``: a value some other plan reaches: :class:`NoBetterPlan` at once where the floor
         (with ``loose_floor``, raised to ``expr``'s relaxation first) is not below it by the gap.
         ``speculative``: the dive alone; :class:`Unsettled` where its plan is not proved.
         ``on_branching``: called where the blend's dive leaves its gap open (a long search follows).
-        ``needs_rows``: whether a plan breaks lazy rows; the blend's plan that does is returned
-        unproved (a proof would be for a model about to change)."""
+        ``needs_rows``: whether a plan breaks lazy rows: :class:`RowsNeeded` for the dive's plan
+        that does, the blend's returned unproved (no search of a model about to change)."""
         blend, w = blend_objective(expr, tie_break, scales)
         relaxed = not loose_floor  # whether the floor has had ``expr``'s relaxation (or needs none first)
 
@@ -706,8 +705,14 @@ class HighsSearch:
 
         if math.isfinite(cutoff):
             bound_by_relaxation()
-        blended = self.minimise(blend, gap * TIE_BREAK, start=fallback, before_branching=_unsettled if speculative
-                                else lambda: bound_by_relaxation(branching=True))
+        def before_branching(dived: np.ndarray | None) -> None:
+            if speculative:
+                raise Unsettled()
+            if needs_rows is not None and dived is not None and needs_rows(dived):
+                raise RowsNeeded(dived)
+            bound_by_relaxation(branching=True)
+
+        blended = self.minimise(blend, gap * TIE_BREAK, start=fallback, before_branching=before_branching)
         values = blended.values
         value = value_of(expr, values)
         # what the blend may be off by: its gap, and the integrality and feasibility tolerances

@@ -39,6 +39,7 @@ from memshard.ilp.highs import (
     HighsSearch,
     Infeasible,
     NoBetterPlan,
+    RowsNeeded,
     SolverTimeLimit,
     Unsettled,
     blend_objective,
@@ -228,6 +229,12 @@ class Solver:
                                                needs_rows=self.over_peak if self.lazy else None)
             except Unsettled:
                 self.add_reshard_rows(None)
+                continue
+            except RowsNeeded as needed:  # the dive's plan breaks lazy rows: those first, then from it
+                evaluation, over = self.priced(needed.values)
+                previous = (needed.values, self.primary_of(evaluation))
+                self.add_reshard_rows(over)
+                fallback = f.selection_start(f.selection(needed.values))
                 continue
             except Infeasible:
                 raise Infeasible(self.objective) from None
