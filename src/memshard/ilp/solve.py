@@ -10,8 +10,8 @@ The reshard rows are lazy (without a memory budget): most plans' peak is not at 
 and without those rows (and their ρ columns) each HiGHS solve is smaller. The first pass runs
 without them; where the plan, priced by the evaluator, holds more than its M at a reshard
 point, that point's rows are added and the first pass runs again, from that plan, until none
-is over (``Formulation.over_peak``; the first pass's blended plan is checked before any proof
-of it); the second pass likewise. A plan that meets M is optimal with every row too: dropping
+is over (``Formulation.over_peak``; the first pass checks its dive's plan before branch and
+bound, its blended plan before any proof of it); the second pass likewise. A plan that meets M is optimal with every row too: dropping
 rows only enlarges the feasible set. Rows come point by point, not all at the first
 violation: a plan is often over M at a handful of its hundreds of reshard points. Every
 round's bound holds for the whole ILP: the next round starts from it. Out of time in a later
