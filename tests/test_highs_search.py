@@ -376,3 +376,28 @@ def test_the_tie_break_pass_dives_again(monkeypatch):
     f, priced = solver.formulation, evaluate(problem, result.selection)
     assert priced.step_time_s <= first_time * f.time_unit * (1 + 1e-6)
     assert priced.peak_bytes <= second_pass_cap(best, lower, 2e-3) * f.bytes_unit * (1 + 1e-6)
+
+
+def test_a_search_out_of_time_after_its_dives_plan_needed_rows_returns_that_plan(monkeypatch):
+    """tiny-gpt on 2x2 (batch 8, gap 5%, as the runtime tests plan it): the first dive's plan
+    breaks reshard rows left out, so they are added before any branch and bound; where time
+    then runs out, the search returns that plan, priced, with its gap to the floor (not the
+    infinite gap of no bound)."""
+    problem = build_problem(build_graph("tiny-gpt", batch=8), parse_mesh("2x2"))
+    first_pass, raised = HighsSearch.first_pass, []
+
+    def out_of_time_after_the_first(search, *args, **kwargs):
+        if raised:
+            search.deadline = time.perf_counter()
+            raise SolverTimeLimit()
+        try:
+            return first_pass(search, *args, **kwargs)
+        except RowsNeeded as needed:
+            raised.append(needed.values)
+            raise
+    monkeypatch.setattr(HighsSearch, "first_pass", out_of_time_after_the_first)
+    result = solve(problem, "memory", mip_gap=0.05)
+    assert raised and result.status == "time_limit"
+    priced = evaluate(problem, result.selection)
+    floor = reference(problem).least_peak_bytes
+    assert result.gap == pytest.approx(relative_gap(priced.peak_bytes, floor)) and 0 < result.gap < 1

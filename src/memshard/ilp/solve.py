@@ -232,7 +232,7 @@ class Solver:
                 continue
             except RowsNeeded as needed:  # the dive's plan breaks lazy rows: those first, then from it
                 evaluation, over = self.priced(needed.values)
-                previous = (needed.values, self.primary_of(evaluation))
+                previous, lower = (needed.values, self.primary_of(evaluation)), max(lower, self.floor)
                 self.add_reshard_rows(over)
                 fallback = f.selection_start(f.selection(needed.values))
                 continue
