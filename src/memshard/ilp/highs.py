@@ -705,6 +705,7 @@ class HighsSearch:
 
         if math.isfinite(cutoff):
             bound_by_relaxation()
+
         def before_branching(dived: np.ndarray | None) -> None:
             if speculative:
                 raise Unsettled()
@@ -736,9 +737,8 @@ class HighsSearch:
             return FirstPass(values, value, floor_gap, True, False)
         if floor_gap <= gap:
             return FirstPass(values, value, floor_gap, False, ties_resolved)
-        # a dive on ``expr`` alone first (tiny-llama on 2x2: its branch and bound 13 s → 4 s after
-        # it), not on a loose floor's peak, whose relaxation simplex solves slowly (GPT-3 175B: not
-        # in 25 s; interior point, above, took 7 s)
+        # a dive on ``expr`` alone first (tiny-llama 2x2: branch and bound 13 s → 4 s after it), not on a
+        # loose floor's peak: simplex solves its relaxation slowly (GPT-3 175B: not in 25 s; IPM 7 s)
         return self.primary_alone(expr, gap, FirstPass(values, value, floor_gap, False, ties_resolved), floor,
                                   dive=not loose_floor)
 
