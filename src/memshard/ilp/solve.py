@@ -11,8 +11,8 @@ and without those rows (and their ρ columns) each HiGHS solve is smaller. The f
 without them; where the plan, priced by the evaluator, holds more than its M at a reshard
 point, that point's rows are added and the first pass runs again, from that plan, until none
 is over (``Formulation.over_peak``; the first pass checks its dive's plan before branch and
-bound, its blended plan before any proof of it); the second pass likewise. A plan that meets M is optimal with every row too: dropping
-rows only enlarges the feasible set. Rows come point by point, not all at the first
+bound, its blended plan before any proof of it); the second pass likewise. A plan that meets
+M is optimal with every row too: dropping rows only enlarges the feasible set. Rows come point by point, not all at the first
 violation: a plan is often over M at a handful of its hundreds of reshard points. Every
 round's bound holds for the whole ILP: the next round starts from it. Out of time in a later
 round, the plan kept is the better of that round's and the one before it, as the evaluator
@@ -190,6 +190,14 @@ class Solver:
     def over_peak(self, values: np.ndarray) -> bool:
         return bool(self.priced(values)[1])
 
+    def rows_broken_by(self, values: np.ndarray) -> tuple[tuple[np.ndarray, float], Expression]:
+        """Add the lazy rows a solution's plan breaks: that plan with its evaluated objective
+        (the round's, kept should a later one run out of time), and the start of the next."""
+        evaluation, over = self.priced(values)
+        self.add_reshard_rows(over)
+        f = self.formulation
+        return (values, self.primary_of(evaluation)), f.selection_start(f.selection(values))
+
     def primary_of(self, evaluation: Evaluation) -> float:
         """The primary objective of a plan as the evaluator prices it (model units)."""
         f = self.formulation
@@ -216,7 +224,6 @@ class Solver:
         """The first pass, round after round until its plan meets every lazy row; out of time
         before any plan, the ``start`` it was given, where that one meets the budgets
         (``on_branching``: see ``HighsSearch.first_pass``)."""
-        f = self.formulation
         previous = None  # an earlier round's plan (over M at some reshard) and its evaluated objective
         lower = -math.inf  # every round's bound holds for the whole ILP: it has fewer rows
         while True:
@@ -231,10 +238,7 @@ class Solver:
                 self.add_reshard_rows(None)
                 continue
             except RowsNeeded as needed:  # the dive's plan breaks lazy rows: those first, then from it
-                evaluation, over = self.priced(needed.values)
-                previous, lower = (needed.values, self.primary_of(evaluation)), max(lower, self.floor)
-                self.add_reshard_rows(over)
-                fallback = f.selection_start(f.selection(needed.values))
+                (previous, fallback), lower = self.rows_broken_by(needed.values), max(lower, self.floor)
                 continue
             except Infeasible:
                 raise Infeasible(self.objective) from None
@@ -263,9 +267,7 @@ class Solver:
                 outcome.gap = relative_gap(outcome.best, lower)
                 return outcome
             # Reshards the plan runs hold more than M allows: again with their rows, from it.
-            previous = (found.values, self.primary_of(outcome.evaluation))
-            self.add_reshard_rows(over)
-            fallback = f.selection_start(f.selection(found.values))
+            previous, fallback = self.rows_broken_by(found.values)
 
     def second_pass(self, outcome: Outcome, mip_gap: float) -> Outcome:
         """Hold the primary objective within the gap of the best bound, minimise the other one.
