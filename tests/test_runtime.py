@@ -9,9 +9,10 @@ steps on forked gloo ranks; the results are compared with
   equal its fp32 losses (rtol 1e-5; mixed precision: its bf16 losses, rtol 1e-3); the
   gradients of the second step are as close to the exact (float64) gradients as its own
   gradients are, within a factor of 10, or within a thousandth of the gradient's size (a
-  mistake in the sharding shows at the scale of the gradients themselves, 1e3× larger). An
-  elementwise rtol of 1e-5 against the fp32 run is not a fair test: that run is itself up to
-  5e-5 of the largest gradient away from float64, from summation order alone.
+  mistake in the sharding shows at the scale of the gradients themselves, 1e3× larger in
+  fp32, 20× in bf16). An elementwise rtol of 1e-5 against the fp32 run is not a fair test:
+  that run is itself up to 5e-5 of the largest gradient away from float64, from summation
+  order alone.
 - the plan's predictions: bytes each rank sends per step, per collective kind, within 1%;
   the peak memory of every rank (MemTracker) within 2%, and each category at the peak
   within 5% (see ``test_memory_categories_match_the_prediction``).
