@@ -36,12 +36,14 @@ from memshard.runtime.executor import GraphModel, make_batch
 
 INSPECT_STEP = 1  # gradients compared at the second step (after one optimizer update)
 BATCH = 8
+# every search's limit, far above the 0.1–14 s the tests' searches take: the plan is the same
+# on a loaded machine
+SEARCH_LIMIT_S = 60
 
 
 @functools.cache
 def least_memory_plan(model: str, mesh: str, unit: str = "op", precision: str = "fp32"):
-    # (the limit far above the 0.1–12 s these searches take: the plan is the same on a loaded machine)
-    return memshard.plan(model, mesh, batch=BATCH, precision=precision, mip_gap=0.05, time_limit_s=60,
+    return memshard.plan(model, mesh, batch=BATCH, precision=precision, mip_gap=0.05, time_limit_s=SEARCH_LIMIT_S,
                          zero3_unit=unit)
 
 

@@ -33,9 +33,19 @@ from memshard.graph import MIXED as MIXED_PRECISION
 from memshard.plans import runnable
 from memshard.runtime.report import error
 from memshard.runtime.simulate import simulate
-from tests.runtime_harness import BATCH, INSPECT_STEP, least_memory_plan, reference, run_cases
+from tests.runtime_harness import (
+    BATCH,
+    INSPECT_STEP,
+    SEARCH_LIMIT_S,
+    least_memory_plan,
+    reference,
+    run_cases,
+)
 
 STEPS = 3
+# The fastest plan's memory budget over the least peak (1.3 unless named), each solved to
+# optimality in 2–14 s on 2 cores: tiny-gpt on 2x2 within 1.3× takes 60 s, within 2× 4 s.
+TIME_PLAN_BUDGETS = {("tiny-gpt", "2x2"): 2.0}
 ROUNDING_FLOOR = 1e-3  # of a gradient's size: what fp32 rounding may reach in a sharded run (below)
 
 
@@ -43,11 +53,9 @@ def _memshard(model, mesh, objective, unit="op", precision="fp32"):
     best = least_memory_plan(model, mesh, unit, precision)  # also the time plan's start and budget
     if objective == "memory":
         return best
-    # (solved to optimality, 2–14 s on 2 cores, so the plan is the same on every run; tiny-gpt on
-    # 2x2 within 1.3× takes 60 s, within 2× 4 s)
-    budget = best.peak_bytes * (2.0 if (model, mesh) == ("tiny-gpt", "2x2") else 1.3)
+    budget = best.peak_bytes * TIME_PLAN_BUDGETS.get((model, mesh), 1.3)
     return memshard.plan(model, mesh, batch=BATCH, precision=precision, objective="time", start=best,
-                         memory_budget=int(budget), mip_gap=0.05, time_limit_s=60)
+                         memory_budget=int(budget), mip_gap=0.05, time_limit_s=SEARCH_LIMIT_S)
 
 
 CASES = {  # id → how to make the plan
@@ -120,7 +128,7 @@ def _recomputing(case):
     if what == "time":  # the fastest plan within the least peak without recomputation
         budget = int(least_memory_plan(model, mesh, unit).peak_bytes * 1.02)
         return memshard.plan(model, mesh, batch=BATCH, precision="fp32", objective="time", memory_budget=budget,
-                             mip_gap=0.05, time_limit_s=60, zero3_unit=unit, recompute=policy)
+                             mip_gap=0.05, time_limit_s=SEARCH_LIMIT_S, zero3_unit=unit, recompute=policy)
     return runnable(strategy_plan(model, mesh, what, batch=BATCH, seq=seq, precision="fp32", zero3_unit=unit,
                                   recompute=policy))
 
@@ -130,7 +138,7 @@ def _mixed(case):
     if what in ("memory", "time") and policy == "none":
         return _memshard(model, mesh, what, unit, "mixed")
     if what == "memory":
-        return memshard.plan(model, mesh, batch=BATCH, precision="mixed", mip_gap=0.05, time_limit_s=60,
+        return memshard.plan(model, mesh, batch=BATCH, precision="mixed", mip_gap=0.05, time_limit_s=SEARCH_LIMIT_S,
                              zero3_unit=unit, recompute=policy)
     return runnable(strategy_plan(model, mesh, what, batch=BATCH, precision="mixed", zero3_unit=unit,
                                   recompute=policy))

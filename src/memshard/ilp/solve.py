@@ -12,11 +12,11 @@ without them; where the plan, priced by the evaluator, holds more than its M at 
 point, that point's rows are added and the first pass runs again, from that plan, until none
 is over (``Formulation.over_peak``; the first pass checks its dive's plan before branch and
 bound, its blended plan before any proof of it); the second pass likewise. A plan that meets
-M is optimal with every row too: dropping rows only enlarges the feasible set. Rows come point by point, not all at the first
-violation: a plan is often over M at a handful of its hundreds of reshard points. Every
-round's bound holds for the whole ILP: the next round starts from it. Out of time in a later
-round, the plan kept is the better of that round's and the one before it, as the evaluator
-prices them, with its gap to the best bound.
+M is optimal with every row too: dropping rows only enlarges the feasible set. Rows come
+point by point, not all at the first violation: a plan is often over M at a handful of its
+hundreds of reshard points. Every round's bound holds for the whole ILP: the next round
+starts from it. Out of time in a later round, the plan kept is the better of that round's and
+the one before it, as the evaluator prices them, with its gap to the best bound.
 """
 
 from __future__ import annotations
