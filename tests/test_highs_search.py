@@ -282,23 +282,26 @@ def test_a_least_memory_plan_the_floor_proves_is_found_by_one_dive_without_resha
     """LLaMA-3 8B on 8x8 with recomputation, least memory, ZeRO-3 per layer: the first dive,
     its reshard rows left out, finds a plan the plan-independent floor proves (within 0.01%)
     and that meets every row left out (priced by the evaluator, its peak is the model's):
-    no relaxation of the peak, no branch and bound, fewer rows than the whole model."""
+    no branch and bound, fewer rows than the whole model, and the relaxation of the peak,
+    started beside the search, neither waited for nor let run on (it is stopped)."""
+    from memshard.ilp.solve import RelaxationBeside
     problem = build_problem(build_graph("llama3-8b", batch=64, seq=8192), parse_mesh("8x8"), recompute="auto",
                             zero3_unit="layer")
     calls = []
 
-    def recorded(name):
-        method = getattr(HighsSearch, name)
+    def recorded(cls, name):
+        method = getattr(cls, name)
 
-        def call(search, *args, **kwargs):
+        def call(*args, **kwargs):
             calls.append(name)
-            return method(search, *args, **kwargs)
+            return method(*args, **kwargs)
         return call
-    for name in ("relaxation", "branch_and_bound"):
-        monkeypatch.setattr(HighsSearch, name, recorded(name))
+    monkeypatch.setattr(HighsSearch, "branch_and_bound", recorded(HighsSearch, "branch_and_bound"))
+    for name in ("value", "stop"):
+        monkeypatch.setattr(RelaxationBeside, name, recorded(RelaxationBeside, name))
     branched = []
     result = solve(problem, "memory", time_limit_s=60, on_branching=lambda: branched.append(True))
-    assert result.status == "optimal" and result.gap <= 1e-4 and not calls and not branched
+    assert result.status == "optimal" and result.gap <= 1e-4 and calls == ["stop"] and not branched
     assert result.constraints < every_row(problem)
     assert result.bound == pytest.approx(reference(problem).least_peak_bytes)
     assert evaluate(problem, result.selection).peak_bytes == pytest.approx(result.ilp_peak_bytes, rel=1e-6)
@@ -349,6 +352,43 @@ def test_a_search_given_a_cutoff_its_bound_reaches_finds_no_better_plan():
     assert at_once.value.bound == pytest.approx(floor)
     above = solve(problem, "memory", time_limit_s=60, cutoff=plain.ilp_peak_bytes * 1.5)
     assert above.selection == plain.selection
+
+
+def test_a_dives_plan_the_peaks_relaxation_proves_within_the_gap_needs_no_branch_and_bound(monkeypatch):
+    """GPT-3 1.3B (2 layers) on 8 devices, least memory with recomputation searched, at the
+    3% gap a plan's options default to there: the zero-redundancy floor is over 5% below the
+    dive's plan, the LP relaxation of the peak (computed beside the search: the same bound as
+    ``relaxed_floor`` computes on its own) within 3%, so that plan is returned, proved within
+    it, without branch and bound; its bound holds for the recipes of memshard's own search
+    space. The tie-break pass after it holds the peak within TIE_SLACK of the bound or at the
+    plan found (the gap is slack to prove, not to trade memory for time)."""
+    from memshard.ilp import solve as solve_module
+    problem = build_problem(build_graph("gpt3-1.3b", batch=8, seq=1024, num_layers=2, precision="mixed"),
+                            parse_mesh("8"), recompute="auto")
+    passes, searched = [], []
+    second_pass, branch_and_bound = solve_module.Solver.second_pass, HighsSearch.branch_and_bound
+
+    def recorded_second_pass(solver, outcome, mip_gap):
+        passes.append((outcome.best, outcome.lower))
+        return second_pass(solver, outcome, mip_gap)
+
+    def recorded_branch_and_bound(search, *args, **kwargs):
+        searched.append(bool(passes))
+        return branch_and_bound(search, *args, **kwargs)
+    monkeypatch.setattr(solve_module.Solver, "second_pass", recorded_second_pass)
+    monkeypatch.setattr(HighsSearch, "branch_and_bound", recorded_branch_and_bound)
+    result = solve(problem, "memory", time_limit_s=60, mip_gap=0.03)
+    assert result.status == "optimal" and 2e-3 < result.gap <= 0.03 and False not in searched
+    floor = reference(problem).least_peak_bytes
+    assert relative_gap(result.ilp_peak_bytes, floor) > 0.05
+    assert result.bound == pytest.approx(relaxed_floor(problem, reference(problem), time.perf_counter() + 60),
+                                         rel=1e-9)
+    for plan in (plan for plan in baselines(problem)[0] if plan.problem is problem):
+        assert evaluate(problem, plan.selection).peak_bytes >= result.bound, plan.name
+    (best, lower), = passes
+    unit = result.ilp_peak_bytes / best
+    assert lower < best * (1 - solve_module.TIE_SLACK)  # (so the cap is the plan's own peak)
+    assert evaluate(problem, result.selection).peak_bytes <= second_pass_cap(best, lower, solve_module.TIE_SLACK) * unit * (1 + 1e-6)
 
 
 def test_the_tie_break_pass_dives_again(monkeypatch):

@@ -85,6 +85,13 @@ def test_contradictory_or_bad_search_options_are_errors(kwargs):
         SearchOptions(**kwargs)
 
 
+def test_the_gap_is_the_one_given_else_looser_for_the_least_memory_with_recomputation():
+    """(whose bound is the peak's LP relaxation: ``SearchOptions.gap``)"""
+    assert SearchOptions().gap == SearchOptions(objective="time", recompute="auto").gap == 2e-3
+    assert SearchOptions(recompute="auto").gap == SearchOptions(recompute="full").gap == 0.03
+    assert SearchOptions(recompute="auto", mip_gap=0.0).gap == 0.0 and SearchOptions(mip_gap=0.05).gap == 0.05
+
+
 # -- the plan as data ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_plan():

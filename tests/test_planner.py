@@ -322,7 +322,7 @@ def test_the_least_memory_with_recomputation_is_the_leaner_of_both_zero3_units()
     recomputed on 8 devices keeps its layers' weights whole; per layer they are gathered for
     the replay: the plan searched with both is the per-layer one, and its bound holds for the
     per-op plan too (no plan of either unit is below it)."""
-    job = dict(batch=16, seq=2048, recompute="full")
+    job = dict(batch=16, seq=2048, recompute="full", mip_gap=2e-3)  # (not the 3% default: proved closer)
     per_op = memshard.plan("gpt3-1.3b", "8", zero3_unit="op", **job)
     per_layer = memshard.plan("gpt3-1.3b", "8", zero3_unit="layer", **job)
     both = memshard.plan("gpt3-1.3b", "8", **job)
@@ -408,7 +408,7 @@ def test_the_time_limit_covers_the_searches_of_both_units(monkeypatch):
         return result
     monkeypatch.setattr(planner, "time", PlannersClock)
     monkeypatch.setattr(planner, "solve", layer_takes_all_the_time)
-    job = dict(batch=16, seq=2048, recompute="full")
+    job = dict(batch=16, seq=2048, recompute="full", mip_gap=2e-3)  # (not the 3% default: proved closer)
     plan = memshard.plan("gpt3-1.3b", "8", time_limit_s=60, **job)
     assert units == ["layer"] and 0 < limits[0] <= 60
     per_op = _unit_problem("op", **job)

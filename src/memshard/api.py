@@ -57,7 +57,7 @@ def plan(
     exact: bool = False,
     full_mesh: bool = False,
     time_limit_s: float = 60.0,
-    mip_gap: float = 2e-3,
+    mip_gap: float | None = None,
     start: Plan | None = None,
     zero3_unit: str | None = None,
     top: int = 10,
@@ -84,7 +84,9 @@ def plan(
     redundant ops the plan lists, each with what sharding it further would cost.
     ``recompute``: activation recomputation — ``"none"``, ``"selective"`` (Megatron-LM's core
     attention), ``"full"`` (each layer keeps its input only) or ``"auto"`` (the search decides
-    per op role; see ``recompute.py``).
+    per op role; see ``recompute.py``). ``mip_gap``: the relative optimality gap the search
+    stops at (None: 0.2%, and 3% for the least memory with recomputation, whose bound is the
+    peak's LP relaxation; ``SearchOptions.gap``); ``time_limit_s``: where it stops anyway.
     """
     options = SearchOptions(objective, max_step_time_s, memory_budget, exact, full_mesh, zero3_unit, time_limit_s,
                             mip_gap, top, recompute)

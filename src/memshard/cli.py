@@ -139,7 +139,8 @@ def add_search_arguments(parser: argparse.ArgumentParser, objective: bool) -> No
                    help="on 3+ axis meshes, search every axis separately (slow) instead of merging alike axes")
     s.add_argument("--time-limit", type=_seconds, help="solver time limit per plan (default 60s)")
     s.add_argument("--gap", type=float,
-                   help="relative optimality gap the solver may stop at (default 0.002 = 0.2%%; run, simulate: 0.02)")
+                   help="relative optimality gap the solver may stop at (default 0.002 = 0.2%%; the least memory with "
+                        "--recompute: 0.03; run, simulate: 0.02)")
 
 
 def job_of(args):
@@ -153,8 +154,9 @@ def job_of(args):
                overrides=knobs, precision=args.precision)
 
 
-def options_of(args, gap: float = 2e-3):
-    """The search the options ask for (``gap``: the default when none is given)."""
+def options_of(args, gap: float | None = None):
+    """The search the options ask for (``gap``: the default when none is given; None:
+    ``SearchOptions.gap`` says)."""
     from memshard.planner import SearchOptions
 
     def given(name: str, default):

@@ -82,6 +82,15 @@ class Unsettled(Exception):
     bound, or a relaxation to prove the dive's plan."""
 
 
+class DiveProved(Exception):
+    """A first pass's dive found a plan (``found``) that the relaxation of a loose floor proves
+    within the gap: no branch and bound follows."""
+
+    def __init__(self, found: FirstPass):
+        super().__init__()
+        self.found = found
+
+
 class RowsNeeded(Exception):
     """A first pass's dive found a plan that breaks rows the model lacks (lazy ones): they
     come before any branch and bound, which would search a model about to change."""
@@ -662,7 +671,8 @@ class HighsSearch:
             return float(highs.getInfo().objective_function_value)
 
     def first_pass(self, expr: Expression, tie_break: Expression, floor: float, scales: tuple[float, float],
-                   gap: float, fallback, tie_break_cap: float = math.inf, loose_floor: bool = False,
+                   gap: float, fallback, tie_break_cap: float = math.inf,
+                   relaxed_bound: Callable[[], float] | None = None,
                    simplex_bound: bool = False, cutoff: float = math.inf, speculative: bool = False,
                    on_branching: Callable[[], None] | None = None,
                    needs_rows: Callable[[np.ndarray], bool] | None = None) -> FirstPass:
@@ -676,29 +686,26 @@ class HighsSearch:
         HiGHS's tolerances, divided by w, are that small. Otherwise ``primary_alone``.
         ``tie_break_cap`` bounds ``tie_break`` on every plan (a memory budget): then the blend's
         bound B bounds ``expr`` too, expr ≥ B − w·cap (what a blend out of time reports).
-        ``loose_floor``: where ``floor`` may be loose (recomputation: it lets every replayable
-        tensor go for free), ``expr``'s own relaxation (interior point with presolve) bounds it
-        before the blend's branch and bound, but not where the floor proves the blend's dive
-        (docs/design.md, *The least-memory bound with recomputation*).
-        ``simplex_bound``: ``expr``'s relaxation by primal simplex from the blend's basis first.
-        ``cutoff``: a value some other plan reaches: :class:`NoBetterPlan` at once where the floor
-        (with ``loose_floor``, raised to ``expr``'s relaxation first) is not below it by the gap.
+        ``relaxed_bound``: where ``floor`` may be loose (recomputation: it lets every
+        replayable tensor go for free), a bound on ``expr`` from its relaxation (computed beside
+        the search; -inf if none), asked for before the blend's branch and bound, not where the
+        floor proves the blend's dive; where it proves the dive's plan within ``gap``, that plan
+        is returned without branch and bound, its ties unresolved (docs/design.md, *The
+        least-memory bound with recomputation*). ``simplex_bound``: ``expr``'s relaxation by primal simplex from
+        the blend's basis first. ``cutoff``: a value some other plan reaches: :class:`NoBetterPlan`
+        at once where the floor (raised to ``relaxed_bound`` first) is not below it by the gap.
         ``speculative``: the dive alone; :class:`Unsettled` where its plan is not proved.
         ``on_branching``: called where the blend's dive leaves its gap open (a long search follows).
         ``needs_rows``: whether a plan breaks lazy rows: :class:`RowsNeeded` for the dive's plan
         that does, the blend's returned unproved (no search of a model about to change)."""
         blend, w = blend_objective(expr, tie_break, scales)
-        relaxed = not loose_floor  # whether the floor has had ``expr``'s relaxation (or needs none first)
 
-        def relax_floor() -> None:  # once: the floor raised to ``expr``'s relaxation
-            nonlocal floor, relaxed
-            if not relaxed:
-                relaxed, bound = True, self.relaxation(expr, presolve=True)
-                floor = floor if bound is None else max(floor, bound)
+        def relax_floor() -> None:  # the floor raised to ``expr``'s relaxation
+            nonlocal floor
+            if relaxed_bound is not None:
+                floor = max(floor, relaxed_bound())
 
-        def bound_by_relaxation(branching: bool = False) -> None:
-            if branching and on_branching is not None:
-                on_branching()
+        def bound_by_relaxation() -> None:
             relax_floor()
             if floor >= cutoff * (1 - gap):
                 raise NoBetterPlan(floor)
@@ -707,17 +714,22 @@ class HighsSearch:
             bound_by_relaxation()
 
         def before_branching(dived: np.ndarray | None) -> None:
+            if on_branching is not None:
+                on_branching()
             if speculative:
                 raise Unsettled()
             if needs_rows is not None and dived is not None and needs_rows(dived):
                 raise RowsNeeded(dived)
-            bound_by_relaxation(branching=True)
+            bound_by_relaxation()
+            if relaxed_bound is not None and dived is not None and relative_gap(dived_value := value_of(expr, dived), floor) <= gap:
+                raise DiveProved(FirstPass(dived, dived_value, relative_gap(dived_value, floor), False, False))
 
-        blended = self.minimise(blend, gap * TIE_BREAK, start=fallback, before_branching=before_branching)
-        values = blended.values
-        value = value_of(expr, values)
-        # what the blend may be off by: its gap, and the integrality and feasibility tolerances
-        blend_error = (blended.gap + HIGHS_TOLERANCE) * max(abs(blended.objective), 1.0)
+        try:
+            blended = self.minimise(blend, gap * TIE_BREAK, start=fallback, before_branching=before_branching)
+        except DiveProved as proved:
+            return proved.found
+        values, value = blended.values, value_of(expr, blended.values)
+        blend_error = (blended.gap + HIGHS_TOLERANCE) * max(abs(blended.objective), 1.0)  # (and the tolerances)
         ties_resolved = blend_error <= w * gap * abs(value_of(tie_break, values))
         floor = max(floor, blended.objective * (1 - blended.gap) - w * tie_break_cap)
         floor_gap = relative_gap(value, floor)
@@ -726,13 +738,10 @@ class HighsSearch:
                 raise Unsettled()
             if needs_rows is not None and not blended.timed_out and needs_rows(values):
                 return FirstPass(values, value, floor_gap, False, False)
-            if loose_floor:
-                relax_floor()
-                floor_gap = relative_gap(value, floor)
-            else:
-                bound = self.relaxation(expr, simplex_first=simplex_bound)
-                if bound is not None and bound > floor:
-                    floor, floor_gap = bound, relative_gap(value, bound)
+            if relaxed_bound is None and (bound := self.relaxation(expr, simplex_first=simplex_bound)) is not None:
+                floor = max(floor, bound)
+            relax_floor()
+            floor_gap = relative_gap(value, floor)
         if blended.timed_out or self.expired():
             return FirstPass(values, value, floor_gap, True, False)
         if floor_gap <= gap:
@@ -740,7 +749,7 @@ class HighsSearch:
         # a dive on ``expr`` alone first (tiny-llama 2x2: branch and bound 13 s → 4 s after it), not on a
         # loose floor's peak: simplex solves its relaxation slowly (GPT-3 175B: not in 25 s; IPM 7 s)
         return self.primary_alone(expr, gap, FirstPass(values, value, floor_gap, False, ties_resolved), floor,
-                                  dive=not loose_floor)
+                                  dive=relaxed_bound is None)
 
     def primary_alone(self, expr: Expression, gap: float, blended: FirstPass, floor: float, dive: bool) -> FirstPass:
         """The search on ``expr`` alone (a dive first if ``dive``), from the blend's plan
