@@ -310,8 +310,8 @@ class Solver:
         f = self.formulation
         tolerance = max(mip_gap, TIE_RESOLUTION)
         # Where the bound is a loose floor's relaxation, the gap is room to prove the plan, not
-        # to trade memory for time (GPT-3 13B on 1x8 with a 2% gap: +0.7%, and slower than
-        # the per-op plan that cap ruled out): the cap is within TIE_SLACK.
+        # to trade memory for time (GPT-3 13B on 1x8 at a 2% gap: +0.6%, and slower than the
+        # per-op plan that gap ruled out): the cap is within TIE_SLACK.
         slack = min(tolerance, TIE_SLACK) if self.relaxed_peak is not None else tolerance
         self.search.add_row(self.primary, second_pass_cap(outcome.best, outcome.lower, slack))
         start = outcome.values
