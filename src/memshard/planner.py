@@ -162,11 +162,7 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
         try:
             for k, unit in enumerate(units):
                 if following is not None and following.built is not None:
-                    searched, figures = following.built.result()
-                    # (its relaxation waited for only where the floor does not rule it out)
-                    bound = (figures.least_peak_bytes if best is not None and rules_out(figures.least_peak_bytes,
-                                                                                       best[2], options.gap)
-                             else following.bound())
+                    (searched, figures), bound = following.built.result(), following.bound()
                 else:
                     searched = (problem if problem is not None and problem.zero3_unit == unit
                                 else searched_problem(job, replace(options, zero3_unit=unit)))

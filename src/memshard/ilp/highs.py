@@ -690,10 +690,10 @@ class HighsSearch:
         replayable tensor go for free), a bound on ``expr`` from its relaxation (computed beside
         the search; -inf if none), asked for before the blend's branch and bound, not where the
         floor proves the blend's dive; where it proves the dive's plan within ``gap``, that plan
-        is returned without branch and bound, its ties unresolved (docs/design.md, *The
-        least-memory bound with recomputation*). ``simplex_bound``: ``expr``'s relaxation by primal simplex from
-        the blend's basis first. ``cutoff``: a value some other plan reaches: :class:`NoBetterPlan`
-        at once where the floor (raised to ``relaxed_bound`` first) is not below it by the gap.
+        is returned without branch and bound, its ties unresolved (docs/design.md).
+        ``simplex_bound``: ``expr``'s relaxation by primal simplex from the blend's basis first.
+        ``cutoff``: a value some other plan reaches: :class:`NoBetterPlan` at once where the
+        floor (raised to ``relaxed_bound`` first) is not below it by the gap.
         ``speculative``: the dive alone; :class:`Unsettled` where its plan is not proved.
         ``on_branching``: called where the blend's dive leaves its gap open (a long search follows).
         ``needs_rows``: whether a plan breaks lazy rows: :class:`RowsNeeded` for the dive's plan
