@@ -282,7 +282,7 @@ class ParamStore:
         del dt
 
     # gradient reduction: all-reduce the axes the storage does not shard, then reduce-scatter
-    # over the storage axes (``pricing.py``'s sync_calls prices exactly this).
+    # over the storage axes (``storage_pricing.py``'s sync_calls prices exactly this).
     def _reduce(self, local_grad: torch.Tensor) -> torch.Tensor:
         flat = local_grad.reshape(-1)
         for a, p in enumerate(self.flat_partial):
