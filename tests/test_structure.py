@@ -22,7 +22,7 @@ LAYERS = [
     ("memshard.strategies", "memshard.schedule", "memshard.recompute", "memshard.cost", "memshard.models",
      "memshard.trace", "memshard.tensor_parallel", "memshard.eager", "memshard.gathers"),
     ("memshard.problem", "memshard.job"),
-    ("memshard.pricing", "memshard.bounds", "memshard.evaluate", "memshard.selections"),
+    ("memshard.pricing", "memshard.storage_pricing", "memshard.bounds", "memshard.evaluate", "memshard.selections"),
     ("memshard.ilp", "memshard.coarsen", "memshard.baselines", "memshard.advice"),
     ("memshard.plans",),
     ("memshard.planner", "memshard.report", "memshard.runtime", "memshard.exporting"),
