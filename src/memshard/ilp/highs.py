@@ -79,7 +79,8 @@ class Infeasible(MemshardError):
 
 class Unsettled(Exception):
     """A first pass asked to stop after its dive (``speculative``) needs more: branch and
-    bound, or a relaxation to prove the dive's plan."""
+    bound, or a relaxation to prove the dive's plan; or a minimisation asked for its dive
+    alone (``dive_only``) has no plan from it."""
 
 
 class DiveProved(Exception):
@@ -123,6 +124,7 @@ class Solution:
 @dataclass(frozen=True)
 class FirstPass(Solution):
     ties_resolved: bool = False  # the secondary objective is within the gap of its best too
+    dive_proved: bool = False  # a dive's plan the relaxation of a loose floor proves (no branch and bound)
 
 
 @dataclass(frozen=True)
@@ -336,12 +338,14 @@ class HighsSearch:
         self.highs.changeColsCost(self.num_columns, np.arange(self.num_columns, dtype=np.int32), cost)
 
     def minimise(self, expr: Expression, gap: float, start=None,
-                 before_branching: Callable[[np.ndarray | None], None] | None = None) -> Solution:
+                 before_branching: Callable[[np.ndarray | None], None] | None = None,
+                 dive_only: bool = False) -> Solution:
         """Minimise ``expr`` to relative ``gap``: the dive, and where it does not prove its
         plan, branch and bound from that plan, else from ``start`` (a full solution, a
         partial one as (columns, values), or a function making one when it is needed).
         ``before_branching``: called once a branch and bound is needed, before it starts, with
-        the dive's plan if any (it may solve relaxations of its own)."""
+        the dive's plan if any (it may solve relaxations of its own). ``dive_only``: no branch
+        and bound: the dive's plan, with the dive's gap (:class:`Unsettled` where it has none)."""
         self.set_objective(expr)
         dived = None
         if self.diving:
@@ -350,11 +354,13 @@ class HighsSearch:
                 incumbent = (start, value_of(expr, start))
             dived = self.dive(gap, incumbent, start if callable(start) else None)
             if dived is not None:
-                if dived.objective - dived.bound <= gap * abs(dived.objective) + 1e-9:
+                if dive_only or dived.objective - dived.bound <= gap * abs(dived.objective) + 1e-9:
                     return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), False)
             # A model whose relaxation a dive did not settle seldom changes in the next runs
             # (the same rows and a few more): no more dives, each an LP (but see second_pass).
             self.diving = False
+        if dive_only:
+            raise Unsettled()
         if before_branching is not None:
             before_branching(None if dived is None else dived.values)
             self.set_objective(expr)
@@ -722,7 +728,7 @@ class HighsSearch:
                 raise RowsNeeded(dived)
             bound_by_relaxation()
             if relaxed_bound is not None and dived is not None and relative_gap(dived_value := value_of(expr, dived), floor) <= gap:
-                raise DiveProved(FirstPass(dived, dived_value, relative_gap(dived_value, floor), False, False))
+                raise DiveProved(FirstPass(dived, dived_value, relative_gap(dived_value, floor), False, False, True))
 
         try:
             blended = self.minimise(blend, gap * TIE_BREAK, start=fallback, before_branching=before_branching)
