@@ -57,6 +57,13 @@ def run(model: str, mesh: str, batch: int | None, seq: int | None, micro: int, f
             return elapsed, json.load(f)
 
 
+def byte_compile() -> None:
+    """Compile memshard's sources as an installed package is (see the module docstring)."""
+    import memshard
+
+    subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.dirname(memshard.__file__)], check=True)
+
+
 def status(solver: dict) -> str:
     """Nothing for a proved plan; else the solver's status and the gap it stopped at."""
     return "" if solver["status"] == "optimal" else f" ({solver['status']}, gap {solver['gap']:.2%})"
@@ -66,9 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    import memshard
-
-    subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.dirname(memshard.__file__)], check=True)
+    byte_compile()
     lines = [provenance("python benchmarks/plan_speed.py --write"), "",
              "| job | mesh | wall time (median of 3) | goal | ILP variables / constraints | search | peak / device "
              "| above bound | step time |",
