@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks_md import provenance, write_section  # noqa: E402
+from memshard.core.quantities import format_bytes  # noqa: E402
 from memshard.fitting import fit_job  # noqa: E402
 from memshard.job import Job  # noqa: E402
-from memshard.units import format_bytes  # noqa: E402
 
 JOBS = (  # (model, mesh, batch, seq, knob, step: None = the mesh's data-parallel degree)
     ("gpt3-1.3b", "1x8", 8, 2048, "batch", None),

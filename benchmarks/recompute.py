@@ -23,9 +23,9 @@ import sys
 import time
 
 import memshard
-from memshard.errors import MemshardError
+from memshard.core.errors import MemshardError
 from memshard.planner import SearchOptions, baseline_plans, plan_job
-from memshard.pricing import build_problem
+from memshard.problem.pricing import build_problem
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmarks_md import provenance, write_section  # noqa: E402

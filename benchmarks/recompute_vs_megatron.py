@@ -27,7 +27,7 @@ import statistics
 import sys
 
 import memshard
-from memshard.errors import MemshardError
+from memshard.core.errors import MemshardError
 from memshard.planner import DEFAULT_GAP, SearchOptions, plan_job
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

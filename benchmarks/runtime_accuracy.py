@@ -32,7 +32,7 @@ from tests.test_runtime import CASES, STEPS, _make, category_errors  # noqa: E40
 import memshard  # noqa: E402
 from benchmarks_md import provenance, write_section  # noqa: E402
 from memshard.api import strategy_plan  # noqa: E402
-from memshard.evaluate import evaluate  # noqa: E402
+from memshard.problem.evaluate import evaluate  # noqa: E402
 from memshard.runtime.report import error  # noqa: E402
 from memshard.runtime.simulate import simulate  # noqa: E402
 

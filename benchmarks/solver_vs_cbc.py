@@ -33,13 +33,13 @@ import numpy as np
 import pulp
 
 from benchmarks_md import provenance, write_section
-from memshard.ilp.formulation import Formulation
-from memshard.ilp.highs import TIE_BREAK, TIE_RESOLUTION, HighsSearch, blend_objective
-from memshard.ilp.model import LinearModel
-from memshard.ilp.solve import second_pass_cap
-from memshard.mesh import parse_mesh
+from memshard.core.mesh import parse_mesh
 from memshard.models import build_graph
-from memshard.pricing import build_problem
+from memshard.problem.pricing import build_problem
+from memshard.search.formulation import Formulation
+from memshard.search.highs import TIE_BREAK, TIE_RESOLUTION, HighsSearch, blend_objective
+from memshard.search.model import LinearModel
+from memshard.search.solve import second_pass_cap
 
 
 def build(args):

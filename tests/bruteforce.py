@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from memshard.evaluate import InconsistentPlan, evaluate
-from memshard.problem import OpGroup, Problem, Selection, StorageGroup
+from memshard.problem.evaluate import InconsistentPlan, evaluate
+from memshard.problem.records import OpGroup, Problem, Selection, StorageGroup
 
 
 def all_selections(problem: Problem):

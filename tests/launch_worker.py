@@ -49,7 +49,7 @@ def run(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from memshard.files import write_text_atomically
+    from memshard.core.files import write_text_atomically
 
     seconds = float(os.environ.get("MEMSHARD_COLLECTIVE_TIMEOUT_S", "60"))
     timeout = datetime.timedelta(seconds=seconds)

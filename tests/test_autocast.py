@@ -15,9 +15,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import memshard  # noqa: E402
-from memshard.errors import MemshardError  # noqa: E402
-from memshard.graph import TensorKind  # noqa: E402
-from memshard.plans import runnable  # noqa: E402
+from memshard.core.errors import MemshardError  # noqa: E402
+from memshard.core.graph import TensorKind  # noqa: E402
+from memshard.plans.plan import runnable  # noqa: E402
 from memshard.trace import autocast  # noqa: E402
 from memshard.trace.hf import trace_hf  # noqa: E402
 from tests.test_cli import assert_one_line_error, run  # noqa: E402

@@ -14,10 +14,10 @@ import pytest
 
 import memshard
 from memshard.cli import main
-from memshard.errors import MemshardError
+from memshard.core.errors import MemshardError
 from memshard.job import HFModel, Job
 from memshard.pareto import frontier
-from memshard.plans import load_plan, plan_from_dict
+from memshard.plans.plan import load_plan, plan_from_dict
 
 BASE = ["--model", "gpt2", "--mesh", "2x2"]
 SMALL = ["--layers", "1", "--batch", "4", "--seq", "64"]

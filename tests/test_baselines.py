@@ -8,17 +8,17 @@ import re
 import pytest
 
 import memshard
-from memshard.baselines import as_run_by, baselines, megatron_tp
-from memshard.errors import MemshardError
-from memshard.evaluate import evaluate
-from memshard.ilp.solve import solve
-from memshard.mesh import make_mesh, parse_mesh
+from memshard.baselines.recipes import as_run_by, baselines, megatron_tp
+from memshard.baselines.rules import data_parallel
+from memshard.core.errors import MemshardError
+from memshard.core.mesh import make_mesh, parse_mesh
 from memshard.models import build_graph
-from memshard.plans import build_plan, runnable
-from memshard.pricing import build_problem
-from memshard.problem import MEMSHARD
-from memshard.schedule import Schedule
-from memshard.selections import data_parallel
+from memshard.plans.plan import build_plan, runnable
+from memshard.problem.evaluate import evaluate
+from memshard.problem.pricing import build_problem
+from memshard.problem.records import MEMSHARD
+from memshard.problem.schedule import Schedule
+from memshard.search.solve import solve
 
 SMALL = dict(num_layers=2, hidden=128, heads=8, vocab=512, ffn=512)
 
@@ -122,7 +122,7 @@ def test_compare_command_writes_json(tmp_path, capsys):
     ("gpt2", [512, 4, 512]),
 ])
 def test_a_traced_model_is_laid_out_for_tensor_parallelism_by_its_weights(family, sizes):
-    from memshard.tensor_parallel import tensor_parallel_dims
+    from memshard.problem.tensor_parallel import tensor_parallel_dims
     from memshard.trace.hf import trace_hf
 
     configs = {"llama": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -155,7 +155,7 @@ def test_a_traced_model_is_laid_out_for_tensor_parallelism_by_its_weights(family
 def test_pytorch_tensor_parallelism_gathers_each_block_input_once():
     """PrepareModuleInput before a block's attention and MLP: one redistribution per input
     that several column-parallel projections read, the projections reading its output."""
-    from memshard.tensor_parallel import REDISTRIBUTE, with_input_gathers
+    from memshard.problem.tensor_parallel import REDISTRIBUTE, with_input_gathers
 
     graph = build_graph("tiny-llama", batch=4, seq=32, num_layers=2)
     gathered = with_input_gathers(graph)

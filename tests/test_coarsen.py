@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 import memshard
-from memshard.baselines import baselines
-from memshard.coarsen import lift_selection, lower_selection, merge_groups, merged_mesh
-from memshard.evaluate import evaluate
-from memshard.ilp.solve import solve
-from memshard.mesh import parse_mesh
+from memshard.baselines.recipes import baselines
+from memshard.core.mesh import parse_mesh
 from memshard.models import build_graph
-from memshard.pricing import build_problem
+from memshard.problem.evaluate import evaluate
+from memshard.problem.pricing import build_problem
+from memshard.search.coarsen import lift_selection, lower_selection, merge_groups, merged_mesh
+from memshard.search.solve import solve
 from tests.test_ilp_pricing import random_plan
 
 # GPT-2's own widths (a tiny model's loose LP bound made these searches 20–40 s, this one's ~1 s)

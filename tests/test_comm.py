@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from memshard.cost import comm
-from memshard.cost.comm import (
+from memshard.core.mesh import parse_mesh
+from memshard.core.placement import PARTIAL, REPLICATE, Shard
+from memshard.problem import comm
+from memshard.problem.comm import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
@@ -24,8 +26,6 @@ from memshard.cost.comm import (
     total_wire_bytes,
     wire_bytes,
 )
-from memshard.mesh import parse_mesh
-from memshard.placement import PARTIAL, REPLICATE, Shard
 
 R, P = REPLICATE, PARTIAL
 MESH = parse_mesh("2x4")

@@ -18,9 +18,9 @@ import pytest
 
 import memshard
 from memshard.cli import main
-from memshard.errors import MemshardError
+from memshard.core.errors import MemshardError
+from memshard.core.quantities import format_bytes
 from memshard.models import get_config
-from memshard.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
@@ -464,7 +464,7 @@ def test_out_writes_the_file_and_replaces_one_only_with_force(tmp_path, capsys):
 def test_out_is_never_half_written(tmp_path, monkeypatch, capsys):
     """The text goes to a temporary file renamed over the target: a failure before the rename
     leaves the old file whole and no temporary file behind."""
-    import memshard.files
+    import memshard.core.files
 
     out = tmp_path / "parallelize.py"
     out.write_text("mine\n")
@@ -473,7 +473,7 @@ def test_out_is_never_half_written(tmp_path, monkeypatch, capsys):
         assert Path(src).read_text() == memshard.export("tiny-gpt", "4", strategy="fsdp2")  # written in full
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(memshard.files.os, "replace", fail)
+    monkeypatch.setattr(memshard.core.files.os, "replace", fail)
     assert main([*FSDP2, "--out", str(out), "--force"]) == 2
     err = capsys.readouterr().err
     assert err == f"memshard: error: cannot write {out}: No space left on device\n"

@@ -11,8 +11,8 @@ import stat
 import pytest
 
 from memshard.cli import main
-from memshard.errors import MemshardError
-from memshard.files import check_output_path, write_text_atomically
+from memshard.core.errors import MemshardError
+from memshard.core.files import check_output_path, write_text_atomically
 
 PLAN = ["plan", "--model", "gpt2", "--mesh", "2", "--layers", "1", "--batch", "2", "--seq", "32"]
 

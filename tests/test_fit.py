@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 import memshard
-from memshard.errors import MemshardError
+from memshard.core.errors import MemshardError
 from memshard.fitting import KNOBS, KnobSearch, Probe, Prober, family, fit_job, job_at
 from memshard.job import Job
 from memshard.planner import SearchOptions, plan_job
@@ -46,7 +46,7 @@ def test_every_baselines_answer_is_its_own_scans():
     result = fit_job(job, "batch")
     plans = {}
     for b in range(1, max(a.value or 0 for a in result.answers) + 2):
-        for p in memshard.planner.baseline_plans(job_at(job, "batch", b), memshard.pricing.build_problem(
+        for p in memshard.planner.baseline_plans(job_at(job, "batch", b), memshard.problem.pricing.build_problem(
                 job_at(job, "batch", b).graph, job.mesh))[0]:
             plans.setdefault(p.strategy, {})[b] = p.peak_bytes
     for answer in result.answers[1:]:

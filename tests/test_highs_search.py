@@ -11,11 +11,14 @@ import highspy
 import numpy as np
 import pytest
 
-from memshard.baselines import baselines
-from memshard.evaluate import evaluate
-from memshard.ilp import highs as highs_module
-from memshard.ilp.formulation import Formulation
-from memshard.ilp.highs import (
+from memshard.baselines.recipes import baselines
+from memshard.core.mesh import parse_mesh
+from memshard.models import build_graph
+from memshard.problem.evaluate import evaluate
+from memshard.problem.pricing import build_problem
+from memshard.search import highs as highs_module
+from memshard.search.formulation import Formulation
+from memshard.search.highs import (
     HighsSearch,
     NoBetterPlan,
     RowsNeeded,
@@ -23,12 +26,9 @@ from memshard.ilp.highs import (
     relative_gap,
     value_of,
 )
-from memshard.ilp.model import LinearModel, RowTag
-from memshard.ilp.reference import reference
-from memshard.ilp.solve import relaxed_floor, second_pass_cap, solve
-from memshard.mesh import parse_mesh
-from memshard.models import build_graph
-from memshard.pricing import build_problem
+from memshard.search.model import LinearModel, RowTag
+from memshard.search.reference import reference
+from memshard.search.solve import relaxed_floor, second_pass_cap, solve
 
 
 def odd_cycle(groups: int = 3):
@@ -284,7 +284,7 @@ def test_a_least_memory_plan_the_floor_proves_is_found_by_one_dive_without_resha
     and that meets every row left out (priced by the evaluator, its peak is the model's):
     no branch and bound, fewer rows than the whole model, and the relaxation of the peak,
     started beside the search, neither waited for nor let run on (it is stopped)."""
-    from memshard.ilp.solve import RelaxationBeside
+    from memshard.search.solve import RelaxationBeside
     problem = build_problem(build_graph("llama3-8b", batch=64, seq=8192), parse_mesh("8x8"), recompute="auto",
                             zero3_unit="layer")
     calls = []
@@ -363,7 +363,7 @@ def test_a_dives_plan_the_peaks_relaxation_proves_within_the_gap_needs_no_branch
     space. The tie-break pass after it runs its dive alone (no branch and bound either) and
     holds the peak within TIE_SLACK of the bound or at the plan found (the gap is slack to
     prove, not to trade memory for time)."""
-    from memshard.ilp import solve as solve_module
+    from memshard.search import solve as solve_module
     problem = build_problem(build_graph("gpt3-1.3b", batch=8, seq=1024, num_layers=2, precision="mixed"),
                             parse_mesh("8"), recompute="auto")
     passes, searched = [], []
@@ -397,7 +397,7 @@ def test_the_tie_break_pass_dives_again(monkeypatch):
     model's later runs then skip the dive), and its plan's ties are not shown resolved; the
     tie-break pass dives again, and returns a plan no slower than the first pass's, its peak
     within the cap the first pass's bound sets."""
-    from memshard.ilp import solve as solve_module
+    from memshard.search import solve as solve_module
     problem = build_problem(build_graph("tiny-gpt", batch=4, seq=32), parse_mesh("2x2"))
     passes, dives = [], []
     second_pass, dive = solve_module.Solver.second_pass, HighsSearch.dive

@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memshard.evaluate import evaluate
-from memshard.ilp.solve import solve
-from memshard.mesh import parse_mesh
+from memshard.core.mesh import parse_mesh
 from memshard.models import build_graph
-from memshard.pricing import build_problem
-from memshard.problem import OpGroup, Selection
+from memshard.problem.evaluate import evaluate
+from memshard.problem.pricing import build_problem
+from memshard.problem.records import OpGroup, Selection
+from memshard.search.solve import solve
 
 
 @functools.cache

@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 
 import memshard
-from memshard.advice import reselect
 from memshard.cli import build_parser
-from memshard.errors import MemshardError
-from memshard.evaluate import evaluate
-from memshard.ilp.formulation import Formulation
-from memshard.ilp.highs import HighsSearch
+from memshard.core.errors import MemshardError
 from memshard.job import HFModel, Job
 from memshard.planner import SearchOptions, plan_job
-from memshard.plans import load_plan, plan_from_dict
-from memshard.problem import OpGroup
+from memshard.plans.advice import reselect
+from memshard.plans.plan import load_plan, plan_from_dict
+from memshard.problem.evaluate import evaluate
+from memshard.problem.records import OpGroup
+from memshard.search.formulation import Formulation
+from memshard.search.highs import HighsSearch
 
 TINY = dict(batch=4, seq=32, num_layers=2, hidden=64, heads=2, vocab=128, ffn=128)
 TINY_FLAGS = ["--batch", "4", "--seq", "32", "--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "128",
@@ -129,10 +129,10 @@ def test_the_plan_carries_its_advice_and_the_report_only_formats_it(tiny_plan):
 
 def test_a_merged_mesh_plan_builds_the_real_problem_only_when_asked(monkeypatch):
     import memshard.planner
-    import memshard.plans
+    import memshard.plans.plan
 
     built = []
-    for module in (memshard.planner, memshard.plans):
+    for module in (memshard.planner, memshard.plans.plan):
         original = module.build_problem
         monkeypatch.setattr(module, "build_problem", lambda *a, _f=original, **k: built.append(a[1]) or _f(*a, **k))
     # GPT-2's own dims, two layers: tiny dims make the ILP slow (a loose LP bound)

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 import memshard  # noqa: E402
-from memshard.graph import TensorKind  # noqa: E402
+from memshard.core.graph import TensorKind  # noqa: E402
 from memshard.trace.hf import trace_hf  # noqa: E402
 from memshard.trace.kernels import MATH, cuda_attention, cuda_sdpa_backend  # noqa: E402
 from tests.test_conformance import FAMILIES  # noqa: E402

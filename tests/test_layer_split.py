@@ -11,17 +11,17 @@ import json
 import pytest
 
 from memshard.api import make_job, strategy_plan
-from memshard.baselines import split_baseline
-from memshard.cost.memory import CATEGORIES
-from memshard.errors import MemshardError
-from memshard.evaluate import evaluate
-from memshard.ilp.solve import solve
-from memshard.mesh import parse_mesh
+from memshard.baselines.recipes import split_baseline
+from memshard.core.errors import MemshardError
+from memshard.core.mesh import parse_mesh
 from memshard.models import build_graph
 from memshard.planner import baseline_plans
-from memshard.plans import plan_from_dict
-from memshard.pricing import build_problem
-from memshard.schedule import peak_layers
+from memshard.plans.plan import plan_from_dict
+from memshard.problem.evaluate import evaluate
+from memshard.problem.memory import CATEGORIES
+from memshard.problem.pricing import build_problem
+from memshard.problem.schedule import peak_layers
+from memshard.search.solve import solve
 
 
 def test_the_peak_layers_are_the_hull_vertices_of_each_class():

@@ -1,7 +1,7 @@
 """Measuring one rank: collectives counted by CommCounter, memory by MemoryMeter.
 
 Every expected figure is derived by hand in the test from the sizes involved and the
-textbook definitions (memshard.cost.comm's docstring): for a group of m devices and a buffer
+textbook definitions (memshard.problem.comm's docstring): for a group of m devices and a buffer
 of B bytes one device sends (m−1)/m · B (all-gather B = the gathered output, reduce-scatter B
 = the input, all-to-all and broadcast B = the local buffer), and 2(m−1)/m · B for an
 all-reduce. Memory figures are element counts × 4 bytes (fp32, CPU: no allocator rounding).

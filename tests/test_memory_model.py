@@ -7,21 +7,21 @@ from __future__ import annotations
 import pytest
 
 import memshard
-from memshard.cost.memory import (
+from memshard.core.graph import FP32, MIXED, Graph, Op, Operand, TensorKind, TensorSpec
+from memshard.core.mesh import make_mesh, parse_mesh
+from memshard.core.placement import PARTIAL, REPLICATE, Shard
+from memshard.models import build_graph
+from memshard.plans.plan import build_plan
+from memshard.problem.evaluate import evaluate
+from memshard.problem.memory import (
     MASTER_ALONE,
     StorageOption,
     redundant_bytes,
     storage_memory,
     tensor_bytes,
 )
-from memshard.evaluate import evaluate
-from memshard.graph import FP32, MIXED, Graph, Op, Operand, TensorKind, TensorSpec
-from memshard.mesh import make_mesh, parse_mesh
-from memshard.models import build_graph
-from memshard.placement import PARTIAL, REPLICATE, Shard
-from memshard.plans import build_plan
-from memshard.pricing import build_problem
-from memshard.problem import OpGroup, complete_selection
+from memshard.problem.pricing import build_problem
+from memshard.problem.records import OpGroup, complete_selection
 
 R, P = REPLICATE, PARTIAL
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memshard.errors import MemshardError
-from memshard.mesh import make_mesh, parse_mesh
-from memshard.placement import (
+from memshard.core.errors import MemshardError
+from memshard.core.mesh import make_mesh, parse_mesh
+from memshard.core.placement import (
     PARTIAL,
     REPLICATE,
     Partial,

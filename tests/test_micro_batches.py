@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 import memshard
-from memshard.errors import MemshardError
-from memshard.evaluate import evaluate
-from memshard.mesh import make_mesh
+from memshard.core.errors import MemshardError
+from memshard.core.mesh import make_mesh
 from memshard.models import build_graph
-from memshard.pricing import build_problem
-from memshard.problem import OpGroup, complete_selection
+from memshard.problem.evaluate import evaluate
+from memshard.problem.pricing import build_problem
+from memshard.problem.records import OpGroup, complete_selection
 
 
 def _replicated(problem):

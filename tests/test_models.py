@@ -6,8 +6,8 @@ from functools import cache
 
 import pytest
 
-from memshard.errors import MemshardError
-from memshard.graph import FP32, Graph, Origin, TensorKind
+from memshard.core.errors import MemshardError
+from memshard.core.graph import FP32, Graph, Origin, TensorKind
 from memshard.models import PRESETS, build_graph, get_config
 from memshard.models.bert import build_bert
 

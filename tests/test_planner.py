@@ -9,11 +9,11 @@ import math
 import pytest
 
 import memshard
-from memshard.errors import MemshardError
-from memshard.ilp.highs import relative_gap
-from memshard.ilp.reference import reference
-from memshard.ilp.solve import relaxed_floor
-from memshard.placement import Shard, local_numel, parse_layout
+from memshard.core.errors import MemshardError
+from memshard.core.placement import Shard, local_numel, parse_layout
+from memshard.search.highs import relative_gap
+from memshard.search.reference import reference
+from memshard.search.solve import relaxed_floor
 
 # A 4-layer GPT small enough that every solve takes a few seconds at most. (On a 2x2 mesh the
 # same model makes HiGHS take from 10 s to past a minute, so these tests use one axis of 4.)
@@ -66,8 +66,8 @@ def test_the_ilp_counts_a_plans_peak_and_step_time_near_one_unit(model, mesh, ba
     """HiGHS's tolerances are absolute: the model counts bytes and seconds in units near a
     plan's peak and step time. (Scaled by the sum of every op's slowest choice, LLaMA-3 70B's
     step time with recomputation searched was 0.03 units, and the time search stalled.)"""
-    from memshard.ilp.reference import reference
-    from memshard.pricing import build_problem
+    from memshard.problem.pricing import build_problem
+    from memshard.search.reference import reference
 
     job = memshard.Job(model, mesh, batch=batch, seq=seq)
     ref = reference(build_problem(job.graph, job.mesh, recompute=recompute))
@@ -229,8 +229,8 @@ def test_layer_unit_holds_a_layers_gathered_weights_across_it(tmp_path):
     layer's forward (an op with no weight) it holds exactly that layer's full weights more;
     at no point does it hold less; the bytes sent are the same; the JSON keeps the unit."""
     from memshard.api import strategy_plan
-    from memshard.evaluate import evaluate
-    from memshard.plans import load_plan
+    from memshard.plans.plan import load_plan
+    from memshard.problem.evaluate import evaluate
 
     per_op = strategy_plan("tiny-gpt", "2x2", "zero3-fsdp", batch=8, precision="fp32")
     per_layer = strategy_plan("tiny-gpt", "2x2", "zero3-fsdp", batch=8, precision="fp32", zero3_unit="layer")
@@ -260,8 +260,8 @@ def test_a_layer_unit_is_all_or_nothing():
     from dataclasses import replace
 
     from memshard.api import strategy_plan
-    from memshard.evaluate import InconsistentPlan, evaluate
-    from memshard.gathers import layer_units
+    from memshard.problem.evaluate import InconsistentPlan, evaluate
+    from memshard.problem.gathers import layer_units
     from tests.runtime_harness import least_memory_plan
 
     base = strategy_plan("tiny-gpt", "2x2", "zero3-fsdp", batch=8, precision="fp32", zero3_unit="layer")
@@ -339,7 +339,7 @@ def test_a_unit_whose_floor_reaches_the_plan_found_is_not_searched(monkeypatch):
     """LLaMA-3 8B on 8x8, least memory with recomputation: per layer, a plan within 0.01% of
     the plan-independent floor, which is the same per op; so the per-op problem is ruled out
     by its floor before its model is built (one solver made, per layer), the plan proved."""
-    from memshard.ilp import solve as solve_module
+    from memshard.search import solve as solve_module
     made = []
 
     class Counted(solve_module.Solver):
@@ -354,9 +354,9 @@ def test_a_unit_whose_floor_reaches_the_plan_found_is_not_searched(monkeypatch):
 
 def _unit_problem(unit: str, **job):
     """GPT-3 1.3B's problem on 8 devices with ZeRO-3 per ``unit``."""
-    from memshard.mesh import parse_mesh
+    from memshard.core.mesh import parse_mesh
     from memshard.models import build_graph
-    from memshard.pricing import build_problem
+    from memshard.problem.pricing import build_problem
     graph = build_graph("gpt3-1.3b", batch=job["batch"], seq=job["seq"], precision="mixed")
     return build_problem(graph, parse_mesh("8"), zero3_unit=unit, recompute=job["recompute"])
 
@@ -366,7 +366,7 @@ def test_a_unit_out_of_time_before_any_plan_leaves_the_other_units_plan_with_its
     the per-op plan stands, and all that is claimed of the per-layer space is its
     plan-independent floor."""
     from memshard import planner
-    from memshard.ilp.highs import SolverTimeLimit
+    from memshard.search.highs import SolverTimeLimit
     solve = planner.solve
 
     def layer_out_of_time(problem, objective, **options):

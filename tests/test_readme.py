@@ -17,7 +17,7 @@ import pytest
 
 import memshard
 from memshard.cli import main
-from memshard.units import format_bytes, format_seconds
+from memshard.core.quantities import format_bytes, format_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

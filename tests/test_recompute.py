@@ -15,24 +15,24 @@ import pytest
 
 import memshard
 from memshard.api import strategy_plan
-from memshard.baselines import baselines
-from memshard.cost.memory import CATEGORIES
-from memshard.errors import MemshardError
-from memshard.evaluate import InconsistentPlan, evaluate
-from memshard.ilp.formulation import Formulation
-from memshard.ilp.solve import Solver, solve
-from memshard.mesh import parse_mesh
+from memshard.baselines.recipes import baselines
+from memshard.core.errors import MemshardError
+from memshard.core.mesh import parse_mesh
 from memshard.models import build_graph
-from memshard.plans import plan_from_dict
-from memshard.pricing import build_problem
-from memshard.problem import CACHED
-from memshard.recompute import (
+from memshard.plans.plan import plan_from_dict
+from memshard.problem.evaluate import InconsistentPlan, evaluate
+from memshard.problem.memory import CATEGORIES
+from memshard.problem.pricing import build_problem
+from memshard.problem.recompute import (
     core_attention,
     mlp_module,
     op_level_replayed,
     replay_flags,
     replayable_ops,
 )
+from memshard.problem.records import CACHED
+from memshard.search.formulation import Formulation
+from memshard.search.solve import Solver, solve
 from tests.test_ilp_pricing import random_plan
 
 

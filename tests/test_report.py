@@ -9,9 +9,9 @@ import re
 import pytest
 
 import memshard
-from memshard.advice import LINKED, TOO_SMALL, UNSPLITTABLE, reselect, why_not_split
-from memshard.problem import OpGroup
-from memshard.units import format_bytes, format_parameters
+from memshard.core.quantities import format_bytes, format_parameters
+from memshard.plans.advice import LINKED, TOO_SMALL, UNSPLITTABLE, reselect, why_not_split
+from memshard.problem.records import OpGroup
 
 SMALL = dict(batch=4, seq=32, num_layers=1, hidden=64, heads=2, vocab=128, ffn=128)
 

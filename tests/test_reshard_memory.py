@@ -16,11 +16,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
-from memshard.cost.reshard_memory import reshard_peak_bytes
-from memshard.graph import TensorKind, TensorSpec
-from memshard.mesh import parse_mesh
-from memshard.placement import Partial, Replicate, Shard, format_layout, local_shape
-from memshard.problem import reshard_price, reshard_price_table
+from memshard.core.graph import TensorKind, TensorSpec
+from memshard.core.mesh import parse_mesh
+from memshard.core.placement import Partial, Replicate, Shard, format_layout, local_shape
+from memshard.problem.records import reshard_price, reshard_price_table
+from memshard.problem.reshard_memory import reshard_peak_bytes
 from memshard.runtime.measure import MemoryMeter, destroy, init_fake_world
 from memshard.runtime.reshard import reshard_local
 

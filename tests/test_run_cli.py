@@ -10,8 +10,8 @@ import pytest
 import memshard
 from memshard.api import strategy_plan
 from memshard.cli import main
-from memshard.errors import MemshardError
-from memshard.plans import load_plan
+from memshard.core.errors import MemshardError
+from memshard.plans.plan import load_plan
 from memshard.runtime.launch import launch
 from memshard.runtime.train import KILL_ENV
 

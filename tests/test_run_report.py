@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from memshard.cost.comm import KINDS
-from memshard.cost.memory import CATEGORIES
+from memshard.problem.comm import KINDS
+from memshard.problem.memory import CATEGORIES
 from memshard.runtime.report import PEAK_TOLERANCE, peak_misses, render_run
 
 MIB = 2**20

@@ -28,9 +28,9 @@ import torch
 
 import memshard
 from memshard.api import strategy_plan
-from memshard.evaluate import evaluate
-from memshard.graph import MIXED as MIXED_PRECISION
-from memshard.plans import runnable
+from memshard.core.graph import MIXED as MIXED_PRECISION
+from memshard.plans.plan import runnable
+from memshard.problem.evaluate import evaluate
 from memshard.runtime.report import error
 from memshard.runtime.simulate import simulate
 from tests.runtime_harness import (

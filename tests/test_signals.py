@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from memshard.errors import MemshardError
+from memshard.core.errors import MemshardError
 from memshard.runtime.launch import (
     LAUNCHER_PID_ENV,
     launch,

@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 import memshard
 from memshard.api import strategy_plan
-from memshard.cost.comm import KINDS
-from memshard.cost.memory import CATEGORIES
-from memshard.errors import MemshardError
+from memshard.core.errors import MemshardError
+from memshard.problem.comm import KINDS
+from memshard.problem.memory import CATEGORIES
 from memshard.runtime.launch import launch
 from memshard.runtime.simulate import simulate
 
@@ -198,7 +198,7 @@ def test_a_rank_keeps_its_share_of_the_batch_as_priced(strategy: str, mesh: str,
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from memshard.plans import runnable
+    from memshard.plans.plan import runnable
     from memshard.runtime.executor import GraphModel, ShardedGraphModel, make_batch
     from memshard.runtime.measure import destroy, init_fake_world
 
@@ -231,7 +231,7 @@ def test_a_gathered_weight_is_let_go_before_the_next_op_reshards_its_inputs() ->
     that reshard: the peak measured 4.5% above the plan's. Now within 0.5%."""
     from pathlib import Path
 
-    from memshard.plans import load_plan
+    from memshard.plans.plan import load_plan
 
     plan = load_plan(str(Path(__file__).parent / "data" / "tiny_llama_2x2_gathered_lm_head.json"))
     report = simulate(plan, rank=0)

@@ -10,14 +10,14 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from memshard.bounds import least_choice_bound, peak_lower_bound, zero_redundancy_bound
-from memshard.evaluate import evaluate, slot_peak
-from memshard.graph import FP32, MIXED, Graph, Op, Operand, SavedBuffer, TensorKind, TensorSpec
-from memshard.ilp.formulation import Formulation
-from memshard.ilp.highs import TIE_RESOLUTION, HighsSearch
-from memshard.ilp.solve import solve
-from memshard.mesh import make_mesh
-from memshard.pricing import build_problem
+from memshard.core.graph import FP32, MIXED, Graph, Op, Operand, SavedBuffer, TensorKind, TensorSpec
+from memshard.core.mesh import make_mesh
+from memshard.problem.bounds import least_choice_bound, peak_lower_bound, zero_redundancy_bound
+from memshard.problem.evaluate import evaluate, slot_peak
+from memshard.problem.pricing import build_problem
+from memshard.search.formulation import Formulation
+from memshard.search.highs import TIE_RESOLUTION, HighsSearch
+from memshard.search.solve import solve
 from tests.bruteforce import count_selections, evaluate_all
 
 SIZES = st.sampled_from([2, 3, 4, 6, 8])

@@ -10,10 +10,10 @@ import itertools
 
 import pytest
 
-from memshard.graph import MIXED, Graph, Op, Operand, TensorKind, TensorSpec
-from memshard.mesh import parse_mesh
-from memshard.placement import PARTIAL, REPLICATE, Shard, parse_layout
-from memshard.strategies import compute_split, enumerate_strategies, grad_layout
+from memshard.core.graph import MIXED, Graph, Op, Operand, TensorKind, TensorSpec
+from memshard.core.mesh import parse_mesh
+from memshard.core.placement import PARTIAL, REPLICATE, Shard, parse_layout
+from memshard.problem.strategies import compute_split, enumerate_strategies, grad_layout
 
 R, P = REPLICATE, PARTIAL
 

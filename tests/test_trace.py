@@ -14,12 +14,12 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 import memshard  # noqa: E402
-from memshard.errors import MemshardError  # noqa: E402
-from memshard.graph import TensorKind  # noqa: E402
+from memshard.core.errors import MemshardError  # noqa: E402
+from memshard.core.graph import TensorKind  # noqa: E402
 from memshard.models import build_graph  # noqa: E402
-from memshard.pricing import build_problem  # noqa: E402
-from memshard.problem import OpGroup  # noqa: E402
-from memshard.report import format_plan  # noqa: E402
+from memshard.plans.report import format_plan  # noqa: E402
+from memshard.problem.pricing import build_problem  # noqa: E402
+from memshard.problem.records import OpGroup  # noqa: E402
 from memshard.trace import trace_module  # noqa: E402
 from memshard.trace.hf import build_model, load_config, trace_hf  # noqa: E402
 from tests.test_cli import assert_one_line_error, run  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memshard.units import (
+from memshard.core.quantities import (
     counted,
     format_bytes,
     format_count,

@@ -9,23 +9,23 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Plan": ("memshard.plans", "Plan"),
-    "Mesh": ("memshard.mesh", "Mesh"),
-    "parse_mesh": ("memshard.mesh", "parse_mesh"),
-    "make_mesh": ("memshard.mesh", "make_mesh"),
+    "Plan": ("memshard.plans.plan", "Plan"),
+    "Mesh": ("memshard.core.mesh", "Mesh"),
+    "parse_mesh": ("memshard.core.mesh", "parse_mesh"),
+    "make_mesh": ("memshard.core.mesh", "make_mesh"),
     "compare": ("memshard.api", "compare"),
     "export": ("memshard.api", "export"),
     "fit": ("memshard.api", "fit"),
     "build_graph": ("memshard.models", "build_graph"),
     "get_config": ("memshard.models", "get_config"),
-    "MemshardError": ("memshard.errors", "MemshardError"),
-    "load_plan": ("memshard.plans", "load_plan"),
+    "MemshardError": ("memshard.core.errors", "MemshardError"),
+    "load_plan": ("memshard.plans.plan", "load_plan"),
     "HFModel": ("memshard.job", "HFModel"),
     "Job": ("memshard.job", "Job"),
     "SearchOptions": ("memshard.planner", "SearchOptions"),
     "plan_job": ("memshard.planner", "plan_job"),
     "strategy_plan": ("memshard.api", "strategy_plan"),
-    "format_plan": ("memshard.report", "format_plan"),
+    "format_plan": ("memshard.plans.report", "format_plan"),
     "parallelize": ("memshard.runtime.parallel", "parallelize"),  # needs torch
 }
 

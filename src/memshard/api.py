@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from memshard.baselines import baselines
-from memshard.errors import MemshardError
-from memshard.exporting import check_exportable, export_target, render
+from memshard.baselines.recipes import baselines
+from memshard.core.errors import MemshardError
+from memshard.core.graph import Graph
+from memshard.core.mesh import Mesh
 from memshard.fitting import FitResult, fit_job
-from memshard.graph import Graph
 from memshard.job import HFModel, Job, TracedModule, is_module
-from memshard.mesh import Mesh
 from memshard.models import ModelConfig
 from memshard.planner import (
     SearchOptions,
@@ -24,8 +23,9 @@ from memshard.planner import (
     plan_job,
     searched_problem,
 )
-from memshard.plans import Plan, build_plan, runnable
-from memshard.pricing import build_problem
+from memshard.plans.export import check_exportable, export_target, render
+from memshard.plans.plan import Plan, build_plan, runnable
+from memshard.problem.pricing import build_problem
 
 Model = str | ModelConfig | Graph | HFModel
 SEARCH_FIELDS = frozenset(f.name for f in fields(SearchOptions))
@@ -74,7 +74,7 @@ def plan(
     ``micro_batches`` accumulated micro-batches of ``batch / micro_batches``; model knobs
     (``num_layers``, ``hidden``, ``heads``, ``kv_heads``, ``ffn``, ``vocab``, ``dropout``) and
     ``precision`` (``mixed`` or ``fp32``) as keywords. On meshes of three or more axes,
-    adjacent axes with identical links are planned as one (see ``coarsen.py``) unless
+    adjacent axes with identical links are planned as one (see ``search/coarsen.py``) unless
     ``full_mesh``. ``start``: a plan of the same job the solver starts from (e.g. the
     memory-optimal plan when asking for the fastest one under a budget it meets; where axes
     are planned as one, used if it treats them alike). ``zero3_unit``: ZeRO-3 weights
@@ -107,7 +107,7 @@ def job_and_options(model: Model | Job, mesh: str | Mesh, arguments: dict) -> tu
 
 
 def compare(model: Model | Job, mesh: str | Mesh = "2x4", *, time_slack: float = 1.1, **arguments) -> dict:
-    """memshard's plans against the hand-made strategies (``baselines.py``), all priced by the
+    """memshard's plans against the hand-made strategies (``baselines/recipes.py``), all priced by the
     same model: memshard's least-memory plan, memshard's least-memory plan within
     ``time_slack`` × the fastest baseline's step time, then every baseline by peak memory.
     ``model`` and the keyword ``arguments`` are what :func:`plan` takes (or a :class:`Job`);
@@ -186,7 +186,7 @@ def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: 
 
 
 def export(model: Model | Job, mesh: str | Mesh = "2x4", strategy: str = "memshard", **job_arguments) -> str:
-    """A baseline written for the framework it is named after (``exporting.py``): ``fsdp2``,
+    """A baseline written for the framework it is named after (``plans/export.py``): ``fsdp2``,
     ``ddp`` and ``torch-tp…`` as a Python function ``parallelize(model, mesh)`` that applies
     PyTorch's ``fully_shard``, ``DistributedDataParallel`` or ``parallelize_module`` ×
     ``fully_shard`` as the baseline is priced, ``megatron-…`` as

@@ -14,7 +14,7 @@ import os
 import re
 import sys
 
-from memshard.errors import MemshardError
+from memshard.core.errors import MemshardError
 
 EXIT_USAGE = 2
 # memshard's model knobs (``job.MODEL_KNOBS``) and their flags; kept here so that
@@ -181,8 +181,8 @@ def _model_of(args):
 
 
 def _mesh_of(args):
-    from memshard.mesh import COMPUTE_EFFICIENCY, DEVICE_MEMORY, DEVICE_PEAK_FLOPS, parse_mesh
-    from memshard.units import parse_bytes
+    from memshard.core.mesh import COMPUTE_EFFICIENCY, DEVICE_MEMORY, DEVICE_PEAK_FLOPS, parse_mesh
+    from memshard.core.quantities import parse_bytes
 
     _check_hardware(args)
     names = tuple(args.axis_names.split(",")) if args.axis_names else None
@@ -219,14 +219,14 @@ def _check_hardware(args) -> None:
 def _check_json_path(path: str | None) -> None:
     """Refuse a ``--json`` path that cannot be written, before any work."""
     if path is not None:
-        from memshard.files import check_output_path
+        from memshard.core.files import check_output_path
 
         check_output_path(path, "--json")
 
 
 def _check_plot_path(path: str, flag: str = "--out") -> None:
     """A plot path matplotlib can write, by its extension, before any work."""
-    from memshard.files import check_output_path
+    from memshard.core.files import check_output_path
 
     check_output_path(path, flag)
     extension = os.path.splitext(path)[1].lower().lstrip(".")
@@ -237,7 +237,7 @@ def _check_plot_path(path: str, flag: str = "--out") -> None:
 def _write_json(path: str, data) -> None:
     import json
 
-    from memshard.files import write_text_atomically
+    from memshard.core.files import write_text_atomically
 
     write_text_atomically(path, json.dumps(data, indent=2) + "\n")
 
@@ -245,7 +245,7 @@ def _write_json(path: str, data) -> None:
 # -- commands --------------------------------------------------------------------------------------
 def _cmd_plan(args, console) -> None:
     from memshard.planner import plan_job
-    from memshard.report import render_plan
+    from memshard.plans.report import render_plan
 
     _check_json_path(args.json)
     job, options = job_of(args), options_of(args)
@@ -260,7 +260,7 @@ def _cmd_plan(args, console) -> None:
 
 def _cmd_compare(args, console) -> None:
     from memshard.api import compare
-    from memshard.report import render_comparison
+    from memshard.plans.report import render_comparison
 
     _check_json_path(args.json)
     job, options = job_of(args), options_of(args)
@@ -293,7 +293,7 @@ def _cmd_pareto(args, console) -> None:
 
 def _cmd_fit(args, console) -> None:
     from memshard.fitting import draw_fit, fit_job
-    from memshard.report import render_fit
+    from memshard.plans.report import render_fit
 
     _check_json_path(args.json)
     if args.plot is not None:
@@ -321,21 +321,21 @@ def _runtime_plan(args):
                  if getattr(args, d, None) not in (None, False)]
         if given:
             raise MemshardError(f"--plan replaces the job, its search and its strategy: give no {', '.join(given)}")
-        from memshard.plans import load_plan, runnable
+        from memshard.plans.plan import load_plan, runnable
 
         return runnable(load_plan(args.plan))
     if (args.model, args.hf_config, args.hf_model) == (None, None, None) or args.mesh is None:
         raise MemshardError("give --plan, or a model (--model, --hf-config or --hf-model) and --mesh")
-    from memshard.plans import check_runnable_precision
+    from memshard.plans.plan import check_runnable_precision
 
     check_runnable_precision(args.precision)  # before any planning
     return runtime_plan(job_of(args), args.strategy or "memshard", options_of(args, gap=0.02))
 
 
 def _cmd_run(args, console) -> None:
+    from memshard.core.quantities import counted
     from memshard.runtime.launch import launch, private_tempdir
     from memshard.runtime.report import render_run
-    from memshard.units import counted
 
     _check_json_path(args.json)
     if args.steps < 2:
@@ -375,7 +375,7 @@ def _cmd_export(args, console) -> None:
     from memshard.api import export
 
     if args.out is not None:
-        from memshard.files import check_output_path
+        from memshard.core.files import check_output_path
 
         check_output_path(args.out, "--out")
         if os.path.isfile(args.out) and not args.force:
@@ -386,7 +386,7 @@ def _cmd_export(args, console) -> None:
     if args.out is None:
         sys.stdout.write(text)
         return
-    from memshard.files import write_text_atomically
+    from memshard.core.files import write_text_atomically
 
     write_text_atomically(args.out, text)
     print(f"{args.strategy} written to {args.out}")
@@ -395,8 +395,8 @@ def _cmd_export(args, console) -> None:
 def _cmd_models(args, console) -> None:
     from rich.table import Table
 
+    from memshard.core.quantities import format_count
     from memshard.models import PRESETS, build_graph
-    from memshard.units import format_count
 
     t = Table(title="Built-in models")
     for col in ("name", "family", "parameters", "layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq"):

@@ -34,11 +34,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from memshard.bounds import peak_lower_bound
-from memshard.errors import MemshardError
-from memshard.ilp.highs import Infeasible
+from memshard.core.errors import MemshardError
+from memshard.core.mesh import MAX_DEVICES
+from memshard.core.quantities import format_bytes
 from memshard.job import HFModel, Job
-from memshard.mesh import MAX_DEVICES
 from memshard.models import ModelConfig
 from memshard.models.config import MAX_LAYERS
 from memshard.planner import (
@@ -48,8 +47,9 @@ from memshard.planner import (
     plan_job,
     searched_problem,
 )
-from memshard.plans import Plan
-from memshard.units import format_bytes
+from memshard.plans.plan import Plan
+from memshard.problem.bounds import peak_lower_bound
+from memshard.search.highs import Infeasible
 
 KNOBS = ("batch", "seq", "layers", "hidden")  # pushed as far as they fit (--max)
 DEVICES = "devices"  # pulled as low as fits (--min): nodes of the mesh's inner axes

@@ -3,7 +3,7 @@
 A :class:`Job` is what every command shares — ``plan``, ``compare``, ``pareto``, ``simulate``,
 ``run`` and a saved plan all describe one — and the one place a model source becomes a graph
 (``Job.graph``): a preset name or :class:`~memshard.models.ModelConfig` (built by
-``memshard.models``), a hand-built :class:`~memshard.graph.Graph`, a Hugging Face config
+``memshard.models``), a hand-built :class:`~memshard.core.graph.Graph`, a Hugging Face config
 (:class:`HFModel`, traced) or an ``nn.Module`` with example inputs (:class:`TracedModule`).
 ``to_dict`` / ``from_dict`` are its part of the plan JSON (``model`` and ``mesh``).
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any
 
-from memshard.errors import MemshardError
-from memshard.graph import AUTOCAST, PRECISIONS, Graph
-from memshard.mesh import Mesh, make_mesh, parse_mesh
+from memshard.core.errors import MemshardError
+from memshard.core.graph import AUTOCAST, PRECISIONS, Graph
+from memshard.core.mesh import Mesh, make_mesh, parse_mesh
 from memshard.models import ModelConfig, build_graph, get_config
 
 # memshard's model knobs, in the order they are recorded, with the name transformers gives

@@ -12,11 +12,11 @@ import math
 from dataclasses import dataclass, replace
 
 from memshard.api import Model, job_and_options
-from memshard.errors import MemshardError
+from memshard.core.errors import MemshardError
+from memshard.core.mesh import Mesh
+from memshard.core.quantities import format_bytes, format_seconds
 from memshard.job import Job
-from memshard.mesh import Mesh
 from memshard.planner import baseline_plans, baseline_problem, plan_job, searched_problem
-from memshard.units import format_bytes, format_seconds
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Planning a job: the problem to search, the search, and the plan.
 
 ``plan_job(job, options)`` is the one path from a :class:`~memshard.job.Job` to a
-:class:`~memshard.plans.Plan`: on meshes of three or more axes, adjacent axes with identical
-links are planned as one (``coarsen.py``) unless ``full_mesh``, and only that problem is
+:class:`~memshard.plans.plan.Plan`: on meshes of three or more axes, adjacent axes with identical
+links are planned as one (``search/coarsen.py``) unless ``full_mesh``, and only that problem is
 built; a request no plan meets is explained with the least achievable figure.
-``baseline_plans`` prices the hand-made strategies (``baselines.py``) of the same job.
+``baseline_plans`` prices the hand-made strategies (``baselines/recipes.py``) of the same job.
 """
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from memshard.baselines import baselines, layer_split, split_baseline
-from memshard.coarsen import lower_selection, merge_groups, merged_mesh, solve_merged
-from memshard.errors import MemshardError
-from memshard.evaluate import Evaluation, InconsistentPlan, check_plan, evaluate
-from memshard.ilp.highs import Infeasible, NoBetterPlan, SolverTimeLimit, relative_gap
-from memshard.ilp.reference import Reference, reference
-from memshard.ilp.solve import OBJECTIVES, SolveResult, relaxed_floor, rules_out, solve
+from memshard.baselines.recipes import baselines, layer_split, split_baseline
+from memshard.core.errors import MemshardError
+from memshard.core.quantities import format_bytes, format_seconds, parse_bytes
 from memshard.job import Job
-from memshard.plans import Budgets, Plan, build_plan
-from memshard.pricing import build_problem
-from memshard.problem import ZERO3_UNITS, OpGroup, Problem, Selection
-from memshard.recompute import RECOMPUTE_POLICIES
-from memshard.units import format_bytes, format_seconds, parse_bytes
+from memshard.plans.plan import Budgets, Plan, build_plan
+from memshard.problem.evaluate import Evaluation, InconsistentPlan, check_plan, evaluate
+from memshard.problem.pricing import build_problem
+from memshard.problem.recompute import RECOMPUTE_POLICIES
+from memshard.problem.records import ZERO3_UNITS, OpGroup, Problem, Selection
+from memshard.search.coarsen import lower_selection, merge_groups, merged_mesh, solve_merged
+from memshard.search.highs import Infeasible, NoBetterPlan, SolverTimeLimit, relative_gap
+from memshard.search.reference import Reference, reference
+from memshard.search.solve import OBJECTIVES, SolveResult, relaxed_floor, rules_out, solve
 
 DEFAULT_GAP = 2e-3  # the relative optimality gap a search stops at, unless one is given
 RECOMPUTE_MEMORY_GAP = 0.03  # and the least-memory search with recomputation (``SearchOptions.gap``)

@@ -1,9 +1,9 @@
-"""Model builders: a preset name or a :class:`ModelConfig` → a :class:`~memshard.graph.Graph`."""
+"""Model builders: a preset name or a :class:`ModelConfig` → a :class:`~memshard.core.graph.Graph`."""
 
 from __future__ import annotations
 
-from memshard.errors import MemshardError
-from memshard.graph import Graph
+from memshard.core.errors import MemshardError
+from memshard.core.graph import Graph
 from memshard.models.config import PRESETS, ModelConfig, get_config
 
 __all__ = ["PRESETS", "ModelConfig", "build_graph", "get_config"]

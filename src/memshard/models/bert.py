@@ -18,8 +18,8 @@ what the next linears save.
 
 from __future__ import annotations
 
-from memshard.errors import MemshardError
-from memshard.graph import Graph
+from memshard.core.errors import MemshardError
+from memshard.core.graph import Graph
 from memshard.models.builder import GraphBuilder
 from memshard.models.config import ModelConfig
 

@@ -6,7 +6,7 @@ the PyTorch kernel keeps for backward (Korthikanti et al. 2022, table 2, for the
 
 from __future__ import annotations
 
-from memshard.graph import (
+from memshard.core.graph import (
     ACTIVATION_FLOPS_PER_POINT,
     Graph,
     Op,

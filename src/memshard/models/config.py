@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from memshard.errors import MemshardError
-from memshard.graph import AUTOCAST, FP32, MIXED, PRECISIONS, Precision
+from memshard.core.errors import MemshardError
+from memshard.core.graph import AUTOCAST, FP32, MIXED, PRECISIONS, Precision
 
 MAX_LAYERS = 4096  # a guard against runaway input: no model comes near it
 

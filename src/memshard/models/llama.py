@@ -19,7 +19,7 @@ With no parallelism one layer saves, in bf16,
 
 from __future__ import annotations
 
-from memshard.graph import Graph, SavedBuffer
+from memshard.core.graph import Graph, SavedBuffer
 from memshard.models.builder import GraphBuilder
 from memshard.models.config import ModelConfig
 

@@ -1,7 +1,7 @@
 """Run memshard's graph in PyTorch: the reference model, and the same model under a plan.
 
 :class:`GraphModel` is the single-device reference: an ``nn.Module`` holding the full
-parameters of a :class:`~memshard.graph.Graph` whose forward runs the graph's ops in order
+parameters of a :class:`~memshard.core.graph.Graph` whose forward runs the graph's ops in order
 with the kernels of ``ops.py``, so every op of the plan is one piece of code.
 
 :class:`ShardedGraphModel` runs a reference model's graph for a plan on a ``DeviceMesh``
@@ -38,15 +38,15 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from memshard.cost.memory import param_layout
-from memshard.gathers import layer_units
-from memshard.graph import Graph, TensorKind
-from memshard.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
-from memshard.problem import Problem, Selection
+from memshard.core.graph import Graph, TensorKind
+from memshard.core.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
+from memshard.problem.gathers import layer_units
+from memshard.problem.memory import param_layout
+from memshard.problem.records import Problem, Selection
+from memshard.problem.strategies import Strategy, input_grad_layout
 from memshard.runtime import ops
 from memshard.runtime.replay import LayerReplay, ReplayLinks, again_hooks, storage_id
 from memshard.runtime.reshard import Reshard, reshard_local, to_torch, without_partial
-from memshard.strategies import Strategy, input_grad_layout
 
 INIT_STD = 0.02
 
@@ -282,7 +282,7 @@ class ParamStore:
         del dt
 
     # gradient reduction: all-reduce the axes the storage does not shard, then reduce-scatter
-    # over the storage axes (``storage_pricing.py``'s sync_calls prices exactly this).
+    # over the storage axes (``problem/storage.py``'s sync_calls prices exactly this).
     def _reduce(self, local_grad: torch.Tensor) -> torch.Tensor:
         flat = local_grad.reshape(-1)
         for a, p in enumerate(self.flat_partial):

@@ -50,7 +50,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from memshard.errors import MemshardError
+from memshard.core.errors import MemshardError
 
 OUT_DIR_ENV = "MEMSHARD_OUT_DIR"
 #: Seconds a worker should give a collective before giving up (its process-group timeout);

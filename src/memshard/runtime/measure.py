@@ -7,10 +7,10 @@ This module owns the measuring side of memshard's verification (docs/design.md,
   it is active: the c10d ops (``torch.ops.c10d.*``, what ``torch.distributed.all_reduce`` and
   FSDP2 call), the functional collectives (``torch.ops._c10d_functional*``, what DTensor
   calls) and DTensor's ``shard_dim_alltoall``. Each call gets a memshard kind, its group size
-  ``m`` and its buffer ``B`` as :mod:`memshard.cost.comm` defines them (all-gather: the
+  ``m`` and its buffer ``B`` as :mod:`memshard.problem.comm` defines them (all-gather: the
   gathered output; reduce-scatter: the input; all-reduce: the buffer; all-to-all: the local
   buffer), and the bytes one device sends, ``(m−1)/m · B`` (twice that for all-reduce), the
-  formula of :func:`memshard.cost.comm.wire_bytes`; broadcast, reduce, gather and scatter get
+  formula of :func:`memshard.problem.comm.wire_bytes`; broadcast, reduce, gather and scatter get
   the same one-way formula (an average per device, not what the root sends). Sizes come from
   tensor metadata, so it works on real gloo/NCCL groups, on the ``fake`` process group and
   under ``FakeTensorMode`` (inside or around it). ``paused()`` leaves bookkeeping collectives
@@ -62,7 +62,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memshard.cost.comm import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
+from memshard.problem.comm import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 
 BROADCAST = "broadcast"
 REDUCE = "reduce"
@@ -186,7 +186,7 @@ class CommCall:
     """One collective as one rank saw it."""
 
     op: str  # the op overload, e.g. "_c10d_functional.all_gather_into_tensor.default"
-    kind: str  # memshard.cost.comm's kind names, or "broadcast", "reduce", "gather", "scatter"
+    kind: str  # memshard.problem.comm's kind names, or "broadcast", "reduce", "gather", "scatter"
     group_size: int
     buffer_bytes: int
     wire_bytes: float  # bytes this device sends: (m−1)/m · B, ×2 for all-reduce

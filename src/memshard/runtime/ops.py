@@ -6,7 +6,7 @@ are computed locally and leave a partial sum when a contracted dim is split; ter
 not involve the contracted dim (a bias, the residual of ``embedding_add``) are added on one
 rank of that axis only, so the partial sums add up to the true result. Ops that reduce over a
 split dim (norms, softmax, cross-entropy) all-reduce their per-row statistics, forward and
-backward, as the cost model prices them (``memshard.problem.STATS_*``).
+backward, as the cost model prices them (``memshard.problem.records.STATS_*``).
 
 Every kernel keeps for backward exactly what the graph op says it saves (custom autograd
 functions where PyTorch's composite would keep copies), so measured memory can match.
@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from memshard.cost.memory import CROSS_ENTROPY_CHUNKS
-from memshard.graph import Graph, Op
-from memshard.strategies import Strategy
+from memshard.core.graph import Graph, Op
+from memshard.problem.memory import CROSS_ENTROPY_CHUNKS
+from memshard.problem.strategies import Strategy
 
 DROPOUT_P = 0.1
 NORM_EPS = 1e-5
@@ -335,7 +335,7 @@ class SplitCrossEntropy(torch.autograd.Function):
 
 def _sum_exp(logits: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Σ_v exp(logits − m) per row, CROSS_ENTROPY_CHUNKS row chunks at a time: the buffer of
-    exponentials is a chunk, not the logits' size (``memshard.problem`` prices one chunk)."""
+    exponentials is a chunk, not the logits' size (``memshard.problem.records`` prices one chunk)."""
     rows = logits.flatten(0, -2)
     shift = m.flatten(0, -2).to(rows.dtype)
     out = rows.new_empty(rows.shape[0], dtype=torch.float32)

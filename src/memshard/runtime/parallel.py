@@ -13,7 +13,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from memshard.graph import Origin
+from memshard.core.graph import Origin
 from memshard.runtime import traced
 from memshard.runtime.executor import GraphModel, ShardedGraphModel, make_batch
 from memshard.trace.hf import seeded_model
@@ -27,7 +27,7 @@ def _is_traced(plan) -> bool:
 
 
 def parallelize(model: nn.Module, plan, device_mesh: DeviceMesh, seed: int = 0) -> ShardedGraphModel:
-    """``model`` laid out on ``device_mesh`` as ``plan`` (a :class:`~memshard.plans.Plan`) says.
+    """``model`` laid out on ``device_mesh`` as ``plan`` (a :class:`~memshard.plans.plan.Plan`) says.
 
     ``model`` is a :class:`~memshard.runtime.executor.GraphModel` of the plan's graph, or the
     module the plan traced (its parameters are read by name; call the result like the

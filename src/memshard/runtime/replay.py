@@ -1,5 +1,5 @@
 """Activation recomputation in the executor: a plan's replayed ops run their forward again
-when backward reaches their layer (``memshard.recompute`` says what the model prices).
+when backward reaches their layer (``memshard.problem.recompute`` says what the model prices).
 
 Forward: a replayed op's kernel runs under saved-tensor hooks that keep, instead of what it
 saves, a ticket for the tensor the replay will make (its output, a dropout mask, an input that
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memshard.graph import Graph, TensorKind
-from memshard.recompute import layer_ends
+from memshard.core.graph import Graph, TensorKind
+from memshard.problem.recompute import layer_ends
 
 
 def storage_id(t: torch.Tensor) -> int:

@@ -12,9 +12,9 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from memshard.cost.comm import KINDS
-from memshard.cost.memory import CATEGORIES
-from memshard.units import counted, format_bytes, format_seconds
+from memshard.core.quantities import counted, format_bytes, format_seconds
+from memshard.problem.comm import KINDS
+from memshard.problem.memory import CATEGORIES
 
 PEAK_TOLERANCE = 0.02
 

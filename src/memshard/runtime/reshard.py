@@ -2,7 +2,7 @@
 
 The planner prices a reshard ``src → dst`` as one collective per mesh axis whose placement
 changes, forward activations in axis order and their gradients in reverse axis order
-(``memshard.cost.comm.reshard``). :func:`reshard_local` runs exactly those steps, one per
+(``memshard.problem.comm.reshard``). :func:`reshard_local` runs exactly those steps, one per
 axis: an even split's step calls the one functional collective DTensor would (all-gather,
 reduce-scatter, all-reduce, or a local slice) without DTensor's per-call dispatch; an uneven
 one goes through DTensor's ``redistribute``; ``Shard(i) → Shard(j)`` is memshard's own
@@ -25,7 +25,7 @@ from torch.distributed.tensor import Partial as TorchPartial
 from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor import Shard as TorchShard
 
-from memshard.placement import Layout, Partial, Replicate, Shard
+from memshard.core.placement import Layout, Partial, Replicate, Shard
 
 
 def to_torch(layout: Layout) -> tuple:

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
-from memshard.errors import MemshardError
-from memshard.plans import runnable
+from memshard.core.errors import MemshardError
+from memshard.plans.plan import runnable
 from memshard.runtime.measure import destroy, init_fake_world
 from memshard.runtime.train import train
 

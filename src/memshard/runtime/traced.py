@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from memshard.graph import LAYOUT_COPY, Graph, TensorKind
+from memshard.core.graph import LAYOUT_COPY, Graph, TensorKind
 from memshard.runtime import ops
 from memshard.runtime.executor import ShardedGraphModel, Shares
 from memshard.trace.export import WRAPPER_PREFIX

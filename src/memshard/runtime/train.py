@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from memshard.cost.comm import KINDS
-from memshard.cost.memory import CATEGORIES
-from memshard.errors import MemshardError
-from memshard.files import write_text_atomically
-from memshard.plans import load_plan, runnable
+from memshard.core.errors import MemshardError
+from memshard.core.files import write_text_atomically
+from memshard.plans.plan import load_plan, runnable
+from memshard.problem.comm import KINDS
+from memshard.problem.memory import CATEGORIES
 from memshard.runtime.measure import CommCounter, MemoryMeter
 from memshard.runtime.optim import LeanAdam
 from memshard.runtime.parallel import sharded_model

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from memshard.errors import MemshardError
-from memshard.graph import AUTOCAST, FP32, MIXED, Graph, Precision
+from memshard.core.errors import MemshardError
+from memshard.core.graph import AUTOCAST, FP32, MIXED, Graph, Precision
 from memshard.trace.program import AtenCall, TracedProgram
 
 __all__ = ["AtenCall", "TracedProgram", "trace_module"]

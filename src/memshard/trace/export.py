@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from memshard.errors import MemshardError
+from memshard.core.errors import MemshardError
 from memshard.trace.kernels import math_attention
 
 WRAPPER_PREFIX = "module."

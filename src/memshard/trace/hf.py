@@ -12,9 +12,9 @@ import contextlib
 import os
 from dataclasses import replace
 
-from memshard.errors import MemshardError
-from memshard.files import read_json
-from memshard.graph import PRECISIONS, Graph
+from memshard.core.errors import MemshardError
+from memshard.core.files import read_json
+from memshard.core.graph import PRECISIONS, Graph
 from memshard.models.config import MAX_LAYERS
 from memshard.trace import trace_module
 

@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.fx import Node
 
-from memshard.errors import MemshardError
-from memshard.graph import (
+from memshard.core.errors import MemshardError
+from memshard.core.graph import (
     LAYOUT_COPY,
     Graph,
     Op,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from memshard.graph import ACTIVATION_FLOPS_PER_POINT, LAYOUT_COPY
+from memshard.core.graph import ACTIVATION_FLOPS_PER_POINT, LAYOUT_COPY
 from memshard.trace.dims import Atoms, DimConflict
 from memshard.trace.probe import Saved
 

@@ -1,0 +1,383 @@
+"""The strategies people use by hand, as fixed plans in memshard's own search space.
+
+Each baseline is a short function that picks, for every op, which mesh axis splits which
+dim, and for every parameter its ZeRO storage; the plan is then priced by the same model as
+memshard's plans, so the comparison is like for like (and, being points of the search
+space, no baseline beats memshard's minimal-memory plan by more than the solver's gap).
+
+- ``dp``: every op splits the batch over every axis, gradients all-reduced in place (``ddp``:
+  the same plan priced as PyTorch's DistributedDataParallel runs it, with its gradient
+  buckets; ``ddp-bucket-view``: with ``gradient_as_bucket_view=True``, the buckets are the
+  gradients); ``zero`` (stages 1/2/3): the same with
+  optimizer states, + gradients, + weights sharded over all axes (ZeRO-3 = FSDP full shard),
+  ZeRO-3 gathered as the search's ``zero3_unit`` says (``zero3-fsdp``: an idealised FSDP);
+  ``fsdp2``: the same plan priced as PyTorch's ``fully_shard`` runs it, each layer and the
+  root module wrapped, its defaults (``gathers.fsdp2_units``); ``fsdp2-noreshard``: every
+  layer's ``fully_shard`` with ``reshard_after_forward=False`` (ZeRO-2's memory for a layer's
+  weights between its forward and backward, one all-gather less); ``fsdp2-prefetch2``: each
+  layer's ``fully_shard`` prefetching the next two layers in forward and the two before it in
+  backward (``set_modules_to_forward_prefetch`` / ``…_backward_prefetch``, as PyTorch's FSDP2
+  example sets them); ``fsdp2-torchtitan``: ``fully_shard`` as torchtitan wraps a decoder, the
+  token embedding and the output layers (final norm and LM head, not resharded after forward)
+  units of their own beside the blocks; ``fsdp2-reshard<N>``: every ``fully_shard`` with
+  ``reshard_after_forward=N``, N the devices of a node (the innermost axis), where the mesh has
+  more than one node.
+- ``megatron_tp``, priced as Megatron-LM runs it (``framework="megatron"``: its gradient
+  buffer, fp32 under bf16, all step): tensor parallelism over the innermost ``tp`` axes (column/row-parallel
+  linears, attention split by heads, vocab-parallel embedding and loss), data parallelism over
+  the others; ``megatron_tp_sp`` also splits the sequence of the ops between (norms,
+  dropouts, residuals) and keeps their outputs split for backward;
+  ``megatron_tp_sp_distributed_optimizer`` adds ZeRO-1 over the data-parallel axes
+  (Megatron's ``--use-distributed-optimizer``).
+- ``tp_fsdp``: torchtitan's 2D recipe: tensor + sequence parallelism inside, FSDP outside,
+  idealised; ``torch_tp_fsdp2``: the same as PyTorch runs it (``parallelize_module`` with
+  torchtitan's plan × ``fully_shard``, on a problem built for ``TORCH_TP``; ``…-noreshard``:
+  every ``fully_shard`` with ``reshard_after_forward=False``; ``…-torchtitan``: with
+  torchtitan's units, as ``fsdp2-torchtitan``).
+
+Recomputation (``recompute.py``): on a problem whose policy is ``selective`` or ``full`` every
+baseline recomputes so; under ``auto`` each baseline comes without (its plain name), with
+selective (``+selective``: Megatron-LM's core attention) and with full recomputation
+(``+full``: Megatron-LM's full uniform, torchtitan's full activation checkpointing), PyTorch's
+FSDP2 and DDP also with torchtitan's per-op selective checkpointing (``+selective-op``,
+``recompute.op_level_replayed``), Megatron-LM's with its MLP module recomputed
+(``+selective-mlp``, ``--recompute-modules mlp``, ``recompute.mlp_module``) and with it and
+the core attention (``+selective-attn-mlp``, ``core_attn mlp``), and the
+Megatron-LM and torchtitan recipes also with some of their layers recomputed in full
+(``LayerSplit``: ``+full-blockN``, Megatron-LM's block method; ``+full-everyN``, torchtitan's
+every N-th layer), on a problem whose layers are in two classes (``split_baseline``).
+
+Tensor-parallel degrees below the node size are laid out on the same devices viewed as a
+finer logical mesh (``split_innermost``), priced by the same model.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from memshard.baselines.rules import (
+    SplitUnavailable,
+    assign_strategies,
+    data_parallel,
+    uniform_storage,
+)
+from memshard.core.graph import AUTOCAST, PRECISIONS
+from memshard.core.mesh import Mesh
+from memshard.core.placement import local_numel
+from memshard.problem.pricing import build_problem
+from memshard.problem.recompute import core_attention, mlp_module, op_level_replayed, replayable_ops
+from memshard.problem.records import (
+    DDP,
+    DDP_BUCKET_VIEW,
+    FSDP2,
+    FSDP2_NO_RESHARD,
+    FSDP2_PREFETCH,
+    FSDP2_RESHARD_NODE,
+    FSDP2_TORCHTITAN,
+    MEGATRON,
+    TORCH_TP,
+    TORCH_TP_NO_RESHARD,
+    TORCH_TP_TORCHTITAN,
+    Problem,
+    Selection,
+    complete_selection,
+)
+from memshard.problem.tensor_parallel import REDISTRIBUTE, tensor_parallel_dim, tensor_parallel_dims
+
+
+@dataclass(frozen=True)
+class Baseline:
+    name: str
+    selection: Selection
+    problem: Problem  # the problem it is a plan of (a finer logical mesh for TP < a node)
+
+
+def megatron_tp(
+    problem: Problem,
+    tp_axes: int,
+    sequence_parallel: bool = False,
+    distributed_optimizer: bool = False,
+    fsdp: bool = False,
+    replayed: Callable[[int], bool] = lambda i: False,
+    keep_split: bool = True,
+) -> Selection:
+    mesh = problem.mesh
+    n = mesh.ndim
+    tp = set(range(n - tp_axes, n))
+    dp = tuple(a for a in range(n) if a not in tp)
+    tp_dims = tensor_parallel_dims(problem.graph)
+
+    def per_op(op):
+        tp_dim = tensor_parallel_dim(op, tp_dims)
+        if tp_dim is None and sequence_parallel and "s" in op.dims and op.kind != REDISTRIBUTE:
+            tp_dim = "s"
+        return tuple(
+            None if mesh.shape[a] == 1 else (tp_dim if a in tp else ("b" if "b" in op.dims else None))
+            for a in range(n)
+        )
+
+    strategies = assign_strategies(problem, per_op, replayed)
+    stage = 3 if fsdp else (1 if distributed_optimizer else 0)
+    selection = complete_selection(problem, strategies, uniform_storage(problem, stage, dp))
+    if not (sequence_parallel and keep_split):
+        return selection
+    # Sequence parallelism keeps the split activations for backward and gathers them again
+    # (Korthikanti et al. 2022): keep wherever the producer's layout is the smaller one.
+    keeps = {}
+    for e, edge in enumerate(problem.edges):
+        layouts = problem.edge_layouts(selection, e)
+        lp, lc = layouts.producer, layouts.consumer
+        shape = edge.tensor.shape
+        if layouts.replayed or problem.replayed(selection, edge.consumer):
+            continue  # a replay makes the copy again, or reads it whole
+        if edge.can_keep(lp, lc) and local_numel(shape, lp, mesh.shape) < local_numel(shape, lc, mesh.shape):
+            keeps[e] = 1
+    return complete_selection(problem, strategies, uniform_storage(problem, stage, dp), keeps)
+
+
+Replayed = Callable[[int], bool]  # op index → recomputed
+OP_LEVEL = "+selective-op"  # torchtitan's per-op selective activation checkpointing
+MLP_MODULE = "+selective-mlp"  # Megatron-LM's --recompute-granularity selective --recompute-modules mlp
+ATTENTION_AND_MLP = "+selective-attn-mlp"  # … --recompute-modules core_attn mlp
+TORCH_RECIPE, MEGATRON_RECIPE = "torch", "megatron"  # the recipes with a recomputation policy of their own
+
+
+def ddp(problem: Problem, replayed: Replayed) -> Selection:
+    return data_parallel(problem, 0, replayed)
+
+
+def zero(problem: Problem, stage: int, replayed: Replayed) -> Selection:
+    """ZeRO-1/2/3 (3 = FSDP full shard) over all axes."""
+    return data_parallel(problem, stage, replayed)
+
+
+def megatron_tp_sp(problem: Problem, tp_axes: int, replayed: Replayed) -> Selection:
+    return megatron_tp(problem, tp_axes, sequence_parallel=True, replayed=replayed)
+
+
+def megatron_tp_sp_distributed_optimizer(problem: Problem, tp_axes: int, replayed: Replayed) -> Selection:
+    return megatron_tp(problem, tp_axes, sequence_parallel=True, distributed_optimizer=True, replayed=replayed)
+
+
+def tp_fsdp(problem: Problem, tp_axes: int, replayed: Replayed) -> Selection:
+    """torchtitan's 2D recipe: TP + SP on the inner axes, FSDP (ZeRO-3) on the outer ones."""
+    return megatron_tp(problem, tp_axes, sequence_parallel=True, fsdp=True, replayed=replayed)
+
+
+def torch_tp_fsdp2(problem: Problem, tp_axes: int, replayed: Replayed) -> Selection:
+    """PyTorch's tensor parallelism with torchtitan's plan × ``fully_shard`` (on a problem
+    built for ``TORCH_TP``): TP + SP on the inner axes, each block's attention and MLP input
+    gathered once (the redistributions stay whole on them) and saved gathered, FSDP2 outside."""
+    return megatron_tp(problem, tp_axes, sequence_parallel=True, fsdp=True, replayed=replayed, keep_split=False)
+
+
+def recompute_variants(problem: Problem, recipe: str = "") -> list[tuple[str, Replayed]]:
+    """(name suffix, which ops to recompute) of each recomputation a baseline is built with;
+    under ``auto`` also the recipe's own policy: ``torch``, torchtitan's per-op selective
+    checkpointing (``+selective-op``); ``megatron``, Megatron-LM's MLP module
+    (``+selective-mlp``, ``--recompute-modules mlp``), alone and with the core attention
+    (``+selective-attn-mlp``, ``core_attn mlp``). On a problem whose layers are split
+    (``layer_split``): full recomputation of the layers of class 0 only, suffixed ``+full``
+    (``split_baseline`` names it)."""
+    graph = problem.graph
+    replayable = replayable_ops(graph)
+    selective = core_attention(graph) & replayable
+    if len(set(graph.layer_classes)) > 1:
+        return [("+full", lambda i: i in replayable and graph.ops[i].layer_class == 0)]
+    variants = {"none": [("", lambda i: False)],
+                "selective": [("+selective", lambda i: i in selective)],
+                "full": [("+full", lambda i: i in replayable)]}
+    if problem.recompute != "auto":
+        return variants[problem.recompute]
+    # (Megatron-LM's selective only where the model has core attention)
+    listed = variants["none"] + (variants["selective"] if selective else []) + variants["full"]
+    own = []  # the recipe's own policies, built only for that recipe
+    if recipe == TORCH_RECIPE:
+        own = [(OP_LEVEL, op_level_replayed(graph))]
+    elif recipe == MEGATRON_RECIPE:
+        mlp = mlp_module(graph)
+        own = [(MLP_MODULE, mlp), (ATTENTION_AND_MLP, mlp | selective)]
+    for suffix, replayed in own:
+        listed.append((suffix, lambda i, replayed=replayed & replayable: i in replayed))
+    return listed
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """Full recomputation of some of the layers, as a recipe picks them: ``block`` (Megatron-LM's
+    ``--recompute-method block --recompute-num-layers N``: the first N layers) or ``every``
+    (torchtitan's ``selective_ac_option = "N"``: the layers whose index is a multiple of N).
+    Its count runs from the least memory to the most (``counts``)."""
+
+    method: str
+
+    def classes(self, layers: int, count: int) -> tuple[int, ...]:
+        """Each layer's class: 0 recomputed, 1 not."""
+        if self.method == "block":
+            return tuple(0 if k < count else 1 for k in range(layers))
+        return tuple(0 if k % count == 0 else 1 for k in range(layers))
+
+    def counts(self, layers: int) -> range:
+        """The counts that recompute some layers but not all, from the most recomputed."""
+        return range(layers - 1, 0, -1) if self.method == "block" else range(2, layers + 1)
+
+    def suffix(self, count: int) -> str:
+        return f"+full-{self.method}{count}"
+
+
+BLOCK, EVERY = LayerSplit("block"), LayerSplit("every")
+
+
+def layer_split(name: str) -> LayerSplit | None:
+    """How the recipe of baseline ``name`` recomputes some of the layers: Megatron-LM's by
+    block, torchtitan's (FSDP2, PyTorch TP × FSDP2) every N-th layer; None for the others."""
+    if name.startswith("megatron-"):
+        return BLOCK
+    if name.startswith(("fsdp2", "torch-tp")):
+        return EVERY
+    return None
+
+
+def split_baseline(problem: Problem, name: str, count: int) -> Baseline | None:
+    """Baseline ``name`` with ``count`` of its layers fully recomputed as its recipe picks them
+    (``layer_split``), on ``problem`` (recomputation ``auto``) with its layers split in two
+    classes, each sharing its own variables; None where the baseline does not fit."""
+    split = layer_split(name)
+    graph = problem.graph
+    if split is None or problem.recompute != "auto" or count not in split.counts(graph.num_layers):
+        return None
+    classes = split.classes(graph.num_layers, count)
+    on = build_problem(graph.with_layer_classes(classes), problem.mesh, problem.shared_layers,
+                       problem.micro_batches, problem.zero3_unit, problem.recompute, problem.framework)
+    found, _ = baselines(on, lambda n: n == name + "+full")
+    return next((replace(b, name=name + split.suffix(count)) for b in found), None)
+
+
+def split_innermost(mesh: Mesh, tp: int) -> Mesh:
+    """The same devices with the innermost axis (a node) viewed as (m/tp) × tp, both parts
+    with the node's links: how Megatron runs TP < GPUs per node."""
+    inner = mesh.axes[-1]
+    parts = (replace(inner, name=f"{inner.name}-dp", size=inner.size // tp), replace(inner, name=f"{inner.name}-tp", size=tp))
+    return replace(mesh, axes=mesh.axes[:-1] + parts)
+
+
+def as_run_by(problem: Problem, framework: str) -> Problem:
+    """``problem`` priced as ``framework`` (``problem.FRAMEWORKS``) runs its plans."""
+    if problem.framework == framework:
+        return problem
+    graph = problem.graph
+    if problem.framework == MEGATRON:  # its fp32 gradient buffer is Megatron-LM's, not the job's
+        graph = replace(graph, precision=PRECISIONS[graph.precision.name])
+    return build_problem(graph, problem.mesh, problem.shared_layers, problem.micro_batches,
+                         problem.zero3_unit, problem.recompute, framework)
+
+
+def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
+              ) -> tuple[list[Baseline], list[tuple[str, str]]]:
+    """Every baseline that fits the model and mesh, and (name, reason) for those that don't;
+    with ``wanted``, only the names it accepts (the problems the others need are not built).
+
+    Tensor parallelism takes every degree that divides the node (the innermost axis), then
+    whole nodes and more (the innermost axes); data parallelism takes the rest."""
+    out, skipped, bases = [], [], []
+    mesh = problem.mesh
+    suffixes = {recipe: [suffix for suffix, _ in recompute_variants(problem, recipe)]
+                for recipe in ("", TORCH_RECIPE, MEGATRON_RECIPE)}
+
+    def add(name, make, on: Callable[[], Problem] = lambda: problem, recipe: str = ""):
+        bases.append(name)
+        names = [(name + suffix, suffix) for suffix in suffixes[recipe] if wanted is None or wanted(name + suffix)]
+        if problem.graph.precision == AUTOCAST:
+            refused = [(n, why) for n, _ in names if (why := unpriced_under_autocast(n, recipe))]
+            skipped.extend(refused)
+            names = [(n, suffix) for n, suffix in names if n not in dict(refused)]
+        if names:
+            on = on()
+            replayed_by = dict(recompute_variants(on, recipe))  # its own op indices (torch-tp adds ops)
+        for full_name, suffix in names:
+            try:
+                selection = make(on, replayed_by[suffix])
+            except SplitUnavailable as e:
+                skipped.append((full_name, str(e)))
+                continue
+            clash = next((c.why for c in on.conflicts
+                          if selection.choices[c.a] in c.a_choices and selection.choices[c.b] in c.b_choices), None)
+            if clash is not None:
+                skipped.append((full_name, f"{clash}; recompute with ZeRO-3 gathered per layer (--zero3-unit layer)"))
+            else:
+                out.append(Baseline(full_name, selection, on))
+
+    add("dp", ddp)
+    # torchtitan's per-op policy where no activation collective runs in a block (with tensor
+    # parallelism it saves reduce-scatters' outputs, a reshard's result the model does not keep)
+    add("ddp", ddp, lambda: as_run_by(problem, DDP), recipe=TORCH_RECIPE)
+    add("ddp-bucket-view", ddp, lambda: as_run_by(problem, DDP_BUCKET_VIEW), recipe=TORCH_RECIPE)
+    for stage in (1, 2, 3):
+        add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, r, s=stage: zero(p, s, r))
+    add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2), recipe=TORCH_RECIPE)
+    add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD), recipe=TORCH_RECIPE)
+    add(FSDP2_PREFETCH, lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_PREFETCH), recipe=TORCH_RECIPE)
+    add(FSDP2_TORCHTITAN, lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_TORCHTITAN), recipe=TORCH_RECIPE)
+    if 1 < mesh.shape[-1] < mesh.num_devices:  # resharded within a node after forward
+        add(f"fsdp2-reshard{mesh.shape[-1]}", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_RESHARD_NODE),
+            recipe=TORCH_RECIPE)
+    for on, k, tp in tensor_parallel_layouts(problem):
+        dp = mesh.num_devices // tp
+        tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")
+        as_megatron = functools.cache(lambda on=on: as_run_by(on(), MEGATRON))
+        add(f"megatron-{tag}", lambda p, r, k=k: megatron_tp(p, k, replayed=r), as_megatron, MEGATRON_RECIPE)
+        add(f"megatron-{tag}-sp", lambda p, r, k=k: megatron_tp_sp(p, k, r), as_megatron, MEGATRON_RECIPE)
+        if dp > 1:
+            add(f"megatron-{tag}-sp-distopt", lambda p, r, k=k: megatron_tp_sp_distributed_optimizer(p, k, r),
+                as_megatron, MEGATRON_RECIPE)
+            add(f"tp{tp}-fsdp{dp}", lambda p, r, k=k: tp_fsdp(p, k, r), on)
+            add(f"torch-tp{tp}-fsdp{dp}", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
+                lambda on=on: as_run_by(on(), TORCH_TP))
+            add(f"torch-tp{tp}-fsdp{dp}-noreshard", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
+                lambda on=on: as_run_by(on(), TORCH_TP_NO_RESHARD))
+            add(f"torch-tp{tp}-fsdp{dp}-torchtitan", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
+                lambda on=on: as_run_by(on(), TORCH_TP_TORCHTITAN))
+    if wanted is not None:  # the layer splits asked for by name (``compare`` finds its own)
+        layers = problem.graph.num_layers
+        for base in bases:
+            split = layer_split(base)
+            for count in split.counts(layers) if split and problem.recompute == "auto" else ():
+                if wanted(base + split.suffix(count)) and (b := split_baseline(problem, base, count)):
+                    out.append(b)
+    return out, skipped
+
+
+def unpriced_under_autocast(name: str, recipe: str) -> str | None:
+    """Why baseline ``name`` is not offered under ``torch.autocast``, if it is not: PyTorch's
+    implementations are offered where checked against PyTorch under autocast (DDP, FSDP2, with
+    full checkpointing); Megatron-LM does not train under it."""
+    if recipe == MEGATRON_RECIPE:
+        return "Megatron-LM trains bf16 in its own layout (--precision mixed), not under torch.autocast"
+    if name.startswith("torch-tp"):
+        return "not checked against PyTorch under torch.autocast (--precision mixed or fp32 are)"
+    if name.endswith("+selective-op") or "-noreshard" in name:
+        return ("under torch.autocast PyTorch keeps its weights' bf16 copies otherwise than memshard prices them "
+                "(measured 4–9% off; --precision mixed or fp32 are checked)")
+    return None
+
+
+def tensor_parallel_layouts(problem: Problem) -> list[tuple[Callable[[], Problem], int, int]]:
+    """(the problem it is laid out on, built once when first asked for; tensor-parallel mesh
+    axes; degree) of every tensor-parallel degree: those dividing the node on a finer view of
+    it, then whole inner axes."""
+    mesh, layouts = problem.mesh, []
+    node = mesh.shape[-1]
+    for tp in range(2, node):
+        if node % tp == 0:
+            finer = functools.cache(lambda tp=tp: build_problem(
+                problem.graph, split_innermost(mesh, tp), problem.shared_layers, problem.micro_batches,
+                problem.zero3_unit, problem.recompute, problem.framework))
+            layouts.append((finer, 1, tp))
+    for k in range(1, mesh.ndim + 1):
+        tp = math.prod(mesh.shape[mesh.ndim - k:])
+        if tp > 1 and (k == 1 or mesh.shape[mesh.ndim - k] > 1):
+            layouts.append((lambda: problem, k, tp))
+    return layouts

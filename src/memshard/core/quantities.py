@@ -1,0 +1,108 @@
+"""Parsing and printing quantities: bytes (``80GiB``, ``1.5 TB``), seconds (``12 ms``), counts
+(``6.66B`` parameters) and counted nouns (``1 device``, ``8 devices``).
+
+Printed figures have three significant digits and never use scientific notation: a unit
+changes where the rounded figure would reach 1000 (1023.9 MiB prints ``1 GiB``, 999.96 ms
+``1 s``); past the largest unit the figure keeps plain digits (``8,880 PiB``, ``3,600 s``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from memshard.core.errors import MemshardError
+
+_BYTE_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50,
+}
+_BINARY = ("KiB", "MiB", "GiB", "TiB", "PiB")
+_COUNT = ("K", "M", "B", "T")  # thousand, million, billion, trillion
+_SECONDS = ((1e-9, "ns"), (1e-6, "µs"), (1e-3, "ms"), (1.0, "s"))
+_TOP = 999.5  # a figure that rounds to 1000 or more at three significant digits
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"`` → 85899345920. Decimal (GB) and binary (GiB) units, case-insensitive; what
+    :func:`format_bytes` prints reads back (``"1,024 PiB"``)."""
+    match = re.fullmatch(r"\s*([0-9][0-9,]*\.?[0-9]*|\.[0-9]+)(?:e([0-9]+))?\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(3).upper() if match else None
+    if match is None or unit not in _BYTE_UNITS:
+        raise MemshardError(f"cannot read {text!r} as a size in bytes (try e.g. 80GiB or 40GB)")
+    value = float(match.group(1).replace(",", "")) * 10 ** int(match.group(2) or 0) * _BYTE_UNITS[unit]
+    if value <= 0:
+        raise MemshardError(f"a size must be positive, got {text!r}")
+    return int(value)
+
+
+def _significant(v: float) -> str:
+    """``v`` (0 ≤ v < 999.5) with three significant digits, trailing zeros dropped, plain digits."""
+    decimals = 3 if v < 0.9995 else 2 if v < 9.995 else 1 if v < 99.95 else 0
+    text = f"{v:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _special(n: float, unit: str) -> str | None:
+    if math.isnan(n):
+        return "n/a"
+    if math.isinf(n):
+        return f"{'-' if n < 0 else ''}∞ {unit}".rstrip()
+    return None
+
+
+def format_bytes(n: float) -> str:
+    """Binary units with three significant digits: ``12.3 GiB``, ``512 B``, ``8,880 PiB``."""
+    n = float(n)
+    if (special := _special(n, "B")) is not None:
+        return special
+    return _scaled(n, 1024, ("B", *_BINARY), " ")
+
+
+def _scaled(n: float, base: int, units: tuple[str, ...], space: str) -> str:
+    """``n`` in the largest of ``units`` (each ``base`` times the one before) that keeps it
+    below 1000 at three significant digits; whole numbers in the first; plain digits past the
+    last."""
+    sign, v = ("-" if n < 0 else ""), abs(n)
+    if math.floor(v + 0.5) < base:
+        return f"{sign}{math.floor(v + 0.5)}{space}{units[0]}".rstrip()
+    for unit in units[1:]:
+        v /= base
+        if v < _TOP:
+            return f"{sign}{_significant(v)}{space}{unit}"
+    return f"{sign}{v:,.0f}{space}{units[-1]}"
+
+
+def format_seconds(s: float) -> str:
+    """Three significant digits in ns, µs, ms or s: ``512 ns``, ``1.64 s``, ``3,600 s``."""
+    s = float(s)
+    if (special := _special(s, "s")) is not None:
+        return special
+    sign, v = ("-" if s < 0 else ""), abs(s)
+    if v >= _TOP:
+        return f"{sign}{v:,.0f} s"
+    for scale, unit in reversed(_SECONDS):
+        if v / scale >= 0.9995 or unit == "ns":
+            text = _significant(v / scale)
+            return "0 s" if text == "0" else f"{sign}{text} {unit}"
+    raise AssertionError("unreachable")
+
+
+def format_count(n: float) -> str:
+    """A count with K, M, B, T (10³, 10⁶, 10⁹, 10¹²) and three significant digits:
+    ``479``, ``56.2K``, ``6.66B``, ``175B``, ``1,200T``."""
+    n = float(n)
+    if (special := _special(n, "")) is not None:
+        return special
+    return _scaled(n, 1000, ("", *_COUNT), "")
+
+
+def counted(n: int, noun: str, nouns: str | None = None) -> str:
+    """``1 device``, ``8 devices``, ``1,024 devices``; ``nouns`` when the plural is not noun + s."""
+    return f"{n:,} {noun if n == 1 else (nouns or noun + 's')}"
+
+
+def format_parameters(n: int) -> str:
+    """A parameter count: ``1 parameter``, ``479 parameters``, ``6.66B parameters``."""
+    return f"{format_count(n)} parameter{'' if n == 1 else 's'}"

@@ -1,1 +1,0 @@
-"""Cost models: bytes per device (memory.py) and collectives with their time (comm.py)."""

@@ -1,0 +1,512 @@
+"""Pricing a job into a :class:`~memshard.problem.records.Problem`.
+
+``build_problem`` turns a graph and a mesh into the data both the ILP (``search/``) and the plan
+evaluator (``evaluate.py``) read, so the two price every plan identically: for every op its
+strategies (compute time, statistics all-reduces, buffers, gradients), for every activation
+its edges and holders, for every parameter its storage options (weight, gradient, optimizer
+states, the ZeRO-3 gathers and the gradients' reductions, alone or by layer unit:
+``problem/storage.py``), and the reshard points. The records are described in ``records.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from memshard.core.errors import MemshardError
+from memshard.core.graph import Graph, Op, TensorKind, TensorSpec
+from memshard.core.mesh import Mesh
+from memshard.core.placement import Layout, local_shape
+from memshard.problem import comm
+from memshard.problem.gathers import fsdp2_units, layer_units
+from memshard.problem.memory import (
+    CROSS_ENTROPY_CHUNKS,
+    STATS_BYTES,
+    STATS_IN_BACKWARD,
+    buffer_bytes,
+    buffer_global_bytes,
+    buffer_redundant_bytes,
+    promoted_gradient,
+    redundant_bytes,
+    tensor_bytes,
+)
+from memshard.problem.recompute import (
+    RECOMPUTE_POLICIES,
+    replay_flags,
+    replay_starts,
+    replayable_ops,
+)
+from memshard.problem.records import (
+    ALWAYS,
+    CACHED,
+    DDP_FRAMEWORKS,
+    FRAMEWORKS,
+    FSDP2_FRAMEWORKS,
+    INPUT_COPY,
+    MEMSHARD,
+    PRODUCER,
+    READ_BY_REPLAY,
+    REGATHER,
+    REPLAY_INPUT,
+    REPLAY_INPUTS,
+    REPLAY_OUT,
+    REPLAY_READ,
+    REPLAY_TICKETS,
+    REPLAYED,
+    REPLAYED_AHEAD,
+    REPLAYED_BY_PRODUCER,
+    RETAINED,
+    SAVED,
+    SOURCE,
+    TORCH_FRAMEWORKS,
+    TORCH_TP_FRAMEWORKS,
+    ZERO3_UNITS,
+    Choice,
+    Conflict,
+    Constant,
+    Edge,
+    Group,
+    HeldTensor,
+    Holder,
+    Link,
+    OpGroup,
+    Problem,
+    ReshardPoint,
+    Slot,
+    explicit_prefetch,
+    framework_graph,
+    fsdp2_options,
+    without_partial,
+)
+from memshard.problem.schedule import Schedule, candidate_points
+from memshard.problem.storage import StoragePricing
+from memshard.problem.strategies import (
+    Strategy,
+    activation_inputs,
+    enumerate_strategies,
+    input_grad_layout,
+)
+from memshard.problem.tensor_parallel import REDISTRIBUTIONS, redistribute_grad_layout
+
+
+def _role_key(op: Op, shared: bool) -> str:
+    return op.share_key if shared and op.role is not None else op.name
+
+
+class _Builder(StoragePricing):
+    def __init__(self, graph: Graph, mesh: Mesh, shared: bool, micro_batches: int, zero3_unit: str = "op",
+                 recompute: str = "none", framework: str = MEMSHARD):
+        self.graph = graph
+        self.mesh = mesh
+        self.shared = shared
+        self.micro_batches = micro_batches
+        self.framework = framework
+        self.replay_flags = replay_flags(graph, recompute)
+        # Where each layer's replay runs: PyTorch's checkpoint at its first unpack.
+        starts = replay_starts(graph, on_first_unpack=framework in TORCH_FRAMEWORKS)
+        self.cached_ops = self.checkpoint_cached(recompute)
+        replayed: dict[int, tuple[int, ...]] = {}
+        for i, op in enumerate(graph.ops):
+            if True in self.replay_flags[i] or i in self.cached_ops:
+                replayed[starts[op.layer]] = (*replayed.get(starts[op.layer], ()), i)
+        self.sched = Schedule(len(graph.ops), tuple(sorted(replayed.items())))
+        if framework in FSDP2_FRAMEWORKS:
+            self.units = fsdp2_units(graph, self.sched, recompute, **fsdp2_options(framework, mesh.shape[-1]))
+        else:
+            self.units = layer_units(graph, self.sched, recompute) if zero3_unit == "layer" else {}
+        self.conflicts: list[Conflict] = []
+        self.groups: list[Group] = []
+        self.index: dict[tuple, int] = {}
+        self.links: list[Link] = []
+        self.edges: list[Edge] = []
+        self.edge_index: dict[tuple, int] = {}
+        self.slots: list[Slot] = []
+        self.held: list[HeldTensor] = []
+        self.holders: list[Holder] = []
+        self.constants: list[Constant] = []
+        self.last_consumer = {t: c[-1][0] for t, c in graph.consumers.items()}
+        self.cache: dict[tuple, object] = {}
+
+    def time(self, calls) -> float:
+        return comm.total_time(calls, self.mesh)
+
+    def slot(self, group, start, end, category, nbytes, redundant=None, global_bytes=0.0, phase=ALWAYS) -> None:
+        nbytes = np.asarray(nbytes, float)
+        if start <= end and (np.count_nonzero(nbytes) or global_bytes):  # (count_nonzero: a quarter of any's cost)
+            red = np.zeros_like(nbytes) if redundant is None else np.asarray(redundant, float)
+            self.slots.append(Slot(group, start, end, category, nbytes, red, float(global_bytes), phase))
+
+    def redundant(self, nbytes, layouts) -> list[float]:
+        return [redundant_bytes(b, L, self.mesh) for b, L in zip(nbytes, layouts)]
+
+    def cached(self, key: tuple, make):
+        """Per-group price vectors: every instance of a shared group has the same shapes."""
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
+
+    def layout_prices(self, spec: TensorSpec, layouts: list[Layout]) -> tuple[np.ndarray, np.ndarray]:
+        nbytes = np.array([tensor_bytes(spec, L, self.mesh) for L in layouts], float)
+        return nbytes, np.array(self.redundant(nbytes, layouts))
+
+    def checkpoint_cached(self, recompute: str) -> set[int]:
+        """The ops whose output PyTorch's selective checkpoint caches where they are not replayed
+        (``problem.CACHED``): under a framework it runs, the replayable ops of a layer some of
+        whose ops may be replayed (each gets a point in the replay, where the recompute reaches it)."""
+        if self.framework not in TORCH_FRAMEWORKS or recompute == "none":
+            return set()
+        replaying = {self.graph.ops[i].layer for i, flags in enumerate(self.replay_flags) if True in flags}
+        return {i for i in replayable_ops(self.graph) if self.graph.ops[i].layer in replaying}
+
+    def chunk_prices(self, spec: TensorSpec, layouts: list[Layout]) -> tuple[np.ndarray, np.ndarray]:
+        """One row chunk of the local logits (see CROSS_ENTROPY_CHUNKS) in each layout."""
+        nbytes = []
+        for L in layouts:
+            shape = local_shape(spec.shape, L, self.mesh.shape)
+            rows = math.prod(shape[:-1])
+            nbytes.append(-(-rows // CROSS_ENTROPY_CHUNKS) * shape[-1] * spec.dtype_bytes)
+        nbytes = np.array(nbytes, float)
+        return nbytes, np.array(self.redundant(nbytes, layouts))
+
+    # -- ops ---------------------------------------------------------------------------------
+
+    def op_choices(self, op: Op, strategies: list[Strategy], replayed: bool = False) -> list[Choice]:
+        """Each strategy's compute and statistics all-reduces per step; a replayed op runs its
+        forward (and its forward's all-reduces) a second time."""
+        rate = self.mesh.peak_flops * self.mesh.compute_efficiency
+        out = []
+        for s in strategies:
+            local = s.local_sizes
+            forward = op.flops_per_point * math.prod(local.values())
+            calls: tuple[comm.Collective, ...] = ()
+            stats: tuple[comm.Collective, ...] = ()
+            if op.stats_per_row:
+                rows = math.prod(n for d, n in local.items() if d not in op.reduced_dims)
+                axes = tuple(a for a, d in enumerate(s.assignment) if d in op.reduced_dims)
+                calls = stats = comm.all_reduce_over(rows * op.stats_per_row * STATS_BYTES, axes, self.mesh)
+                if op.kind in STATS_IN_BACKWARD:
+                    calls += comm.all_reduce_over(rows * STATS_IN_BACKWARD[op.kind] * STATS_BYTES, axes, self.mesh)
+            replay = (forward / rate + self.time(stats)) * self.micro_batches if replayed else 0.0
+            compute = forward * (1 + op.backward_flops_ratio + replayed) / rate * self.micro_batches
+            calls = (calls + stats * replayed) * self.micro_batches
+            label = (s.name(), "recomputed") if replayed else s.name()
+            out.append(Choice(label, compute, calls, compute + self.time(calls), replay))
+        return out
+
+    def op_group(self, op: Op, flags: tuple[bool, ...]) -> OpGroup:
+        """The group of ``op``'s role: every strategy, once per recompute flag allowed."""
+        strategies = list(enumerate_strategies(self.graph, op, self.mesh))
+        choices, every, replays = [], [], []
+        for replayed in flags:
+            choices += self.op_choices(op, strategies, replayed)
+            every += strategies
+            replays += [replayed] * len(strategies)
+        if op.kind in REDISTRIBUTIONS:
+            input_grads = [[redistribute_grad_layout(s.output_layout, self.mesh.shape) for s in every]]
+        else:
+            input_grads = [[input_grad_layout(s, op, j) for s in every] for j in range(len(op.inputs))]
+        return OpGroup(key=_role_key(op, self.shared), choices=choices, strategies=every, input_grads=input_grads,
+                       replays=replays if any(replays) else [])
+
+    def add_ops(self) -> list[int]:
+        op_group = []
+        for i, op in enumerate(self.graph.ops):
+            key = ("op", _role_key(op, self.shared))
+            if key not in self.index:
+                self.index[key] = len(self.groups)
+                self.groups.append(self.op_group(op, self.replay_flags[i]))
+            gid = self.index[key]
+            self.groups[gid].instances += 1
+            self.groups[gid].ops.append(i)
+            op_group.append(gid)
+        return op_group
+
+    def op_slots(self, op_group: list[int]) -> None:
+        S, mesh = self.sched, self.mesh
+        for i, op in enumerate(self.graph.ops):
+            gid = op_group[i]
+            strategies = self.groups[gid].strategies
+            buffers = self.cached((gid, "buffers"), lambda op=op, strategies=strategies: (
+                [buffer_bytes(op, s) for s in strategies],
+                [buffer_redundant_bytes(op, s, mesh) for s in strategies]))
+            self.buffer_slots(i, gid, buffers)
+            if op.kind == "cross_entropy":
+                self.loss_slots(i, gid)
+            out = self.graph.tensors[op.output.tensor]
+            if op.output.tensor in self.last_consumer:
+                # The gradient of the output in our layout, from its last consumer's reshard of
+                # it (the consumers' own layouts before: their input-gradient slots) to ours.
+                prices = self.cached((gid, "output_grad"), lambda out=out, strategies=strategies: self.layout_prices(
+                    out, [without_partial(s.output_layout) for s in strategies]))
+                self.slot(gid, S.reshard_out(self.last_consumer[op.output.tensor]), S.backward(i),
+                          "transients", *prices, out.nbytes)
+            for j in activation_inputs(self.graph, op):
+                t = op.inputs[j].tensor
+                prices = self.cached((gid, "input_grad", j), lambda t=t, gid=gid, j=j: self.layout_prices(
+                    self.graph.tensors[t], [without_partial(L) for L in self.groups[gid].input_grads[j]]))
+                # The last consumer's is the tensor's whole gradient until it is resharded.
+                unique = self.graph.tensors[t].nbytes if self.last_consumer[t] == i else 0.0
+                self.slot(gid, S.backward(i), S.backward(i), "transients", *prices, unique)
+                wider = promoted_gradient(op, self.graph.tensors[t], out)
+                if wider:
+                    # A replayed op's saved tensors are the checkpoint's, freed as its backward
+                    # returns, before the cast: its peak is then the wide gradient alone.
+                    grp = self.groups[gid]
+                    net = wider - (np.array(grp.replays, float) if grp.may_replay else 0.0)
+                    self.slot(gid, S.backward(i), S.backward(i), "transients", *(x * net for x in prices), 0.0)
+
+    def loss_slots(self, i: int, gid: int) -> None:
+        """The loss's working set besides its saved logits and their gradient. memshard's and
+        Megatron-LM's kernels: a row chunk of exponentials in forward. PyTorch's
+        ``F.cross_entropy`` (``log_softmax``, then ``nll_loss``): its log-probabilities beside
+        the logits forward, their gradient beside the logits' backward, one logits tensor more
+        each way. ``loss_parallel`` (classes split, torch-tp) holds a second extra tensor each
+        way: forward the shifted logits beside their exponentials, then beside the
+        log-probabilities (its ``_log_softmax``); backward its ``(zeros + exp(x)) * grad`` (four
+        logits-sized at its peak; both measured in ``tests/test_conformance.py``)."""
+        S, op = self.sched, self.graph.ops[i]
+        logits = self.graph.tensors[op.inputs[0].tensor]
+        classes = op.inputs[0].dims[-1]
+
+        def prices():
+            strategies = self.groups[gid].strategies
+            layouts = [s.input_layouts[0] for s in strategies]
+            chunk = self.chunk_prices(logits, layouts)
+            if self.framework not in TORCH_FRAMEWORKS:
+                return chunk, (np.zeros(len(layouts)), np.zeros(len(layouts)))
+            whole = self.layout_prices(logits, layouts)
+            split = np.array([self.framework in TORCH_TP_FRAMEWORKS and classes in s.assignment for s in strategies], float)
+            return tuple(w * (1 + split) for w in whole), tuple(w * (1 + split) for w in whole)
+
+        forward, backward = self.cached((gid, "loss"), prices)
+        self.slot(gid, S.forward(i), S.forward(i), "transients", *forward)
+        if self.framework in TORCH_FRAMEWORKS:  # (memshard's problems as they were: no empty slot)
+            self.slot(gid, S.backward(i), S.backward(i), "transients", *backward)
+
+    def buffer_slots(self, i: int, gid: int, buffers: tuple[list, list]) -> None:
+        """An op's private buffers (a dropout mask) from its forward to its backward; a
+        replayed op's are dropped after the forward and made again by its layer's replay."""
+        S, op, grp = self.sched, self.graph.ops[i], self.groups[gid]
+        unique = buffer_global_bytes(self.graph, op)
+        if not grp.may_replay:
+            self.slot(gid, S.forward(i), S.backward(i), "activations", *buffers, unique)
+            return
+        kept = np.array([not r for r in grp.replays], float)
+        nbytes, redundant = np.asarray(buffers[0]), np.asarray(buffers[1])
+        replay = S.replay(i)
+        self.slot(gid, S.forward(i), replay - 1, "activations", nbytes * kept, redundant * kept,
+                  0.0 if kept.min() == 0 else unique)
+        # From the replay on: the kept buffer (an activation), or the one the replay made.
+        self.slot(gid, replay, S.backward(i), "activations", nbytes * kept, redundant * kept, unique * kept.min())
+        self.slot(gid, replay, S.backward(i), "transients", nbytes * (1 - kept), redundant * (1 - kept),
+                  unique * (1 - kept.max()))
+
+    # -- activations flowing between ops ----------------------------------------------------
+    def add_edges(self, op_group: list[int]) -> dict[tuple[int, int], int]:
+        S = self.sched
+        edge_of_input = {}
+        holders: dict[str, list[tuple[str, int, int, int]]] = {}
+        for i, op in enumerate(self.graph.ops):
+            for j in activation_inputs(self.graph, op):
+                t = op.inputs[j].tensor
+                pg, cg = op_group[self.graph.producer[t]], op_group[i]
+                key = (self.groups[pg].key, self.groups[cg].key, j)
+                saves = j in op.saves_inputs
+                if key not in self.edge_index:
+                    self.edge_index[key] = len(self.edges)
+                    through = self.graph.ops[self.graph.producer[t]].kind in REDISTRIBUTIONS
+                    self.edges.append(Edge(f"{key[0]} -> {key[1]}[{j}]", self.graph.tensors[t], pg, cg, j, saves,
+                                           replay=self.edge_replay(pg, cg, saves), gradient_through=through))
+                e = self.edge_index[key]
+                self.edges[e].instances += 1
+                edge_of_input[(i, j)] = e
+                entry = holders.setdefault(t, [])
+                entry.append((INPUT_COPY, e, S.forward(i), S.forward(i)))
+                if saves:
+                    entry.append((SAVED, e, S.forward(i), S.backward(i)))
+                    entry.append((REGATHER, e, S.backward(i), S.backward(i)))
+                entry += self.replay_holders(i, j, e)
+        self.add_holders(op_group, holders)
+        return edge_of_input
+
+    def replay_holders(self, i: int, j: int, e: int) -> list[tuple[str, int, int, int]]:
+        """Who holds op ``i``'s input ``j`` (edge ``e``) for recomputation. A ticket (a saved
+        copy the replay makes) lives from its producer's replay; a replaying consumer reads
+        the producer's tensor held since the forward (or, where every plan holds it, the
+        producer's own holder), or the replayed producer's output, kept from that op's
+        replay to its reader's; a reader that does not save it makes its copy there."""
+        S, edge = self.sched, self.edges[e]
+        p = self.graph.producer[self.graph.ops[i].inputs[j].tensor]
+        producer, consumer = self.groups[edge.producer], self.groups[edge.consumer]
+        out = []
+        if edge.replay == REPLAYED_BY_PRODUCER and not consumer.may_replay:
+            out.append((REPLAYED, e, S.replay(p), S.backward(i)))
+        elif edge.replay == REPLAYED_BY_PRODUCER:  # made by its own replay, or (not replayed) by p's
+            out.append((REPLAYED, e, S.replay(i), S.backward(i)))
+            if not consumer.always_replays:
+                out.append((REPLAYED_AHEAD, e, S.replay(p), S.replay_reshard(i)))
+        elif edge.replay == READ_BY_REPLAY and not producer.may_replay and consumer.always_replays:
+            out.append((PRODUCER, edge.producer, S.forward(p), S.replay(i)))
+        elif edge.replay == READ_BY_REPLAY:
+            out.append((SOURCE, e, S.forward(p), S.replay(i)))
+        if edge.replay and producer.may_replay and consumer.may_replay and self.graph.ops[p].layer == self.graph.ops[i].layer:
+            out.append((REPLAY_READ, e, S.replay(p), S.replay(i)))
+        if edge.replay == READ_BY_REPLAY:
+            out.append((REPLAY_INPUT, e, S.replay(i), S.replay(i)))
+        return out
+
+    def edge_replay(self, producer: int, consumer: int, saves: bool) -> str:
+        """How recomputation touches an edge (``problem.Edge.replay``)."""
+        if saves and self.groups[producer].may_replay:
+            return REPLAYED_BY_PRODUCER
+        if not saves and self.groups[consumer].may_replay:
+            return READ_BY_REPLAY
+        return ""
+
+    def add_reshard_points(self, edge_of_input: dict[tuple[int, int], int]) -> list[ReshardPoint]:
+        S = self.sched
+        points = []
+        for i, op in enumerate(self.graph.ops):
+            inputs = activation_inputs(self.graph, op)
+            if not inputs:
+                continue
+            edges = tuple(edge_of_input[(i, j)] for j in inputs)
+            last = tuple(self.last_consumer[op.inputs[j].tensor] == i for j in inputs)
+            points.append(ReshardPoint(S.reshard_in(i), False, edges, last))
+            points.append(ReshardPoint(S.reshard_out(i), True, edges, last))
+            kept = tuple(e for e, j in zip(edges, inputs) if j in op.saves_inputs)
+            if kept and i + 1 < len(self.graph.ops):  # re-gathers don't use ``last``
+                points.append(ReshardPoint(S.reshard_out(i + 1), False, kept, (False,) * len(kept), regather=True))
+        return points + self.replay_reshard_points(edge_of_input)
+
+    def replay_reshard_points(self, edge_of_input: dict[tuple[int, int], int]) -> list[ReshardPoint]:
+        """The replay's reshards: a replayed op's inputs at RR(i); the saved copies its output
+        is resharded into for consumers that are not replayed, at R(i)."""
+        S, graph, points = self.sched, self.graph, []
+        for i, op in enumerate(graph.ops):
+            if True not in self.replay_flags[i]:
+                continue
+            edges = tuple(edge_of_input[(i, j)] for j in activation_inputs(graph, op)
+                          if self.edges[edge_of_input[(i, j)]].replay)
+            if edges:
+                points.append(ReshardPoint(S.replay_reshard(i), False, edges, (False,) * len(edges), replay=REPLAY_INPUTS))
+            tickets = tuple(e for c, j in graph.consumers.get(op.output.tensor, ()) if (c, j) in edge_of_input
+                            and self.edges[e := edge_of_input[(c, j)]].replay == REPLAYED_BY_PRODUCER
+                            and not self.groups[self.edges[e].consumer].always_replays)
+            if tickets:
+                points.append(ReshardPoint(S.replay(i), False, tickets, (False,) * len(tickets), replay=REPLAY_TICKETS))
+        return points
+
+    def add_holders(self, op_group: list[int], edge_holders: dict[str, list[tuple]]) -> None:
+        S = self.sched
+        for p, op in enumerate(self.graph.ops):
+            t = op.output.tensor
+            spec = self.graph.tensors[t]
+            pg = op_group[p]
+            forward_end = S.forward(self.last_consumer.get(t, p))
+            end = S.backward(p) if op.saves_output else forward_end
+            edges = tuple(sorted({e for kind, e, _, _ in edge_holders.get(t, []) if kind != PRODUCER}))
+
+            def prices(pg=pg, edges=edges, spec=spec):
+                layouts = [s.output_layout for s in self.groups[pg].strategies]
+                for e in edges:
+                    edge = self.edges[e]
+                    layouts += [s.input_layouts[edge.input_index] for s in self.groups[edge.consumer].strategies]
+                layouts = list(dict.fromkeys(without_partial(L) for L in layouts))
+                return (layouts, *self.layout_prices(spec, layouts))
+
+            layouts, nbytes, red = self.cached(("held", pg, edges), prices)
+            hid = len(self.held)
+            self.held.append(HeldTensor(t, pg, tuple(layouts), nbytes, red, float(spec.nbytes)))
+            if self.groups[pg].may_replay:  # its output as its replay makes it
+                self.holders.append(Holder(hid, REPLAY_OUT, pg, S.replay(p), S.replay(p)))
+            if op.saves_output and self.groups[pg].always_replays:
+                replay = S.replay(p)
+                self.holders += [Holder(hid, PRODUCER, pg, S.forward(p), forward_end),
+                                 Holder(hid, PRODUCER, pg, replay, end)]
+            elif op.saves_output and self.groups[pg].may_replay:
+                # Dropped after its last forward use unless kept; made again by the replay.
+                replay = S.replay(p)
+                self.holders += [Holder(hid, PRODUCER, pg, S.forward(p), forward_end),
+                                 Holder(hid, RETAINED, pg, forward_end + 1, replay - 1),
+                                 Holder(hid, PRODUCER, pg, replay, end)]
+            else:
+                self.holders.append(Holder(hid, PRODUCER, pg, S.forward(p), end))
+                if p in self.cached_ops and not self.groups[pg].always_replays:
+                    self.holders.append(Holder(hid, CACHED, pg, forward_end + 1, S.replay(p)))
+            for kind, source, start, stop in edge_holders.get(t, []):
+                self.holders.append(Holder(hid, kind, source, start, stop))
+
+    def add_inputs(self, op_group: list[int]) -> None:
+        """The model's inputs, held all step: a data loader's share of the batch in the layout
+        its consumer reads (a rank keeps only its sequences, or its slice of them); the rest
+        whole on every rank."""
+        n = self.mesh.num_devices
+        loaded = self.graph.loaded_inputs
+        for name, spec in self.graph.tensors.items():
+            if spec.kind is not TensorKind.INPUT:
+                continue
+            if name in self.graph.made_inputs:
+                self.constants.append(Constant(*self.made_span(name), "activations", spec.nbytes,
+                                               spec.nbytes * (1 - 1 / n), spec.nbytes))
+                continue
+            if name not in loaded:
+                self.constants.append(Constant(0, self.sched.optimizer, "activations", spec.nbytes,
+                                               spec.nbytes * (1 - 1 / n), spec.nbytes))
+                continue
+            i, j = loaded[name]
+            gid = op_group[i]
+            prices = self.cached((gid, "loaded", j), lambda spec=spec, gid=gid, j=j: self.layout_prices(
+                spec, [s.input_layouts[j] for s in self.groups[gid].strategies]))
+            self.slot(gid, 0, self.sched.optimizer, "activations", *prices, spec.nbytes)
+
+    def made_span(self, name: str) -> tuple[int, int]:
+        """Where a made input lives: from its first reader's forward to its last reader's
+        forward, or to the backward of a reader that keeps it."""
+        S, uses = self.sched, self.graph.consumers[name]
+        ends = [S.backward(i) if j in self.graph.ops[i].saves_inputs else S.forward(i) for i, j in uses]
+        return S.forward(uses[0][0]), max(ends)
+
+    def add_framework_buffers(self) -> None:
+        """DistributedDataParallel's gradient buckets: every parameter's gradient once more,
+        allocated when DDP wraps the model and kept all step (the ``ddp`` baselines replicate
+        every parameter; any ``bucket_cap_mb`` allocates them all). Under its default
+        ``gradient_as_bucket_view=False`` besides the gradients; under ``True`` they are them."""
+        if self.framework not in DDP_FRAMEWORKS:
+            return
+        n, grad_bytes = self.mesh.num_devices, self.graph.precision.grad_bytes
+        buckets = sum(self.graph.tensors[p].numel for p in self.graph.parameters) * grad_bytes
+        self.constants.append(Constant(0, self.sched.optimizer, "gradients", buckets, buckets * (1 - 1 / n), buckets))
+
+
+def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_batches: int = 1,
+                  zero3_unit: str = "op", recompute: str = "none", framework: str = MEMSHARD) -> Problem:
+    """``graph`` describes one micro-batch; a step runs ``micro_batches`` of them (gradient
+    accumulation) and one optimizer update. ``zero3_unit``: see :class:`LayerUnit`;
+    ``recompute``: which ops may be replayed (``recompute.RECOMPUTE_POLICIES``)."""
+    if zero3_unit not in ZERO3_UNITS:
+        raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, got {zero3_unit!r}")
+    if framework not in FRAMEWORKS:
+        raise MemshardError(f"the framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+    if recompute not in RECOMPUTE_POLICIES:
+        raise MemshardError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {recompute!r}")
+    graph = framework_graph(graph, framework)
+    b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute, framework)
+    op_group = b.add_ops()
+    b.op_slots(op_group)
+    edge_of_input = b.add_edges(op_group)
+    for edge in b.edges:
+        edge.executions = edge.instances * micro_batches
+    storage_group = b.add_storage(op_group)
+    b.add_inputs(op_group)
+    b.add_framework_buffers()
+    return Problem(
+        graph=graph, mesh=mesh, schedule=b.sched, shared_layers=shared_layers, groups=b.groups,
+        links=b.links, edges=b.edges, slots=b.slots, held=b.held, holders=b.holders,
+        constants=b.constants, candidate_points=candidate_points(
+            graph, b.sched, shared_layers, prefetch=max(explicit_prefetch(framework), framework in FSDP2_FRAMEWORKS)),
+        op_group=op_group, micro_batches=micro_batches, edge_of_input=edge_of_input,
+        storage_group=storage_group, reshard_points=b.add_reshard_points(edge_of_input),
+        zero3_unit=zero3_unit, recompute=recompute, conflicts=b.conflicts, framework=framework,
+    )

@@ -1,0 +1,95 @@
+"""The memory a layout change allocates while it runs.
+
+A reshard ``src → dst`` (``memshard.runtime.reshard.reshard_local``) runs one mesh axis at a
+time, each step a DTensor ``redistribute`` of one axis or memshard's own all-to-all; the
+caller holds the input throughout. :func:`reshard_peak_bytes` walks the same steps and
+returns the most bytes the reshard itself holds at any moment, its result included: the
+current intermediate layout plus what the step allocates. Per step, with ``in`` and ``out``
+the step's local input and output bytes:
+
+============================  =================================================  ==========
+step                          what it allocates                                  peak
+============================  =================================================  ==========
+``R → S(d)``                  the local chunk (a copy)                           out
+``P → R``                     the all-reduced tensor                             out
+``P → S(0)``                  the reduce-scattered piece                         out
+``P → S(d)``, d > 0           a copy with dim d's chunks leading, then the piece in + out
+``S(0) → R``                  the gathered tensor                                out
+``S(d) → R``, d > 0           the gathered tensor, then its rearranged copy      2·out
+``S(i) → S(j)``               send buffer, receive buffer, the joined result     in + 2·out
+============================  =================================================  ==========
+
+(The all-to-all's send buffer is built from per-destination pieces, ``2·in`` at that moment.)
+A step's input, when the reshard made it, lives until the step returns. The all-to-all joins
+the received pieces straight into a contiguous result (nothing downstream copies it again).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from memshard.core.mesh import Mesh
+from memshard.core.placement import (
+    REPLICATE,
+    Layout,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    local_numel,
+)
+
+
+def _step_peak(in_bytes: int, out_bytes: int, here: Placement, target: Placement) -> int:
+    """Bytes one single-axis step allocates at its peak (its output included)."""
+    if isinstance(here, Shard) and isinstance(target, Shard):
+        return max(2 * in_bytes, in_bytes + 2 * out_bytes)
+    if isinstance(here, Partial) and isinstance(target, Shard) and target.dim > 0:
+        return in_bytes + out_bytes
+    if isinstance(here, Shard) and isinstance(target, Replicate) and here.dim > 0:
+        return 2 * out_bytes
+    return out_bytes
+
+
+def reshard_peak_bytes(
+    shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout, mesh: Mesh, reverse: bool = False
+) -> int:
+    """Peak bytes the reshard ``src → dst`` holds beyond its input (0 when nothing changes);
+    on a mesh with merged axes, as it runs on the real ones."""
+    if mesh.real is not mesh:
+        src, dst = mesh.on_real_axes(src), mesh.on_real_axes(dst)
+    return _peak(tuple(shape), dtype_bytes, tuple(src), tuple(dst), mesh.real.shape, reverse)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the ILP asks for every layout pair of every edge
+def _peak(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout, mesh_shape: tuple[int, ...],
+          reverse: bool) -> int:
+    if src == dst:
+        return 0
+    cur = src
+    held = 0  # bytes of the current intermediate, 0 while it is the caller's input
+    peak = 0
+
+    def step(layout: Layout, axis: int, target: Placement) -> Layout:
+        nonlocal held, peak
+        here = layout[axis]
+        after = layout[:axis] + (target,) + layout[axis + 1 :]
+        nbytes_in = local_numel(shape, layout, mesh_shape) * dtype_bytes
+        nbytes_out = local_numel(shape, after, mesh_shape) * dtype_bytes
+        peak = max(peak, held + _step_peak(nbytes_in, nbytes_out, here, target))
+        held = nbytes_out
+        return after
+
+    axes = range(len(src) - 1, -1, -1) if reverse else range(len(src))
+    for axis in axes:
+        if cur[axis] == dst[axis]:
+            continue
+        dims = {p.dim for p in (cur[axis], dst[axis]) if isinstance(p, Shard)}
+        inner = [b for b in range(len(cur) - 1, axis, -1) if isinstance(cur[b], Shard) and cur[b].dim in dims]
+        saved = {b: cur[b] for b in inner}
+        for b in inner:
+            cur = step(cur, b, REPLICATE)
+        cur = step(cur, axis, dst[axis])
+        for b in reversed(inner):
+            cur = step(cur, b, saved[b])
+    return peak

@@ -1,0 +1,12 @@
+"""The search: the integer linear program that picks a plan, its search with HiGHS, and
+planning large meshes on merged axes (``coarsen.py``).
+
+- ``model.py``: columns and tagged rows, collected in Python and handed to HiGHS once;
+- ``formulation.py``: the ILP of a :class:`~memshard.problem.records.Problem` — its variables and
+  row families, documented there, each built by one ``add_*_constraints`` method (edge flows
+  in ``edges.py``, live bytes in ``memory.py``, reshard buffers in ``reshards.py``);
+- ``reference.py``: the figures that scale the ILP and seed its search;
+- ``highs.py``: the search on one HiGHS model (a dive, then branch and bound);
+- ``solve.py``: the orchestration — lazy reshard rows, the tie-break pass — behind
+  :func:`memshard.search.solve.solve`.
+"""

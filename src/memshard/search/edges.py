@@ -1,0 +1,237 @@
+"""The edge flow: how an activation gets from its producer's layout to its consumer's.
+
+Alpa's edge linearisation, factored by mesh axis: resharding runs axis by axis (forward in
+axis order, gradients in reverse), so the cost of step ``a`` depends only on its state
+σ = (consumer placements on axes < a, producer placements on axes ≥ a, consumer placement on
+axis a), and an edge needs Σ_a |σ_a| columns instead of |producer layouts| × |consumer
+layouts|. With the choices integral the flow is integral (each state has one way in and
+out), so its columns are continuous. Rows (family ``edge-flow``)::
+
+  Σ_k Σ_{σ at a=0 with producer part L} z = Σ_{s: out(s)=L} x[p,s]
+  Σ_k Σ_{σ at a=A−1 with consumer part K} z = Σ_{s: in(s)=K} x[c,s]
+  flow into each state of step a+1 = flow out of step a
+  Σ_σ z[e,1,0,σ] = κ[e]                      (κ: the edge keeps its copy, family ``keep``)
+
+Recomputation (family ``replay``; r[g] = Σ_{c replayed} x[g,c]) adds flow copies k = 2, 3,
+resharded twice like a kept copy (the replay runs the forward reshard again):
+
+  Σ_σ z[e,2,0,σ] = r[producer]               a saved copy the producer's replay makes again
+  Σ_σ z[e,2,0,σ] + Σ_σ z[e,3,0,σ] = r[consumer],  Σ z[e,2,0,σ] ≤ r[producer],
+  Σ z[e,3,0,σ] ≤ 1 − r[producer]             an input a replaying consumer reads from the
+                                             replayed producer (2) or its held tensor (3)
+  κ[e] + r[consumer] ≤ 1                     a replayed op reads its saved input whole
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from memshard.core.mesh import Mesh
+from memshard.core.placement import Layout, Partial
+from memshard.problem import comm
+from memshard.problem.records import READ_BY_REPLAY, REPLAYED_BY_PRODUCER, Problem, without_partial
+from memshard.search.model import LinearModel, RowTag
+
+
+@dataclass
+class EdgeFlow:
+    """One edge's flow columns and what reads them."""
+
+    keeps: tuple[int, ...]  # its copies k (``flow_copies``): 0, 1 kept, 2 and 3 replayed
+    steps: dict[tuple[int, int], tuple[list, np.ndarray]]  # (keep, axis) → (states, columns)
+    consumer_layout_columns: dict[int, dict[Layout, list[int]]]  # keep → consumer layout → last step's
+    producer_layout_columns: dict[int, dict[Layout, list[int]]]  # keep → producer layout → first step's
+    time_columns: np.ndarray
+    time_values: np.ndarray  # seconds (in the model's unit) per column
+    keep_column: int | None = None
+
+
+class EdgeFlows:
+    """Adds each edge's flow to ``model``; edges of one shape and layouts share their states."""
+
+    def __init__(self, problem: Problem, model: LinearModel, choice_columns: list[np.ndarray], time_unit: float):
+        self.problem = problem
+        self.model = model
+        self.choice_columns = choice_columns
+        self.time_unit = time_unit
+
+    def add(self, e: int) -> EdgeFlow:
+        problem = self.problem
+        edge = problem.edges[e]
+        spec = edge.tensor
+        producer = problem.groups[edge.producer].strategies
+        consumer = problem.groups[edge.consumer].strategies
+        grads = problem.groups[edge.consumer].input_grads[edge.input_index]
+        producer_layouts = sorted({s.output_layout for s in producer}, key=repr)
+        # consumer key per axis: (input placement, gradient placement)
+        consumer_keys = sorted({tuple(zip(s.input_layouts[edge.input_index], g)) for s, g in zip(consumer, grads)},
+                               key=repr)
+        keeps = flow_copies(problem, e)
+        steps, cost_cols, cost_vals = {}, [], []
+        flow_states = step_states(spec.shape, spec.dtype_bytes, tuple(producer_layouts), tuple(consumer_keys), keeps,
+                                  edge.gradient_through,
+                                  problem.mesh)
+        for step, (states, times) in flow_states.items():
+            cols = self.model.columns(len(states), integer=False)
+            steps[step] = (states, cols)
+            paid = times != 0
+            cost_cols.append(cols[paid])
+            cost_vals.append(times[paid] * (edge.executions / self.time_unit))
+        flow = EdgeFlow(keeps, steps, {}, {}, np.concatenate(cost_cols), np.concatenate(cost_vals))
+        self.add_end_rows(e, flow, producer_layouts, consumer_keys)
+        self.add_conservation_rows(e, flow)
+        flow.consumer_layout_columns, flow.producer_layout_columns = self.layout_columns(flow)
+        if 1 in keeps:
+            flow.keep_column = int(self.model.columns(1, integer=True)[0])
+            coefs = {int(c): 1.0 for c in steps[(1, 0)][1]}
+            coefs[flow.keep_column] = -1.0
+            self.model.row(coefs, 0.0, 0.0, RowTag("keep", item=edge.key))
+        if edge.replay or (edge.saves and problem.groups[edge.consumer].may_replay):
+            self.add_replay_rows(e, flow)
+        return flow
+
+    def replayed(self, group: int) -> dict[int, float]:
+        """r[g]: the group's op is recomputed."""
+        grp = self.problem.groups[group]
+        return {int(self.choice_columns[group][c]): 1.0 for c in grp.replay_choices}
+
+    def add_replay_rows(self, e: int, flow: EdgeFlow) -> None:
+        edge = self.problem.edges[e]
+        tag = RowTag("replay", item=edge.key)
+        inf = highspy.kHighsInf
+
+        def through(k: int, sign: float = 1.0) -> dict[int, float]:
+            return {int(c): sign for c in flow.steps[(k, 0)][1]} if k in flow.keeps else {}
+
+        producer, consumer = self.replayed(edge.producer), self.replayed(edge.consumer)
+        if edge.replay == REPLAYED_BY_PRODUCER:
+            self.model.row({**through(2), **{c: -v for c, v in producer.items()}}, 0.0, 0.0, tag)
+        elif edge.replay == READ_BY_REPLAY:
+            self.model.row({**through(2), **through(3), **{c: -v for c, v in consumer.items()}}, 0.0, 0.0, tag)
+            if 2 in flow.keeps:
+                self.model.row({**through(2), **{c: -v for c, v in producer.items()}}, -inf, 0.0, tag)
+            self.model.row({**through(3), **producer}, -inf, 1.0, tag)
+        if flow.keep_column is not None and consumer:
+            self.model.row({flow.keep_column: 1.0, **consumer}, -inf, 1.0, tag)
+
+    def add_end_rows(self, e: int, flow: EdgeFlow, producer_layouts: list[Layout], consumer_keys: list[tuple]) -> None:
+        """The first step's producer side equals the producer's choice, the last step's
+        consumer side the consumer's."""
+        problem = self.problem
+        edge = problem.edges[e]
+        last = problem.mesh.ndim - 1
+        producer_rows: dict[Layout, dict[int, float]] = {L: {} for L in producer_layouts}
+        consumer_rows: dict[tuple, dict[int, float]] = {K: {} for K in consumer_keys}
+        for k in flow.keeps:
+            states, cols = flow.steps[(k, 0)]
+            for (_, suffix, _), col in zip(states, cols):
+                producer_rows[suffix][int(col)] = 1.0
+            states, cols = flow.steps[(k, last)]
+            for (prefix, _, placement), col in zip(states, cols):
+                consumer_rows[prefix + (placement,)][int(col)] = 1.0
+        for c, s in enumerate(problem.groups[edge.producer].strategies):
+            producer_rows[s.output_layout][int(self.choice_columns[edge.producer][c])] = -1.0
+        grads = problem.groups[edge.consumer].input_grads[edge.input_index]
+        for c, (s, g) in enumerate(zip(problem.groups[edge.consumer].strategies, grads)):
+            consumer_rows[tuple(zip(s.input_layouts[edge.input_index], g))][int(self.choice_columns[edge.consumer][c])] = -1.0
+        for coefs in (*producer_rows.values(), *consumer_rows.values()):
+            self.model.row(coefs, 0.0, 0.0, RowTag("edge-flow", item=edge.key))
+
+    def add_conservation_rows(self, e: int, flow: EdgeFlow) -> None:
+        """What leaves step a enters step a+1, state by state."""
+        for k in flow.keeps:
+            for a in range(self.problem.mesh.ndim - 1):
+                through: dict[tuple, dict[int, float]] = defaultdict(dict)
+                states, cols = flow.steps[(k, a)]
+                for (prefix, suffix, placement), col in zip(states, cols):
+                    through[(prefix + (placement,), suffix[1:])][int(col)] = 1.0
+                states, cols = flow.steps[(k, a + 1)]
+                for (prefix, suffix, _), col in zip(states, cols):
+                    through[(prefix, suffix)][int(col)] = -1.0
+                for key in sorted(through, key=repr):
+                    self.model.row(through[key], 0.0, 0.0, RowTag("edge-flow", item=self.problem.edges[e].key))
+
+    def layout_columns(self, flow: EdgeFlow) -> tuple[dict, dict]:
+        """Per keep flag: which flow columns say "consumer layout L" (last step) and which
+        "producer layout L" (first step)."""
+        last = self.problem.mesh.ndim - 1
+        consumer, producer = {}, {}
+        for k in flow.keeps:
+            by_layout: dict[Layout, list[int]] = defaultdict(list)
+            states, cols = flow.steps[(k, last)]
+            for (prefix, _, placement), col in zip(states, cols):
+                by_layout[tuple(pl for pl, _ in prefix + (placement,))].append(int(col))
+            consumer[k] = by_layout
+        for k in flow.keeps:
+            by_layout = defaultdict(list)
+            states, cols = flow.steps[(k, 0)]
+            for (_, suffix, _), col in zip(states, cols):
+                by_layout[suffix].append(int(col))
+            producer[k] = by_layout
+        return consumer, producer
+
+def flow_copies(problem: Problem, e: int) -> tuple[int, ...]:
+    """The copies k an edge's flow has: 0 (the forward's), 1 (kept), 2 and 3 (replayed)."""
+    edge = problem.edges[e]
+    producer, consumer = problem.groups[edge.producer], problem.groups[edge.consumer]
+    keeps = (0, 1) if edge.saves and not consumer.always_replays else (0,)
+    if edge.replay == REPLAYED_BY_PRODUCER:
+        keeps = (*(keeps if not producer.always_replays else ()), 2)
+    elif edge.replay == READ_BY_REPLAY:
+        keeps = (*(keeps if not consumer.always_replays else ()),
+                 *((2,) if producer.may_replay else ()), *((3,) if not producer.always_replays else ()))
+    return keeps
+
+
+@functools.lru_cache(maxsize=512)
+def step_states(shape: tuple[int, ...], dtype_bytes: int, producer_layouts: tuple[Layout, ...],
+                consumer_keys: tuple[tuple, ...], keeps: tuple[int, ...], gradient_through: bool, mesh: Mesh) -> dict:
+    """Per (keep, step a): the flow states σ and each one's time (shared by every edge and
+    every solve of one shape and layouts; read only); ``gradient_through``: no gradient
+    step back (``Edge.gradient_through``). A state's time is its forward step (twice if the
+    copy is kept and gathered again, or replayed) and its gradient's step back: each priced
+    once per state, whichever copies have it."""
+    axes = mesh.ndim
+    suffixes = [{L[a:] for L in producer_layouts} for a in range(axes + 1)]
+    prefixes = [{K[:a] for K in consumer_keys} for a in range(axes + 1)]
+    placements = [sorted({K[a] for K in consumer_keys}, key=repr) for a in range(axes)]
+    out = {}
+    for a in range(axes):
+        states = [(prefix, suffix, placement) for prefix in prefixes[a] for suffix in suffixes[a]
+                  for placement in placements[a] if prefix + (placement,) in prefixes[a + 1]]
+        forward = np.array([_forward_seconds(shape, dtype_bytes, a, *state, mesh) for state in states], dtype=float)
+        backward = (np.zeros(len(states)) if gradient_through else
+                    np.array([_backward_seconds(shape, dtype_bytes, a, *state, mesh) for state in states], dtype=float))
+        # a kept copy is gathered from the producer's tensor, never from partial sums
+        whole = np.array([not any(isinstance(x, Partial) for x in suffix) for _, suffix, _ in states], dtype=bool)
+        for k in keeps:
+            chosen = whole if k == 1 else np.ones(len(states), dtype=bool)
+            times = (forward * (2 if k else 1) + backward)[chosen]
+            times.setflags(write=False)
+            out[(k, a)] = (tuple(s for s, c in zip(states, chosen) if c), times)
+    return {(k, a): out[(k, a)] for k in keeps for a in range(axes)}
+
+
+def _forward_seconds(shape: tuple[int, ...], dtype_bytes: int, a: int, prefix, suffix, placement, mesh) -> float:
+    """Seconds of the forward resharding step ``a`` in one state."""
+    consumer_prefix = tuple(pl for pl, _ in prefix)
+    return _step_seconds(shape, dtype_bytes, consumer_prefix + suffix, a, placement[0], mesh, False)
+
+
+def _backward_seconds(shape: tuple[int, ...], dtype_bytes: int, a: int, prefix, suffix, placement, mesh) -> float:
+    """Seconds of the gradient's step back through step ``a`` in one state."""
+    grad_prefix = tuple(g for _, g in prefix)
+    grad_suffix = tuple(without_partial(suffix))
+    backward = grad_prefix + (placement[1],) + grad_suffix[1:]
+    return _step_seconds(shape, dtype_bytes, backward, a, grad_suffix[0], mesh, True)
+
+
+@functools.lru_cache(maxsize=8192)  # flow states of different prefixes share their steps
+def _step_seconds(shape: tuple[int, ...], dtype_bytes: int, layout: Layout, a: int, target, mesh: Mesh,
+                  reverse: bool) -> float:
+    return comm.total_time(comm.reshard_step(shape, dtype_bytes, layout, a, target, mesh, reverse=reverse), mesh)

@@ -1,0 +1,776 @@
+"""The search on one HiGHS model: a dive, then branch and bound.
+
+Every minimisation starts with a dive (:meth:`HighsSearch.dive`): the LP relaxation by
+simplex, which on memshard's ILPs is often integral already (the plan, proved optimal by its
+own relaxation), else up to DIVE_DEPTH levels of branching on its most fractional
+disjunctions (a group's choices, a keep flag's two values), each branch warm-started from
+its parent's basis, which proves the plan where the relaxation split one or two decisions (a
+tied embedding's storage between two choices, a keep flag, a norm's strategy). HiGHS's
+branch and bound runs only where the dive leaves the gap open, from the dive's plan if it had
+no start.
+
+Branch and bound on the primary objective alone stalls on its many exact ties (which axis
+splits the batch, …): HiGHS's primal heuristics find no plan for long. So the first pass
+(:meth:`HighsSearch.first_pass`) minimises the primary objective plus a small multiple of
+the other one (the blend), which is usually optimal for the primary one alone, as a
+plan-independent bound on it often shows at once.
+
+Solver options are fixed (one thread, seed 0, counts rather than times bound the dive) so the
+same input gives the same plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from memshard.core.errors import MemshardError
+from memshard.search.formulation import HIGHS_TOLERANCE, Disjunction, Expression
+from memshard.search.model import LinearModel
+
+# In the first branch and bound, the secondary objective weighs TIE_BREAK of the primary one
+# (at their typical values: the zero-redundancy bound, ZeRO-3's step time).
+TIE_BREAK = 0.03
+TIE_RESOLUTION = 1e-5  # relative slack on the primary objective in the second pass
+INTEGRALITY = 1e-6  # a relaxation's choice columns this close to 0 or 1 count as integral
+DIVE_DEPTH = 3  # a dive branches at most this many levels deep
+DIVE_BRANCHES = 24  # and solves at most this many branches (each costs a refactorisation)
+DIVE_EFFORT = 1.0  # and spends at most this many times the relaxation's simplex iterations
+DIVE_CUTOFF = 0.25  # a dive's branch stops this fraction of the gap below the best plan
+SUPPORT_NODES = 200  # the search within a relaxation's support explores at most this many nodes
+SUPPORT_TRIGGER = 0.01  # and runs where the rounding breaks a row or is this far above the relaxation
+# A branch and bound with columns pinned by reduced-cost fixing presolves a model of at least
+# this many nonzeros: below, presolve's probing costs more than the analytic centre of the
+# whole LP it saves (GPT-3 6.7B's fastest plan on 2x4, 76k: 1.7 s without it, 5 s with it);
+# above, the other way round (LLaMA-3 70B's with recomputation on 8x8, 253k: 14 s and 8 s;
+# GPT-3 175B's on 8x8x16, 289k: 6.7 s and 1.6 s).
+PRESOLVE_NONZEROS = 150_000
+# Reduced-cost fixing runs where the dive's plan is within this of its bound: there most of the
+# choices are ruled out and what is left is the proof (GPT-3 175B's fastest plan with
+# recomputation, 0.02%: branch and bound 10 s → 1.6 s; LLaMA-3 70B's, 0.18%: 22 s → 8 s);
+# further off, the pins sent HiGHS down another path (LLaMA-3 70B's least memory with full
+# recomputation, 4%: optimal in 13 s without them, 1.7% off at the 60 s limit with them).
+PIN_GAP = 0.01
+# The step time's relaxation tries primal simplex from the blend's basis for at most this many
+# of the root relaxation's iterations (0.3 of them on LLaMA-3 8B with recomputation)
+RELAXATION_ITERATIONS = 0.5
+
+
+class SolverTimeLimit(MemshardError):
+    def __init__(self, limit_s: float | None = None):
+        within = f" ({limit_s:g} s)" if limit_s is not None else ""
+        super().__init__(f"solver time limit{within} hit before any plan was found; raise --time-limit")
+
+
+class Infeasible(MemshardError):
+    def __init__(self, objective: str):
+        super().__init__(f"no plan satisfies the {objective} constraints")
+        self.objective = objective
+
+
+class Unsettled(Exception):
+    """A first pass asked to stop after its dive (``speculative``) needs more: branch and
+    bound, or a relaxation to prove the dive's plan; or a minimisation asked for its dive
+    alone (``dive_only``) has no plan from it."""
+
+
+class DiveProved(Exception):
+    """A first pass's dive found a plan (``found``) that the relaxation of a loose floor proves
+    within the gap: no branch and bound follows."""
+
+    def __init__(self, found: FirstPass):
+        super().__init__()
+        self.found = found
+
+
+class RowsNeeded(Exception):
+    """A first pass's dive found a plan that breaks rows the model lacks (lazy ones): they
+    come before any branch and bound, which would search a model about to change."""
+
+    def __init__(self, values: np.ndarray):
+        super().__init__()
+        self.values = values
+
+
+class NoBetterPlan(MemshardError):
+    """The search's bound shows that no plan is below the cutoff it was given (``bound``, in
+    the objective's units)."""
+
+    def __init__(self, bound: float):
+        super().__init__("no plan is better than the cutoff")
+        self.bound = bound
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A solution of one minimisation: its columns, objective, relative gap to the best bound,
+    and whether the time limit stopped the search."""
+
+    values: np.ndarray
+    objective: float
+    gap: float
+    timed_out: bool
+
+
+@dataclass(frozen=True)
+class FirstPass(Solution):
+    ties_resolved: bool = False  # the secondary objective is within the gap of its best too
+    dive_proved: bool = False  # a dive's plan the relaxation of a loose floor proves (no branch and bound)
+
+
+@dataclass(frozen=True)
+class Dive:
+    """A dive's best integral solution, its objective, and a lower bound on the ILP's; and
+    its root relaxation (objective, solution, reduced costs) for reduced-cost fixing."""
+
+    values: np.ndarray
+    objective: float
+    bound: float
+    relaxed: float = -math.inf
+    root: np.ndarray | None = None
+    reduced: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """Integer columns pinned at values for a branch and bound, and the least objective any
+    plan that moves one of them off has."""
+
+    columns: np.ndarray
+    values: np.ndarray
+    bound: float
+
+
+@dataclass
+class DiveState:
+    """A dive's gap, its budget (simplex iterations) and what it spent, the best integral
+    solution met and its objective."""
+
+    gap: float
+    effort: float
+    best: np.ndarray | None
+    value: float
+    branches: int = 0
+    iterations: int = 0
+
+    def cutoff(self) -> float:
+        return self.value - DIVE_CUTOFF * self.gap * abs(self.value) if self.best is not None else math.inf
+
+    def affordable(self) -> bool:
+        return self.branches < DIVE_BRANCHES and self.iterations < self.effort
+
+    def proved(self, bound: float) -> bool:
+        return self.value - bound <= self.gap * abs(self.value)
+
+
+def relative_gap(value: float, bound: float) -> float:
+    """How far ``value`` may be above the optimum, given a lower ``bound`` on it."""
+    return max(0.0, (value - bound) / abs(value)) if value else 0.0
+
+
+def blend_objective(expr: Expression, tie_break: Expression, scales: tuple[float, float]) -> tuple[Expression, float]:
+    """``expr`` + w·``tie_break``, w such that ``tie_break`` weighs TIE_BREAK of ``expr`` at
+    their typical ``scales``: ((columns, coefficients), w)."""
+    w = TIE_BREAK * scales[0] / scales[1] if scales[0] > 0 and scales[1] > 0 else TIE_BREAK
+    return (np.concatenate([expr[0], tie_break[0]]), np.concatenate([expr[1], tie_break[1] * w])), w
+
+
+def branch_share(x: np.ndarray, branch: tuple[int, float]) -> float:
+    """How much of the relaxation ``x`` takes a branch (column, value it is fixed at)."""
+    col, at = branch
+    return x[col] if at else 1 - x[col]
+
+
+def value_of(expr: Expression, values: np.ndarray) -> float:
+    return float(values[expr[0]] @ expr[1])
+
+
+_STDOUT_SWAP = threading.Lock()  # two threads swapping file descriptor 1 at once could lose it
+
+
+@contextlib.contextmanager
+def _silenced_stdout():
+    """Send the process's C-level stdout to /dev/null for a moment (HiGHS's banner)."""
+    with _STDOUT_SWAP:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 1)
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            os.close(devnull)
+
+
+def _option(highs: highspy.Highs, name: str):
+    value = highs.getOptionValue(name)  # (status, value) in some highspy versions
+    return value[1] if isinstance(value, tuple) else value
+
+
+@contextlib.contextmanager
+def _options(highs: highspy.Highs, options: dict):
+    """Within: HiGHS's ``options`` set; after: as they were."""
+    saved = {name: _option(highs, name) for name in options}
+    try:
+        for name, value in options.items():
+            highs.setOptionValue(name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            highs.setOptionValue(name, value)
+
+
+def _pass_model(highs: highspy.Highs, m: LinearModel) -> None:
+    """Hand ``m`` to ``highs`` as arrays (a ``HighsLp``'s fields convert element by element:
+    0.06 s instead of 0.01 on LLaMA-3 8B's model)."""
+    lengths = np.fromiter((len(c) for c in m.row_columns), dtype=np.int64, count=m.num_rows)
+    starts = np.zeros(m.num_rows, dtype=np.int32)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    index = np.concatenate(m.row_columns).astype(np.int32) if m.row_columns else np.zeros(0, dtype=np.int32)
+    value = np.concatenate(m.row_values) if m.row_values else np.zeros(0)
+    highs.passModel(m.num_columns, m.num_rows, len(index), int(highspy.MatrixFormat.kRowwise),
+                    int(highspy.ObjSense.kMinimize), 0.0, np.zeros(m.num_columns), np.array(m.lower), np.array(m.upper),
+                    np.array(m.rows_lower), np.array(m.rows_upper), starts, index, value,
+                    np.array(m.integer, dtype=np.int32))
+
+
+class HighsSearch:
+    """One HiGHS model solved several times with different objectives and extra rows, each
+    branch and bound warm-started from a given or freshly found solution, and preceded, when
+    ``disjunctions`` are given, by a dive until one leaves its gap open."""
+
+    def __init__(self, model: LinearModel, deadline: float, disjunctions: list[Disjunction] | None = None):
+        self.deadline = deadline
+        self.num_columns = model.num_columns
+        self.disjunctions = disjunctions or []
+        self.dive_again()  # until a dive fails to prove its plan
+        self.relaxation_solver: str | None = None  # within ``relaxing``: its LP solver
+        self.relaxation_iterations = 0  # and its simplex iterations
+        self.objective: Expression | None = None  # the objective set
+        self.lower, self.upper = np.array(model.lower), np.array(model.upper)  # the integer columns' bounds
+        self.integer_columns = np.flatnonzero(np.array(model.integer, dtype=bool))
+        log = bool(os.environ.get("MEMSHARD_HIGHS_LOG"))
+        with contextlib.nullcontext() if log else _silenced_stdout():
+            highs = self.highs = highspy.Highs()  # prints a banner from C++ on construction
+        highs.setOptionValue("output_flag", log)
+        highs.setOptionValue("random_seed", 0)
+        highs.setOptionValue("threads", 1)
+        highs.setOptionValue("mip_abs_gap", 1e-9)
+        highs.setOptionValue("presolve", "off")  # its probing costs more than it saves here
+        _pass_model(highs, model)
+
+    def extend(self, model: LinearModel, columns: int, rows: int) -> None:
+        """Pass the continuous columns and the rows ``model`` gained since it had ``columns``
+        and ``rows`` of them."""
+        highs, n = self.highs, model.num_columns
+        if any(model.integer[columns:]):
+            raise ValueError("only continuous columns can be added")
+        if n > columns:
+            highs.addVars(n - columns, np.array(model.lower[columns:]), np.array(model.upper[columns:]))
+            self.num_columns = n
+        lengths = [len(c) for c in model.row_columns[rows:]]
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32) if lengths else np.zeros(0, np.int32)
+        highs.addRows(len(lengths), np.array(model.rows_lower[rows:]), np.array(model.rows_upper[rows:]),
+                      int(sum(lengths)), starts,
+                      np.concatenate(model.row_columns[rows:]).astype(np.int32) if lengths else np.zeros(0, np.int32),
+                      np.concatenate(model.row_values[rows:]) if lengths else np.zeros(0))
+
+    def expired(self) -> bool:
+        return time.perf_counter() >= self.deadline
+
+    def dive_again(self) -> None:
+        """The next minimisation starts with a dive (where there are disjunctions to branch on)."""
+        self.diving = bool(self.disjunctions)
+
+    def stop_on(self, event: threading.Event) -> None:
+        """Interior point stops (unsolved) once ``event`` is set: a bound computed beside
+        another search, no longer needed when that one ends."""
+        def interrupt(_kind, _message, _data_out, data_in, _user) -> None:
+            if event.is_set():
+                data_in.user_interrupt = True
+        self.highs.setCallback(interrupt, None)
+        self.highs.startCallback(highspy.cb.HighsCallbackType.kCallbackIpmInterrupt)
+
+    def limit_time(self) -> None:
+        """HiGHS's time limit: what is left until the deadline. A branch and bound compares
+        the limit with its own run's time, an LP with the model's run clock, which adds up
+        every run so far."""
+        highs = self.highs
+        left = max(self.deadline - time.perf_counter(), 1e-3)
+        highs.setOptionValue("time_limit", left + (highs.getRunTime() if _option(highs, "solve_relaxation") else 0.0))
+
+    @contextlib.contextmanager
+    def relaxing(self, solver: str):
+        """Within: solve the LP relaxation with ``solver``, in the time left; after: as before
+        (branch and bound again, or the enclosing relaxation's solver)."""
+        highs = self.highs
+        outer = self.relaxation_solver
+        highs.setOptionValue("solve_relaxation", True)
+        highs.setOptionValue("solver", solver)
+        self.relaxation_solver = solver
+        self.limit_time()
+        try:
+            yield highs
+        finally:
+            self.relaxation_solver = outer
+            highs.setOptionValue("solve_relaxation", outer is not None)
+            highs.setOptionValue("solver", outer or "choose")
+
+    def add_row(self, expr: Expression, upper: float) -> None:
+        cols, vals = expr
+        self.highs.addRow(-highspy.kHighsInf, upper, len(cols), cols.astype(np.int32), vals)
+
+    def set_objective(self, expr: Expression) -> None:
+        self.objective = expr
+        cost = np.zeros(self.num_columns)
+        np.add.at(cost, expr[0], expr[1])
+        self.highs.changeColsCost(self.num_columns, np.arange(self.num_columns, dtype=np.int32), cost)
+
+    def minimise(self, expr: Expression, gap: float, start=None,
+                 before_branching: Callable[[np.ndarray | None], None] | None = None,
+                 dive_only: bool = False) -> Solution:
+        """Minimise ``expr`` to relative ``gap``: the dive, and where it does not prove its
+        plan, branch and bound from that plan, else from ``start`` (a full solution, a
+        partial one as (columns, values), or a function making one when it is needed).
+        ``before_branching``: called once a branch and bound is needed, before it starts, with
+        the dive's plan if any (it may solve relaxations of its own). ``dive_only``: no branch
+        and bound: the dive's plan, with the dive's gap (:class:`Unsettled` where it has none)."""
+        self.set_objective(expr)
+        dived = None
+        if self.diving:
+            incumbent = None
+            if isinstance(start, np.ndarray):
+                incumbent = (start, value_of(expr, start))
+            dived = self.dive(gap, incumbent, start if callable(start) else None)
+            if dived is not None:
+                if dive_only or dived.objective - dived.bound <= gap * abs(dived.objective) + 1e-9:
+                    return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), False)
+            # A model whose relaxation a dive did not settle seldom changes in the next runs
+            # (the same rows and a few more): no more dives, each an LP (but see second_pass).
+            self.diving = False
+        if dive_only:
+            raise Unsettled()
+        if before_branching is not None:
+            before_branching(None if dived is None else dived.values)
+            self.set_objective(expr)
+        if dived is not None:
+            # branch and bound from the better of the dive's plan and the start given (a full
+            # start is the dive's incumbent already): from the every-op-unsplit fallback,
+            # GPT-3 175B's took 30 s, from the dive's 19 s
+            start = self.better_start(start, dived)
+        elif callable(start):
+            start = start()
+            self.set_objective(expr)
+        pinned = self.reduced_cost_fixing(dived) if dived is not None else None
+        if pinned is not None:  # (the dive's plan keeps every pin: it is not above itself; a given start may not)
+            start = dived.values
+        try:
+            found = self.branch_and_bound(gap, start, pinned)
+        except SolverTimeLimit:
+            if dived is None:
+                raise
+            found = None
+        if dived is not None and (found is None or dived.objective < found.objective):  # out of time above it, or tied
+            bound = dived.bound if found is None else max(dived.bound, found.objective - found.gap * abs(found.objective))
+            return Solution(dived.values, dived.objective, relative_gap(dived.objective, bound),
+                            found is None or found.timed_out)
+        return found
+
+    def better_start(self, start, dived: Dive) -> np.ndarray:
+        """The dive's plan, or ``start`` completed where it is a partial one (columns, values)
+        that does better."""
+        if not isinstance(start, tuple):
+            return dived.values
+        with self.relaxing("simplex"):
+            completed = self.completed(*start)
+        return completed[0] if completed is not None and completed[1] < dived.objective else dived.values
+
+    def made_start(self, make_start: Callable[[], object], basis) -> np.ndarray | None:
+        """A start ``make_start`` makes (solving relaxations of its own) amid a dive: the
+        objective and the dive's basis set back after; None unless it is a full solution."""
+        objective = self.objective
+        made = make_start()
+        self.set_objective(objective)
+        self.highs.setBasis(basis)
+        return made if isinstance(made, np.ndarray) else None
+
+    def reduced_cost_fixing(self, dived: Dive) -> Pinned | None:
+        """The integer columns the dive's root relaxation pins (reduced-cost fixing): a column
+        at a bound there, with reduced cost d, is off that bound only in plans of objective at
+        least the relaxation's + |d|; where that is above the dive's plan, no better plan moves
+        it (so the bound branch and bound proves holds for every plan). None where none is
+        pinned, or where the dive's plan is more than PIN_GAP above its bound."""
+        if dived.reduced is None or relative_gap(dived.objective, dived.bound) > PIN_GAP:
+            return None
+        cols = self.integer_columns
+        x, d = dived.root[cols], dived.reduced[cols]
+        # (a margin for HiGHS's dual feasibility tolerance)
+        threshold = dived.objective - dived.relaxed + 1e-7 * max(abs(dived.objective), 1.0)
+        at_lower = (x <= self.lower[cols] + INTEGRALITY) & (d > threshold)
+        at_upper = (x >= self.upper[cols] - INTEGRALITY) & (-d > threshold)
+        pin = at_lower | at_upper
+        if not pin.any():
+            return None
+        return Pinned(cols[pin], np.where(at_lower, self.lower[cols], self.upper[cols])[pin],
+                      dived.relaxed + float(np.abs(d[pin]).min()))
+
+    def branch_and_bound(self, gap: float, start=None, pinned: Pinned | None = None) -> Solution:
+        """HiGHS's branch and bound on the objective set, from ``start`` (until the deadline),
+        with the ``pinned`` columns fixed; on a model of at least PRESOLVE_NONZEROS, with
+        presolve, which drops them (HiGHS computes the analytic centre of the whole LP at every
+        root, an interior-point solve)."""
+        if pinned is None:
+            return self.run_branch_and_bound(gap, start)
+        highs = self.highs
+        columns = pinned.columns.astype(np.int32)
+        highs.changeColsBounds(len(columns), columns, pinned.values, pinned.values)
+        try:
+            with _options(highs, {"presolve": "on" if highs.getNumNz() >= PRESOLVE_NONZEROS else "off"}):
+                found = self.run_branch_and_bound(gap, start)
+        finally:
+            highs.changeColsBounds(len(columns), columns, self.lower[columns], self.upper[columns])
+        bound = min(found.objective - found.gap * abs(found.objective), pinned.bound)
+        return Solution(found.values, found.objective, relative_gap(found.objective, bound), found.timed_out)
+
+    def run_branch_and_bound(self, gap: float, start=None) -> Solution:
+        highs = self.highs
+        highs.setOptionValue("mip_rel_gap", gap)
+        self.limit_time()
+        if isinstance(start, tuple):  # partial: HiGHS completes it
+            highs.setSolution(len(start[0]), start[0].astype(np.int32), start[1].astype(np.float64))
+        elif start is not None:
+            solution = highspy.HighsSolution()
+            solution.col_value = list(start)
+            solution.value_valid = True
+            highs.setSolution(solution)
+        highs.run()
+        status = highs.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            raise Infeasible("")
+        info = highs.getInfo()
+        if info.primal_solution_status != 2:
+            if status == highspy.HighsModelStatus.kTimeLimit:
+                raise SolverTimeLimit()
+            raise MemshardError(f"solver stopped without a plan: {highs.modelStatusToString(status)}")
+        values, objective = np.array(highs.getSolution().col_value), float(info.objective_function_value)
+        # HiGHS's mip_gap is infinite where it has no bound yet (out of time before its root):
+        # then 0 bounds it, as it does every objective here
+        bound = float(info.mip_dual_bound) if math.isfinite(info.mip_dual_bound) else 0.0
+        return Solution(values, objective, relative_gap(objective, bound),
+                        status == highspy.HighsModelStatus.kTimeLimit)
+
+    def dive(self, gap: float, incumbent: tuple[np.ndarray, float] | None,
+             make_start: Callable[[], object] | None = None) -> Dive | None:
+        """The LP relaxation of the objective set, by simplex; where it is fractional, a
+        branching DIVE_DEPTH levels deep on its most fractional disjunctions, each branch
+        warm-started from its parent's basis: the best integral solution met (or the
+        ``incumbent`` (values, objective) if none is better), or None where neither exists.
+
+        A branch's bound is its LP optimum (or, not solved, its parent's plus what the
+        reduced cost says moving its column costs: a dual bound), or where it branches
+        further, the least of its own branches' bounds if larger. Once a plan is known, a
+        branch stops where its dual simplex passes a cutoff DIVE_CUTOFF of the gap below that
+        plan (HiGHS's ``objective_bound``, the node cutoff of its own search). The root's
+        bound is, for each disjunction branched on, the least of its branches' bounds (one of
+        them holds for every plan); the largest over them. At most DIVE_BRANCHES branches are
+        solved, in at most DIVE_EFFORT times the relaxation's simplex iterations: counts, not
+        times, so that the same input gives the same plan. The dive gives up where the
+        relaxation's own branches, explored first, yield no plan."""
+        with self.relaxing("simplex") as highs:
+            highs.run()
+            self.relaxation_iterations = highs.getInfo().simplex_iteration_count
+            if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+                return None
+            info, solution = highs.getInfo(), highs.getSolution()
+            relaxed = float(info.objective_function_value)
+            x = np.array(solution.col_value)
+            if self.integral(x):
+                return Dive(x, relaxed, relaxed)
+            state = DiveState(gap, DIVE_EFFORT * max(info.simplex_iteration_count, 1), *(
+                incumbent if incumbent is not None else (None, math.inf)))
+            basis, reduced = highs.getBasis(), np.array(solution.col_dual)
+            rounded = self.rounded(x)
+            if rounded is None or rounded[1] - relaxed > SUPPORT_TRIGGER * abs(rounded[1]):
+                supported = self.within_support(x, gap)
+                if supported is not None and (rounded is None or supported[1] < rounded[1]):
+                    rounded = supported
+            if rounded is None and state.best is None and make_start is not None:
+                # the rounding breaks a budget: the plan within it, before branching needs one
+                made = self.made_start(make_start, basis)
+                rounded = None if made is None else (made, value_of(self.objective, made))
+            if rounded is not None and rounded[1] < state.value:
+                state.best, state.value = rounded
+            highs.setBasis(basis)
+            try:
+                bound = self.subtree(state, x, reduced, relaxed, basis, 0)
+            finally:
+                highs.setOptionValue("objective_bound", highspy.kHighsInf)
+            if bound is None or state.best is None:
+                return None
+            return Dive(state.best, state.value, min(bound, state.value), relaxed, x, reduced)
+
+    def subtree(self, state: DiveState, x: np.ndarray, reduced: np.ndarray, relaxed: float, basis,
+                depth: int) -> float | None:
+        """A lower bound on the ILP below a node whose relaxation is ``x`` (objective
+        ``relaxed``, reduced costs, ``basis``), branching on its most fractional disjunctions
+        (all at the root, one below); None at the root if its own branches found no plan."""
+        highs = self.highs
+
+        def share(branch):
+            return branch_share(x, branch)
+
+        fractional = sorted((d for d in self.disjunctions if max(map(share, d)) < 1 - INTEGRALITY),
+                            key=lambda d: (max(map(share, d)), d[0]))
+        bound = relaxed
+        for disjunction in fractional if depth == 0 else fractional[:1]:
+            least = math.inf
+            # the relaxation's own branches first, then the least reduced cost
+            for col, at in sorted(disjunction, key=lambda b: (-share(b), reduced[b[0]] * (b[1] - x[b[0]]), b)):
+                if depth == 0 and state.best is None and share((col, at)) <= INTEGRALITY:
+                    return None  # the relaxation's own branches gave no plan: not this dive's kind
+                cutoff = state.cutoff()
+                branch = relaxed + max(float(reduced[col]) * (at - x[col]), 0.0)
+                if branch < cutoff and state.affordable() and not self.expired():
+                    highs.changeColBounds(col, at, at)
+                    try:
+                        branch = self.branch(state, basis, cutoff, branch, depth)
+                    finally:
+                        highs.changeColBounds(col, self.lower[col], self.upper[col])
+                least = min(least, branch)
+            bound = max(bound, least)
+            if state.proved(bound) or not state.affordable():
+                break
+        return bound
+
+    def branch(self, state: DiveState, basis, cutoff: float, fallback: float, depth: int) -> float:
+        """Solve the relaxation as fixed now, from ``basis``, stopped at ``cutoff``; keep its
+        solution if integral and better, else branch on below DIVE_DEPTH: a lower bound on
+        the branch (``fallback`` if none was found)."""
+        highs = self.highs
+        highs.setBasis(basis)
+        highs.setOptionValue("objective_bound", cutoff)
+        self.limit_time()
+        highs.run()
+        status, info = highs.getModelStatus(), highs.getInfo()
+        state.branches += 1
+        state.iterations += max(info.simplex_iteration_count, 1)
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return math.inf
+        if status == highspy.HighsModelStatus.kObjectiveBound:
+            return cutoff
+        if status != highspy.HighsModelStatus.kOptimal:
+            return fallback
+        value = float(info.objective_function_value)
+        solution = highs.getSolution()
+        x = np.array(solution.col_value)
+        if self.integral(x):
+            if value < state.value:
+                state.best, state.value = x, value
+            return value
+        if depth + 1 < DIVE_DEPTH and state.affordable():
+            below = self.subtree(state, x, np.array(solution.col_dual), value, highs.getBasis(), depth + 1)
+            return max(value, below)
+        return value
+
+    def rounded(self, x: np.ndarray) -> tuple[np.ndarray, float] | None:
+        """The relaxation ``x`` rounded: each disjunction fixed at its largest share, the
+        continuous columns solved for by the LP under the objective set (inside a relaxing
+        context): a plan and its objective, or None where that rounding breaks a row (a link,
+        a budget). Often close to the optimum (a few groups split between two choices), it
+        gives branch and bound and the dive an incumbent before either finds one."""
+        columns = np.array(sorted({col for d in self.disjunctions for col, _ in d}), dtype=np.int32)
+        at = dict.fromkeys(columns.tolist(), 0.0)
+        for d in self.disjunctions:
+            col, value = max(d, key=lambda branch: (branch_share(x, branch), -branch[0]))
+            at[col] = value
+        return self.completed(columns, np.array([at[col] for col in columns.tolist()]))
+
+    def completed(self, columns: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, float] | None:
+        """The integer ``columns`` fixed at ``values``, the others solved for by the LP under
+        the objective set (inside a relaxing context): a solution and its objective, or None
+        where those values break a row."""
+        highs = self.highs
+        columns = columns.astype(np.int32)
+        highs.changeColsBounds(len(columns), columns, values, values)
+        try:
+            self.limit_time()
+            highs.run()
+            if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+                return None
+            return np.array(highs.getSolution().col_value), float(highs.getInfo().objective_function_value)
+        finally:
+            highs.changeColsBounds(len(columns), columns, self.lower[columns], self.upper[columns])
+
+    def within_support(self, x: np.ndarray, gap: float) -> tuple[np.ndarray, float] | None:
+        """The best plan among the branches the relaxation ``x`` takes some share of: branch
+        and bound (with presolve, which removes the branches fixed away) restricted to them,
+        at most SUPPORT_NODES nodes (a count, not a time: the same input, the same plan). Where
+        the relaxation splits groups between choices whose rounding breaks a row or costs
+        more (recomputation: a strategy's replay against another's), the restricted search
+        picks the combination that fits: a plan before branching, often within a few percent
+        of the relaxation. None if it finds none."""
+        highs = self.highs
+        forbidden = sorted({(col, 1.0 - at) for d in self.disjunctions for col, at in d
+                            if branch_share(x, (col, at)) <= INTEGRALITY})
+        columns = np.array([col for col, _ in forbidden], dtype=np.int32)
+        values = np.array([value for _, value in forbidden])
+        highs.changeColsBounds(len(columns), columns, values, values)
+        options = {"solve_relaxation": False, "solver": "choose", "presolve": "on", "mip_rel_gap": gap,
+                   "mip_max_nodes": SUPPORT_NODES}
+        try:
+            with _options(highs, options):
+                self.limit_time()
+                highs.run()
+            if highs.getInfo().primal_solution_status != 2:
+                return None
+            return np.array(highs.getSolution().col_value), float(highs.getInfo().objective_function_value)
+        finally:
+            highs.changeColsBounds(len(columns), columns, self.lower[columns], self.upper[columns])
+
+    def rounded_minimum(self, expr: Expression) -> np.ndarray | None:
+        """A plan near the least ``expr``: its LP relaxation by simplex, rounded (None if that
+        breaks a row or time runs out). The next solve starts afresh: from this basis the
+        next objective's relaxation took ten times as long as from none."""
+        self.set_objective(expr)
+        with self.relaxing("simplex") as highs:
+            highs.run()
+            found = None
+            if highs.getModelStatus() == highspy.HighsModelStatus.kOptimal:
+                found = self.rounded(np.array(highs.getSolution().col_value))
+            highs.clearSolver()
+        return None if found is None else found[0]
+
+    def integral(self, x: np.ndarray) -> bool:
+        v = x[self.integer_columns]
+        return bool(np.all(np.abs(v - np.round(v)) <= INTEGRALITY))
+
+    def relaxation(self, expr: Expression, simplex_first: bool = False, presolve: bool = False) -> float | None:
+        """The LP relaxation's minimum of ``expr`` (None if not found in time): where
+        ``simplex_first``, by primal simplex from the basis the model has (the blend's
+        optimum: a few hundred iterations from the step time's), in at most
+        RELAXATION_ITERATIONS of the root relaxation's iterations; else (or then) by interior
+        point without crossover, a bound is all that is needed, with ``presolve`` if asked."""
+        self.set_objective(expr)
+        if simplex_first:
+            primal = {"simplex_strategy": 4,  # primal simplex: the basis is primal feasible
+                      "simplex_iteration_limit": int(RELAXATION_ITERATIONS * self.relaxation_iterations)}
+            with self.relaxing("simplex") as highs, _options(highs, primal):
+                highs.run()
+                if highs.getModelStatus() == highspy.HighsModelStatus.kOptimal:
+                    return float(highs.getInfo().objective_function_value)
+        with self.relaxing("ipm") as highs, _options(highs, {"presolve": "on" if presolve else "off"}):
+            highs.setOptionValue("run_crossover", "off")
+            highs.run()
+            if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+                return None
+            return float(highs.getInfo().objective_function_value)
+
+    def first_pass(self, expr: Expression, tie_break: Expression, floor: float, scales: tuple[float, float],
+                   gap: float, fallback, tie_break_cap: float = math.inf,
+                   relaxed_bound: Callable[[], float] | None = None,
+                   simplex_bound: bool = False, cutoff: float = math.inf, speculative: bool = False,
+                   on_branching: Callable[[], None] | None = None,
+                   needs_rows: Callable[[np.ndarray], bool] | None = None) -> FirstPass:
+        """Minimise ``expr`` (≥ ``floor``), ties broken by ``tie_break``.
+
+        Branch and bound first minimises the blend ``expr`` + w·``tie_break`` from
+        ``fallback`` (a start as ``minimise`` takes it), w such that ``tie_break`` weighs TIE_BREAK of
+        ``expr`` at their typical ``scales``, to a gap TIE_BREAK times finer. Usually that plan
+        is optimal for ``expr``, as ``floor`` or the LP relaxation of ``expr`` alone shows. Its
+        ties are resolved to within ``gap`` of ``tie_break`` when the blend's remaining gap and
+        HiGHS's tolerances, divided by w, are that small. Otherwise ``primary_alone``.
+        ``tie_break_cap`` bounds ``tie_break`` on every plan (a memory budget): then the blend's
+        bound B bounds ``expr`` too, expr ≥ B − w·cap (what a blend out of time reports).
+        ``relaxed_bound``: where ``floor`` may be loose (recomputation: it lets every
+        replayable tensor go for free), a bound on ``expr`` from its relaxation (computed beside
+        the search; -inf if none), asked for before the blend's branch and bound, not where the
+        floor proves the blend's dive; where it proves the dive's plan within ``gap``, that plan
+        is returned without branch and bound, its ties unresolved (docs/design.md).
+        ``simplex_bound``: ``expr``'s relaxation by primal simplex from the blend's basis first.
+        ``cutoff``: a value some other plan reaches: :class:`NoBetterPlan` at once where the
+        floor (raised to ``relaxed_bound`` first) is not below it by the gap.
+        ``speculative``: the dive alone; :class:`Unsettled` where its plan is not proved.
+        ``on_branching``: called where the blend's dive leaves its gap open (a long search follows).
+        ``needs_rows``: whether a plan breaks lazy rows: :class:`RowsNeeded` for the dive's plan
+        that does, the blend's returned unproved (no search of a model about to change)."""
+        blend, w = blend_objective(expr, tie_break, scales)
+
+        def relax_floor() -> None:  # the floor raised to ``expr``'s relaxation
+            nonlocal floor
+            if relaxed_bound is not None:
+                floor = max(floor, relaxed_bound())
+
+        def bound_by_relaxation() -> None:
+            relax_floor()
+            if floor >= cutoff * (1 - gap):
+                raise NoBetterPlan(floor)
+
+        if math.isfinite(cutoff):
+            bound_by_relaxation()
+
+        def before_branching(dived: np.ndarray | None) -> None:
+            if on_branching is not None:
+                on_branching()
+            if speculative:
+                raise Unsettled()
+            if needs_rows is not None and dived is not None and needs_rows(dived):
+                raise RowsNeeded(dived)
+            bound_by_relaxation()
+            if relaxed_bound is not None and dived is not None and relative_gap(dived_value := value_of(expr, dived), floor) <= gap:
+                raise DiveProved(FirstPass(dived, dived_value, relative_gap(dived_value, floor), False, False, True))
+
+        try:
+            blended = self.minimise(blend, gap * TIE_BREAK, start=fallback, before_branching=before_branching)
+        except DiveProved as proved:
+            return proved.found
+        values, value = blended.values, value_of(expr, blended.values)
+        blend_error = (blended.gap + HIGHS_TOLERANCE) * max(abs(blended.objective), 1.0)  # (and the tolerances)
+        ties_resolved = blend_error <= w * gap * abs(value_of(tie_break, values))
+        floor = max(floor, blended.objective * (1 - blended.gap) - w * tie_break_cap)
+        floor_gap = relative_gap(value, floor)
+        if floor_gap > gap and not self.expired():
+            if speculative:
+                raise Unsettled()
+            if needs_rows is not None and not blended.timed_out and needs_rows(values):
+                return FirstPass(values, value, floor_gap, False, False)
+            if relaxed_bound is None and (bound := self.relaxation(expr, simplex_first=simplex_bound)) is not None:
+                floor = max(floor, bound)
+            relax_floor()
+            floor_gap = relative_gap(value, floor)
+        if blended.timed_out or self.expired():
+            return FirstPass(values, value, floor_gap, True, False)
+        if floor_gap <= gap:
+            return FirstPass(values, value, floor_gap, False, ties_resolved)
+        # a dive on ``expr`` alone first (tiny-llama 2x2: branch and bound 13 s → 4 s after it), not on a
+        # loose floor's peak: simplex solves its relaxation slowly (GPT-3 175B: not in 25 s; IPM 7 s)
+        return self.primary_alone(expr, gap, FirstPass(values, value, floor_gap, False, ties_resolved), floor,
+                                  dive=relaxed_bound is None)
+
+    def primary_alone(self, expr: Expression, gap: float, blended: FirstPass, floor: float, dive: bool) -> FirstPass:
+        """The search on ``expr`` alone (a dive first if ``dive``), from the blend's plan
+        ``blended`` that ``floor`` leaves unproved: that plan, its ties broken, where nothing
+        better is found or the bound reached proves it within the gap too; else the better plan."""
+        values, value = blended.values, blended.objective
+        try:
+            if dive:
+                self.dive_again()
+            best = self.minimise(expr, gap, start=values)
+        except SolverTimeLimit:
+            return FirstPass(values, value, blended.gap, True, False)
+        # the best bound known: branch and bound's own (none where time ran out at once), or the floor
+        floor = max(floor, best.objective - best.gap * abs(best.objective))
+        if best.objective >= value - abs(value) * TIE_RESOLUTION or relative_gap(value, floor) <= gap:
+            return FirstPass(values, value, relative_gap(value, floor), best.timed_out,
+                             blended.ties_resolved and not best.timed_out)
+        return FirstPass(best.values, best.objective, relative_gap(best.objective, floor), best.timed_out, False)

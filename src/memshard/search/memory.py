@@ -1,0 +1,428 @@
+"""The live bytes at each candidate schedule point, and the peak (row family ``memory``).
+
+  L_t = L_prev + Δ_t          live bytes, chained so rows stay sparse   (family ``live-bytes``)
+  L_t + const_t ≤ M           for every candidate point t               (family ``memory``)
+
+Δ_t is what changed since the previous point: the slots (memory priced per choice of one
+group) and the held activations. An activation may be held at once by its producer, by
+consumers' input copies, saved copies and re-gathered copies; the producer's tensor counts
+once however many hold it, a consumer reading another layout holds its own copy:
+
+  c[e,L,R] ≥ [a holder of R holds L] − [producer's output is L]      (family ``copy``)
+      edge e's consumer holds its own copy in layout L (R: which of its copy holders —
+      input, saved, re-gathered — are live); for a saved or re-gathered copy the second
+      term is the flow's "producer layout L" under the same keep flag, tighter in the LP
+      relaxation
+  y ≥ each kept copy's indicator,  y + c ≥ [e holds L]               (family ``held``)
+      once the producer's own holder has ended, y counts the producer's tensor in L
+
+Recomputation adds holders of the producer's own tensor (its saved output retained where the
+op is not replayed, a replay's source) and a consumer's copy made again by the replay, each
+read from the edge flow's copy it belongs to (``edges.flow_copies``). A holder that needs two
+conditions at once (a copy made ahead by a replayed producer for a consumer not replayed, an
+output PyTorch's selective checkpoint caches) is a column bounded by their product:
+
+  w ≥ A + B − 1                                                      (family ``replay-holder``)
+  u ≥ r[q]  for every group q of a layer that may be replayed        (family ``checkpointed``)
+      u: the layer recomputes some op; B = u for an output cached where its op is not replayed
+
+Tensors of shared layers have the same producer group and holders, so a (tensor kind, live
+holders) signature is one expression, counted once per tensor that has it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import highspy
+import numpy as np
+
+from memshard.core.placement import Layout
+from memshard.problem.records import (
+    CACHED,
+    DURING_RESHARDS,
+    GROUP_KINDS,
+    INPUT_COPY,
+    OWN_KINDS,
+    PRODUCER,
+    READ_BY_REPLAY,
+    REGATHER,
+    REPLAY_INPUT,
+    REPLAY_OUT,
+    REPLAY_READ,
+    REPLAYED,
+    REPLAYED_AHEAD,
+    RETAINED,
+    SAVED,
+    SOURCE,
+    Holder,
+    Problem,
+    without_partial,
+)
+from memshard.search.edges import EdgeFlow
+from memshard.search.model import LinearModel, RowTag, summed
+
+# The flow copies k (``edges.flow_copies``) a consumer-side copy holder reads its layout from.
+COPY_OF_FLOW = {REGATHER: (1,), REPLAYED: (2,), REPLAYED_AHEAD: (2,), REPLAY_INPUT: (2, 3)}
+SAVED_KINDS = (SAVED, REPLAYED, REPLAYED_AHEAD)  # a consumer's saved tensor: kept, or made by a replay
+Copies = dict[int, list[tuple[str, dict, dict]]]  # edge → (holder kind, own-copy indicator, any indicator)
+
+
+class LiveBytes:
+    """Builds the memory rows; keeps each point's live-bytes column and constant bytes."""
+
+    def __init__(self, problem: Problem, model: LinearModel, choice_columns: list[np.ndarray],
+                 flows: list[EdgeFlow], peak: int, bytes_unit: float):
+        self.problem = problem
+        self.model = model
+        self.choice_columns = choice_columns
+        self.flows = flows
+        self.peak = peak
+        self.bytes_unit = bytes_unit
+        self.held_columns: dict[tuple, list[int]] = {}
+        self.copy_columns: dict[tuple, int | None] = {}
+        self.live_column: dict[int, int] = {}  # schedule point → its live-bytes column
+        self.constants_at: dict[int, float] = {}  # schedule point → its constant bytes
+        self.indicators: dict[tuple, dict[int, float]] = {}
+        self.outputs: dict[int, dict[Layout, list[tuple[int, bool]]]] = {}  # see output_choices
+        self.checkpointed: dict[tuple[int, ...], int] = {}  # a layer's replaying groups → u
+        self.expressions: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    # -- "holder h holds its tensor in layout L" ---------------------------------------------
+    def indicator(self, h: Holder, layout: Layout, part: str = "all") -> dict[int, float]:
+        """Linear expression of "holder h holds its tensor in ``layout``"; for a saved copy,
+        ``part`` "copy" is the consumer's own copy (not kept), "kept" the producer's tensor."""
+        key = (h.kind, h.source, layout, part)
+        if key not in self.indicators:
+            self.indicators[key] = self._indicator(h, layout, part)
+        return self.indicators[key]
+
+    def _indicator(self, h: Holder, layout: Layout, part: str) -> dict[int, float]:
+        problem, x = self.problem, self.choice_columns
+        if h.kind in GROUP_KINDS:  # retained, cached: where the op is not replayed
+            wanted = {PRODUCER: (False, True), RETAINED: (False,), CACHED: (False,), REPLAY_OUT: (True,)}[h.kind]
+            held = {int(x[h.source][c]): 1.0 for c, replayed in self.output_choices(h.source).get(layout, ())
+                    if replayed in wanted}
+            if h.kind == CACHED:  # and its layer replays some op
+                return self.conjunction(held, self.layer_replays(h.source), problem.groups[h.source].key)
+            return held
+        edge = problem.edges[h.source]
+        if h.kind == INPUT_COPY:
+            strategies = problem.groups[edge.consumer].strategies
+            return {int(x[edge.consumer][c]): 1.0 for c, s in enumerate(strategies)
+                    if s.input_layouts[edge.input_index] == layout}
+        flow = self.flows[h.source]
+        out: dict[int, float] = {}
+        if h.kind == SAVED:  # kept in the consumer's layout, or (kept) in the producer's
+            if part != "kept":
+                out.update(dict.fromkeys(flow.consumer_layout_columns.get(0, {}).get(layout, ()), 1.0))
+            if part != "copy":
+                out.update(dict.fromkeys(flow.producer_layout_columns.get(1, {}).get(layout, ()), 1.0))
+        elif h.kind in COPY_OF_FLOW:
+            for k in COPY_OF_FLOW[h.kind]:
+                out.update(dict.fromkeys(flow.consumer_layout_columns.get(k, {}).get(layout, ()), 1.0))
+            if h.kind == REPLAYED_AHEAD:
+                out = self.both(out, edge.consumer, replayed=False)
+        elif h.kind in (SOURCE, REPLAY_READ):  # the producer's tensor as it is, partial sums included
+            for produced, cols in flow.producer_layout_columns.get(3 if h.kind == SOURCE else 2, {}).items():
+                if without_partial(produced) == layout:
+                    out.update(dict.fromkeys(cols, 1.0))
+            if h.kind == REPLAY_READ and edge.replay != READ_BY_REPLAY:
+                out = self.both(out, edge.consumer)
+        return out
+
+    def output_choices(self, group: int) -> dict[Layout, list[tuple[int, bool]]]:
+        """Op group ``group``'s choices by the layout of their output, partial sums reduced:
+        (choice, replayed) per layout."""
+        if group not in self.outputs:
+            grp = self.outputs[group] = defaultdict(list)
+            for c, s in enumerate(self.problem.groups[group].strategies):
+                grp[without_partial(s.output_layout)].append((c, self.problem.groups[group].replayed(c)))
+        return self.outputs[group]
+
+    def both(self, indicator: dict[int, float], group: int, replayed: bool = True) -> dict[int, float]:
+        """w ≥ A + r[group] − 1 (or, ``replayed`` False, w ≥ A − r[group]): A and the group's op
+        replayed (not replayed); memory pushes w down to the product. Flow copy 2 of an edge
+        whose consumer saves says only that the producer is replayed: the replayed producer's
+        output is kept for a replayed reader, its ticket made ahead for one not replayed."""
+        grp = self.problem.groups[group]
+        if not indicator or (grp.always_replays if replayed else not grp.may_replay):
+            return indicator
+        sign = 1.0 if replayed else -1.0
+        r = {int(self.choice_columns[group][c]): sign for c in grp.replay_choices}
+        return self.conjunction(indicator, r, grp.key, 1.0 if replayed else 0.0)
+
+    def conjunction(self, indicator: dict[int, float], other: dict[int, float] | None, item: str,
+                    upper: float = 1.0) -> dict[int, float]:
+        """w ≥ A + B − ``upper`` (family ``replay-holder``): indicator A and B (B = 1 − r with
+        ``other`` −r, ``upper`` 0; ``other`` None: B = 1); memory pushes w down to the product."""
+        if not indicator or other is None:
+            return indicator
+        w = int(self.model.columns(1, integer=False)[0])
+        row = dict(indicator)
+        for col, v in other.items():
+            row[col] = row.get(col, 0.0) + v
+        row[w] = row.get(w, 0.0) - 1.0
+        self.model.row(row, -highspy.kHighsInf, upper, RowTag("replay-holder", item=item))
+        return {w: 1.0}
+
+    def layer_replays(self, group: int) -> dict[int, float] | None:
+        """u ≥ r[q] for every group q of ``group``'s layer that may be replayed (family
+        ``checkpointed``): u is 1 where the layer recomputes some op (memory pushes it down to
+        that); None where one of them always is."""
+        peers = self.problem.checkpoint_peers[group]
+        if any(self.problem.groups[q].always_replays for q in peers):
+            return None
+        if peers not in self.checkpointed:
+            u = int(self.model.columns(1, integer=False)[0])
+            for q in peers:
+                row = {int(self.choice_columns[q][c]): 1.0 for c in self.problem.groups[q].replay_choices}
+                row[u] = -1.0
+                self.model.row(row, -highspy.kHighsInf, 0.0, RowTag("checkpointed", item=self.problem.groups[q].key))
+            self.checkpointed[peers] = u
+        return {self.checkpointed[peers]: 1.0}
+
+    def producer_in(self, group: int, layout: Layout) -> dict[int, float]:
+        """Π: the producer's output is exactly ``layout`` (a consumer reading it in that
+        layout holds the producer's own tensor, no copy)."""
+        strategies = self.problem.groups[group].strategies
+        return {int(self.choice_columns[group][c]): 1.0 for c, s in enumerate(strategies) if s.output_layout == layout}
+
+    # -- the rows ------------------------------------------------------------------------------
+    def add(self, points: list[int]) -> list[int]:
+        """One ``memory`` row per candidate point (returned), over a chain of live-byte columns."""
+        slot_keys, slot_vectors, slot_start, slot_end = self.merged_slots()
+        holders = _HolderIndex(self.problem)
+        terms = []
+        for t in points:
+            live_slots = np.nonzero((slot_start <= t) & (t <= slot_end))[0]
+            signatures = []
+            for signature, tensor, count in holders.live_at(t):
+                if signature not in self.expressions:
+                    self.expressions[signature] = self.expression(holders, *signature, tensor)
+                signatures.append((signature, count))
+            const = sum(c.nbytes for c in self.problem.constants if c.start <= t <= c.end) / self.bytes_unit
+            terms.append((live_slots, signatures, const))
+        rows = self.chain_rows(points, terms, slot_keys, slot_vectors)
+        self.constants_at = {t: terms[k][2] for k, t in enumerate(points)}
+        return rows
+
+    def merged_slots(self):
+        """Slots of one group and interval merged (e.g. the layers' weights): their keys, price
+        vectors (model units) and intervals."""
+        vectors: dict[tuple, np.ndarray] = {}
+        for s in self.problem.slots:
+            if s.phase == DURING_RESHARDS:  # in the reshard rows only
+                continue
+            key = (s.group, s.start, s.end)
+            vectors[key] = vectors.get(key, 0) + s.nbytes / self.bytes_unit
+        keys = list(vectors)
+        return keys, vectors, np.array([k[1] for k in keys]), np.array([k[2] for k in keys])
+
+    def chain_rows(self, points: list[int], terms: list, slot_keys: list, slot_vectors: dict) -> list[int]:
+        """λ_k = λ_(k−1) + (what starts being held at point k − what stops) (family
+        ``live-bytes``, λ_0 = the first point's terms) and λ_k ≤ M − constants(k) (``memory``):
+        each row holds only the change since the point before, so the rows stay short."""
+        model = self.model
+        live = model.columns(len(points), integer=False, lo=-highspy.kHighsInf, hi=highspy.kHighsInf)
+        dense = np.zeros(model.num_columns)  # λ_k's coefficients: the scale changes are measured against
+        slots_before: set[int] = set()
+        counts_before: dict[tuple, int] = {}
+        rows = []
+        for k, (live_slots, signatures, const) in enumerate(terms):
+            slots = set(live_slots.tolist())
+            counts: dict[tuple, int] = defaultdict(int)
+            for signature, count in signatures:
+                counts[signature] += count
+            parts = [(self.choice_columns[slot_keys[i][0]], slot_vectors[slot_keys[i]] * (1.0 if i in slots else -1.0))
+                     for i in sorted(slots ^ slots_before)]
+            for signature in sorted(counts.keys() | counts_before.keys()):
+                change = counts.get(signature, 0) - counts_before.get(signature, 0)
+                if change:
+                    cols, vals = self.expressions[signature]
+                    parts.append((cols, vals * change))
+            cols, diff = summed(np.concatenate([c for c, _ in parts] or [np.zeros(0, np.int64)]),
+                                np.concatenate([v for _, v in parts] or [np.zeros(0)]))
+            dense[cols] += diff
+            changed = np.abs(diff) > 1e-12 * max(1.0, float(np.abs(dense).max()))
+            cols, diff = cols[changed], diff[changed]
+            model.row((np.concatenate([cols, [live[k]], [live[k - 1]] if k else []]).astype(np.int64),
+                       np.concatenate([diff, [-1.0], [1.0] if k else []])), 0.0, 0.0, RowTag("live-bytes", points[k]))
+            rows.append(model.row({int(live[k]): 1.0, self.peak: -1.0}, -highspy.kHighsInf, -const,
+                                  RowTag("memory", points[k])))
+            self.live_column[points[k]] = int(live[k])
+            slots_before, counts_before = slots, counts
+        return rows
+
+    def expression(self, holders: _HolderIndex, key: int, mask: int, tensor: int) -> tuple[np.ndarray, np.ndarray]:
+        """Bytes held of ``tensor`` (and every tensor of its kind) while the holders in ``mask`` live."""
+        held = self.problem.held[tensor]
+        active = [h for k, h in enumerate(holders.by_tensor[tensor]) if mask >> k & 1]
+        expr: dict[int, float] = defaultdict(float)
+        for lid, layout in enumerate(held.layouts):
+            nbytes = held.nbytes[lid] / self.bytes_unit
+            if nbytes == 0:
+                continue
+            for col, value in self.layout_terms(active, layout, (key, mask, lid), held.key).items():
+                expr[col] += value * nbytes
+        return (np.fromiter(expr.keys(), dtype=np.int64, count=len(expr)),
+                np.fromiter(expr.values(), dtype=float, count=len(expr)))
+
+    def layout_terms(self, active: list[Holder], layout: Layout, key: tuple, producer: int) -> dict[int, float]:
+        """Columns (with weights) counting the distinct tensors the ``active`` holders keep in
+        ``layout``: the producer's tensor (its own holder, a copy kept in its layout) and, per
+        edge, the consumer's copy (its input copy, its saved copy not kept, or the re-gathered
+        one; the same copy written with different columns, each a row)."""
+        producer_active = any(h.kind == PRODUCER for h in active)
+        own = [ind for h in active if h.kind in (*OWN_KINDS, SAVED) if (ind := self.indicator(h, layout, "kept"))]
+        copies = self.copies(active, layout)
+        terms: dict[int, float] = defaultdict(float)
+        base = None
+        if producer_active:
+            # Every kept copy is in the producer's layout, so while the producer's holder is
+            # live "its tensor is held in L" is the producer's indicator.
+            base = next(self.indicator(h, layout, "kept") for h in active if h.kind == PRODUCER)
+        elif not copies and len(own) == 1:
+            base = own[0]
+        elif (len(copies) == 1 and _one_saved_tensor(next(iter(copies.values())))
+              and not any(h.kind in OWN_KINDS for h in active)):
+            # One consumer's saved tensor (a copy, the producer's tensor kept, or the copy a
+            # replay makes: disjoint flow copies, so their indicators add up): one tensor,
+            # held in L iff "any" says so; a re-gathered copy beside it.
+            (e, reps), = copies.items()
+            base = defaultdict(float)
+            for kind, _, anyone in reps:
+                if kind in SAVED_KINDS:
+                    for col, v in anyone.items():
+                        base[col] += v
+            rest = [r for r in reps if r[0] == REGATHER]
+            copies = {e: rest} if rest else {}
+        cols: list[int] = []
+        if base is not None:
+            for col, v in base.items():
+                terms[col] += v
+            cols = [c for e, reps in sorted(copies.items()) if (c := self.copy_column(e, layout, reps, producer)) is not None]
+        elif own or copies:
+            cols = self.held_columns_for(key, own, copies, producer, layout)
+        for col in cols:
+            terms[col] += 1.0
+        return terms
+
+    def copies(self, active: list[Holder], layout: Layout) -> Copies:
+        """Per edge, the live representations of its consumer's copy in ``layout``."""
+        copies: Copies = defaultdict(list)
+        for h in active:
+            if h.kind == INPUT_COPY:
+                ind = self.indicator(h, layout, "all")
+                copies[h.source].append((h.kind, ind, ind))
+            elif h.kind == SAVED:
+                copies[h.source].append((h.kind, self.indicator(h, layout, "copy"), self.indicator(h, layout, "all")))
+            elif h.kind in COPY_OF_FLOW:
+                ind = self.indicator(h, layout, "copy")
+                copies[h.source].append((h.kind, ind, ind))
+        copies = {e: [r for r in reps if r[2]] for e, reps in copies.items()}
+        return {e: reps for e, reps in copies.items() if reps}
+
+    def copy_column(self, e: int, layout: Layout, reps: list[tuple[str, dict, dict]], producer: int) -> int | None:
+        """c ≥ A − Π: edge ``e``'s consumer holds its own copy in ``layout`` (A: input copy,
+        saved copy not kept or re-gathered copy, one row per representation ``reps`` of the
+        copy; Π: the producer's output is exactly ``layout``, so the consumer holds the
+        producer's tensor instead). Shared by every point where the same representations
+        are live.
+
+        For a saved or re-gathered copy Π is the edge flow's "producer layout L" under the
+        same keep flag as A (not kept, kept): equal to the producer's indicator when the
+        choices are integral, but in the LP relaxation a fractional plan can no longer
+        cancel a kept edge's copy with the weight of another plan whose producer is in L
+        and keeps nothing."""
+        key = (e, layout, tuple(kind for kind, _, _ in reps))
+        if key not in self.copy_columns:
+            if not any(copy for _, copy, _ in reps):
+                self.copy_columns[key] = None
+                return None
+            col = int(self.model.columns(1, integer=False)[0])
+            by_keep = self.flows[e].producer_layout_columns
+            for kind, copy, _ in reps:
+                if copy:
+                    if kind == INPUT_COPY:
+                        prod = self.producer_in(producer, layout)
+                    else:
+                        prod = {col: 1.0 for k in COPY_OF_FLOW.get(kind, (0,))
+                                for col in by_keep.get(k, {}).get(layout, ())}
+                    r = dict(copy)
+                    for c, v in prod.items():
+                        r[c] = r.get(c, 0.0) - v
+                    r[col] = r.get(col, 0.0) - 1.0
+                    self.model.row(r, -highspy.kHighsInf, 0.0, RowTag("copy", item=self.problem.edges[e].key))
+            self.copy_columns[key] = col
+        return self.copy_columns[key]
+
+    def held_columns_for(self, key: tuple, own: list[dict], copies: Copies, producer: int, layout: Layout) -> list[int]:
+        """Columns whose sum counts the distinct tensors held in ``layout`` once the producer's
+        own holder has ended: y for the producer's tensor, c_e for edge e's consumer copy
+        (``copy_column``). With K_e "edge e's consumer holds a copy in ``layout`` or keeps the
+        producer's tensor in it":  y ≥ each indicator of the producer's tensor (kept copies),
+        y + c_e ≥ K_e. With the choices integral the sum is exact (a consumer holding the
+        producer's tensor may be counted in c_e instead of y, never twice)."""
+        if key not in self.held_columns:
+            inf = highspy.kHighsInf
+            y = int(self.model.columns(1, integer=False)[0])
+            cols = [y]
+            tag = RowTag("held", item=self.problem.groups[producer].key)
+            for ind in own:
+                r = dict(ind)
+                r[y] = r.get(y, 0.0) - 1.0
+                self.model.row(r, -inf, 0.0, tag)
+            for e in sorted(copies):
+                c = self.copy_column(e, layout, copies[e], producer)
+                if c is not None:
+                    cols.append(c)
+                for _, _, anyone in copies[e]:
+                    r = dict(anyone)
+                    r[y] = r.get(y, 0.0) - 1.0
+                    if c is not None:
+                        r[c] = r.get(c, 0.0) - 1.0
+                    self.model.row(r, -inf, 0.0, tag)
+            self.held_columns[key] = cols
+        return self.held_columns[key]
+
+
+def _one_saved_tensor(reps: list[tuple[str, dict, dict]]) -> bool:
+    """The representations of one consumer's saved tensor (saved, made again by a replay),
+    with at most its re-gathered copy beside them."""
+    kinds = [kind for kind, _, _ in reps]
+    return (bool(kinds) and set(kinds) <= {*SAVED_KINDS, REGATHER} and kinds.count(REGATHER) <= 1
+            and len(kinds) > kinds.count(REGATHER))
+
+
+class _HolderIndex:
+    """A tensor's live holders at a point as a bit mask over its holder list; (tensor kind,
+    mask) — the kind being its producer group and holders (kinds, edges) — is a signature."""
+
+    def __init__(self, problem: Problem):
+        self.by_tensor: dict[int, list[Holder]] = defaultdict(list)
+        position = []
+        for h in problem.holders:
+            position.append(len(self.by_tensor[h.tensor]))
+            self.by_tensor[h.tensor].append(h)
+        if position and max(position) >= 31:
+            raise ValueError("a tensor with more than 31 holders")
+        self.start = np.array([h.start for h in problem.holders])
+        self.end = np.array([h.end for h in problem.holders])
+        self.tensor = np.array([h.tensor for h in problem.holders])
+        self.bit = np.left_shift(1, np.array(position, dtype=np.int64))
+        kinds: dict[tuple, int] = {}
+        self.kind = np.array([kinds.setdefault((held.key, tuple((h.kind, h.source) for h in self.by_tensor[t])),
+                                               len(kinds)) for t, held in enumerate(problem.held)], dtype=np.int64)
+        self.num_tensors = len(problem.held)
+
+    def live_at(self, t: int) -> list[tuple[tuple[int, int], int, int]]:
+        """(signature, a tensor that has it, how many have it) of the tensors held at ``t``."""
+        act = np.nonzero((self.start <= t) & (t <= self.end))[0]
+        masks = np.zeros(self.num_tensors, dtype=np.int64)
+        np.bitwise_or.at(masks, self.tensor[act], self.bit[act])
+        tensors = np.nonzero(masks)[0]
+        combined = (self.kind[tensors] << 32) | masks[tensors]
+        uniq, first, counts = np.unique(combined, return_index=True, return_counts=True)
+        return [((u >> 32, u & 0xFFFFFFFF), int(tensors[f]), c)
+                for u, f, c in zip(uniq.tolist(), first.tolist(), counts.tolist())]
