@@ -20,15 +20,16 @@ demo: $(STAMP)
 	$(VENV)/bin/memshard plan --model llama3-8b --mesh 8x8 --batch 64 --seq 4096 --json plan.json
 	OMP_NUM_THREADS=1 $(VENV)/bin/memshard run --model tiny-gpt --mesh 2x2 --steps 3
 
-# One pytest worker per core (at most 4), each test file on one worker (its fixtures built once).
+# One pytest worker per core (at most 4), each test file on one worker (its fixtures built once);
+# the 15 slowest tests are printed at the end.
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile --durations=15
 
-# the planner alone: no multi-rank runs, no tracing, no README examples
+# tests/unit alone: records, parsers, pricing, the code's shape; no real-model search
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile -m "not runtime and not trace and not readme"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile -m unit
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'

@@ -47,10 +47,10 @@ import itertools
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.test_conformance import (  # noqa: E402
+from tests.baselines.test_conformance import (  # noqa: E402
     FAMILIES,
     MEASURED,
     SEQ,

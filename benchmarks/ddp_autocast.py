@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from tests.test_conformance import seen_buckets  # noqa: E402
+from tests.baselines.test_conformance import seen_buckets  # noqa: E402
 
 from benchmarks_md import gpu_or_here, provenance, write_section  # noqa: E402
 from memshard.runtime.measure import MemoryMeter, destroy, init_fake_world  # noqa: E402

@@ -23,11 +23,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tests.runtime.test_runtime import CASES, STEPS, _make, category_errors  # noqa: E402
 from tests.runtime_harness import run_cases  # noqa: E402
-from tests.test_runtime import CASES, STEPS, _make, category_errors  # noqa: E402
 
 import memshard  # noqa: E402
 from benchmarks_md import provenance, write_section  # noqa: E402

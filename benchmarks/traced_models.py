@@ -19,11 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tests.runtime.test_traced_runtime import CONFIGS, STEPS  # noqa: E402
 from tests.runtime_harness import run_plans  # noqa: E402
-from tests.test_traced_runtime import CONFIGS, STEPS  # noqa: E402
 
 import memshard  # noqa: E402
 from benchmarks_md import provenance, write_section  # noqa: E402

@@ -23,8 +23,6 @@ import torch.distributed._functional_collectives as funcol
 from memshard.runtime.measure import MemoryMeter
 from tests.runtime_harness import forked_world
 
-pytestmark = pytest.mark.runtime
-
 REPEATS = 40
 N = 1000  # fp32 elements of the temporary input
 F32 = 4

@@ -34,9 +34,7 @@ from memshard.runtime.measure import MemoryMeter, destroy, init_fake_world  # no
 from memshard.trace.hf import build_model, load_config, trace_hf  # noqa: E402
 from memshard.trace.kernels import cuda_attention  # noqa: E402
 
-pytestmark = pytest.mark.runtime
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SEQ = 32
 FAMILIES = {
     "llama": {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -252,7 +252,6 @@ def test_layer_unit_holds_a_layers_gathered_weights_across_it(tmp_path):
     assert again.problem.zero3_unit == "layer" and again.peak_bytes == per_layer.peak_bytes
 
 
-@pytest.mark.runtime  # it checks the runtime tests' own plan, planned once per session for them
 def test_a_layer_unit_is_all_or_nothing():
     """Per layer, ZeRO-3 is FSDP's unit: a plan whose layer keeps some weights out of ZeRO-3
     (the layer's first and last ops' here) is refused, naming two of the layer's parameters

@@ -20,9 +20,7 @@ from memshard.core.graph import TensorKind  # noqa: E402
 from memshard.plans.plan import runnable  # noqa: E402
 from memshard.trace import autocast  # noqa: E402
 from memshard.trace.hf import trace_hf  # noqa: E402
-from tests.test_cli import assert_one_line_error, run  # noqa: E402
-
-pytestmark = pytest.mark.trace
+from tests.planner.test_cli import assert_one_line_error, run  # noqa: E402
 
 GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 64}
 

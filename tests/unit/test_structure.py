@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "src" / "memshard"
 MAX_FUNCTION_LINES = 80
 
@@ -109,7 +109,7 @@ def test_the_checks_can_fail():
 
 
 def python_files() -> list[pathlib.Path]:
-    return [*SOURCE.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+    return [*SOURCE.rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
 
 
 def test_no_private_name_is_used_outside_its_module():
@@ -162,3 +162,16 @@ def test_the_cli_knob_flags_are_the_jobs_knobs():
     from memshard.job import MODEL_KNOBS
 
     assert list(KNOB_FLAGS) == list(MODEL_KNOBS)
+
+
+MAX_TOP_LEVEL_MODULES = 8
+
+
+def test_the_package_is_folders_with_few_modules_at_the_top():
+    """Concepts live in folders (the layers above); at most 8 modules sit at the top level."""
+    top = sorted(p.stem for p in SOURCE.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+    folders = {p.parent.name for p in SOURCE.glob("*/__init__.py")}
+    assert {"core", "problem", "baselines", "search", "plans"} <= folders
+    for folder in folders:  # each folder says what it owns
+        assert ast.get_docstring(ast.parse((SOURCE / folder / "__init__.py").read_text())), folder

@@ -33,7 +33,7 @@ from memshard.problem.recompute import (
 from memshard.problem.records import CACHED
 from memshard.search.formulation import Formulation
 from memshard.search.solve import Solver, solve
-from tests.test_ilp_pricing import random_plan
+from tests.unit.test_ilp_pricing import random_plan
 
 
 def _per_layer_activations(policy: str, mesh: str, strategy: str, s: int, b: int, h: int, a: int) -> float:

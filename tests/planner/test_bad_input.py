@@ -259,7 +259,6 @@ def test_a_bad_command_line_is_one_clear_line(case, files, tmp_path, capsys):
     check_one_line_error(fill(args, files), expect, tmp_path, capsys)
 
 
-@pytest.mark.trace
 @pytest.mark.parametrize("case", list(HF))
 def test_a_bad_hugging_face_source_is_one_clear_line(case, files, tmp_path, capsys):
     pytest.importorskip("transformers")

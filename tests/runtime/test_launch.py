@@ -17,7 +17,7 @@ import pytest
 from memshard.core.errors import MemshardError
 from memshard.runtime.launch import is_under_torchrun, launch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = "tests.launch_worker"
 
 

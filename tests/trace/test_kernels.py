@@ -15,11 +15,9 @@ import memshard  # noqa: E402
 from memshard.core.graph import TensorKind  # noqa: E402
 from memshard.trace.hf import trace_hf  # noqa: E402
 from memshard.trace.kernels import MATH, cuda_attention, cuda_sdpa_backend  # noqa: E402
-from tests.test_conformance import FAMILIES  # noqa: E402
+from tests.baselines.test_conformance import FAMILIES  # noqa: E402
 
-pytestmark = pytest.mark.trace
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RECORDED = json.loads((ROOT / "benchmarks" / "sdpa_backends_cuda.json").read_text())
 
 
@@ -80,7 +78,6 @@ def test_fp32_grouped_query_attention_is_traced_as_cudas_math_path():
     assert peaks[1] > 1.1 * peaks[0]
 
 
-@pytest.mark.runtime
 def test_the_math_path_runs_split_over_heads():
     """Megatron-LM's tensor parallelism on a traced fp32 LLaMA: the math path's ops run on
     each rank's key/value heads (the repeat's copies stay whole), under ``simulate`` (the fake

@@ -233,7 +233,7 @@ def test_a_gathered_weight_is_let_go_before_the_next_op_reshards_its_inputs() ->
 
     from memshard.plans.plan import load_plan
 
-    plan = load_plan(str(Path(__file__).parent / "data" / "tiny_llama_2x2_gathered_lm_head.json"))
+    plan = load_plan(str(Path(__file__).parents[1] / "data" / "tiny_llama_2x2_gathered_lm_head.json"))
     report = simulate(plan, rank=0)
     measured, predicted = report["measured"]["peak_bytes"], report["predicted"]["peak_bytes"]
     assert abs(measured - predicted) <= 0.005 * predicted, (measured, predicted)

@@ -12,8 +12,6 @@ import torch.multiprocessing as mp
 
 from tests.runtime_harness import forked_world
 
-pytestmark = pytest.mark.runtime
-
 
 def _abort_once(rank: int, world: int, port: int, out_dir: str) -> None:
     marker = Path(out_dir) / "crashed"

@@ -113,7 +113,6 @@ def test_compare_command_writes_json(tmp_path, capsys):
     assert "megatron-tp4-sp" in capsys.readouterr().out
 
 
-@pytest.mark.trace
 @pytest.mark.parametrize("family, sizes", [
     # LLaMA: vocabulary (embedding), kv heads (q as kv head × group), MLP width, vocabulary (lm_head)
     ("llama", [512, 2, 256, 512]),

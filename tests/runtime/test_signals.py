@@ -23,7 +23,7 @@ from memshard.runtime.launch import (
     remove_abandoned_tempdirs,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # memshard's entry point, with the signals at their defaults even if pytest was started
 # ignoring some (a background job ignores SIGINT, nohup SIGHUP): those stay ignored otherwise.
 ENTRY = ("import signal, sys\n"

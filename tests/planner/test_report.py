@@ -123,7 +123,6 @@ def test_the_biggest_holding_is_shown_with_its_axes(fastest_2x4):
     assert "held as: what holds an op's redundant bytes" in text
 
 
-@pytest.mark.trace
 def test_a_traced_plan_has_a_key_to_its_dim_names():
     plan = memshard.plan(memshard.HFModel("gpt2"), "4", batch=8, seq=64, num_layers=1, hidden=64, heads=2, vocab=128)
     text = memshard.format_plan(plan, width=160)

@@ -22,7 +22,7 @@ from memshard.core.errors import MemshardError
 from memshard.core.quantities import format_bytes
 from memshard.models import get_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
 
 
@@ -52,7 +52,7 @@ def traced():
     """The conformance tests' tiny HF models, traced once: one sequence of 32 tokens per rank."""
     pytest.importorskip("transformers")
     from memshard.trace.hf import trace_hf
-    from tests.test_conformance import FAMILIES, SEQ
+    from tests.baselines.test_conformance import FAMILIES, SEQ
 
     return {f: trace_hf(f, batch=WORLD, seq=SEQ, precision="fp32", **FAMILIES[f]) for f in FAMILIES}
 
@@ -60,7 +60,7 @@ def traced():
 def measured(strategy: str, parallelize, family: str, rank: int, autocast: bool = False) -> int:
     """The measured peak of rank ``rank`` with the exported function applied, as
     ``test_conformance`` measures the baseline (DDP's buckets and comm hook included)."""
-    from tests.test_conformance import ddp_peak, fully_sharded_peak
+    from tests.baselines.test_conformance import ddp_peak, fully_sharded_peak
 
     return {"fsdp2": fully_sharded_peak, "ddp": ddp_peak}[strategy.split("+")[0].split("-")[0]](
         family, WORLD, rank, parallelize, autocast=autocast)
@@ -72,13 +72,12 @@ OPTIONS = {"ddp-bucket-view": "gradient_as_bucket_view=True", "fsdp2-noreshard":
 CONTAINERS = {"llama": "model.layers", "gpt2": "transformer.h"}
 
 
-@pytest.mark.runtime
 @pytest.mark.parametrize("strategy", sorted(MEASURED))
 @pytest.mark.parametrize("family", sorted(CONTAINERS))
 def test_the_exported_code_allocates_what_the_plan_predicts(strategy, family, traced):
     """(``+full``: every block wrapped in ``checkpoint_wrapper``, as the conformance test's
     ``torch.utils.checkpoint`` run; ``+selective-op`` with torchtitan's per-op policy.)"""
-    from tests.test_conformance import recompute_of
+    from tests.baselines.test_conformance import recompute_of
 
     graph = traced[family]
     text = memshard.export(graph, str(WORLD), strategy=strategy)
@@ -101,13 +100,12 @@ def test_the_exported_code_allocates_what_the_plan_predicts(strategy, family, tr
         assert peak == pytest.approx(predicted, rel=0.02), rank
 
 
-@pytest.mark.runtime
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2+full"])
 def test_an_autocast_export_says_how_to_train_and_allocates_what_is_predicted(strategy):
     """Under ``--precision autocast`` the code is the fp32 one; its header says to train under
     ``torch.autocast``, as the step measured here does (CPU's, whose lists the trace takes)."""
     from memshard.trace.hf import trace_hf
-    from tests.test_conformance import FAMILIES, SEQ, recompute_of
+    from tests.baselines.test_conformance import FAMILIES, SEQ, recompute_of
 
     graph = trace_hf("llama", batch=WORLD, seq=SEQ, precision="autocast", device="cpu", **FAMILIES["llama"])
     text = memshard.export(graph, str(WORLD), strategy=strategy)
@@ -118,13 +116,12 @@ def test_an_autocast_export_says_how_to_train_and_allocates_what_is_predicted(st
             predicted, rel=0.02), rank
 
 
-@pytest.mark.runtime
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_an_explicitly_prefetching_fsdp2_export_allocates_what_is_predicted(family):
     """``fsdp2-prefetch2`` on four blocks: each block's ``set_modules_to_forward_prefetch``
     and ``set_modules_to_backward_prefetch`` written from its container, as priced."""
     from memshard.trace.hf import trace_hf
-    from tests.test_conformance import SEQ, config, fully_sharded_peak
+    from tests.baselines.test_conformance import SEQ, config, fully_sharded_peak
 
     graph = trace_hf(family, batch=WORLD, seq=SEQ, precision="fp32", **config(family, 4))
     text = memshard.export(graph, str(WORLD), strategy="fsdp2-prefetch2")
@@ -136,13 +133,12 @@ def test_an_explicitly_prefetching_fsdp2_export_allocates_what_is_predicted(fami
         assert peak == pytest.approx(predicted, rel=0.02), rank
 
 
-@pytest.mark.runtime
 @pytest.mark.parametrize("family, precision", [("llama", "fp32"), ("qwen2", "mixed")])
 def test_a_torchtitan_wrapped_fsdp2_export_allocates_what_is_predicted(family, precision):
     """``fsdp2-torchtitan``: the embedding and the output layers sharded first, by the modules
     that hold those weights, read off the traced graph."""
     from memshard.trace.hf import trace_hf
-    from tests.test_conformance import SEQ, config, fully_sharded_peak
+    from tests.baselines.test_conformance import SEQ, config, fully_sharded_peak
 
     graph = trace_hf(family, batch=WORLD, seq=SEQ, precision=precision, **config(family, 3))
     text = memshard.export(graph, str(WORLD), strategy="fsdp2-torchtitan")
@@ -155,11 +151,10 @@ def test_a_torchtitan_wrapped_fsdp2_export_allocates_what_is_predicted(family, p
         assert peak == pytest.approx(predicted, rel=0.02), rank
 
 
-@pytest.mark.runtime
 def test_an_fsdp2_export_resharded_within_a_node_allocates_what_is_predicted():
     """``fsdp2-reshard2`` on a 2x2 mesh: ``reshard_after_forward=2`` to every ``fully_shard``."""
     from memshard.trace.hf import trace_hf
-    from tests.test_conformance import SEQ, config, fully_sharded_peak
+    from tests.baselines.test_conformance import SEQ, config, fully_sharded_peak
 
     graph = trace_hf("llama", batch=WORLD, seq=SEQ, precision="fp32", **config("llama", 3))
     text = memshard.export(graph, "2x2", strategy="fsdp2-reshard2")
@@ -170,13 +165,12 @@ def test_an_fsdp2_export_resharded_within_a_node_allocates_what_is_predicted():
                                                                                                          rel=0.02)
 
 
-@pytest.mark.runtime
 @pytest.mark.parametrize("strategy, family", [("fsdp2", "gpt2"), ("fsdp2+full", "llama"), ("torch-tp2-fsdp2", "llama")])
 def test_a_mixed_precision_export_runs_fsdp2_mixed_precision_and_allocates_what_is_predicted(strategy, family):
     """A mixed-precision job's FSDP2 export gives every ``fully_shard`` the policy its
     baseline prices (bf16 compute, fp32 shards and gradient reduction)."""
     from memshard.trace.hf import trace_hf
-    from tests.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak
+    from tests.baselines.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak
 
     tensor_parallel = strategy.startswith("torch-tp")
     mesh, batch = ("2x2", 2) if tensor_parallel else (str(WORLD), WORLD)  # a sequence per replica
@@ -193,7 +187,6 @@ def test_a_mixed_precision_export_runs_fsdp2_mixed_precision_and_allocates_what_
         assert peak == pytest.approx(predicted, rel=0.02), rank
 
 
-@pytest.mark.runtime
 @pytest.mark.parametrize("family, recompute", [("llama", "none"), ("qwen2", "none"), ("llama", "full")])
 def test_the_exported_tensor_parallel_code_is_torchtitans_plan_and_allocates_what_is_predicted(family, recompute):
     """(``+full``: the blocks wrapped in ``checkpoint_wrapper`` between tensor parallelism and
@@ -201,7 +194,7 @@ def test_the_exported_tensor_parallel_code_is_torchtitans_plan_and_allocates_wha
     from torch.distributed.device_mesh import init_device_mesh
 
     from memshard.trace.hf import trace_hf
-    from tests.test_conformance import (
+    from tests.baselines.test_conformance import (
         FAMILIES,
         SEQ,
         WORLDS,
@@ -230,12 +223,11 @@ def test_the_exported_tensor_parallel_code_is_torchtitans_plan_and_allocates_wha
         assert peak == pytest.approx(predicted, rel=0.02), rank
 
 
-@pytest.mark.runtime
 def test_the_exported_tensor_parallel_code_with_torchtitans_units_allocates_what_is_predicted():
     """``torch-tp2-fsdp2-torchtitan``: the embedding and the output layers sharded over the
     data-parallel axis first, then the blocks and the root."""
     from memshard.trace.hf import trace_hf
-    from tests.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak
+    from tests.baselines.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak
 
     graph = trace_hf("llama", batch=2, seq=SEQ, precision="fp32", **FAMILIES["llama"])
     text = memshard.export(graph, "2x2", strategy="torch-tp2-fsdp2-torchtitan")
@@ -246,11 +238,10 @@ def test_the_exported_tensor_parallel_code_with_torchtitans_units_allocates_what
         assert tp_fsdp2_peak(2, 2, rank, SEQ, "llama", parallelize_of(text)) == pytest.approx(predicted, rel=0.02)
 
 
-@pytest.mark.runtime
 def test_the_exported_tensor_parallel_code_kept_after_forward_allocates_what_is_predicted():
     """``torch-tp2-fsdp2-noreshard``: every ``fully_shard`` given ``reshard_after_forward=False``."""
     from memshard.trace.hf import trace_hf
-    from tests.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak
+    from tests.baselines.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak
 
     graph = trace_hf("llama", batch=2, seq=SEQ, precision="fp32", **FAMILIES["llama"])
     text = memshard.export(graph, "2x2", strategy="torch-tp2-fsdp2-noreshard")
@@ -259,13 +250,12 @@ def test_the_exported_tensor_parallel_code_kept_after_forward_allocates_what_is_
     assert tp_fsdp2_peak(2, 2, 0, SEQ, "llama", parallelize_of(text)) == pytest.approx(predicted, rel=0.02)
 
 
-@pytest.mark.runtime
 def test_the_exported_code_refuses_a_model_or_mesh_it_was_not_planned_for(traced):
     """The function checks what the prediction depends on: the block count and the mesh."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.test_conformance import fake_rank
+    from tests.baselines.test_conformance import fake_rank
 
     fsdp2 = parallelize_of(memshard.export(traced["llama"], str(WORLD), strategy="fsdp2"))
     with fake_rank("llama", WORLD, 0) as model:
@@ -278,7 +268,6 @@ def test_the_exported_code_refuses_a_model_or_mesh_it_was_not_planned_for(traced
         assert isinstance(model, torch.nn.Module)
 
 
-@pytest.mark.trace
 def test_a_hugging_face_config_exports_in_fp32_with_its_command(tmp_path, capsys):
     """From a config file: fp32 by default (what PyTorch's defaults run), and the header's
     command writes the very same text."""
@@ -356,12 +345,11 @@ def test_megatron_block_recomputation_is_its_block_method():
             memshard.export("tiny-gpt", "4", strategy=wrong, num_layers=6)
 
 
-@pytest.mark.runtime
 def test_checkpointing_every_nth_block_is_exported_and_allocates_what_is_predicted():
     """``fsdp2+full-every2``: the exported loop wraps the blocks of even index only, and the
     function run under the fake process group allocates the prediction (LLaMA, 4 blocks)."""
     from memshard.trace.hf import trace_hf
-    from tests.test_conformance import SEQ, config, fully_sharded_peak
+    from tests.baselines.test_conformance import SEQ, config, fully_sharded_peak
 
     graph = trace_hf("llama", batch=WORLD, seq=SEQ, precision="fp32", **config("llama", 4))
     text = memshard.export(graph, str(WORLD), strategy="fsdp2+full-every2")
@@ -395,7 +383,6 @@ def test_tensor_parallelism_is_exported_for_a_traced_model_only():
         memshard.export("tiny-llama", "2x2", strategy="torch-tp2-fsdp2+selective")
 
 
-@pytest.mark.trace
 def test_tensor_parallelism_needs_linear_projections(traced):
     # GPT-2's projections are Conv1D modules, which torch's tensor-parallel styles cannot take
     with pytest.raises(MemshardError, match=r"torch-tp2-fsdp2 cannot be exported: .*transformer\.h\.0\.attn\.c_attn"):
@@ -486,7 +473,6 @@ README = (ROOT / "README.md").read_text()
 EXAMPLES = re.findall(r"```console\n\$ (memshard export [^\n]*)\n(.*?)```", README, re.S)
 
 
-@pytest.mark.trace
 def test_the_readme_examples_print_what_the_readme_shows(monkeypatch, capsys):
     assert [c.split("--strategy ")[1].split()[0] for c, _ in EXAMPLES] == ["fsdp2", "megatron-tp4-dp2-sp-distopt"]
     monkeypatch.chdir(ROOT)  # the example's config path is relative to the clone

@@ -22,9 +22,9 @@ from memshard.problem.pricing import build_problem  # noqa: E402
 from memshard.problem.records import OpGroup  # noqa: E402
 from memshard.trace import trace_module  # noqa: E402
 from memshard.trace.hf import build_model, load_config, trace_hf  # noqa: E402
-from tests.test_cli import assert_one_line_error, run  # noqa: E402
-from tests.test_models import saved_bytes_per_layer  # noqa: E402
-from tests.test_traced_runtime import UnknownOpNet  # noqa: E402
+from tests.planner.test_cli import assert_one_line_error, run  # noqa: E402
+from tests.runtime.test_traced_runtime import UnknownOpNet  # noqa: E402
+from tests.unit.test_models import saved_bytes_per_layer  # noqa: E402
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
         "vocab_size": 256}

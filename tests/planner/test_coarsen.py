@@ -17,7 +17,7 @@ from memshard.problem.evaluate import evaluate
 from memshard.problem.pricing import build_problem
 from memshard.search.coarsen import lift_selection, lower_selection, merge_groups, merged_mesh
 from memshard.search.solve import solve
-from tests.test_ilp_pricing import random_plan
+from tests.unit.test_ilp_pricing import random_plan
 
 # GPT-2's own widths (a tiny model's loose LP bound made these searches 20–40 s, this one's ~1 s)
 SHAPE = dict(batch=8, seq=256, num_layers=2, mip_gap=1e-2)

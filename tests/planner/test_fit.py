@@ -13,7 +13,7 @@ from memshard.core.errors import MemshardError
 from memshard.fitting import KNOBS, KnobSearch, Probe, Prober, family, fit_job, job_at
 from memshard.job import Job
 from memshard.planner import SearchOptions, plan_job
-from tests.test_cli import run
+from tests.planner.test_cli import run
 
 MIB = 2**20
 

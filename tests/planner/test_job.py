@@ -34,7 +34,7 @@ TINY_FLAGS = ["--batch", "4", "--seq", "32", "--layers", "2", "--hidden", "64", 
     Job("llama3-8b", memshard.parse_mesh("8x8", device_memory_bytes=40 * 2**30).with_links((10e9, 100e9))),
     pytest.param(Job(HFModel({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
                               "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-                              "vocab_size": 256}, "sdpa"), "4", batch=4, seq=16), marks=pytest.mark.trace),
+                              "vocab_size": 256}, "sdpa"), "4", batch=4, seq=16)),
 ], ids=["preset-knobs", "hardware", "hf-config"])
 def test_a_job_reads_back_what_it_writes(job):
     if isinstance(job.model, HFModel):
