@@ -4,9 +4,8 @@
 ranks start once; each rank returns ``train``'s report plus the full gradients of every
 parameter at the second step (rank 0 only). ``reference(graph, steps)`` is the unsharded
 model with ``torch.optim.Adam`` (on fp32 master weights under mixed precision): an independent
-optimizer, so the check covers LeanAdam too.
-``least_memory_plan`` is memshard's plan of a tiny job as the runtime tests make it, planned
-once per test session.
+optimizer, so the check covers LeanAdam too. (The plans searched for these tests are saved:
+``tests/runtime_plans.py``.)
 
 A world in which a rank process dies of a signal (no Python error: glibc's heap check aborting
 inside gloo's collectives, rare, seen in a few of the 2-core CI machine's runs)
@@ -17,7 +16,6 @@ What the tests compare comes only from a world in which every rank finished.
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import os
 import queue as queue_module
@@ -36,15 +34,6 @@ from memshard.runtime.executor import GraphModel, make_batch
 
 INSPECT_STEP = 1  # gradients compared at the second step (after one optimizer update)
 BATCH = 8
-# every search's limit, far above the 0.1–14 s the tests' searches take: the plan is the same
-# on a loaded machine
-SEARCH_LIMIT_S = 60
-
-
-@functools.cache
-def least_memory_plan(model: str, mesh: str, unit: str = "op", precision: str = "fp32"):
-    return memshard.plan(model, mesh, batch=BATCH, precision=precision, mip_gap=0.05, time_limit_s=SEARCH_LIMIT_S,
-                         zero3_unit=unit)
 
 
 def free_port() -> int:

@@ -33,29 +33,21 @@ from memshard.plans.plan import runnable
 from memshard.problem.evaluate import evaluate
 from memshard.runtime.report import error
 from memshard.runtime.simulate import simulate
-from tests.runtime_harness import (
-    BATCH,
-    INSPECT_STEP,
-    SEARCH_LIMIT_S,
-    least_memory_plan,
-    reference,
-    run_cases,
-)
+from tests.runtime_harness import BATCH, INSPECT_STEP, reference, run_cases
+from tests.runtime_plans import fastest, least_memory, saved
 
 STEPS = 3
-# The fastest plan's memory budget over the least peak (1.3 unless named), each solved to
-# optimality in 2–14 s on 2 cores: tiny-gpt on 2x2 within 1.3× takes 60 s, within 2× 4 s.
+# The fastest plan's memory budget over the least peak (1.3 unless named): tiny-gpt on 2x2
+# within 1.3x is not solved to optimality within the search's limit, within 2x it is.
 TIME_PLAN_BUDGETS = {("tiny-gpt", "2x2"): 2.0}
 ROUNDING_FLOOR = 1e-3  # of a gradient's size: what fp32 rounding may reach in a sharded run (below)
 
 
 def _memshard(model, mesh, objective, unit="op", precision="fp32"):
-    best = least_memory_plan(model, mesh, unit, precision)  # also the time plan's start and budget
+    """memshard's plan, searched once and saved (tests/runtime_plans.py)."""
     if objective == "memory":
-        return best
-    budget = best.peak_bytes * TIME_PLAN_BUDGETS.get((model, mesh), 1.3)
-    return memshard.plan(model, mesh, batch=BATCH, precision=precision, objective="time", start=best,
-                         memory_budget=int(budget), mip_gap=0.05, time_limit_s=SEARCH_LIMIT_S)
+        return saved(least_memory(model, mesh, unit, precision))
+    return saved(fastest(model, mesh, TIME_PLAN_BUDGETS.get((model, mesh), 1.3), unit, precision))
 
 
 CASES = {  # id → how to make the plan
@@ -122,13 +114,11 @@ CASES.update({case: spec[:3] for case, spec in MIXED.items()})
 
 def _recomputing(case):
     model, mesh, what, policy, unit, seq = RECOMPUTE[case]
-    if what == "memory":  # (searched: solved to optimality, ~10 s on 2 cores, so the plan is the same on every run)
-        return memshard.plan(model, mesh, batch=BATCH, seq=seq, precision="fp32", mip_gap=0.05,
-                             time_limit_s=120 if policy == "auto" else 20, zero3_unit=unit, recompute=policy)
+    if what == "memory":  # (searched to optimality, so the plan is the same on every run)
+        return saved(least_memory(model, mesh, unit, recompute=policy, seq=seq,
+                                  time_limit_s=120 if policy == "auto" else 20))
     if what == "time":  # the fastest plan within the least peak without recomputation
-        budget = int(least_memory_plan(model, mesh, unit).peak_bytes * 1.02)
-        return memshard.plan(model, mesh, batch=BATCH, precision="fp32", objective="time", memory_budget=budget,
-                             mip_gap=0.05, time_limit_s=SEARCH_LIMIT_S, zero3_unit=unit, recompute=policy)
+        return saved(fastest(model, mesh, 1.02, unit, recompute=policy, start=False))
     return runnable(strategy_plan(model, mesh, what, batch=BATCH, seq=seq, precision="fp32", zero3_unit=unit,
                                   recompute=policy))
 
@@ -138,8 +128,7 @@ def _mixed(case):
     if what in ("memory", "time") and policy == "none":
         return _memshard(model, mesh, what, unit, "mixed")
     if what == "memory":
-        return memshard.plan(model, mesh, batch=BATCH, precision="mixed", mip_gap=0.05, time_limit_s=SEARCH_LIMIT_S,
-                             zero3_unit=unit, recompute=policy)
+        return saved(least_memory(model, mesh, unit, "mixed", recompute=policy))
     return runnable(strategy_plan(model, mesh, what, batch=BATCH, precision="mixed", zero3_unit=unit,
                                   recompute=policy))
 

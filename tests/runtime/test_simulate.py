@@ -23,13 +23,13 @@ import math
 import pytest
 import torch.distributed as dist
 
-import memshard
 from memshard.api import strategy_plan
 from memshard.core.errors import MemshardError
 from memshard.problem.comm import KINDS
 from memshard.problem.memory import CATEGORIES
 from memshard.runtime.launch import launch
 from memshard.runtime.simulate import simulate
+from tests.runtime_plans import Search, saved
 
 # MemTracker's own post-accumulate-grad hook reads ``p.grad`` after ZeRO-2's hook has moved
 # the gradient away (ParamStore._reduce_now sets it to None); harmless, so not noise here.
@@ -133,10 +133,10 @@ def test_simulate_tears_the_fake_world_down_when_the_step_fails(tiny) -> None:
 
 @pytest.fixture(scope="module")
 def gpt3_6_7b() -> dict:
-    # ~25 s: planning ~5 s (mip_gap 0.02 as `memshard simulate` plans), simulating 64 ranks'
-    # rank 0 ~20 s (two fake steps of 32 layers). Mixed precision: bf16 weights, activations
+    # The plan as `memshard simulate` makes it (mip_gap 0.02), saved; rank 0 of 64 simulated
+    # (two fake steps of 32 layers). Mixed precision: bf16 weights, activations
     # and gradients, fp32 master weights and Adam moments (LeanAdam's chunked update).
-    plan = memshard.plan("gpt3-6.7b", "8x8", batch=64, seq=2048, precision="mixed", mip_gap=0.02)
+    plan = saved(Search("gpt3-6.7b", "8x8", batch=64, seq=2048, precision="mixed", mip_gap=0.02))
     report = simulate(plan, rank=0)
     print("\ngpt3-6.7b 8x8 mixed precision rank 0\n" + _table(report))
     return report
@@ -144,8 +144,8 @@ def gpt3_6_7b() -> dict:
 
 @pytest.fixture(scope="module")
 def llama3_8b() -> dict:
-    # ~20 s: planning ~4 s, simulating rank 0 of 32 ~16 s. fp32.
-    plan = memshard.plan("llama3-8b", "4x8", batch=32, seq=2048, precision="fp32", mip_gap=0.02)
+    # The plan saved as for gpt3-6.7b; rank 0 of 32 simulated. fp32.
+    plan = saved(Search("llama3-8b", "4x8", batch=32, seq=2048, mip_gap=0.02))
     report = simulate(plan, rank=0)
     print("\nllama3-8b 4x8 rank 0\n" + _table(report))
     return report

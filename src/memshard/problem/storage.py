@@ -6,8 +6,8 @@ the fp32 master alone), each priced as it runs — the weight and optimizer stat
 gradient from its first contribution to the optimizer as autograd, ZeRO's reductions and
 micro-batches hold it, ZeRO-3's gathered weight around each use or over its layer unit's
 spans (FSDP2's flat buffers among them), the reductions' and gathers' collectives — and the
-links and conflicts that tie it to its ops. A mix-in of ``pricing``'s builder, whose records
-(graph, mesh, schedule, groups, slots, links, conflicts, units) it reads and extends.
+links and conflicts that tie it to its ops, added to a :class:`~memshard.problem.draft.ProblemDraft`
+(whose context it reads and whose records it extends).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 from memshard.core.graph import TensorSpec
 from memshard.core.placement import PARTIAL, REPLICATE, Shard, local_numel
 from memshard.problem import comm
+from memshard.problem.draft import ProblemDraft
 from memshard.problem.gathers import LayerUnit, gather_points
 from memshard.problem.memory import (
     MASTER_ALONE,
@@ -48,21 +49,24 @@ ADAM_SQRT_BYTES = 4  # one fp32 element per parameter element: torch Adam's sqrt
 
 
 class StoragePricing:
-    """The parameters' storage groups and slots (see the module docstring)."""
+    """The parameters' storage groups and slots (see the module docstring), added to ``draft``."""
+
+    def __init__(self, draft: ProblemDraft):
+        self.draft = draft
 
     def add_storage(self, op_group: list[int]) -> dict[str, int]:
         """A storage group per parameter role, and its slots; returns parameter → group."""
         uses_of: dict[str, list[tuple[int, int]]] = {}
-        for i, op in enumerate(self.graph.ops):
-            for j in parameter_inputs(self.graph, op):
+        for i, op in enumerate(self.draft.graph.ops):
+            for j in parameter_inputs(self.draft.graph, op):
                 uses_of.setdefault(op.inputs[j].tensor, []).append((i, j))
         storage_group = {}
-        for name in self.graph.parameters:
+        for name in self.draft.graph.parameters:
             uses = uses_of.get(name)
             if not uses:
                 continue
             gid = self.storage_group(name, uses, op_group)
-            grp = self.groups[gid]
+            grp = self.draft.groups[gid]
             grp.instances += 1
             grp.params.append(name)
             storage_group[name] = gid
@@ -74,75 +78,75 @@ class StoragePricing:
     def replay_conflicts(self, gid: int, name: str, uses: list[tuple[int, int]], op_group: list[int]) -> None:
         """A ZeRO-3 weight gathered per op cannot serve a replay (gathered a third time, around
         it): its op is not replayed then. A layer unit's replay uses the unit's backward gather."""
-        if name in self.units:
+        if name in self.draft.units:
             return
-        stage3 = tuple(c for c, (_, opt) in enumerate(self.groups[gid].options) if opt.stage == 3)
+        stage3 = tuple(c for c, (_, opt) in enumerate(self.draft.groups[gid].options) if opt.stage == 3)
         for og in dict.fromkeys(op_group[i] for i, _ in uses):
-            grp = self.groups[og]
-            if grp.may_replay and stage3 and not any(c.a == og and c.b == gid for c in self.conflicts):
-                self.conflicts.append(Conflict(og, grp.replay_choices, gid, stage3,
+            grp = self.draft.groups[og]
+            if grp.may_replay and stage3 and not any(c.a == og and c.b == gid for c in self.draft.conflicts):
+                self.draft.conflicts.append(Conflict(og, grp.replay_choices, gid, stage3,
                                                f"{grp.key} is recomputed and {name} is gathered per op (ZeRO-3)"))
 
     def storage_group(self, name: str, uses: list[tuple[int, int]], op_group: list[int]) -> int:
         """The group of parameter ``name`` (made for the first of its role): its options are
         every gradient layout its first use's strategies give × every ZeRO storage; linked to
         that op's group, and a tied weight's uses to each other."""
-        mesh, spec = self.mesh, self.graph.tensors[name]
+        mesh, spec = self.draft.mesh, self.draft.graph.tensors[name]
         i0, j0 = uses[0]
         og = op_group[i0]
-        key = ("storage", self.groups[og].key, j0)
-        if key in self.index:
-            return self.index[key]
-        g_labels = [grad_layout(self.graph.ops[i0], j0, s) for s in self.groups[og].strategies]
+        key = ("storage", self.draft.groups[og].key, j0)
+        if key in self.draft.index:
+            return self.draft.index[key]
+        g_labels = [grad_layout(self.draft.graph.ops[i0], j0, s) for s in self.draft.groups[og].strategies]
         options = [(G, opt) for G in dict.fromkeys(g_labels) for opt in storage_options(G, mesh)]
-        if self.framework == MEMSHARD and self.graph.precision.master_bytes:  # after the others: a
+        if self.draft.framework == MEMSHARD and self.draft.graph.precision.master_bytes:  # after the others: a
             # baseline's choices index the same options in every framework's problem. Only for a
             # layout with no axis left to shard: elsewhere ZeRO over a free axis holds less.
             options += [(G, MASTER_ALONE) for G in dict.fromkeys(g_labels) if len(storage_options(G, mesh)) == 1]
         choices = []
         for G, opt in options:
             calls = self.sync_calls(spec, G, opt, self.gathers_per_pass(name, uses))
-            if opt.stage == 3 and name in self.units:  # the unit's calls, shared
-                share = 1 / self.units[name].members
+            if opt.stage == 3 and name in self.draft.units:  # the unit's calls, shared
+                share = 1 / self.draft.units[name].members
                 calls = tuple(replace(c, share=share) if c.kind != comm.ALL_REDUCE else c for c in calls)
-            choices.append(Choice((G, opt.stage, opt.axes), 0.0, calls, self.time(calls)))
-        gid = self.index[key] = len(self.groups)
-        mems = [storage_memory(spec, G, opt, self.graph.precision, mesh) for G, opt in options]
-        self.groups.append(StorageGroup(name, choices, options, mems))
-        self.links.append(Link(gid, tuple(G for G, _ in options), og, tuple(g_labels)))
+            choices.append(Choice((G, opt.stage, opt.axes), 0.0, calls, self.draft.time(calls)))
+        gid = self.draft.index[key] = len(self.draft.groups)
+        mems = [storage_memory(spec, G, opt, self.draft.graph.precision, mesh) for G, opt in options]
+        self.draft.groups.append(StorageGroup(name, choices, options, mems))
+        self.draft.links.append(Link(gid, tuple(G for G, _ in options), og, tuple(g_labels)))
         for i, j in uses[1:]:  # tied weights: every use agrees on the layout
             other = op_group[i]
-            self.links.append(Link(og, tuple(g_labels), other, tuple(
-                grad_layout(self.graph.ops[i], j, s) for s in self.groups[other].strategies)))
+            self.draft.links.append(Link(og, tuple(g_labels), other, tuple(
+                grad_layout(self.draft.graph.ops[i], j, s) for s in self.draft.groups[other].strategies)))
         return gid
 
     def storage_slots(self, gid: int, name: str, uses: list[tuple[int, int]]) -> None:
         """Weight and optimizer states all step; the gradient from its first contribution to
         the optimizer, as autograd, ZeRO's reductions and micro-batches hold it; ZeRO-3's
         gathered weight around each use or over its layer unit's spans."""
-        S, prec, grp = self.sched, self.graph.precision, self.groups[gid]
-        spec = self.graph.tensors[name]
-        v = self.cached((gid, "storage"), lambda: self.storage_prices(grp))
+        S, prec, grp = self.draft.sched, self.draft.graph.precision, self.draft.groups[gid]
+        spec = self.draft.graph.tensors[name]
+        v = self.draft.cached((gid, "storage"), lambda: self.storage_prices(grp))
         # (the zero-redundancy bound's share: the least layout's, a ZeRO-3 shard that is the master)
-        self.slot(gid, 0, S.optimizer, "parameters", *v["parameters"], spec.numel * prec.shard_bytes)
-        self.slot(gid, 0, S.optimizer, "optimizer_states", *v["optimizer_states"],
+        self.draft.slot(gid, 0, S.optimizer, "parameters", *v["parameters"], spec.numel * prec.shard_bytes)
+        self.draft.slot(gid, 0, S.optimizer, "optimizer_states", *v["optimizer_states"],
                   spec.numel * prec.sharded_optimizer_bytes)
-        if self.framework in TORCH_FRAMEWORKS:
+        if self.draft.framework in TORCH_FRAMEWORKS:
             # torch.optim.Adam as it runs by default on GPUs (foreach): the step's square roots
             # of every local exp_avg_sq at once, fp32 (memshard's runtime updates in place;
             # Megatron-LM's fused Adam too).
             states, red = v["optimizer_states"]
             per_element = np.array([prec.sharded_optimizer_bytes if opt.stage >= 3 else prec.optimizer_bytes
                                     for _, opt in grp.options], float)
-            self.slot(gid, S.optimizer, S.optimizer, "transients", *(x * ADAM_SQRT_BYTES / per_element
+            self.draft.slot(gid, S.optimizer, S.optimizer, "transients", *(x * ADAM_SQRT_BYTES / per_element
                                                                      for x in (states, red)))
         # With several micro-batches the gradients accumulate across them: live all step.
         # Stored sharded (ZeRO-2/3), the gradient exists once every use's contribution is
         # reduce-scattered, after the first use's backward (the last one to run); until
         # then the whole local gradient waits, from the last use's backward on.
         first, last = uses[-1][0], uses[0][0]
-        grads_from = S.backward(first) if self.micro_batches == 1 else 0
-        reduced_at = S.reshard_out(last) if self.micro_batches == 1 else 0
+        grads_from = S.backward(first) if self.draft.micro_batches == 1 else 0
+        reduced_at = S.reshard_out(last) if self.draft.micro_batches == 1 else 0
         # A tied weight's gradient waits in autograd's input buffer, not yet the
         # parameter's .grad, until its last contribution (the first use's backward):
         # a transient until then (as MemTracker files it).
@@ -151,21 +155,21 @@ class StoragePricing:
         for i, _ in uses[:-1]:
             # A tied weight's earlier uses (later in backward): autograd sums their two
             # gradient contributions into a new buffer while both are still alive.
-            self.slot(gid, S.backward(i), S.backward(i), "transients", *v["contributions"])
-        if self.framework == DDP_BUCKET_VIEW:
+            self.draft.slot(gid, S.backward(i), S.backward(i), "transients", *v["contributions"])
+        if self.draft.framework == DDP_BUCKET_VIEW:
             # The gradient is a view of DDP's bucket (``add_framework_buffers``): autograd's
             # result lives until DDP's hook copies it in, at its last contribution.
-            self.slot(gid, grads_from if self.micro_batches == 1 else summed_at, summed_at, "transients",
+            self.draft.slot(gid, grads_from if self.draft.micro_batches == 1 else summed_at, summed_at, "transients",
                       *v["gradients"])
             return
         if reduced_at > grads_from:
             whole = np.array([opt.stage < 2 for _, opt in grp.options], float)
             nbytes, red = v["gradients"]
             # Megatron-LM's contiguous gradient buffer holds every gradient all step
-            held_from = 0 if self.framework == MEGATRON else summed_at
-            self.slot(gid, grads_from, held_from - 1, "transients", nbytes * whole, red * whole, grad_bytes)
-            self.slot(gid, held_from, reduced_at - 1, "gradients", nbytes * whole, red * whole, grad_bytes)
-        unit = self.units.get(name)
+            held_from = 0 if self.draft.framework == MEGATRON else summed_at
+            self.draft.slot(gid, grads_from, held_from - 1, "transients", nbytes * whole, red * whole, grad_bytes)
+            self.draft.slot(gid, held_from, reduced_at - 1, "gradients", nbytes * whole, red * whole, grad_bytes)
+        unit = self.draft.units.get(name)
         stages = np.array([opt.stage for _, opt in grp.options])
         # A layer unit's member under ZeRO-3: gathered for the unit's spans, its gradient
         # reduced with the unit's (after a copy into the unit's flat buffer); every other
@@ -179,49 +183,49 @@ class StoragePricing:
         unsharded, red = v["unsharded"]
         zero2 = stages == 2
         zero3_per_op = ~in_unit & ~zero2  # (the unsharded bytes are 0 below ZeRO-2)
-        self.slot(gid, S.backward(first), S.reshard_out(last), "transients", unsharded * zero3_per_op,
+        self.draft.slot(gid, S.backward(first), S.reshard_out(last), "transients", unsharded * zero3_per_op,
                   red * zero3_per_op, phase=BEFORE_RESHARDS)
-        self.slot(gid, S.backward(first), summed_at - 1, "transients", unsharded * zero2, red * zero2)
-        self.slot(gid, summed_at, S.reshard_out(last), "gradients", unsharded * zero2, red * zero2,
+        self.draft.slot(gid, S.backward(first), summed_at - 1, "transients", unsharded * zero2, red * zero2)
+        self.draft.slot(gid, summed_at, S.reshard_out(last), "gradients", unsharded * zero2, red * zero2,
                   phase=BEFORE_RESHARDS)
         if unit is None:
             for i, _ in uses:
-                for point in gather_points(S, self.graph, i):
-                    self.slot(gid, point, point, "transients", *v["gathered"])
-                    self.slot(gid, point, point, "transients", *v["cast"])
+                for point in gather_points(S, self.draft.graph, i):
+                    self.draft.slot(gid, point, point, "transients", *v["gathered"])
+                    self.draft.slot(gid, point, point, "transients", *v["cast"])
         else:
             self.unit_slots(gid, v, unit, in_unit, S.backward(first))
 
     def unit_slots(self, gid: int, v: dict, unit: LayerUnit, in_unit: np.ndarray, first_backward: int) -> None:
         """A layer unit's member under ZeRO-3 (``in_unit``): its gradient reduced with the
         unit's, the unit's gathered weights over its spans."""
-        stages = np.array([opt.stage for _, opt in self.groups[gid].options])
+        stages = np.array([opt.stage for _, opt in self.draft.groups[gid].options])
         unsharded, red = v["unsharded"]
-        prec = self.graph.precision
+        prec = self.draft.graph.precision
         flat, flat_red = (x * in_unit * prec.reduce_bytes / prec.grad_bytes for x in (unsharded, red))
         # FSDP2 frees the gradients once they are copied into its flat buffer, before the
         # reduce-scatter's output exists (``foreach_reduce``); memshard's runtime holds all three.
         fsdp2 = unit.scatter_buffer is not None
-        self.reduced_gradient(gid, v, stages, in_unit, unit.reduce_point if self.micro_batches == 1 else 0, 0.0,
+        self.reduced_gradient(gid, v, stages, in_unit, unit.reduce_point if self.draft.micro_batches == 1 else 0, 0.0,
                               before_reshards=False, after_copy_in=fsdp2)
-        self.slot(gid, first_backward, unit.reduce_point, "transients", unsharded * in_unit, red * in_unit,
+        self.draft.slot(gid, first_backward, unit.reduce_point, "transients", unsharded * in_unit, red * in_unit,
                   phase=BEFORE_RESHARDS if fsdp2 else ALWAYS)
         # the unit's gradients copied into one flat buffer (in the reduce dtype) to be reduced
-        self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", flat, flat_red)
+        self.draft.slot(gid, unit.reduce_point, unit.reduce_point, "transients", flat, flat_red)
         for span in (unit.forward_span, unit.backward_span):
             if span is not None:
-                self.slot(gid, *span, "transients", *v["gathered"])
+                self.draft.slot(gid, *span, "transients", *v["gathered"])
                 # Gathered over several axes, one at a time: the partial results too.
-                self.slot(gid, span[0], span[0], "transients", *v["gathering"])
-                self.slot(gid, span[0], span[0], "transients", *v["cast"])
-        self.slot(gid, unit.reduce_point, unit.reduce_point, "transients", *v["scattering"])
+                self.draft.slot(gid, span[0], span[0], "transients", *v["gathering"])
+                self.draft.slot(gid, span[0], span[0], "transients", *v["cast"])
+        self.draft.slot(gid, unit.reduce_point, unit.reduce_point, "transients", *v["scattering"])
         # FSDP2's flat buffers, and its post-forward shard under ``reshard_after_forward`` = N
         for buffer, share in ((unit.forward_buffer, 1), (unit.backward_buffer, 1),
                               (unit.post_forward, 1 / max(unit.post_forward_group, 1))):
             if buffer is not None:
-                self.slot(gid, *buffer, "transients", *(x * share for x in v["gathered"]))
+                self.draft.slot(gid, *buffer, "transients", *(x * share for x in v["gathered"]))
         if unit.scatter_buffer is not None:
-            self.slot(gid, *unit.scatter_buffer, "transients", flat, flat_red)
+            self.draft.slot(gid, *unit.scatter_buffer, "transients", flat, flat_red)
 
     def link_layer_units(self, storage_group: dict[str, int]) -> None:
         """A layer unit is all or nothing, as FSDP's: every member ZeRO-3 over the same axes
@@ -233,7 +237,7 @@ class StoragePricing:
 
         linked = set()
         by_unit: dict[int, list[int]] = {}
-        for name, unit in self.units.items():
+        for name, unit in self.draft.units.items():
             if name in storage_group and not unit.root:
                 by_unit.setdefault(id(unit), []).append(storage_group[name])
         for gids in by_unit.values():
@@ -241,9 +245,9 @@ class StoragePricing:
             if len(gids) < 2 or tuple(gids) in linked:
                 continue
             linked.add(tuple(gids))
-            labels = {g: tuple(label(G, opt) for G, opt in self.groups[g].options) for g in gids}
+            labels = {g: tuple(label(G, opt) for G, opt in self.draft.groups[g].options) for g in gids}
             for g in gids[1:]:
-                self.links.append(Link(gids[0], labels[gids[0]], g, labels[g]))
+                self.draft.links.append(Link(gids[0], labels[gids[0]], g, labels[g]))
 
     def reduced_gradient(self, gid: int, v: dict, stages: np.ndarray, options: np.ndarray, at: int,
                          global_bytes: float, before_reshards: bool, after_copy_in: bool = False) -> None:
@@ -252,28 +256,28 @@ class StoragePricing:
         ``before_reshards``: it returns before the reshards at ``at`` run); with micro-batches
         each one's is added to the gradient kept all step."""
         nbytes, red = v["gradients"]
-        scattered = options & (stages >= 2) & (self.micro_batches == 1)
+        scattered = options & (stages >= 2) & (self.draft.micro_batches == 1)
         kept = options & ~scattered
-        self.slot(gid, at, self.sched.optimizer, "gradients", nbytes * kept, red * kept,
+        self.draft.slot(gid, at, self.draft.sched.optimizer, "gradients", nbytes * kept, red * kept,
                   global_bytes)
         # the reduce-scatter's output, in the reduce dtype: a ZeRO-3 shard's fp32 gradient
         # (the master's dtype) is cast from it once the reduction returns (as FSDP2 does)
-        prec = self.graph.precision
+        prec = self.draft.graph.precision
         out = scattered * np.where(stages >= 3, prec.reduce_bytes / prec.sharded_grad_bytes, 1.0)
         if before_reshards:  # reduced before the reshards at ``at``: .grad while they run
-            self.slot(gid, at, at, "transients", nbytes * out, red * out, phase=BEFORE_RESHARDS)
-            self.slot(gid, at, at, "gradients", nbytes * scattered, red * scattered, phase=DURING_RESHARDS)
+            self.draft.slot(gid, at, at, "transients", nbytes * out, red * out, phase=BEFORE_RESHARDS)
+            self.draft.slot(gid, at, at, "gradients", nbytes * scattered, red * scattered, phase=DURING_RESHARDS)
         else:  # (``after_copy_in``: the point's second moment, once the inputs are freed)
-            self.slot(gid, at, at, "transients", nbytes * out, red * out,
+            self.draft.slot(gid, at, at, "transients", nbytes * out, red * out,
                       phase=DURING_RESHARDS if after_copy_in else ALWAYS)
-        self.slot(gid, at + 1, self.sched.optimizer, "gradients", nbytes * scattered, red * scattered)
+        self.draft.slot(gid, at + 1, self.draft.sched.optimizer, "gradients", nbytes * scattered, red * scattered)
 
     def gathers_per_pass(self, name: str, uses: list[tuple[int, int]]) -> int:
         """All-gathers of a ZeRO-3 weight per micro-batch: one per use and gather point, or
         its layer unit's (one for forward, one for backward if any op there reads it)."""
-        unit = self.units.get(name)
+        unit = self.draft.units.get(name)
         if unit is None:
-            return sum(len(gather_points(self.sched, self.graph, i)) for i, _ in uses)
+            return sum(len(gather_points(self.draft.sched, self.draft.graph, i)) for i, _ in uses)
         return 1 + (unit.backward_span is not None)
 
     def storage_prices(self, grp: StorageGroup) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -283,32 +287,32 @@ class StoragePricing:
         def vec(field: str, red_field: str | None = None):
             nbytes = np.array([getattr(m, field) for m in mems], float)
             red = (np.array([getattr(m, red_field) for m in mems]) if red_field
-                   else np.array(self.redundant(nbytes, layouts)))
+                   else np.array(self.draft.redundant(nbytes, layouts)))
             return nbytes, red
 
-        prec = self.graph.precision
+        prec = self.draft.graph.precision
         # memshard's runtime casts a ZeRO-3 shard that is the fp32 master into its place in
         # the all-gather's bf16 output and gathers there (``executor.gather_flat``, as FSDP2
         # does); a shard split unevenly is cast apart, then gathered by reshards
-        casting = self.framework == MEMSHARD and prec.shard_bytes != prec.param_bytes
+        casting = self.draft.framework == MEMSHARD and prec.shard_bytes != prec.param_bytes
         gathering, scattering, cast = [], [], []
         for (G, opt), m in zip(grp.options, mems):
-            numel = local_numel(self.graph.tensors[grp.params[0]].shape, param_layout(G), self.mesh.shape)
-            in_place = casting and numel % math.prod(self.mesh.shape[a] for a in opt.axes) == 0
+            numel = local_numel(self.draft.graph.tensors[grp.params[0]].shape, param_layout(G), self.draft.mesh.shape)
+            in_place = casting and numel % math.prod(self.draft.mesh.shape[a] for a in opt.axes) == 0
             cast.append(m.parameters * prec.param_bytes / prec.shard_bytes
                         if opt.stage >= 3 and casting and not in_place else 0.0)
-            if opt.stage < 3 or not self.units:
+            if opt.stage < 3 or not self.draft.units:
                 gathering.append(0.0)
                 scattering.append(0.0)
                 continue
-            flat = tuple(Shard(0) if a in opt.axes else REPLICATE for a in range(self.mesh.ndim))
+            flat = tuple(Shard(0) if a in opt.axes else REPLICATE for a in range(self.draft.mesh.ndim))
             whole = tuple(REPLICATE for _ in flat)
             partial = tuple(PARTIAL if a in opt.axes and g == "P" else REPLICATE for a, g in enumerate(G))
             gathering.append(0.0 if in_place else (reshard_peak_bytes((numel,), prec.param_bytes, flat, whole,
-                                                                      self.mesh, reverse=True)
+                                                                      self.draft.mesh, reverse=True)
                                                    - numel * prec.param_bytes))
-            scattering.append(reshard_peak_bytes((numel,), prec.reduce_bytes, partial, flat, self.mesh)
-                              - local_numel((numel,), flat, self.mesh.shape) * prec.reduce_bytes)
+            scattering.append(reshard_peak_bytes((numel,), prec.reduce_bytes, partial, flat, self.draft.mesh)
+                              - local_numel((numel,), flat, self.draft.mesh.shape) * prec.reduce_bytes)
         zeros = np.zeros(len(mems))
         return {
             "gathering": (np.array(gathering, float), zeros),
@@ -328,7 +332,7 @@ class StoragePricing:
         Gradients are reduced once per step (accumulated locally over micro-batches) unless
         they are stored sharded (ZeRO-2/3), which reduces them after every micro-batch;
         ZeRO-3 gathers the weight ``n_gathers`` times per micro-batch (``gathers_per_pass``)."""
-        mesh, prec = self.mesh, self.graph.precision
+        mesh, prec = self.draft.mesh, self.draft.graph.precision
         numel = local_numel(spec.shape, param_layout(G), mesh.shape)
         partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
         sharded = set(opt.axes) if opt.stage >= 1 else set()
@@ -337,9 +341,9 @@ class StoragePricing:
         if sharded:
             reduce += comm.reduce_scatter_flat(numel, prec.reduce_bytes, tuple(a for a in opt.axes if a in partial_axes),
                                                mesh)
-        calls = reduce * (self.micro_batches if opt.stage >= 2 else 1)
+        calls = reduce * (self.draft.micro_batches if opt.stage >= 2 else 1)
         if opt.stage in (1, 2):
             calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh)
         elif opt.stage == 3:
-            calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh) * (n_gathers * self.micro_batches)
+            calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh) * (n_gathers * self.draft.micro_batches)
         return calls
