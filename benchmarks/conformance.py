@@ -47,7 +47,7 @@ import itertools
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.baselines.test_conformance import (  # noqa: E402

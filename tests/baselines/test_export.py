@@ -21,6 +21,7 @@ from memshard.cli import main
 from memshard.core.errors import MemshardError
 from memshard.core.quantities import format_bytes
 from memshard.models import get_config
+from tests.docs.markdown import pages
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
@@ -468,12 +469,13 @@ def test_out_is_never_half_written(tmp_path, monkeypatch, capsys):
     assert os.listdir(tmp_path) == ["parallelize.py"]
 
 
-# -- the README --------------------------------------------------------------------------------------------
-README = (ROOT / "README.md").read_text()
-EXAMPLES = re.findall(r"```console\n\$ (memshard export [^\n]*)\n(.*?)```", README, re.S)
+# -- the README and docs/ -------------------------------------------------------------------------------
+DOCS_TEXT = "".join(page.read_text() for page in pages())  # README.md first, then docs/runtime.md
+EXAMPLES = re.findall(r"```console\n\$ (memshard export [^\n]*)\n(.*?)```", DOCS_TEXT, re.S)
 
 
-def test_the_readme_examples_print_what_the_readme_shows(monkeypatch, capsys):
+def test_the_export_examples_print_what_the_docs_show(monkeypatch, capsys):
+    """The README's fsdp2 example and docs/runtime.md's Megatron-LM one, run and compared."""
     assert [c.split("--strategy ")[1].split()[0] for c, _ in EXAMPLES] == ["fsdp2", "megatron-tp4-dp2-sp-distopt"]
     monkeypatch.chdir(ROOT)  # the example's config path is relative to the clone
     for command, shown in EXAMPLES:

@@ -1,6 +1,6 @@
 """memshard simulate: one rank of a large job under the fake process group and FakeTensorMode.
 
-Two claims (docs/design.md, "Verification"):
+Two claims (docs/verification.md):
 
 - a simulated rank measures what the same rank measures in a real gloo run: the same bytes
   and calls per collective kind, and the peak at the low end of the real run's run-to-run

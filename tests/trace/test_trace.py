@@ -66,7 +66,7 @@ def test_every_family_traces_without_unknown_ops_and_plans(family):
     graph = trace_hf(family, batch=4, seq=32, precision="fp32", **FAMILIES[family])
     assert graph.unknown_ops == {}
     assert graph.num_parameters == hf_parameter_count(family, **FAMILIES[family])
-    # one mesh axis: tiny traced graphs on two axes make the ILP slow (README, "Limits")
+    # one mesh axis: tiny traced graphs on two axes make the ILP slow (docs/models.md, "Limits")
     plan = memshard.plan(graph, "4", time_limit_s=30)
     assert plan.to_dict()["solver"]["status"] == "optimal"
     assert plan.peak_bytes >= plan.lower_bound_bytes

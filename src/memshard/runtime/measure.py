@@ -1,7 +1,7 @@
 """What one rank really does in a training step: collectives sent and memory held.
 
-This module owns the measuring side of memshard's verification (docs/design.md,
-"Verification"); nothing here knows about plans.
+This module owns the measuring side of memshard's verification
+(docs/verification.md); nothing here knows about plans.
 
 - :class:`CommCounter` is a ``TorchDispatchMode`` that records every collective issued while
   it is active: the c10d ops (``torch.ops.c10d.*``, what ``torch.distributed.all_reduce`` and

@@ -8,7 +8,7 @@ It executes the very same step as :func:`memshard.runtime.train.train`, which it
 last one measured by ``MemoryMeter`` (entered inside the fake mode, as it must be) and
 ``CommCounter``. So the plan's predicted peak memory, breakdown and communication can be
 checked against what the executor really allocates and sends, for billion-parameter models,
-on a laptop (docs/design.md, "The runtime" and "Verification").
+on a laptop (docs/design.md, "The runtime"; docs/verification.md).
 
 What differs from a real run: there are no values, so the losses are ``None``; the step
 times are those of the fake execution, not of a device; and under fake tensors the executor
