@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import memshard
 from memshard.runtime.executor import GraphModel, make_batch
 
 INSPECT_STEP = 1  # gradients compared at the second step (after one optimizer update)
