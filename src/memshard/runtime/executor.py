@@ -9,26 +9,33 @@ with the kernels of ``ops.py``, so every op of the plan is one piece of code.
 table (``ops.KERNELS``, or a traced module's in ``traced.py``), the executor the rest:
 
 - every parameter becomes a DTensor in the layout its op's strategy needs; with ZeRO storage
-  (``ParamStore``) the optimizer sees only this rank's flat shard of it: stage 1 shards the
-  optimizer states, 2 also the gradients (reduce-scattered as soon as each is complete),
-  3 also the weight (under mixed precision the fp32 shard is the master weight, cast to bf16
-  into its all-gather's output, its reduced bf16 gradient cast to fp32: FSDP2's layout), gathered
-  around each use and gathered again in backward — or, with
-  the plan's ``zero3_unit="layer"``, all of a layer's such weights as one flat shard
+  (``ParamStore``) the optimizer sees only this rank's flat shard of it (the module's
+  parameters are these shards, so any ``torch.optim`` optimizer over ``parameters()`` trains
+  the plan: ``loop.py``): stage 1 shards the optimizer states, 2 also the gradients
+  (reduce-scattered as soon as each is complete), 3 also the weight (under mixed precision
+  the fp32 shard is the master weight, cast to bf16 into its all-gather's output, its reduced
+  bf16 gradient cast to fp32: FSDP2's layout), gathered around each use and gathered again in
+  backward — or, with the plan's ``zero3_unit="layer"``, all of a layer's such weights as one flat shard
   (``GatherUnit``, FSDP's unit): one all-gather for the layer's forward, one for its
   backward, one reduce-scatter of their gradients;
 - every activation is redistributed at each op boundary from its producer's layout to its
   consumer's (``reshard.Reshard``: forward in axis order, gradient in reverse axis order);
 - an edge the plan keeps (Megatron's sequence parallelism) saves the producer's smaller
   piece and gathers it again when backward needs it (saved-tensor hooks);
-- activations are dropped after their last forward use.
+- activations are dropped after their last forward use;
+- the gradient reductions run from the backward (post-accumulate-grad hooks: stage 2 at once,
+  stages 0 and 1 when the backward ends, unless gradient sync is off); an optimizer step hook
+  gathers the updated stage 1-2 shards into the compute weights (``loop.py``); the forward
+  returns the global loss on every rank; ``state_dict`` is by the module's names
+  (``checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +51,7 @@ from memshard.problem.gathers import layer_units
 from memshard.problem.memory import param_layout
 from memshard.problem.records import Problem, Selection
 from memshard.problem.strategies import Strategy, input_grad_layout
-from memshard.runtime import ops
+from memshard.runtime import checkpoint, loop, ops
 from memshard.runtime.replay import LayerReplay, ReplayLinks, again_hooks, storage_id
 from memshard.runtime.reshard import Reshard, reshard_local, to_torch, without_partial
 
@@ -264,13 +271,18 @@ class ParamStore:
         self.pending: torch.Tensor | None = None
         self.outstanding = 0
         self.on_gradient: Callable[[torch.Tensor], None] | None = None  # a memory meter's
+        # stages 0 and 1: the model's, told that a local gradient arrived (it reduces them all
+        # when the backward ends)
+        self.on_local_gradient: Callable[[], None] | None = None
         if stage < 3:
             self.param = nn.Parameter(dt)
             flat = dt.to_local().view(-1)
             piece = flat[self.flat_start:self.flat_start + self.flat_len] if stage >= 1 else flat
             self.opt = nn.Parameter(piece)  # shares storage with the DTensor's local tensor
-            if stage == 2:
-                self.param.register_post_accumulate_grad_hook(lambda p: self._reduce_now())
+            self.param.register_post_accumulate_grad_hook(lambda p: self._gradient_arrived())
+            # the shard's version when its compute weight was last gathered (an optimizer's
+            # in-place update moves it on: ``gather_updated``)
+            self.gathered_version = self.opt._version
         elif in_unit:
             self.local = dt.to_local().reshape(-1)  # the unit takes its piece, then drops this
             self.param = self.opt = None
@@ -304,18 +316,45 @@ class ParamStore:
         local = torch.zeros(self.local_shape, device=self.param.device, dtype=self.param.dtype) if g is None else (g.to_local() if isinstance(g, DTensor) else g)
         self._accumulate(self._reduce(local))
 
+    def _gradient_arrived(self) -> None:
+        """A backward's gradient is in the compute weight's ``.grad`` (stages 0 to 2): stage 2
+        reduce-scatters it now; stages 0 and 1 tell the model."""
+        if self.on_gradient is not None:
+            g = self.param.grad
+            self.on_gradient(g.to_local() if isinstance(g, DTensor) else g)
+        if self.stage == 2:
+            self._reduce_now()
+        elif self.on_local_gradient is not None:
+            self.on_local_gradient()
+
     def finish_gradients(self) -> None:
         """After the last micro-batch's backward (stages 0 and 1)."""
         if self.stage <= 1:
             self._reduce_now()
 
+    def is_updated(self) -> bool:
+        """Whether the shard changed since its compute weight was gathered (stages 1 and 2)."""
+        return self.stage in (1, 2) and self.opt._version != self.gathered_version
+
     @torch.no_grad()
-    def after_step(self) -> None:
-        """Stages 1 and 2: gather the updated shards back into the compute weight."""
-        if self.stage in (1, 2):
+    def gather_updated(self) -> None:
+        """Stages 1 and 2: gather the updated shards back into the compute weight, if the shard
+        changed since the last gather."""
+        if self.is_updated():
             full = reshard_local(self.opt.detach(), (self.numel,), self.mesh, self.flat_sharded,
                                  tuple(REPLICATE for _ in self.flat_sharded), reverse=True)
             self.param.to_local().view(-1).copy_(full)
+            self.gathered_version = self.opt._version
+
+    def after_step(self) -> None:
+        """What an optimizer step hook does for this parameter (:meth:`gather_updated`)."""
+        self.gather_updated()
+
+    def copies(self) -> int:
+        """How many ranks hold each element of this rank's optimizer shard."""
+        stored = self.axes if self.stage >= 1 else ()
+        return math.prod(self.mesh.size(a) for a, p in enumerate(self.compute)
+                         if not isinstance(p, Shard) and a not in stored)
 
     def gather(self) -> torch.Tensor:
         full = gather_flat(self.param, self.numel, self.mesh, self.axes, self.flat_sharded, self.compute_dtype)
@@ -411,6 +450,23 @@ class GatherUnit:
             self.forward_flat = None
         return _UnitUse.apply(self.param, self, k, flat), self.regather
 
+    def piece_range(self) -> tuple[int, int]:
+        """Where this rank's shard lies in the unit's flat buffer."""
+        lo, n = _flat_range(self.numel, self.axes, self.mesh, self.mesh.get_coordinate() or [0] * self.mesh.ndim)
+        return lo, lo + n
+
+    def gradient_pieces(self) -> list[tuple[torch.Tensor, int]]:
+        """This rank's shard of the unit's gradient cut at its members' bounds, each piece with
+        how many ranks hold a copy of it (members differ in the axes that split them)."""
+        lo, hi = self.piece_range()
+        grad = self.param.grad.reshape(-1)
+        pieces = []
+        for store, start in zip(self.stores, self.offsets):
+            begin, end = max(lo, start), min(hi, start + store.numel)
+            if begin < end:
+                pieces.append((grad[begin - lo:end - lo], store.copies()))
+        return pieces
+
     def reduce(self) -> torch.Tensor:
         """The members' summed gradients as this rank's shard of the unit's gradient."""
         pending = self.pending
@@ -483,6 +539,7 @@ class ShardedGraphModel(nn.Module):
     def __init__(self, model, problem: Problem, selection: Selection, device_mesh: DeviceMesh):
         super().__init__()
         graph = problem.graph
+        source = getattr(model, "module", model)  # the module the plan runs (misuse checks)
         if tuple(device_mesh.shape) != problem.mesh.shape:
             raise ValueError(f"device mesh {tuple(device_mesh.shape)} ≠ plan mesh {problem.mesh.shape}")
         self.graph, self.problem, self.selection, self.mesh = graph, problem, selection, device_mesh
@@ -526,12 +583,23 @@ class ShardedGraphModel(nn.Module):
             for unit in self.units:
                 layer = graph.ops[graph.consumers[unit.stores[0].name][0][0]].layer
                 self.units_of_layer.setdefault(layer, []).append(unit)
-        self.weights = nn.ParameterDict({_key(n): s.param for n, s in self.stores.items() if s.unit is None})
+        # The module's parameters are what an optimizer updates: this rank's shards (a stage 0-2
+        # shard shares storage with its DTensor compute weight, ``store.param``).
+        self.weights = nn.ParameterDict({_key(n): s.opt for n, s in self.stores.items() if s.unit is None})
         self.unit_weights = nn.ParameterList([unit.param for unit in self.units])
+        self.requires_gradient_sync = True
+        self.local_gradients = False  # stage 0-1 gradients not reduced yet
+        self.reduction_queued = False
+        self.replicate_loss = True  # forward returns the global loss on every rank
+        for store in self.stores.values():
+            if store.stage <= 1:
+                store.on_local_gradient = self._local_gradient_arrived
+        self.source = loop.SourceParameters(source.parameters() if isinstance(source, nn.Module) else ())
+        loop.register(self)
 
     def optimizer_parameters(self) -> list[nn.Parameter]:
-        return [self.stores[n].opt for n in self.graph.parameters if self.stores[n].unit is None] + [
-            unit.param for unit in self.units]
+        """This rank's shards, which an optimizer updates (the module's parameters)."""
+        return list(self.parameters())
 
     def boundary(self, i: int, j: int) -> _Boundary:
         e = self.problem.edge_of_input[(i, j)]
@@ -583,6 +651,7 @@ class ShardedGraphModel(nn.Module):
         """The loss of one micro-batch: the graph's inputs in full, or this rank's ``shares``
         of them cut before the step (then no view of the full batch is made in it)."""
         g = self.graph
+        self.gather_updated()  # shards updated by something other than an optimizer step
         inputs = self.load(inputs if isinstance(inputs, Shares) else self.shares(inputs))
 
         def context(i):
@@ -604,13 +673,15 @@ class ShardedGraphModel(nn.Module):
                 cache[name] = store.weight()
             return cache[name]
 
-        return _run_graph(
+        loss = _run_graph(
             g, inputs, self.kernels, context,
             weight=weight,
             feed=self._feed,
             input_for=self._input,
             replay=self._replay(inputs, context) if any(self.replayed) or self.units_of_layer else None,
         )
+        groups = self.loss_groups() if self.replicate_loss else ()
+        return loop.SumOverAxes.apply(loss, groups) if groups else loss
 
     def _replay(self, inputs: dict[str, torch.Tensor], context) -> LayerReplay:
         g = self.graph
@@ -640,18 +711,112 @@ class ShardedGraphModel(nn.Module):
         return LayerReplay(g, self.replayed, links)
 
     def watch_gradients(self, callback: Callable[[torch.Tensor], None] | None) -> None:
-        """Call ``callback`` on every reduced gradient the optimizer will read."""
+        """Call ``callback`` on every gradient buffer of a stage 0-2 weight and every reduced
+        gradient the optimizer will read."""
         for store in self.stores.values():
             store.on_gradient = callback
 
+    # -- the training loop (``loop.py``) ---------------------------------------------------------
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """Whether the next backwards reduce the gradients of ZeRO stages 0 and 1 when they end
+        (FSDP2's name). Off for every micro-batch but the last, they accumulate locally and
+        the last one's backward reduces their sum once, as the plan prices. Stages 2 and 3
+        reduce every micro-batch's gradients as they are made either way (the plan prices
+        that too)."""
+        self.requires_gradient_sync = requires
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside do not reduce stage 0-1 gradients (DDP's name; see
+        :meth:`set_requires_gradient_sync`)."""
+        before = self.requires_gradient_sync
+        self.requires_gradient_sync = False
+        try:
+            yield
+        finally:
+            self.requires_gradient_sync = before
+
+    def _local_gradient_arrived(self) -> None:
+        self.local_gradients = True
+        if self.requires_gradient_sync and not self.reduction_queued:
+            self.reduction_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self.reduction_queued = False
+        self.finish_gradients()
+
     def finish_gradients(self) -> None:
+        """Reduce the stage 0-1 gradients now, if some wait. The backward with gradient sync on
+        does this when it ends; a loop that keeps gradient sync off may call it instead."""
+        if not self.local_gradients:
+            return
+        self.local_gradients = False
         for store in self.stores.values():
             store.finish_gradients()
 
-    def after_step(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The shards' gradients, and the stage 0-1 local gradients waiting to be reduced."""
+        super().zero_grad(set_to_none)
         for store in self.stores.values():
-            store.after_step()
-        self.step += 1
+            if store.unit is None and store.stage < 3:
+                store.param.grad = None
+        self.local_gradients = False
+
+    def gather_updated(self) -> None:
+        """Gather the shards an optimizer updated into the compute weights (ZeRO 1-2)."""
+        for store in self.stores.values():
+            if store.unit is None:
+                store.gather_updated()
+
+    def after_step(self) -> None:
+        """Gather the updated shards (an optimizer's step hook does this by itself)."""
+        self.gather_updated()
+
+    def check_optimizer(self, held: set[int]) -> None:
+        """Before a step of an optimizer holding the parameters of ids ``held``: raise if it
+        cannot be right for this model (``loop.check_step``)."""
+        mine = {id(p) for p in self.parameters()}
+        has_gradients = self.local_gradients or any(p.grad is not None for p in self.parameters())
+        loop.check_step(self.source, held, mine, has_gradients, self.local_gradients)
+
+    def after_optimizer_step(self, held: set[int]) -> None:
+        """After a step of an optimizer holding the parameters of ids ``held``: if it holds
+        this model's, gather the updated shards and move the step count on."""
+        if any(id(p) in held for p in self.parameters()):
+            self.gather_updated()
+            self.step += 1
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the plan's shards: the norm of the whole
+        model's gradients (each element counted once, whichever ranks hold it), the same on
+        every rank; the gradients scaled to at most ``max_norm``. Returns the norm."""
+        total = loop.global_norm(self.gradient_pieces(), norm_type, self.groups, self.device)
+        grads = [p for p in self.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach)
+        return total
+
+    def state_dict(self, *args, **kwargs) -> dict[str, DTensor]:
+        """Every parameter by the module's own name (``lm_head.weight``): a DTensor of its
+        shape in its compute layout under the plan (``checkpoint.py``)."""
+        return checkpoint.model_state_dict(self)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False) -> None:
+        """Load parameters by the module's names: DTensors in any layout on this mesh (as
+        ``torch.distributed.checkpoint`` loads them into :meth:`state_dict`'s), or full tensors."""
+        unexpected = set(state_dict) - set(self.graph.parameters)
+        if strict and unexpected:
+            raise KeyError(f"unexpected keys in the state dict: {', '.join(sorted(unexpected)[:5])}")
+        checkpoint.load_model_state_dict(self, state_dict)
+
+    def gradient_pieces(self) -> list[tuple[torch.Tensor, int]]:
+        """This rank's reduced gradients, each with how many ranks hold a copy of it."""
+        pieces = [(s.opt.grad, s.copies()) for s in self.stores.values()
+                  if s.unit is None and s.opt.grad is not None]
+        for unit in self.units:
+            if unit.param.grad is not None:
+                pieces.extend(unit.gradient_pieces())
+        return pieces
 
     @torch.no_grad()
     def full_gradient(self, name: str) -> torch.Tensor:
@@ -672,13 +837,18 @@ class ShardedGraphModel(nn.Module):
         return reshard_local(local, store.shape, self.mesh, store.compute,
                              tuple(REPLICATE for _ in store.compute), reverse=True)
 
+    def loss_groups(self) -> tuple:
+        """The process groups of the mesh axes over which each rank holds a partial loss."""
+        layout = self.strategies[self.graph.producer[self.graph.loss]].output_layout
+        return tuple(self.groups[a] for a, p in enumerate(layout) if isinstance(p, Partial))
+
     def loss_value(self, loss: torch.Tensor) -> float:
-        """The global loss from this rank's partial piece (sums over the axes that split it)."""
-        axes = [a for a, p in enumerate(self.strategies[self.graph.producer[self.graph.loss]].output_layout)
-                if isinstance(p, Partial)]
+        """The global loss from what forward returned: this rank's partial piece (summed over
+        the axes that split it) or, with ``replicate_loss``, the global loss itself."""
         t = loss.detach().clone()
-        for a in axes:
-            dist.all_reduce(t, group=self.groups[a])
+        if not self.replicate_loss:
+            for group in self.loss_groups():
+                dist.all_reduce(t, group=group)
         if is_fake(t):  # memshard simulate (FakeTensorMode): there is no value to read
             return math.nan
         return float(t)

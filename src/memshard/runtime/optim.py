@@ -17,6 +17,11 @@ kernel does. :class:`LeanAdam` therefore allocates nothing of a parameter's size
 
 Same update as ``torch.optim.Adam`` (no weight decay, no amsgrad) on the fp32 values; the
 step count is a Python int, not a tensor.
+
+A sharded model does not need it: any ``torch.optim`` optimizer over its ``parameters()``
+trains the plan alike (``loop.py``). What LeanAdam saves is the step's temporaries (so the
+measured peak is the plan's, ``memshard run``) and, under mixed precision, the fp32 master
+weights a ``torch.optim`` optimizer over bf16 shards would not keep.
 """
 
 from __future__ import annotations

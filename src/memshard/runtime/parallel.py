@@ -4,6 +4,11 @@ A built graph runs memshard's reference model (``executor.GraphModel``, the kern
 ``ops.py``) on random token batches; a traced one runs the module it traced (its parameters by
 FQN, the kernels of ``traced.py``) on random arguments of the traced shapes. Both run on the
 same executor (``executor.ShardedGraphModel``).
+
+The result trains in a standard loop with any ``torch.optim`` optimizer over its
+``parameters()`` (this rank's shards): ``loss.backward(); opt.step(); opt.zero_grad()``.
+Gradient accumulation, clipping and checkpoints: ``loop.py``, ``checkpoint.py`` and
+docs/training.md.
 """
 
 from __future__ import annotations
@@ -31,7 +36,11 @@ def parallelize(model: nn.Module, plan, device_mesh: DeviceMesh, seed: int = 0) 
 
     ``model`` is a :class:`~memshard.runtime.executor.GraphModel` of the plan's graph, or the
     module the plan traced (its parameters are read by name; call the result like the
-    module, it returns the loss; ``seed`` seeds its dropout masks)."""
+    module, it returns the loss; ``seed`` seeds its dropout masks).
+
+    Train it with ``torch.optim.AdamW(result.parameters())`` (or any optimizer) in the standard
+    loop; the loss it returns is the global loss on every rank. An optimizer over ``model``'s
+    own parameters fails at its first step."""
     if isinstance(model, GraphModel):
         return ShardedGraphModel(model, plan.problem, plan.selection, device_mesh)
     if not _is_traced(plan):

@@ -1,7 +1,8 @@
 """One rank of a training run under a plan, measured against the plan's predictions.
 
-:func:`train` runs ``steps`` optimizer steps of a :class:`ShardedGraphModel` (Adam, each step
-``micro_batches`` forward/backward passes) and measures the last step, when the optimizer
+:func:`train` runs ``steps`` optimizer steps of a :class:`ShardedGraphModel` (``LeanAdam``, each
+step ``micro_batches`` forward/backward passes, gradient sync on for the last one: the standard
+loop of ``loop.py``) and measures the last step, when the optimizer
 states exist as the memory model assumes: peak memory by category (``MemoryMeter``), bytes
 sent per collective kind (``CommCounter``), and the step time. The same code runs under
 ``memshard run`` (which starts the ranks itself) and under an external ``torchrun``::
@@ -71,7 +72,8 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
     plan = runnable(plan)  # (a Megatron-LM layout: re-priced for this runtime)
     model, make_inputs = sharded_model(plan, device_mesh, seed, module)
     del module  # the shards are the model now
-    optimizer = LeanAdam(model.optimizer_parameters(), lr=lr)
+    optimizer = LeanAdam(model.parameters(), lr=lr)
+    model.replicate_loss = False  # the loss is summed outside the measured step (``loss_value``)
     losses, times = [], []
     for step in range(steps):
         last = step == steps - 1
@@ -87,12 +89,10 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
             model.step = step
             model.watch_gradients(meter.mark_gradient if last else None)
             losses.append(_forward_backward(model, batches, counter, step) / len(batches))
-            model.finish_gradients()
             if inspect is not None and not last:
                 with counter.paused():
                     inspect(model, step)
-            optimizer.step()
-            model.after_step()
+            optimizer.step()  # (its step hook gathers the updated ZeRO-1/2 shards)
             optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     return {
@@ -107,9 +107,11 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
 
 
 def _forward_backward(model, batches: list[tuple[tuple, dict]], counter: CommCounter, step: int) -> float:
-    """Every micro-batch's forward and backward; the sum of their losses."""
+    """Every micro-batch's forward and backward; the sum of their losses. Only the last
+    backward reduces the gradients of ZeRO stages 0 and 1 (when it ends)."""
     total = 0.0
     for i, (args, kwargs) in enumerate(batches):
+        model.set_requires_gradient_sync(i == len(batches) - 1)
         loss = model(*args, **kwargs)
         loss.backward()
         if i == len(batches) // 2:

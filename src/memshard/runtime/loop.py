@@ -1,0 +1,153 @@
+"""What a standard PyTorch training loop needs from a sharded model, in one place.
+
+After ``memshard.parallelize``, the three lines of any training loop::
+
+    loss = sharded(batch); loss.backward()
+    optimizer.step(); optimizer.zero_grad()
+
+train the plan exactly as one process trains the module, with any ``torch.optim`` optimizer
+built over ``sharded.parameters()`` (this rank's shards):
+
+- the gradient reductions run from the backward itself (``executor.ParamStore``): ZeRO-2
+  reduce-scatters each gradient as soon as it is complete, ZeRO-3 reduces in the backward of
+  its gather, and stages 0 and 1 reduce their accumulated gradients when the backward of the
+  last micro-batch ends (a callback queued on autograd's engine), unless gradient sync is off;
+- the updated shards of stages 1 and 2 are gathered into the compute weights by a global
+  optimizer step hook (:func:`install_optimizer_hooks`), and the model's step count (its
+  dropout masks) moves on; a shard changed by anything else is gathered before the next
+  forward;
+- a step that cannot be right fails at once with one :class:`MemshardError`: an optimizer that
+  holds the unsharded module's parameters, or stepping while gradients wait to be reduced.
+
+This module also holds the loss summed over the axes that split it (:class:`SumOverAxes`:
+``loss.item()`` is the global loss on every rank) and the global gradient norm over the plan's
+shards (:func:`global_norm`).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from memshard.core.errors import MemshardError
+
+# the sharded models alive in this process (``register``), which every optimizer step visits
+_MODELS: weakref.WeakSet = weakref.WeakSet()
+_HOOKS: list = []  # the two global optimizer hooks, installed once
+
+
+def register(model) -> None:
+    """Let every optimizer step in this process check and update ``model`` (a
+    ``ShardedGraphModel``): its ``check_optimizer(held)`` before, ``after_optimizer_step(held)``
+    after, ``held`` the ids of the optimizer's parameters."""
+    install_optimizer_hooks()
+    _MODELS.add(model)
+
+
+def install_optimizer_hooks() -> None:
+    """Install the global optimizer step hooks (once per process)."""
+    if not _HOOKS:
+        _HOOKS.append(register_optimizer_step_pre_hook(_before_step))
+        _HOOKS.append(register_optimizer_step_post_hook(_after_step))
+
+
+def held_ids(optimizer: torch.optim.Optimizer) -> set[int]:
+    """The ids of the parameters ``optimizer`` holds."""
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
+def _before_step(optimizer, args, kwargs) -> None:
+    if not _MODELS:
+        return
+    held = held_ids(optimizer)
+    for model in list(_MODELS):
+        model.check_optimizer(held)
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    if not _MODELS:
+        return
+    held = held_ids(optimizer)
+    for model in list(_MODELS):
+        model.after_optimizer_step(held)
+
+
+class SourceParameters:
+    """The parameters of the module a sharded model was made from, by weak reference: an
+    optimizer over them trains nothing the sharded model runs."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor]):
+        self.refs = {id(p): weakref.ref(p) for p in parameters}
+
+    def any_held(self, held: set[int]) -> bool:
+        """Whether an optimizer holding the parameters of ids ``held`` holds one of these."""
+        for key in held & self.refs.keys():
+            ref = self.refs[key]()
+            if ref is not None and id(ref) == key:
+                return True
+        return False
+
+
+WRONG_PARAMETERS = ("this optimizer holds the parameters of the unsharded module, which the sharded "
+                    "model does not use: build it over the sharded model's, "
+                    "e.g. torch.optim.AdamW(sharded.parameters())")
+UNREDUCED = ("the optimizer steps while gradients wait to be reduced: gradient sync was off for the "
+             "last backward; call sharded.set_requires_gradient_sync(True) before the last "
+             "micro-batch's backward (or leave sharded.no_sync() before it)")
+
+
+def check_step(source: SourceParameters, held: set[int], mine: set[int], has_gradients: bool,
+               unreduced: bool) -> None:
+    """Raise the one error a step that cannot be right gets (the messages above)."""
+    if has_gradients and source.any_held(held):
+        raise MemshardError(WRONG_PARAMETERS)
+    if unreduced and held & mine:
+        raise MemshardError(UNREDUCED)
+
+
+class SumOverAxes(torch.autograd.Function):
+    """The loss summed over the mesh axes where each rank holds a partial sum of it: the same
+    value on every rank. Backward hands each rank the gradient unchanged, the derivative of a
+    sum with respect to each of its terms."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, groups: tuple) -> torch.Tensor:
+        total = loss.detach().clone()
+        for group in groups:
+            dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+@torch.no_grad()
+def global_norm(pieces: list[tuple[torch.Tensor, int]], norm_type: float, groups: tuple,
+                device: torch.device) -> torch.Tensor:
+    """The ``norm_type``-norm of all gradients over the mesh, from this rank's ``pieces``:
+    each a gradient piece and how many ranks hold a copy of it (its replication), so that
+    every element counts once. The same value on every rank (fp32)."""
+    norm_type = float(norm_type)
+    if math.isinf(norm_type):
+        local = torch.zeros((), device=device)
+        for g, _ in pieces:
+            if g.numel():
+                local = torch.maximum(local, g.detach().abs().max().float())
+        for group in groups:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return local
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for g, copies in pieces:
+        local += g.detach().float().abs().pow(norm_type).sum().double() / copies
+    for group in groups:
+        dist.all_reduce(local, group=group)
+    return local.pow(1.0 / norm_type).float()

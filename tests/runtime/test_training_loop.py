@@ -1,0 +1,468 @@
+"""A standard PyTorch training loop over ``memshard.parallelize``'s model, on 4 gloo ranks.
+
+Every case runs ``loss = sharded(batch); loss.backward(); opt.step(); opt.zero_grad()`` with a
+``torch.optim`` optimizer over ``sharded.parameters()`` (AdamW, SGD with momentum, Adam; foreach
+and not; an LR scheduler), under memshard's least-memory plans and the baselines (ZeRO-1, -2, -3, ZeRO-3 by
+layer, TP, SP, recomputation), and compares with the same loop in one process on the unsharded
+model: every rank's ``loss.item()`` (no collective written by hand) equals the single process's
+loss (fp32, rtol 1e-5) and the gradients of the second step are as close to the exact (float64)
+ones as the single process's, as ``test_runtime.py`` judges them. Also: ``clip_grad_norm_``
+returns the single-process norm; 4 micro-batches accumulated with gradient sync off but for the
+last equal the full batch; an optimizer over the unsharded module's parameters, or a step while
+gradients wait to be reduced, fails with one ``MemshardError``. One forked world runs every case.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import memshard
+from memshard.api import strategy_plan
+from memshard.core.errors import MemshardError
+from memshard.plans.plan import runnable
+from memshard.runtime import loop
+from memshard.runtime.executor import GraphModel, make_batch
+from tests.runtime_harness import BATCH, INSPECT_STEP, forked_world
+from tests.runtime_plans import least_memory, saved
+
+STEPS = 3
+WORLD = 4
+ROUNDING_FLOOR = 1e-3  # of a gradient's size (test_runtime.py says why)
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+TINY_LLAMA = EXAMPLES / "tiny_llama.json"
+MAX_NORM = 0.05  # below every step's gradient norm: clipping changes the run
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run: the plan (how it is made), the optimizer, clipping and micro-batches per step."""
+
+    model: str
+    mesh: str
+    strategy: str  # "memory": memshard's least-memory plan (saved), else a baseline
+    optimizer: str = "adamw"
+    clip: bool = False
+    micro_batches: int = 1
+    unit: str = "op"
+    recompute: str = "none"
+    schedule: bool = False  # the learning rate over steps: LambdaLR, 1 / (1 + step)
+
+
+CASES = {
+    "gpt-memshard-2x2-adamw": Case("tiny-gpt", "2x2", "memory", schedule=True),
+    "llama-memshard-1x4-sgd": Case("tiny-llama", "1x4", "memory", "sgd", schedule=True),
+    "llama-memshard-4-adam": Case("tiny-llama", "4", "memory", "adam"),
+    "llama-memshard-layer-2x2-adamw": Case("tiny-llama", "2x2", "memory", unit="layer"),
+    "llama-zero1-4-adamw": Case("tiny-llama", "4", "zero1"),
+    "gpt-zero2-4-sgd": Case("tiny-gpt", "4", "zero2", "sgd"),
+    "llama-zero3-2x2-adamw": Case("tiny-llama", "2x2", "zero3-fsdp"),
+    "gpt-fsdp-layer-2x2-sgd": Case("tiny-gpt", "2x2", "tp2-fsdp2", "sgd", unit="layer"),
+    "gpt-tp-sp-1x4-adamw": Case("tiny-gpt", "1x4", "megatron-tp4-sp"),
+    "llama-tp-dp-1x4-sgd": Case("tiny-llama", "1x4", "megatron-tp2-dp2", "sgd"),
+    "gpt-recompute-2x2-adamw": Case("tiny-gpt", "2x2", "megatron-tp2-dp2-sp+full", recompute="full"),
+    # clipping: the global norm over the plan's shards
+    "gpt-dp-4-clip": Case("tiny-gpt", "4", "dp", clip=True),
+    "llama-memshard-2x2-clip": Case("tiny-llama", "2x2", "memory", "sgd", clip=True),
+    "gpt-fsdp-layer-2x2-clip": Case("tiny-gpt", "2x2", "tp2-fsdp2", clip=True, unit="layer"),
+    "llama-tp-dp-1x4-clip": Case("tiny-llama", "1x4", "megatron-tp2-dp2", clip=True),
+    # gradient accumulation over 4 micro-batches: sync off for the first 3
+    "llama-zero1-4-accumulate": Case("tiny-llama", "4", "zero1", micro_batches=4),
+    "gpt-dp-4-accumulate": Case("tiny-gpt", "4", "dp", "sgd", micro_batches=4),
+    "gpt-memshard-2x2-accumulate": Case("tiny-gpt", "2x2", "memory", micro_batches=4),
+}
+CHECKPOINT_PLANS = ("llama-memshard-layer-2x2-adamw", "llama-tp-dp-1x4-sgd")  # saved, loaded
+MISUSE = "llama-zero1-4-adamw"  # the plan of the misuse and collective counts (ZeRO-1)
+
+
+def make_plan(case: Case):
+    if case.strategy == "memory":
+        return saved(least_memory(case.model, case.mesh, case.unit))
+    return runnable(strategy_plan(case.model, case.mesh, case.strategy, batch=BATCH, precision="fp32",
+                                  zero3_unit=case.unit, recompute=case.recompute))
+
+
+def make_optimizer(kind: str, params):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=True)
+    return torch.optim.Adam(params, lr=1e-3, foreach=False)
+
+
+def train_steps(model, optimizer, graph, case: Case, clip, inspect=None) -> tuple[list[float], list[float]]:
+    """The loop every run shares, sharded or not: losses and (with ``clip``) gradient norms."""
+    losses, norms = [], []
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s)) if case.schedule else None
+    for step in range(STEPS):
+        total = 0.0
+        batches = make_batch(graph, case.micro_batches, step)
+        for k, batch in enumerate(batches):
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(k == len(batches) - 1)
+            loss = model(batch) / case.micro_batches
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        if inspect is not None and step == INSPECT_STEP:
+            inspect()
+        if case.clip:
+            norms.append(float(clip(MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    return losses, norms
+
+
+# -- the ranks ---------------------------------------------------------------------------------
+def _sharded_run(name: str, case: Case, plan, out_dir: Path) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", plan.problem.mesh.shape)
+    graph = plan.problem.graph
+    model = memshard.parallelize(GraphModel(graph, seed=0), plan, mesh)
+    optimizer = make_optimizer(case.optimizer, model.parameters())
+
+    def inspect():
+        grads = {n: model.full_gradient(n).double() for n in graph.parameters}
+        if dist.get_rank() == 0:
+            torch.save(grads, out_dir / f"{name}.pt")
+
+    losses, norms = train_steps(model, optimizer, graph, case, model.clip_grad_norm_, inspect)
+    return {"losses": losses, "norms": norms, "step": model.step}
+
+
+def _misuse_runs(plan) -> dict:
+    """The errors of two steps that cannot be right (None where no error came)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", plan.problem.mesh.shape)
+    graph = plan.problem.graph
+    out = {}
+    source = GraphModel(graph, seed=0)
+    model = memshard.parallelize(source, plan, mesh)
+    for what, optimizer, sync in (("source", torch.optim.AdamW(source.parameters()), True),
+                                  ("unreduced", torch.optim.AdamW(model.parameters()), False)):
+        model.set_requires_gradient_sync(sync)
+        model(make_batch(graph, 1, 0)[0]).backward()
+        try:
+            optimizer.step()
+            out[what] = None
+        except MemshardError as e:
+            out[what] = str(e)
+        model.set_requires_gradient_sync(True)
+        model.finish_gradients()
+        optimizer.zero_grad()
+        model.zero_grad()
+    return out
+
+
+def _accumulation_calls(plan) -> dict:
+    """Collective calls of one step of 4 micro-batches, with gradient sync on for the last one
+    only and for every one."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memshard.runtime.measure import CommCounter
+
+    mesh = init_device_mesh("cpu", plan.problem.mesh.shape)
+    graph = plan.problem.graph
+    model = memshard.parallelize(GraphModel(graph, seed=0), plan, mesh)
+    out = {}
+    for what in ("sync last", "sync every"):
+        counter = CommCounter()
+        with counter:
+            for k, batch in enumerate(make_batch(graph, 4, 0)):
+                model.set_requires_gradient_sync(what == "sync every" or k == 3)
+                model(batch).backward()
+        out[what] = sum(counter.calls_by_kind.values())
+        model.zero_grad()
+    return out
+
+
+def _checkpoint_runs(out_dir: Path) -> dict:
+    """Steps 1 and 2 of AdamW under plan A (ZeRO-3 by layer, 2x2) straight on, and after a
+    DCP checkpoint of step 0 loaded under plan B (TP x DP, 1x4: other layouts, other mesh) into
+    a model made with other weights and an optimizer with another learning rate."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memshard.runtime.checkpoint import get_state_dict, set_state_dict
+
+    def model_and_optimizer(plan, seed, lr):
+        mesh = init_device_mesh("cpu", plan.problem.mesh.shape)
+        model = memshard.parallelize(GraphModel(plan.problem.graph, seed=seed), plan, mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+    def steps(model, optimizer, graph, first, last=STEPS):
+        losses = []
+        for step in range(first, last):
+            loss = model(make_batch(graph, 1, step)[0])
+            loss.backward()
+            losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+        return losses
+
+    plan_a, plan_b = (_plans()[name] for name in CHECKPOINT_PLANS)
+    model, optimizer = model_and_optimizer(plan_a, 0, 1e-3)
+    steps(model, optimizer, plan_a.problem.graph, 0, 1)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    names_and_kinds = {name: type(value).__name__ for name, value in model.state_dict().items()}
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=out_dir / "checkpoint")
+    straight = steps(model, optimizer, plan_a.problem.graph, 1)
+    model, optimizer = model_and_optimizer(plan_b, 1, 5e-4)
+    state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+    dcp.load(state, checkpoint_id=out_dir / "checkpoint")
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return {"straight": straight, "resumed": steps(model, optimizer, plan_b.problem.graph, 1),
+            "state_dict": names_and_kinds}
+
+
+@functools.cache
+def traced_plan():
+    """memshard's plan of the README's Hugging Face LLaMA (examples/tiny_llama.json), traced."""
+    return memshard.plan(memshard.HFModel(str(TINY_LLAMA)), "4", batch=4, seq=16, precision="fp32", mip_gap=0.02)
+
+
+def traced_module(plan):
+    from memshard.trace.hf import seeded_model
+
+    job = plan.job
+    return seeded_model(job.model.source, job.precision, job.model.attn_implementation, job.hf_overrides())
+
+
+def traced_losses(model, optimizer, graph) -> list[float]:
+    """The standard loop over the module's own arguments (the sharded model, or the module)."""
+    from memshard.runtime import traced
+
+    losses = []
+    for step in range(STEPS):
+        (args, kwargs), = traced.make_batch(graph, 1, step)
+        out = model(*args, **kwargs)
+        loss = getattr(out, "loss", out)
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def _traced_run() -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    plan = traced_plan()
+    model = memshard.parallelize(traced_module(plan), plan, init_device_mesh("cpu", plan.problem.mesh.shape))
+    return traced_losses(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan.problem.graph)
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    plans = _plans()
+    report = {name: _sharded_run(name, case, plans[name], Path(out_dir)) for name, case in CASES.items()}
+    report["misuse"] = _misuse_runs(plans[MISUSE])
+    report["accumulation_calls"] = _accumulation_calls(plans[MISUSE])
+    report["checkpoint"] = _checkpoint_runs(Path(out_dir))
+    report["traced"] = _traced_run()
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+@functools.cache
+def _plans() -> dict:
+    return {name: make_plan(case) for name, case in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    _plans(), traced_plan()  # made here, before the fork: the ranks inherit them
+    out_dir = tmp_path_factory.mktemp("training_loop")
+    reports = forked_world(_worker, WORLD, out_dir)
+    return reports, out_dir
+
+
+# -- the single process ------------------------------------------------------------------------
+@functools.cache
+def reference(name: str, dtype: torch.dtype = torch.float32):
+    """The same loop on the unsharded model in one process: losses, norms, gradients."""
+    case = CASES[name]
+    graph = _plans()[name].problem.graph
+    model = GraphModel(graph, seed=0).to(dtype)
+    optimizer = make_optimizer(case.optimizer, model.parameters())
+    grads = {}
+
+    def inspect():
+        grads.update({n: model.parameter(n).grad.double().clone() for n in graph.parameters})
+
+    def clip(max_norm):
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    model.step = 0  # moved on by each step, as the sharded model's step hook does (dropout masks)
+    hook = optimizer.register_step_post_hook(lambda *args: setattr(model, "step", model.step + 1))
+    losses, norms = train_steps(model, optimizer, graph, case, clip, inspect)
+    hook.remove()
+    return losses, norms, grads
+
+
+def assert_gradients_close(grads: dict, name: str) -> None:
+    """The rule of ``test_runtime.py``: each gradient as close to the exact one as the single
+    process's within 10×, or within its rounding floor (see there)."""
+    _, _, single = reference(name)
+    _, _, exact = reference(name, torch.float64)
+    assert set(grads) == set(exact)
+
+    def error(g, n):
+        return (g - exact[n]).abs().max().item()
+
+    scales = {n: g.abs().max().item() for n, g in exact.items()}
+    noise = max(error(g, n) / scales[n] for n, g in single.items() if scales[n] > 1e-6 * max(scales.values()))
+    for n, g in grads.items():
+        ours, own, scale = error(g, n), error(single[n], n), scales[n]
+        assert ours <= max(10 * own, ROUNDING_FLOOR * scale, noise * scale), (name, n, ours, own, scale)
+
+
+# -- the tests ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_standard_loop_equals_one_process(name, runs):
+    """Every rank's ``loss.item()`` is the single process's loss at every step; the gradients
+    match; the model's step count moved on with each optimizer step (its hook)."""
+    reports, out_dir = runs
+    losses, _, _ = reference(name)
+    for r in reports:
+        torch.testing.assert_close(torch.tensor(r[name]["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+        assert r[name]["step"] == STEPS
+    assert_gradients_close(torch.load(out_dir / f"{name}.pt"), name)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.clip))
+def test_clip_grad_norm_returns_the_single_process_norm(name, runs):
+    reports, _ = runs
+    _, norms, _ = reference(name)
+    assert min(norms) > MAX_NORM  # (clipping changed every step)
+    for r in reports:
+        torch.testing.assert_close(torch.tensor(r[name]["norms"]), torch.tensor(norms), rtol=1e-5, atol=0)
+
+
+def test_the_plans_cover_zero_stages_tp_sp_and_recomputation():
+    plans = _plans()
+    stages = set()
+    for plan in plans.values():
+        problem = plan.problem
+        for name in problem.graph.parameters:
+            group = problem.storage_group[name]
+            stages.add(problem.groups[group].options[plan.selection.choices[group]][1].stage)
+    assert stages == {0, 1, 2, 3}
+    assert any(plan.problem.recompute != "none" for plan in plans.values())
+    assert any(plan.problem.zero3_unit == "layer" for plan in plans.values())
+
+
+def test_accumulation_reduces_once_per_step(runs):
+    """4 micro-batches with gradient sync on for the last only (their losses and gradients equal
+    the full batch's: ``test_the_standard_loop_equals_one_process``) reduce ZeRO-1's gradients
+    once: fewer collectives than with sync on for every micro-batch."""
+    reports, _ = runs
+    for r in reports:
+        calls = r["accumulation_calls"]
+        assert 0 < calls["sync last"] < calls["sync every"], calls
+
+
+def test_an_optimizer_over_the_unsharded_module_fails_loudly(runs):
+    reports, _ = runs
+    for r in reports:
+        assert r["misuse"]["source"] == loop.WRONG_PARAMETERS
+
+
+def test_a_step_with_gradients_not_reduced_fails_loudly(runs):
+    reports, _ = runs
+    for r in reports:
+        assert r["misuse"]["unreduced"] == loop.UNREDUCED
+
+
+def test_state_dict_is_keyed_by_the_modules_names(runs):
+    reports, _ = runs
+    graph = _plans()[CHECKPOINT_PLANS[0]].problem.graph
+    for r in reports:
+        assert r["checkpoint"]["state_dict"] == dict.fromkeys(graph.parameters, "DTensor")
+    assert "lm_head.weight" in graph.parameters
+
+
+def test_a_checkpoint_loads_under_another_plan(runs):
+    """Saved under ZeRO-3 by layer on 2x2, loaded under TP x DP on 1x4: the next steps'
+    losses are those of the run that went on (and of the single process)."""
+    reports, _ = runs
+    for r in reports:
+        torch.testing.assert_close(torch.tensor(r["checkpoint"]["resumed"]),
+                                   torch.tensor(r["checkpoint"]["straight"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(reports[0]["checkpoint"]["straight"]),
+                               torch.tensor(reference(CHECKPOINT_PLANS[0])[0][1:]), rtol=1e-5, atol=0)
+
+
+def test_a_checkpoint_loads_as_a_full_state_dict_into_one_process(runs, tmp_path):
+    """The DCP checkpoint as one full state dict (``dcp_to_torch_save``) into the unsharded
+    model and a plain ``torch.optim.AdamW`` (its state by parameter index): the same next losses."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    reports, out_dir = runs
+    dcp_to_torch_save(out_dir / "checkpoint", tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    graph = _plans()[CHECKPOINT_PLANS[0]].problem.graph
+    model = GraphModel(graph, seed=1)
+    with torch.no_grad():
+        for name in graph.parameters:
+            model.parameter(name).copy_(full["model"][name])
+    params = [model.parameter(name) for name in graph.parameters]
+    optimizer = torch.optim.AdamW(params, lr=5e-4, weight_decay=0.1)
+    index = {name: i for i, name in enumerate(graph.parameters)}
+    groups = [{**g, "params": sorted(index[n] for n in g["params"])} for g in full["optim"]["param_groups"]]
+    optimizer.load_state_dict({"state": {index[n]: v for n, v in full["optim"]["state"].items()},
+                               "param_groups": groups})
+    losses = []
+    for step in range(1, STEPS):
+        loss = model(make_batch(graph, 1, step)[0])
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reports[0]["checkpoint"]["straight"]),
+                               rtol=1e-5, atol=0)
+
+
+def test_a_traced_hugging_face_llama_trains_as_the_module(runs):
+    """The README's traced LLaMA in the standard loop with AdamW: every rank's ``loss.item()``
+    is the module's own loss at every step (the module in one process, the same loop)."""
+    reports, _ = runs
+    plan = traced_plan()
+    module = traced_module(plan)
+    losses = traced_losses(lambda *a, **k: module(*a, **k, **plan.problem.graph.traced.fixed_kwargs),
+                           torch.optim.AdamW(module.parameters(), lr=1e-3), plan.problem.graph)
+    for r in reports:
+        torch.testing.assert_close(torch.tensor(r["traced"]), torch.tensor(losses), rtol=1e-5, atol=0)
+
+
+def test_the_example_trains_saves_and_resumes(tmp_path):
+    """examples/train.py under torchrun on 2 gloo ranks: 4 steps with a checkpoint after the
+    second, then the same command resumed from it: the resumed steps' losses are the first
+    run's (the model, AdamW's states, the scheduler and the step restored)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(EXAMPLES / "train.py"), "--config", str(TINY_LLAMA), "--mesh", "2", "--steps", "4",
+               "--checkpoint", str(tmp_path / "checkpoint")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for extra in (["--save-at", "2", "--losses", str(tmp_path / "straight.json")],
+                  ["--resume", "--losses", str(tmp_path / "resumed.json")]):
+        done = subprocess.run(command + extra, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    straight = json.loads((tmp_path / "straight.json").read_text())
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert list(straight) == ["0", "1", "2", "3"] and list(resumed) == ["2", "3"]
+    assert resumed == pytest.approx({step: straight[step] for step in resumed}, rel=1e-6)
