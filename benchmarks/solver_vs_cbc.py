@@ -3,7 +3,7 @@
 Builds memshard's ILP once (the peak-memory objective) and times, with the same relative gap,
 one thread each:
 
-- HiGHS as ``memshard plan`` runs it (``ilp.highs.HighsSearch.first_pass``: the cheap bounds; the
+- HiGHS as ``memshard plan`` runs it (``search.passes.first_pass``: the cheap bounds; the
   dive, then, where it leaves the gap open, branch and bound, on peak + 3% step time; the
   plan-independent or LP bound as proof);
 - PuLP + CBC on the identical model, minimising the peak (PuLP's model building included);
@@ -39,7 +39,9 @@ from memshard.problem.pricing import build_problem
 from memshard.search.formulation import Formulation
 from memshard.search.highs import TIE_BREAK, TIE_RESOLUTION, HighsSearch, blend_objective
 from memshard.search.model import LinearModel
+from memshard.search.passes import Objectives, PassRules, first_pass
 from memshard.search.solve import second_pass_cap
+from memshard.search.stages import MEMORY
 
 
 def build(args):
@@ -112,7 +114,7 @@ def pair_formulation(f: Formulation):
 
 
 def solve_highs(problem, f: Formulation, gap: float, limit: float) -> tuple[float, float, bool, bool]:
-    """memshard's search for the least peak (``HighsSearch.first_pass``), the cheap bounds
+    """memshard's search for the least peak (``passes.first_pass``), the cheap bounds
     it starts from included, and the tie-breaking second pass where ``ilp.solve.solve`` would
     run one: (seconds, peak, whether the plan's evaluated peak is within its M, whether the
     second pass ran)."""
@@ -121,15 +123,15 @@ def solve_highs(problem, f: Formulation, gap: float, limit: float) -> tuple[floa
     floor = ref.memory_floor_bytes / f.bytes_unit
     search = HighsSearch(f.model, started + limit, f.disjunctions())
     peak, step_time = f.peak_expression(), f.time_expression()
-    found = search.first_pass(peak, step_time, ref.least_peak_bytes / f.bytes_unit,
-                              (floor, ref.time_estimate_s / f.time_unit), max(gap, TIE_RESOLUTION),
-                              f.replicated_start())
+    objectives = Objectives(peak, step_time, MEMORY, ref.least_peak_bytes / f.bytes_unit,
+                            (floor, ref.time_estimate_s / f.time_unit))
+    found = first_pass(search, objectives, PassRules(max(gap, TIE_RESOLUTION)), f.replicated_start())
     values = found.values
     if not found.ties_resolved:  # as ilp.solve.solve: the step time, the peak held within the gap
         tolerance = max(gap, TIE_RESOLUTION)
         search.add_row(peak, second_pass_cap(found.objective, found.objective * (1 - found.gap), tolerance))
         values = search.minimise(step_time, tolerance, start=values).values
-    return time.perf_counter() - started, found.objective, not f.over_peak(values), not found.ties_resolved
+    return time.perf_counter() - started, found.objective, not f.points_over_peak(values), not found.ties_resolved
 
 
 def blend(f: Formulation):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
+from memshard.baselines.names import Kind, StrategyName, parse_strategy
 from memshard.baselines.recipes import baselines
 from memshard.core.errors import MemshardError
 from memshard.core.graph import Graph
 from memshard.core.mesh import Mesh
+from memshard.core.quantities import MAX_FACTOR
 from memshard.fitting import FitResult, fit_job
 from memshard.job import HFModel, Job, TracedModule, is_module
 from memshard.models import ModelConfig
@@ -73,7 +75,9 @@ def plan(
     loss; ``batch`` is the global batch in sequences (default: one per device), run as
     ``micro_batches`` accumulated micro-batches of ``batch / micro_batches``; model knobs
     (``num_layers``, ``hidden``, ``heads``, ``kv_heads``, ``ffn``, ``vocab``, ``dropout``) and
-    ``precision`` (``mixed`` or ``fp32``) as keywords. On meshes of three or more axes,
+    ``precision`` (``mixed`` or ``fp32``) as keywords: ``hidden`` resizes the model as
+    :func:`fit` grows it (the head size, the heads per key/value head and the MLP's ratio to
+    the hidden size kept), ``heads``, ``kv_heads`` or ``ffn`` given too win. On meshes of three or more axes,
     adjacent axes with identical links are planned as one (see ``search/coarsen.py``) unless
     ``full_mesh``. ``start``: a plan of the same job the solver starts from (e.g. the
     memory-optimal plan when asking for the fastest one under a budget it meets; where axes
@@ -112,8 +116,8 @@ def compare(model: Model | Job, mesh: str | Mesh = "2x4", *, time_slack: float =
     ``time_slack`` × the fastest baseline's step time, then every baseline by peak memory.
     ``model`` and the keyword ``arguments`` are what :func:`plan` takes (or a :class:`Job`);
     the objective is memory's, so no objective or budget may be given."""
-    if not (isinstance(time_slack, (int, float)) and 1 <= time_slack < float("inf")):
-        raise MemshardError(f"the time slack must be a number ≥ 1, got {time_slack!r}")
+    if isinstance(time_slack, bool) or not (isinstance(time_slack, (int, float)) and 1 <= time_slack <= MAX_FACTOR):
+        raise MemshardError(f"the time slack must be a number from 1 to {MAX_FACTOR:,.0f}, got {time_slack!r}")
     given = sorted(set(arguments) & {"objective", "max_step_time_s", "memory_budget", "start"})
     if given:
         raise MemshardError(f"compare plans for the least memory and within the time slack: give no {', '.join(given)}")
@@ -125,7 +129,8 @@ def compare(model: Model | Job, mesh: str | Mesh = "2x4", *, time_slack: float =
     if base_plans:
         budget = min(p.step_time_s for p in base_plans) * time_slack
         timed = plan_job(job, replace(options, max_step_time_s=budget), problem=problem)
-        rows.append(replace(timed, strategy=f"memshard ≤{time_slack:g}× fastest"))
+        within = StrategyName(Kind.MEMSHARD, time_slack=time_slack)  # memshard ≤1.1× fastest
+        rows.append(replace(timed, strategy=str(within)))
     rows += sorted(base_plans, key=lambda p: (p.peak_bytes, p.step_time_s))
     summary = best.to_dict()
     return {
@@ -140,7 +145,8 @@ def compare(model: Model | Job, mesh: str | Mesh = "2x4", *, time_slack: float =
 
 def _compare_notes(job: Job, rows: list[Plan]) -> list[str]:
     """What a row's name alone would not say."""
-    if job.graph.precision.name == "mixed" and any(p.strategy.startswith("ddp") for p in rows):
+    ddp = any(parse_strategy(p.strategy).kind is Kind.DDP for p in rows)
+    if job.graph.precision.name == "mixed" and ddp:
         return ["ddp rows: memshard's bf16 layout (bf16 weights and gradients, fp32 masters); DDP as its users "
                 "train in bf16, under torch.autocast, is --precision autocast (traced models)"]
     return []
@@ -179,8 +185,12 @@ def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: 
     if reason:
         raise MemshardError(f"strategy {strategy} does not fit {job.graph.name} on {job.mesh}: {reason}")
     known = ", ".join(["memshard", *(b.name for b in baselines(problem)[0])])
+    try:
+        recomputes = parse_strategy(strategy).recompute != "none"
+    except MemshardError:  # not a name memshard writes: unknown, as below
+        recomputes = False
     hint = ""
-    if "+" in str(strategy) and recompute != "auto":  # the recomputing names are built under auto
+    if recomputes and recompute != "auto":  # the recomputing names are built under auto
         hint = " (every recomputing baseline is named with recompute auto: --recompute auto)"
     raise MemshardError(f"unknown strategy {strategy!r} for this mesh{hint}; known: {known}")
 

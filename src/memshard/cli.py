@@ -21,6 +21,15 @@ EXIT_USAGE = 2
 # ``memshard --help`` imports nothing heavy (a test checks the two lists agree).
 KNOB_FLAGS = {"num_layers": "--layers", "hidden": "--hidden", "heads": "--heads", "kv_heads": "--kv-heads",
               "ffn": "--ffn", "vocab": "--vocab", "dropout": "--dropout"}
+KNOB_HELP = {
+    "num_layers": "transformer layers",
+    "hidden": "hidden size; the heads, kv-heads and MLP width follow it unless given too",
+    "heads": "attention heads (with --hidden: default hidden / the model's head size)",
+    "kv_heads": "key/value heads, grouped-query attention (with --hidden: default the model's heads per kv-head "
+                "kept)",
+    "ffn": "MLP width (with --hidden: default the model's ratio to the hidden size, rounded)",
+    "vocab": "vocabulary size",
+}
 # Options that describe the job: a saved plan (--plan) replaces them all.
 PLOT_FORMATS = ("png", "pdf", "svg")
 FIT_KNOBS = ("batch", "seq", "layers", "hidden")  # ``fit.KNOBS`` (a test checks they agree)
@@ -56,23 +65,34 @@ def _negative_values(argv: list[str]) -> list[str]:
 
 
 def _positive_int(text: str) -> int:
+    """A count from 1 to ``MAX_COUNT`` (``core/quantities.py``)."""
+    from memshard.core.quantities import parse_count
+
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+        return parse_count(text)
+    except MemshardError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _seconds(text: str) -> float:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(ms|s|us|µs)?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected a duration like 1.5s or 800ms, got {text!r}")
-    scale = {"ms": 1e-3, "us": 1e-6, "µs": 1e-6}.get(m.group(2) or "s", 1.0)
-    value = float(m.group(1)) * scale
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"a duration must be positive, got {text!r}")
+    """A duration, positive and at most ``MAX_SECONDS`` (``core/quantities.py``)."""
+    from memshard.core.quantities import parse_seconds
+
+    try:
+        return parse_seconds(text)
+    except MemshardError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _bytes(text: str) -> int:
+    """A size in bytes, at least one and at most ``MAX_BYTES`` (``core/quantities.py``)."""
+    from memshard.core.quantities import check_bytes, parse_bytes
+
+    try:
+        value = parse_bytes(text)
+        check_bytes(value, "a size")
+    except MemshardError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return value
 
 
@@ -98,12 +118,16 @@ def add_job_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--seq", type=_positive_int, help="sequence length (default: the model's)")
     parser.add_argument("--micro-batches", type=_positive_int,
                         help="gradient accumulation: run the batch as this many equal micro-batches per step")
-    g = parser.add_argument_group("model knobs (override the model's)")
+    g = parser.add_argument_group(
+        "model knobs (override the model's)",
+        "--hidden resizes the model as `fit --max hidden` does: the heads keep their size, the kv-heads "
+        "their group of heads, the MLP width its ratio to the hidden size; a knob given too wins. Every "
+        "report then gives the resulting sizes and parameter count beside the model's name.")
     for knob, flag in KNOB_FLAGS.items():
         if knob == "dropout":
             g.add_argument(flag, choices=("on", "off"), help="dropout layers (built-in models)")
         else:
-            g.add_argument(flag, type=_positive_int, dest=knob)
+            g.add_argument(flag, type=_positive_int, dest=knob, metavar="N", help=KNOB_HELP[knob])
     g.add_argument("--precision", choices=("mixed", "fp32", "autocast"),
                    help="mixed (bf16 with fp32 master weights and Adam states; the default, but the tiny "
                         "models are fp32), fp32, or autocast (fp32 weights, torch.autocast to bf16 on CUDA, as "
@@ -112,7 +136,7 @@ def add_job_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     m.add_argument("--axis-names", help="comma-separated mesh axis names")
     m.add_argument("--bandwidth", type=_floats, help="GB/s per device for each mesh axis, comma-separated")
     m.add_argument("--latency", type=_floats, help="µs per collective step for each mesh axis, comma-separated")
-    m.add_argument("--device-memory", help="memory per device (default 80GiB)")
+    m.add_argument("--device-memory", type=_bytes, help="memory per device (default 80GiB)")
     m.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (default 312)")
     m.add_argument("--efficiency", type=float, help="fraction of peak reached (default 0.5)")
 
@@ -124,7 +148,7 @@ def add_search_arguments(parser: argparse.ArgumentParser, objective: bool) -> No
         s.add_argument("--objective", choices=("memory", "time"),
                        help="memory: least peak memory (default); time: fastest step within --memory-budget")
         s.add_argument("--max-step-time", type=_seconds, help="with --objective memory: step-time budget, e.g. 2.5s")
-        s.add_argument("--memory-budget",
+        s.add_argument("--memory-budget", type=_bytes,
                        help="with --objective time: bytes per device, e.g. 80GiB (default: --device-memory)")
     s.add_argument("--zero3-unit", choices=("op", "layer"),
                    help="what ZeRO-3 gathers at once: each op's weights (least memory) or a whole layer's "
@@ -182,14 +206,13 @@ def _model_of(args):
 
 def _mesh_of(args):
     from memshard.core.mesh import COMPUTE_EFFICIENCY, DEVICE_MEMORY, DEVICE_PEAK_FLOPS, parse_mesh
-    from memshard.core.quantities import parse_bytes
 
     _check_hardware(args)
     names = tuple(args.axis_names.split(",")) if args.axis_names else None
     mesh = parse_mesh(
         args.mesh,
         names=names,
-        device_memory_bytes=parse_bytes(args.device_memory) if args.device_memory else DEVICE_MEMORY,
+        device_memory_bytes=args.device_memory or DEVICE_MEMORY,
         peak_flops=args.peak_tflops * 1e12 if args.peak_tflops is not None else DEVICE_PEAK_FLOPS,
         compute_efficiency=args.efficiency if args.efficiency is not None else COMPUTE_EFFICIENCY,
     )
@@ -199,21 +222,25 @@ def _mesh_of(args):
     )
 
 
+# The most each hardware figure may be, in the unit its option takes (no device comes near).
+MOST = {"--bandwidth": 1e6, "--latency": 1e6, "--peak-tflops": 1e6, "--efficiency": 1.0}
+
+
 def _check_hardware(args) -> None:
-    """Hardware figures in the units the user gave them, each named by its option."""
+    """Hardware figures in the units the user gave them, each named by its option: finite,
+    positive (a latency may be 0) and at most ``MOST``."""
     import math
 
-    def bad(values, low_ok: bool) -> bool:
-        return any(not math.isfinite(v) or v < 0 or (v == 0 and not low_ok) for v in values)
+    def bad(values, low_ok: bool, most: float) -> bool:
+        return any(not math.isfinite(v) or v < 0 or (v == 0 and not low_ok) or v > most for v in values)
 
     for flag, values, zero_ok, what in (("--bandwidth", args.bandwidth, False, "positive GB/s per mesh axis"),
                                         ("--latency", args.latency, True, "non-negative µs per mesh axis"),
                                         ("--peak-tflops", (args.peak_tflops,), False, "a positive number"),
                                         ("--efficiency", (args.efficiency,), False, "a fraction in (0, 1]")):
-        if values is not None and values != (None,) and bad(values, zero_ok):
-            raise MemshardError(f"{flag}: give {what}, got {','.join(f'{v:g}' for v in values)}")
-    if args.efficiency is not None and args.efficiency > 1:
-        raise MemshardError(f"--efficiency: give a fraction in (0, 1], got {args.efficiency:g}")
+        if values is not None and values != (None,) and bad(values, zero_ok, MOST[flag]):
+            most = "" if flag == "--efficiency" else f" of at most {MOST[flag]:,.0f}"
+            raise MemshardError(f"{flag}: give {what}{most}, got {','.join(f'{v:g}' for v in values)}")
 
 
 def _check_json_path(path: str | None) -> None:
@@ -253,7 +280,7 @@ def _cmd_plan(args, console) -> None:
         result = plan_job(job, options)
     if args.json is not None:
         _write_json(args.json, result.to_dict())
-    render_plan(result, console, top=args.top, show_strategy=not args.brief)
+    render_plan(result, console, top=args.top, show_strategy=not args.brief, show_stages=args.verbose)
     if args.json is not None:
         console.print(f"plan written to {args.json}")
 
@@ -268,7 +295,7 @@ def _cmd_compare(args, console) -> None:
         result = compare(job, time_slack=args.time_slack, **_search_keywords(options))
     if args.json is not None:
         _write_json(args.json, result)
-    render_comparison(result, console)
+    render_comparison(result, console, job)
 
 
 def _search_keywords(options) -> dict:
@@ -285,8 +312,7 @@ def _cmd_pareto(args, console) -> None:
     job, options = job_of(args), options_of(args)
     with console.status("sweeping the step-time budget…"):
         points, base = frontier(job, points=args.points, **_search_keywords(options))
-    draw(points, base, f"{args.model or args.hf_config or args.hf_model} on {args.mesh}", job.mesh.device_memory_bytes,
-         args.out)
+    draw(points, base, _title(args, job), job.mesh.device_memory_bytes, args.out)
     console.print(frontier_table(points))
     console.print(f"plot written to {args.out}")
 
@@ -305,11 +331,17 @@ def _cmd_fit(args, console) -> None:
     if args.json is not None:
         _write_json(args.json, result.to_dict())
     if args.plot is not None:
-        draw_fit(result, f"{args.model or args.hf_config or args.hf_model} on {args.mesh}", args.plot)
+        draw_fit(result, _title(args, job), args.plot)
     render_fit(result, console)
     for path, what in ((args.json, "fit"), (args.plot, "plot")):
         if path is not None:
             console.print(f"{what} written to {path}")
+
+
+def _title(args, job) -> str:
+    """A plot's title: the model (its sizes where overridden) on the mesh."""
+    sizes = job.overridden_sizes()
+    return f"{args.model or args.hf_config or args.hf_model}{f' ({sizes})' if sizes else ''} on {args.mesh}"
 
 
 def _runtime_plan(args):
@@ -359,6 +391,8 @@ def _cmd_simulate(args, console) -> None:
     from memshard.runtime.simulate import simulate
 
     _check_json_path(args.json)
+    if args.rank < 0:  # before any planning
+        raise MemshardError(f"--rank must be 0 or more, got {args.rank}")
     with console.status("planning…"):
         result = _runtime_plan(args)
     n = result.job.mesh.num_devices
@@ -409,16 +443,22 @@ def _cmd_models(args, console) -> None:
 
 
 # -- the parser ------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="memshard", description="Find the parallelism strategy with the least per-device memory.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    p = sub.add_parser("plan", help="plan a model on a mesh and print the plan")
+def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``memshard plan``."""
     add_job_arguments(p, required=True)
     add_search_arguments(p, objective=True)
     p.add_argument("--json", metavar="PATH", help="write the complete plan as JSON")
     p.add_argument("--top", type=_positive_int, default=10, help="how many of the most redundant ops to list")
     p.add_argument("--brief", action="store_true", help="omit the per-op strategy tables")
+    p.add_argument("--verbose", action="store_true",
+                   help="also list the search's stages: what each found and proved, its time, why it stopped")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="memshard", description="Find the parallelism strategy with the least per-device memory.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    _add_plan_arguments(sub.add_parser("plan", help="plan a model on a mesh and print the plan"))
 
     c = sub.add_parser("compare", help="memshard's plans against DDP, ZeRO, Megatron TP/SP and TP×FSDP")
     add_job_arguments(c, required=True)

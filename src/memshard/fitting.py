@@ -29,17 +29,17 @@ probes points past the wall) instead of counting the wall as a value that does n
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from memshard.core.errors import MemshardError
+from memshard.baselines.names import parse_strategy
+from memshard.core.errors import Infeasible, MemshardError
 from memshard.core.mesh import MAX_DEVICES
-from memshard.core.quantities import format_bytes
+from memshard.core.quantities import MAX_FACTOR, format_bytes
 from memshard.job import HFModel, Job
 from memshard.models import ModelConfig
-from memshard.models.config import MAX_LAYERS
+from memshard.models.config import MAX_LAYERS, follow_hidden
 from memshard.planner import (
     SearchOptions,
     baseline_plans,
@@ -49,7 +49,6 @@ from memshard.planner import (
 )
 from memshard.plans.plan import Plan
 from memshard.problem.bounds import peak_lower_bound
-from memshard.search.highs import Infeasible
 
 KNOBS = ("batch", "seq", "layers", "hidden")  # pushed as far as they fit (--max)
 DEVICES = "devices"  # pulled as low as fits (--min): nodes of the mesh's inner axes
@@ -169,10 +168,10 @@ def job_at(job: Job, knob: str, value: int) -> Job:
     cfg = job.config
     if knob == "layers":
         return replace(job, overrides={**job.overrides, "num_layers": value})
-    head_dim, per_kv = cfg.hidden // cfg.heads, cfg.heads // cfg.num_kv_heads
-    heads = value // head_dim
-    return replace(job, overrides={**job.overrides, "hidden": value, "heads": heads, "kv_heads": heads // per_kv,
-                                   "ffn": max(1, round(cfg.ffn * value / cfg.hidden))})
+    # the job's own model resized, as an override of the hidden size means everywhere
+    width = follow_hidden(cfg.width, value, {}, cfg.name)
+    return replace(job, overrides={**job.overrides, "hidden": value, "heads": width.heads, "kv_heads": width.kv_heads,
+                                   "ffn": width.ffn})
 
 
 def _check(job: Job, knob: str, step: int | None) -> int:
@@ -188,6 +187,8 @@ def _check(job: Job, knob: str, step: int | None) -> int:
         return natural
     if isinstance(step, bool) or not isinstance(step, int) or step < 1 or step % natural:
         raise MemshardError(f"the step of {knob} must be a positive multiple of {natural}, got {step!r}")
+    if step > knob_limit(job, knob):
+        raise MemshardError(f"the step of {knob} must be at most {knob_limit(job, knob):,}, got {step!r}")
     return step
 
 
@@ -400,7 +401,7 @@ def family(name: str) -> str:
     """A baseline's name without its data-parallel degree (``megatron-tp8-dp16-sp`` →
     ``megatron-tp8-sp``, ``tp8-fsdp16`` → ``tp8-fsdp``, ``torch-tp8-fsdp16`` → ``torch-tp8-fsdp``):
     the same recipe on more devices."""
-    return re.sub(r"^((?:torch-)?tp\d+-fsdp)\d+", r"\1", re.sub(r"-dp\d+", "", name))
+    return str(replace(parse_strategy(name), data_parallel=None))
 
 
 def fit_job(job: Job, knob: str = "batch", options: SearchOptions | None = None, step: int | None = None,
@@ -416,8 +417,10 @@ def fit_job(job: Job, knob: str = "batch", options: SearchOptions | None = None,
     if options.objective != "memory":
         raise MemshardError("fit searches the least memory at each value; bound the step time with --max-step-time")
     if max_slowdown is not None:
-        if isinstance(max_slowdown, bool) or not isinstance(max_slowdown, (int, float)) or not 1 <= max_slowdown < math.inf:
-            raise MemshardError(f"the slowdown bound must be a number ≥ 1, got {max_slowdown!r}")
+        if (isinstance(max_slowdown, bool) or not isinstance(max_slowdown, (int, float))
+                or not 1 <= max_slowdown <= MAX_FACTOR):
+            raise MemshardError(f"the slowdown bound must be a number from 1 to {MAX_FACTOR:,.0f}, "
+                                f"got {max_slowdown!r}")
         if options.max_step_time_s is not None:
             raise MemshardError("give a step-time budget or a slowdown bound, not both")
     memory = job.mesh.device_memory_bytes

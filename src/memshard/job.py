@@ -6,6 +6,10 @@ A :class:`Job` is what every command shares — ``plan``, ``compare``, ``pareto`
 ``memshard.models``), a hand-built :class:`~memshard.core.graph.Graph`, a Hugging Face config
 (:class:`HFModel`, traced) or an ``nn.Module`` with example inputs (:class:`TracedModule`).
 ``to_dict`` / ``from_dict`` are its part of the plan JSON (``model`` and ``mesh``).
+
+Its ``overrides`` are recorded as given; what they mean is ``models.resized``'s (a preset or a
+``ModelConfig``) and ``hf_overrides``' (a Hugging Face config): an override of the hidden size
+carries the heads, key/value heads and MLP width with it unless they are given too.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from typing import Any
 from memshard.core.errors import MemshardError
 from memshard.core.graph import AUTOCAST, PRECISIONS, Graph
 from memshard.core.mesh import Mesh, make_mesh, parse_mesh
+from memshard.core.quantities import MAX_COUNT
 from memshard.models import ModelConfig, build_graph, get_config
+from memshard.models.config import Width, describe_sizes, follow_hidden, resized
 
 # memshard's model knobs, in the order they are recorded, with the name transformers gives
 # each in a config (None: a knob of the built-in models only).
@@ -32,6 +38,10 @@ MODEL_KNOBS: dict[str, str | None] = {
     "vocab": "vocab_size",
     "dropout": None,
 }
+
+# The sizes among the knobs, as a message names them.
+SIZE_WORDS = {"num_layers": "the number of layers", "hidden": "the hidden size", "heads": "the number of heads",
+              "kv_heads": "the number of kv-heads", "ffn": "the MLP width (ffn)", "vocab": "the vocabulary size"}
 
 # What else the Python API may override in a built-in model's config (``ModelConfig``).
 CONFIG_FIELDS = tuple(sorted(f.name for f in fields(ModelConfig)
@@ -68,6 +78,8 @@ def is_module(model) -> bool:
 def _positive_int(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise MemshardError(f"{what} must be a positive integer, got {value!r}")
+    if value > MAX_COUNT:
+        raise MemshardError(f"{what} must be at most {MAX_COUNT:,}, got {value!r}")
     return value
 
 
@@ -99,6 +111,9 @@ class Job:
         unknown = sorted(set(knobs) - set(known))
         if unknown:
             raise MemshardError(f"unknown model option {', '.join(unknown)}; known: {', '.join(known)}")
+        for knob, what in SIZE_WORDS.items():
+            if knob in knobs:
+                _positive_int(knobs[knob], what)
         object.__setattr__(self, "overrides", {k: knobs[k] for k in known if k in knobs})
         self._check_source()
 
@@ -145,7 +160,7 @@ class Job:
             return get_config(self.model, precision=self.precision, **self.overrides)
         if isinstance(self.model, ModelConfig):
             knobs = {**self.overrides, **({"precision": PRECISIONS[self.precision]} if self.precision else {})}
-            return replace(self.model, **knobs) if knobs else self.model
+            return resized(self.model, knobs)
         raise MemshardError("only a preset or a ModelConfig has a built-in config")
 
     @cached_property
@@ -181,8 +196,49 @@ class Job:
         return job
 
     def hf_overrides(self) -> dict[str, Any]:
-        """The knobs as a transformers config names them."""
-        return {MODEL_KNOBS[k]: v for k, v in self.overrides.items()}
+        """The knobs as the transformers config names them (GPT-2's MLP width: ``n_inner``), an
+        override of the hidden size carrying the heads, key/value heads and MLP width with it as
+        for a preset (``models.follow_hidden``) unless they are given too."""
+        return dict(self._hf_knobs)
+
+    @cached_property
+    def _hf_knobs(self) -> dict[str, Any]:
+        """:meth:`hf_overrides`, worked out once (the config read where the knobs need it)."""
+        knobs = dict(self.overrides)
+        if not {"hidden", "kv_heads", "ffn"} & set(knobs):
+            return {MODEL_KNOBS[k]: v for k, v in knobs.items()}
+        from memshard.trace.hf import config_label, load_config
+
+        base = load_config(self.model.source)
+        names = {**MODEL_KNOBS, "ffn": _hf_ffn_name(base)}
+        label = config_label(self.model.source)
+        if "kv_heads" in knobs and not hasattr(base, "num_key_value_heads"):
+            raise MemshardError(f"the {label} config has no kv-heads (grouped-query attention): give no kv-heads")
+        if "ffn" in knobs and names["ffn"] is None:
+            raise MemshardError(f"the {label} config names no MLP width memshard knows (intermediate_size, n_inner): "
+                                "give no ffn")
+        if "hidden" in knobs:
+            width = follow_hidden(_hf_width(base, names["ffn"]), knobs["hidden"], knobs, label)
+            knobs = {**knobs, "heads": width.heads, **({"ffn": width.ffn} if width.ffn is not None else {})}
+            if hasattr(base, "num_key_value_heads"):
+                knobs["kv_heads"] = width.kv_heads
+        return {names[k]: v for k, v in knobs.items()}
+
+    def overridden_sizes(self) -> str | None:
+        """The model's sizes after its overrides (``40 layers, hidden 2304, 18 heads, ffn 9216,
+        vocab 50257``) where the job overrides any; None where it overrides none (dropout is no
+        size) or the model is a graph or a module."""
+        if isinstance(self.model, (Graph, TracedModule)) or not set(self.overrides) - {"dropout"}:
+            return None
+        if not isinstance(self.model, HFModel):
+            return self.config.sizes
+        from memshard.trace.hf import load_config
+
+        cfg = load_config(self.model.source, **self.hf_overrides())
+        ffn_name = _hf_ffn_name(cfg)
+        width = _hf_width(cfg, ffn_name)
+        ffn = 4 * width.hidden if ffn_name == "n_inner" and width.ffn is None else width.ffn  # GPT-2's default
+        return describe_sizes(cfg.num_hidden_layers, width.hidden, width.heads, width.kv_heads, ffn, cfg.vocab_size)
 
     @property
     def seq_length(self) -> int | None:
@@ -224,6 +280,19 @@ class Job:
         source = HFModel(model["hf"], model.get("attn_implementation")) if "hf" in model else model["name"]
         return cls(source, mesh, batch=int(model["batch"]), seq=int(model["seq"]),
                    micro_batches=int(model.get("micro_batches", 1)), overrides=overrides, precision=precision)
+
+
+def _hf_ffn_name(cfg) -> str | None:
+    """The attribute a transformers config keeps its MLP width in (None: none memshard knows)."""
+    return next((name for name in ("intermediate_size", "n_inner") if hasattr(cfg, name)), None)
+
+
+def _hf_width(cfg, ffn_name: str | None) -> Width:
+    """A transformers config's hidden size and what follows it (an MLP width of None: the model's
+    default, four times the hidden size, which follows it by itself)."""
+    heads = cfg.num_attention_heads
+    return Width(cfg.hidden_size, heads, getattr(cfg, "num_key_value_heads", None) or heads,
+                 getattr(cfg, ffn_name) if ffn_name else None)
 
 
 def as_mesh(mesh) -> Mesh:

@@ -27,6 +27,9 @@ class FrontierPoint:
     redundant_bytes: float
 
 
+MAX_POINTS = 1000  # a solve each: a guard against runaway input
+
+
 def frontier(model: Model | Job, mesh: str | Mesh | None = None, points: int = 8,
              **arguments) -> tuple[list[FrontierPoint], list[dict]]:
     """(frontier points ordered by budget, baseline points) for ``model`` on ``mesh`` with the
@@ -35,8 +38,8 @@ def frontier(model: Model | Job, mesh: str | Mesh | None = None, points: int = 8
     given = sorted(set(arguments) & {"objective", "max_step_time_s", "memory_budget", "start"})
     if given:
         raise MemshardError(f"the frontier sweeps the step-time budget itself: give no {', '.join(given)}")
-    if points < 2:
-        raise MemshardError(f"a frontier needs at least 2 points, got {points}")
+    if isinstance(points, bool) or not isinstance(points, int) or not 2 <= points <= MAX_POINTS:
+        raise MemshardError(f"a frontier needs at least 2 points and at most {MAX_POINTS:,}, got {points!r}")
     job, options = job_and_options(model, mesh, arguments)
     problem = searched_problem(job, options)
     least = plan_job(job, options, problem=problem)

@@ -10,15 +10,17 @@ built; a request no plan meets is explained with the least achievable figure.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from memshard.baselines.names import parse_strategy
 from memshard.baselines.recipes import baselines, layer_split, split_baseline
-from memshard.core.errors import MemshardError
-from memshard.core.quantities import format_bytes, format_seconds, parse_bytes
+from memshard.core.errors import Infeasible, MemshardError, NoBetterPlan, SolverTimeLimit
+from memshard.core.quantities import check_bytes, format_bytes, format_seconds, parse_bytes
 from memshard.job import Job
 from memshard.plans.plan import Budgets, Plan, build_plan
 from memshard.problem.evaluate import Evaluation, InconsistentPlan, check_plan, evaluate
@@ -26,10 +28,12 @@ from memshard.problem.pricing import build_problem
 from memshard.problem.recompute import RECOMPUTE_POLICIES
 from memshard.problem.records import ZERO3_UNITS, OpGroup, Problem, Selection
 from memshard.search.coarsen import lower_selection, merge_groups, merged_mesh, solve_merged
-from memshard.search.highs import Infeasible, NoBetterPlan, SolverTimeLimit, relative_gap
+from memshard.search.highs import relative_gap
 from memshard.search.reference import Reference, reference
-from memshard.search.solve import OBJECTIVES, SolveResult, relaxed_floor, rules_out, solve
+from memshard.search.solve import OBJECTIVES, SEARCHES, SolveResult, relaxed_floor, rules_out, solve
+from memshard.search.stages import MEMORY, StageRecord, in_scope
 
+MAX_FINITE = sys.float_info.max
 DEFAULT_GAP = 2e-3  # the relative optimality gap a search stops at, unless one is given
 RECOMPUTE_MEMORY_GAP = 0.03  # and the least-memory search with recomputation (``SearchOptions.gap``)
 
@@ -42,8 +46,10 @@ class SearchOptions:
     axes; ``zero3_unit``: ZeRO-3 weights gathered per ``op`` or per ``layer``, None: as
     ``zero3_units`` says; ``recompute``:
     which activations may be recomputed, ``none``, ``selective``, ``full`` or ``auto``), the solver's
-    limit and relative gap (``mip_gap``; None: ``gap`` says), and how many of the most
-    redundant ops the plan lists with advice."""
+    limit and relative gap (``mip_gap``; None: ``gap`` says), how many of the most
+    redundant ops the plan lists with advice, and the search (``search``: ``staged``, the
+    stages of docs/search.md; ``plain``, one HiGHS branch and bound on the whole formulation,
+    the reference the staged search is checked against: ``search.solve.solve_plain``)."""
 
     objective: str = "memory"
     max_step_time_s: float | None = None
@@ -55,16 +61,21 @@ class SearchOptions:
     mip_gap: float | None = None
     top: int = 10
     recompute: str = "none"
+    search: str = "staged"
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise MemshardError(f"unknown objective {self.objective!r}; use memory or time")
         if isinstance(self.memory_budget, str):
             object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
-        for value, what in ((self.memory_budget, "the memory budget"), (self.max_step_time_s, "the step-time budget"),
-                            (self.time_limit_s, "the solver time limit")):
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise MemshardError(f"{what} must be a positive number, got {value!r}")
+        for value, what, most in ((self.memory_budget, "the memory budget", math.inf),  # math.inf: none
+                                  (self.max_step_time_s, "the step-time budget", MAX_FINITE),
+                                  (self.time_limit_s, "the solver time limit", MAX_FINITE)):
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and 0 < value <= most):
+                raise MemshardError(f"{what} must be a positive{' finite' * (most < math.inf)} number, got {value!r}")
+        if self.memory_budget is not None and self.memory_budget < math.inf:
+            check_bytes(self.memory_budget, "the memory budget")
         if self.mip_gap is not None and not (isinstance(self.mip_gap, (int, float)) and 0 <= self.mip_gap < 1):
             raise MemshardError(f"the optimality gap must be in [0, 1), got {self.mip_gap}")
         if self.objective == "memory" and self.memory_budget is not None:
@@ -77,6 +88,8 @@ class SearchOptions:
             raise MemshardError(f"top (how many redundant ops to list) must be a positive integer, got {self.top!r}")
         if self.recompute not in RECOMPUTE_POLICIES:
             raise MemshardError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {self.recompute!r}")
+        if self.search not in SEARCHES:
+            raise MemshardError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
         if self.zero3_unit is not None and self.zero3_unit not in ZERO3_UNITS:
             raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, "
                                 f"got {self.zero3_unit!r}")
@@ -86,10 +99,9 @@ class SearchOptions:
         """The relative optimality gap the search stops at: ``mip_gap`` where given; else
         RECOMPUTE_MEMORY_GAP for the least memory with recomputation, DEFAULT_GAP otherwise.
         There the bound is the LP relaxation of the peak (the zero-redundancy floor lets every
-        replayable tensor go for free), 0.4–2.4% below the dive's plan on the jobs of
-        BENCHMARKS.md, where that plan was the best found after a minute of branch and bound
-        in five of six; proving it closer took that minute (GPT-3 175B on 8x8x16: 1.26% left
-        after it, against 9 s to the same plan within 3%)."""
+        replayable tensor go for free), which stays a little below the dive's plan: that plan
+        is mostly the best a long branch and bound finds, and proving it closer takes that
+        long (BENCHMARKS.md, *Least memory with recomputation: the default gap*)."""
         if self.mip_gap is not None:
             return self.mip_gap
         return RECOMPUTE_MEMORY_GAP if self.objective == "memory" and self.recompute != "none" else DEFAULT_GAP
@@ -103,8 +115,8 @@ class SearchOptions:
         """The ZeRO-3 gather units searched, each its own problem, the better plan kept: the
         one given; else, for the least memory with recomputation, per layer and then per op
         (per op, a replayed op's weight cannot be gathered per op: its layer's weights stay
-        whole or sharded by its strategy, and the least-memory plans per layer were 10–45%
-        leaner on the jobs of BENCHMARKS.md); else per op."""
+        whole or sharded by its strategy, and the least-memory plans per layer are leaner on
+        the jobs of BENCHMARKS.md); else per op."""
         if self.zero3_unit is not None:
             return (self.zero3_unit,)
         return ("layer", "op") if self.objective == "memory" and self.recompute != "none" else ("op",)
@@ -155,6 +167,7 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
     unit's work runs on a thread beside the search before (``_NextUnit``)."""
     best: tuple[Problem, SolveResult, float] | None = None
     bounds, started, out_of_time = [], time.perf_counter(), None
+    stages: list[StageRecord] = []  # every unit's, in order
     deadline = started + options.time_limit_s
     units = options.zero3_units
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -171,6 +184,7 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
                 if k and (left <= 0 or (bound is not None and best is not None
                                         and rules_out(bound, best[2], options.gap))):
                     bounds.append(bound if bound is not None else figures.least_peak_bytes)
+                    stages.append(_unit_stage(unit, bounds[-1], "no time left" if left <= 0 else "ruled out by its bound"))
                     continue
                 following = (_NextUnit(pool, job, replace(options, zero3_unit=units[k + 1]), deadline)
                              if k + 1 < len(units) else None)
@@ -180,15 +194,19 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
                                      on_formulated=following and following.build,
                                      on_branching=following and following.relax)
                 except Infeasible:  # under a step-time budget: no plan of this unit meets it
+                    stages.append(_unit_stage(unit, None, "infeasible"))
                     continue
                 except NoBetterPlan as no_better:
                     bounds.append(no_better.bound)
+                    stages.append(_unit_stage(unit, no_better.bound, f"no better plan, by {no_better.by}"))
                     continue
                 except SolverTimeLimit:  # no plan of this unit in time (``start`` may be of the other)
                     out_of_time = SolverTimeLimit(options.time_limit_s)
                     bounds.append(figures.least_peak_bytes)  # its floor: no plan is below it
+                    stages.append(_unit_stage(unit, bounds[-1], "time limit, no plan"))
                     continue
                 bounds.append(result.bound)
+                stages.extend(in_scope(result.stages, _scope(unit)))
                 result = replace(result, evaluation=_evaluation(searched, result))
                 if best is None or result.evaluation.peak_bytes < best[2]:
                     best = searched, result, result.evaluation.peak_bytes
@@ -202,7 +220,17 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
     searched, result, peak = best
     gap = relative_gap(peak, min(bounds))
     status = result.status if gap <= max(result.gap, options.gap) else "time_limit"  # the other one's gap
-    return searched, replace(result, gap=gap, status=status, time_s=time.perf_counter() - started)
+    return searched, replace(result, gap=gap, status=status, time_s=time.perf_counter() - started,
+                             stages=tuple(stages))
+
+
+def _scope(unit: str) -> str:
+    return f"ZeRO-3 per {unit}"
+
+
+def _unit_stage(unit: str, bound: float | None, stopped: str) -> StageRecord:
+    """The record of a ZeRO-3 unit's search that found no plan (``bound``: what it proved)."""
+    return StageRecord("unit's search", MEMORY, None, bound, 0.0, stopped, scope=_scope(unit))
 
 
 class _NextUnit:
@@ -210,9 +238,9 @@ class _NextUnit:
     releases the GIL while it solves): its problem and figures, built once that search's
     model is formulated (started earlier, the build would only slow that formulation by as
     much), and, where that search branches (a long one follows), the bound the next search
-    would compute first (``relaxed_floor``: on GPT-3 175B's recomputing least-memory plan, a
-    5 s relaxation that the first unit's minute of branch and bound leaves the second core
-    for). ``stop``: set once the searches end, the relaxation is cut short."""
+    would compute first (``relaxed_floor``: on a large recomputing least-memory plan, a
+    relaxation that the first unit's branch and bound leaves the second core for). ``stop``:
+    set once the searches end, the relaxation is cut short."""
 
     def __init__(self, pool: ThreadPoolExecutor, job: Job, options: SearchOptions, deadline: float):
         self.pool, self.job, self.options, self.deadline = pool, job, options, deadline
@@ -246,6 +274,10 @@ def _search(problem: Problem, options: SearchOptions, start: Plan | None, cutoff
     initial = _start_selection(start, problem) if start is not None else None
     o = options
     search = solve if problem.mesh.real is problem.mesh else solve_merged
+    if o.search == "plain":
+        return search(problem, o.objective, max_step_time_s=o.max_step_time_s, memory_budget_bytes=o.memory_budget,
+                      time_limit_s=o.time_limit_s, mip_gap=o.gap, figures=figures, on_formulated=on_formulated,
+                      search="plain")
     return search(problem, o.objective, max_step_time_s=o.max_step_time_s, memory_budget_bytes=o.memory_budget,
                   time_limit_s=o.time_limit_s, mip_gap=o.gap, start=initial, cutoff=cutoff, figures=figures,
                   on_formulated=on_formulated, on_branching=on_branching)
@@ -341,9 +373,11 @@ def _fewest_layers_recomputed(job: Job, problem: Problem, plain: Plan, plans: li
     count as the peak falls with each layer recomputed: the next probe where the line through
     the bracket's peaks meets the device memory (near-affine in the count: two probes), halving
     where a side repeats; after a first probe over the memory, the most recomputed count."""
-    split = layer_split(plain.strategy)
-    full = next((p for p in plans if p.strategy == plain.strategy + "+full"), None)
-    if "+" in plain.strategy or split is None or full is None or plain.memory.fits or not full.memory.fits:
+    name = parse_strategy(plain.strategy)
+    split, full_name = layer_split(name), str(replace(name, recompute="full"))
+    full = next((p for p in plans if p.strategy == full_name), None)
+    if (name.recompute != "none" or split is None or full is None or plain.memory.fits
+            or not full.memory.fits):
         return None
     counts, memory = split.counts(problem.graph.num_layers), job.mesh.device_memory_bytes
     low, high = -1, len(counts)  # counts[low] fits (-1: full), counts[high] does not (len: plain)

@@ -416,7 +416,8 @@ def test_the_header_names_the_job_and_the_peak():
     text = memshard.export("tiny-gpt", "4", strategy="ddp", batch=8, num_layers=3)
     assert text.splitlines()[:4] == [
         "# memshard export: ddp",
-        "# Job: tiny-gpt (677K parameters, fp32), global batch 8 × 32 tokens, on mesh 4 (4 devices)",
+        "# Job: tiny-gpt (overridden: 3 layers, hidden 128, 4 heads, ffn 512, vocab 512; 677K parameters, fp32), "
+        "global batch 8 × 32 tokens, on mesh 4 (4 devices)",
         f"# Predicted peak per device: {format_bytes(plan.peak_bytes)} ({round(plan.peak_bytes):,} bytes), "
         f"at {plan.memory.peak_at}",
         "# Made by: memshard export --model tiny-gpt --mesh 4 --batch 8 --seq 32 --layers 3 --precision fp32 "

@@ -15,6 +15,7 @@ import pytest
 import memshard
 from memshard.cli import main
 from memshard.core.errors import MemshardError
+from memshard.core.quantities import parse_bytes
 from memshard.job import HFModel, Job
 from memshard.pareto import frontier
 from memshard.plans.plan import load_plan, plan_from_dict
@@ -195,6 +196,63 @@ CLI = {
     "unknown-option": (GPT + ["--frobnicate"], "--frobnicate"),
 }
 
+# Every numeric option × what a user gets wrong: not a number where one is needed, non-finite
+# (nan, inf, 1e400 overflowing a float), negative, zero where it means nothing, fractional where a
+# count is needed, or far past anything memshard plans (bytes or counts beyond a float's reach).
+COUNTS = ("0", "-3", "2.5", "nan", "inf", "1e400", "99999999999999999999")
+NUMBERS = ("nan", "inf", "-inf", "1e400", "-1", "1e30")
+DURATIONS = ("0", "-1s", "nan", "inf", "1e400", "1e400s", "1e30s")
+SIZES = ("0", "-1GiB", "0.5", "nan", "inf", "1e400", "1e400GiB", "1e300GiB", "1e30GiB")
+FIT = ["fit", "--model", "tiny-gpt", "--mesh", "4", "--no-baselines", "--max", "batch"]
+EXPORT = ["export", "--model", "tiny-gpt", "--mesh", "4", "--strategy", "fsdp2", "--out", "{dir}/x.py"]
+# id → (the command line the option is added to, the option, what the error names, its bad values)
+NUMERIC = {
+    "batch": (GPT, "--batch", "--batch", COUNTS),
+    "seq": (GPT, "--seq", "--seq", COUNTS),
+    "micro-batches": (GPT, "--micro-batches", "--micro-batches", COUNTS),
+    "layers": (GPT, "--layers", "--layers", COUNTS),
+    "hidden": (GPT, "--hidden", "--hidden", COUNTS),
+    "heads": (GPT, "--heads", "--heads", COUNTS),
+    "kv-heads": (LLAMA, "--kv-heads", "--kv-heads", COUNTS),
+    "ffn": (GPT, "--ffn", "--ffn", COUNTS),
+    "vocab": (GPT, "--vocab", "--vocab", COUNTS),
+    "top": (GPT, "--top", "--top", COUNTS),
+    "bandwidth": (GPT, "--bandwidth", "--bandwidth", tuple(f"{v},{v}" for v in (*NUMBERS, "0"))),
+    "latency": (GPT, "--latency", "--latency", tuple(f"{v},{v}" for v in NUMBERS)),
+    "peak-tflops": (GPT, "--peak-tflops", "--peak-tflops", (*NUMBERS, "0")),
+    "efficiency": (GPT, "--efficiency", "--efficiency", (*NUMBERS, "0", "1.5")),
+    "device-memory": (GPT, "--device-memory", "--device-memory", SIZES),
+    "memory-budget": (GPT + ["--objective", "time"], "--memory-budget", "--memory-budget", SIZES),
+    "max-step-time": (GPT, "--max-step-time", "--max-step-time", DURATIONS),
+    "time-limit": (GPT, "--time-limit", "--time-limit", DURATIONS),
+    "gap": (GPT, "--gap", "gap", ("nan", "inf", "-inf", "1e400", "-0.1", "1", "1e30")),
+    "time-slack": (["compare", *BASE, *SMALL], "--time-slack", "time slack", (*NUMBERS, "0", "0.5")),
+    "points": (["pareto", *BASE, *SMALL], "--points", "points", (*COUNTS, "1", "5000")),
+    "fit-step": (FIT, "--step", "--step", COUNTS),
+    "fit-max-step-time": (FIT, "--max-step-time", "--max-step-time", DURATIONS),
+    "fit-max-slowdown": (FIT, "--max-slowdown", "slowdown", (*NUMBERS, "0", "0.5")),
+    "run-steps": (["run", "--model", "tiny-gpt", "--mesh", "2"], "--steps", "--steps", (*COUNTS, "1")),
+    "run-timeout": (["run", "--model", "tiny-gpt", "--mesh", "2"], "--timeout", "--timeout", DURATIONS),
+    "simulate-rank": (["simulate", "--model", "tiny-gpt", "--mesh", "2"], "--rank", "--rank",
+                      ("-1", "2.5", "nan", "inf", "1e400", "99999999999999999999")),
+    "export-batch": (EXPORT, "--batch", "--batch", COUNTS),
+    "export-hidden": (EXPORT, "--hidden", "--hidden", COUNTS),
+}
+NUMERIC_CASES = {f"{case}={value}": (args + [option, value], expect)
+                 for case, (args, option, expect, values) in NUMERIC.items() for value in values}
+
+# Overrides that leave an inconsistent shape (an override of the hidden size carries the heads,
+# kv-heads and MLP width with it unless they are given too: models.follow_hidden).
+SHAPES = {
+    "hidden-not-whole-heads": (GPT + ["--hidden", "100"], "head size 64"),
+    "hidden-not-whole-kv-groups": (LLAMA + ["--hidden", "640"], "multiple of 512"),
+    "heads-not-whole-kv-groups": (LLAMA + ["--hidden", "2048", "--heads", "6"], "kv-heads too"),
+    "hidden-and-heads": (GPT + ["--hidden", "128", "--heads", "3"], "3 heads"),
+    "hidden-and-kv-heads": (LLAMA + ["--hidden", "1024", "--kv-heads", "3"], "3 kv-heads"),
+    "export-hidden-not-whole-heads": (EXPORT + ["--hidden", "100"], "head size 32"),
+    "fit-from-a-bad-shape": (FIT + ["--hidden", "100"], "head size 32"),
+}
+
 HF = {  # Hugging Face model sources: the error comes from reading the config
     "hf-model-empty": (["plan", "--hf-model", "", "--mesh", "2"], "''"),
     "hf-model-unknown": (["plan", "--hf-model", "nonsense-lm", "--mesh", "2"], "nonsense-lm"),
@@ -259,6 +317,32 @@ def test_a_bad_command_line_is_one_clear_line(case, files, tmp_path, capsys):
     check_one_line_error(fill(args, files), expect, tmp_path, capsys)
 
 
+@pytest.mark.parametrize("case", list(NUMERIC_CASES))
+def test_a_numeric_option_out_of_range_is_one_clear_line(case, files, tmp_path, capsys):
+    args, expect = NUMERIC_CASES[case]
+    check_one_line_error(fill(args, files), expect, tmp_path, capsys)
+
+
+def test_every_numeric_option_of_every_command_is_in_the_table():
+    from memshard.cli import build_parser
+
+    flags = {option for _, option, _, _ in NUMERIC.values()}
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for name, parser in commands.items():
+        for action in parser._actions:
+            text = (action.help or "") + " ".join(action.option_strings)
+            takes_a_value = action.nargs != 0 and action.choices is None
+            numeric = action.type is not None or any(w in text for w in ("bytes", "memory", "GB/s", "µs"))
+            if takes_a_value and numeric:
+                assert set(action.option_strings) & flags, (name, action.option_strings)
+
+
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_an_inconsistent_shape_is_one_clear_line(case, files, tmp_path, capsys):
+    args, expect = SHAPES[case]
+    check_one_line_error(fill(args, files), expect, tmp_path, capsys)
+
+
 @pytest.mark.parametrize("case", list(HF))
 def test_a_bad_hugging_face_source_is_one_clear_line(case, files, tmp_path, capsys):
     pytest.importorskip("transformers")
@@ -292,6 +376,33 @@ API = {
     "strategy-recompute": (lambda: memshard.strategy_plan("gpt2", "2", "ddp", recompute="always"), "always"),
     "top-zero": (lambda: memshard.plan("gpt2", "2", top=0), "0"),
     "example-inputs-without-module": (lambda: memshard.plan("gpt2", "2", example_inputs=(1,)), "nn.Module"),
+    # numbers out of range, as keywords (the command line's in NUMERIC)
+    "batch-absurd": (lambda: memshard.plan("gpt2", "2", batch=10**30), "16,777,216"),
+    "seq-inf": (lambda: memshard.plan("gpt2", "2", seq=math.inf), "inf"),
+    "micro-batches-fraction": (lambda: memshard.plan("gpt2", "2", micro_batches=2.5), "2.5"),
+    "layers-zero": (lambda: memshard.plan("gpt2", "2", num_layers=0), "layers"),
+    "hidden-fraction": (lambda: memshard.plan("gpt2", "2", hidden=2.5), "hidden size"),
+    "hidden-absurd": (lambda: memshard.plan("gpt2", "2", hidden=10**30), "hidden size"),
+    "heads-nan": (lambda: memshard.plan("gpt2", "2", heads=math.nan), "heads"),
+    "kv-heads-bool": (lambda: memshard.plan("llama3-8b", "2", kv_heads=True), "kv-heads"),
+    "ffn-negative": (lambda: memshard.plan("gpt2", "2", ffn=-1), "MLP width"),
+    "vocab-inf": (lambda: memshard.plan("gpt2", "2", vocab=math.inf), "vocabulary"),
+    "hidden-not-whole-heads": (lambda: memshard.plan("gpt2", "2", hidden=100), "head size 64"),
+    "max-step-time-inf": (lambda: memshard.plan("gpt2", "2", max_step_time_s=math.inf), "step-time budget"),
+    "time-limit-inf": (lambda: memshard.plan("gpt2", "2", time_limit_s=1e400), "time limit"),
+    "time-limit-bool": (lambda: memshard.plan("gpt2", "2", time_limit_s=True), "time limit"),
+    "memory-budget-nan": (lambda: memshard.plan("gpt2", "2", objective="time", memory_budget=math.nan), "nan"),
+    "memory-budget-overflow": (lambda: memshard.plan("gpt2", "2", objective="time", memory_budget="1e400GiB"),
+                               "too large"),
+    "memory-budget-absurd": (lambda: memshard.plan("gpt2", "2", objective="time", memory_budget=1e30), "1,024 PiB"),
+    "gap-inf": (lambda: memshard.plan("gpt2", "2", mip_gap=math.inf), "gap"),
+    "compare-slack-absurd": (lambda: memshard.compare("gpt2", "2", time_slack=1e30), "1e+30"),
+    "fit-slowdown-inf": (lambda: memshard.fit("tiny-gpt", "4", max_slowdown=math.inf), "slowdown"),
+    "fit-step-absurd": (lambda: memshard.fit("tiny-gpt", "4", knob="layers", step=10**6), "4,096"),
+    "frontier-points-fraction": (lambda: frontier("gpt2", "2", points=2.5), "2.5"),
+    "frontier-points-absurd": (lambda: frontier("gpt2", "2", points=10**6), "1,000"),
+    "config-vocab-absurd": (lambda: memshard.get_config("gpt2", vocab=1 << 25), "16,777,216"),
+    "parse-bytes-overflow": (lambda: parse_bytes("1e400GiB"), "too large"),
     "compare-slack-nan": (lambda: memshard.compare("gpt2", "2", time_slack=math.nan), "nan"),
     "compare-objective": (lambda: memshard.compare("gpt2", "2", max_step_time_s=1.0), "max_step_time_s"),
     "frontier-one-point": (lambda: frontier("gpt2", "2", points=1), "1"),

@@ -71,6 +71,91 @@ def test_a_model_config_takes_the_knobs_it_is_given():
     assert job.graph.num_layers == 1 and job.graph.precision.name == "fp32"
 
 
+# -- an override of the hidden size: one meaning, as fit --max hidden grows a model ----------------
+def shape(job: Job) -> tuple[int, ...]:
+    cfg = job.config
+    return cfg.num_layers, cfg.hidden, cfg.heads, cfg.num_kv_heads, cfg.ffn, cfg.vocab
+
+
+@pytest.mark.parametrize("name, hidden", [("gpt3-13b", 2304), ("llama3-8b", 2048), ("tiny-llama", 256)])
+def test_an_overridden_hidden_size_is_the_model_fit_probes_at_that_size(name, hidden):
+    from memshard.fitting import job_at
+
+    fitted = job_at(Job(name, "2", batch=2, seq=32), "hidden", hidden)
+    job = Job(name, "2", batch=2, seq=32, overrides={"hidden": hidden})
+    assert shape(job) == shape(fitted) and shape(job)[1] == hidden
+    assert job.graph.num_parameters == fitted.graph.num_parameters
+
+
+def test_plan_with_an_overridden_hidden_size_reports_the_shape_and_count_fit_uses(tmp_path, capsys):
+    from memshard.cli import main
+    from memshard.core.quantities import format_parameters
+    from memshard.fitting import job_at
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt3-13b", "--hidden", "2304", "--mesh", "2", "--batch", "2", "--seq", "64",
+                 "--brief", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    fitted = job_at(Job("gpt3-13b", "2", batch=2, seq=64), "hidden", 2304)
+    assert (fitted.config.heads, fitted.config.ffn) == (18, 9216)  # the head size 128 and the 4× MLP kept
+    count = fitted.graph.num_parameters
+    data = json.loads(path.read_text())
+    assert data["model"]["num_parameters"] == count
+    assert data["model"]["overrides"] == {"hidden": 2304}  # recorded as given: it reads back to the same model
+    assert plan_from_dict(data).model.num_parameters == count
+    assert ("gpt3-13b (overridden: 40 layers, hidden 2304, 18 heads, ffn 9216, vocab 50257; "
+            f"{format_parameters(count)}, mixed, batch 2, seq 64)") in out
+    # what the preset's own MLP width of 20480 would make of it (the trap this meaning closes)
+    assert count < Job("gpt3-13b", "2", batch=2, seq=64, overrides={"hidden": 2304, "ffn": 20480}).graph.num_parameters
+
+
+def test_an_explicit_mlp_width_or_head_count_wins(tmp_path, capsys):
+    from memshard.cli import main
+
+    assert main(["plan", "--model", "gpt3-13b", "--hidden", "2304", "--ffn", "8000", "--layers", "1", "--mesh", "2",
+                 "--batch", "2", "--seq", "64", "--brief"]) == 0
+    assert "1 layer, hidden 2304, 18 heads, ffn 8000, vocab 50257;" in capsys.readouterr().out
+    job = Job("llama3-8b", "2", batch=2, seq=32, overrides={"hidden": 2048, "heads": 32})
+    assert shape(job) == (32, 2048, 32, 8, 7168, 128256)  # the kv-heads follow the heads given
+
+
+def test_compare_and_export_state_the_overridden_shape_and_count(tmp_path, capsys):
+    from memshard.cli import main
+    from memshard.core.quantities import format_parameters
+
+    job = Job("tiny-gpt", "4", batch=4, seq=32, overrides={"hidden": 256})
+    figures = f"(overridden: 2 layers, hidden 256, 8 heads, ffn 1024, vocab 512; " \
+              f"{format_parameters(job.graph.num_parameters)}, fp32)"
+    assert main(["compare", "--model", "tiny-gpt", "--hidden", "256", "--mesh", "4", "--batch", "4"]) == 0
+    assert f"tiny-gpt {figures} on mesh 4" in capsys.readouterr().out
+    out = tmp_path / "x.py"
+    assert main(["export", "--model", "tiny-gpt", "--hidden", "256", "--mesh", "4", "--batch", "4", "--strategy",
+                 "fsdp2", "--out", str(out)]) == 0
+    assert f"# Job: tiny-gpt {figures}, global batch 4" in out.read_text()
+    # not overridden: the headline as before, no sizes
+    assert main(["compare", "--model", "tiny-gpt", "--mesh", "4", "--batch", "4"]) == 0
+    assert "overridden" not in capsys.readouterr().out
+
+
+def test_a_hugging_face_config_is_resized_as_a_preset_is():
+    pytest.importorskip("transformers")
+    job = Job(HFModel("llama"), "2", batch=2, seq=16, overrides={"num_layers": 1, "hidden": 256})
+    # LLaMA's default config: hidden 4096, 32 heads (of 128), 32 kv-heads, MLP 11008 (2.6875×)
+    assert job.hf_overrides() == {"num_hidden_layers": 1, "hidden_size": 256, "num_attention_heads": 2,
+                                  "num_key_value_heads": 2, "intermediate_size": 688}
+    assert job.overridden_sizes() == "1 layer, hidden 256, 2 heads, ffn 688, vocab 32000"
+    given = Job(HFModel("llama"), "2", batch=2, seq=16, overrides={"num_layers": 1, "hidden": 256, "ffn": 100})
+    assert given.hf_overrides()["intermediate_size"] == 100
+    # GPT-2 keeps its MLP width in n_inner (None: 4× the hidden size, which follows by itself)
+    gpt2 = Job(HFModel("gpt2"), "2", batch=2, seq=16, overrides={"num_layers": 1, "hidden": 128})
+    assert gpt2.hf_overrides() == {"num_hidden_layers": 1, "hidden_size": 128, "num_attention_heads": 2}
+    assert Job(HFModel("gpt2"), "2", overrides={"ffn": 100}).hf_overrides() == {"n_inner": 100}
+    with pytest.raises(MemshardError, match="no kv-heads"):
+        Job(HFModel("gpt2"), "2", overrides={"kv_heads": 2}).hf_overrides()
+    with pytest.raises(MemshardError, match="head size 128"):
+        Job(HFModel("llama"), "2", overrides={"hidden": 100}).hf_overrides()
+
+
 # -- search options --------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs", [
     dict(objective="memory", memory_budget="80GiB"),  # a budget the least-memory plan would ignore
@@ -175,7 +260,7 @@ def options_of(command: str) -> set[str]:
 
 @pytest.mark.parametrize("command", ["compare", "pareto", "run", "simulate"])
 def test_every_command_takes_the_job_options_plan_takes(command):
-    plan_only = {"--objective", "--max-step-time", "--memory-budget", "--json", "--top", "--brief"}
+    plan_only = {"--objective", "--max-step-time", "--memory-budget", "--json", "--top", "--brief", "--verbose"}
     missing = options_of("plan") - plan_only - options_of(command)
     assert not missing, missing
 

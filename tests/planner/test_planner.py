@@ -335,20 +335,16 @@ def test_the_least_memory_with_recomputation_is_the_leaner_of_both_zero3_units()
     assert fastest.solver.zero3_unit == "op"  # the time objective searches per op only
 
 
-def test_a_unit_whose_floor_reaches_the_plan_found_is_not_searched(monkeypatch):
+def test_a_unit_whose_floor_reaches_the_plan_found_is_not_searched():
     """LLaMA-3 8B on 8x8, least memory with recomputation: per layer, a plan within 0.01% of
     the plan-independent floor, which is the same per op; so the per-op problem is ruled out
-    by its floor before its model is built (one solver made, per layer), the plan proved."""
-    from memshard.search import solve as solve_module
-    made = []
-
-    class Counted(solve_module.Solver):
-        def __init__(self, problem, *args, **kwargs):
-            made.append(problem.zero3_unit)
-            super().__init__(problem, *args, **kwargs)
-    monkeypatch.setattr(solve_module, "Solver", Counted)
+    by its floor before its model is built (its one stage record says so: no stage of its
+    search ran), the plan proved."""
     plan = memshard.plan("llama3-8b", "8x8", recompute="auto")
-    assert made == ["layer"]
+    per_op = [stage for stage in plan.solver.stages if stage.scope == "ZeRO-3 per op"]
+    assert [(stage.name, stage.stopped) for stage in per_op] == [
+        ("unit's search", "no better plan, by the plan-independent floor")]
+    assert {stage.scope for stage in plan.solver.stages} == {"ZeRO-3 per layer", "ZeRO-3 per op"}
     assert plan.solver.zero3_unit == "layer" and plan.solver.status == "optimal" and plan.solver.gap <= 1e-4
 
 
@@ -366,10 +362,10 @@ def test_a_unit_out_of_time_before_any_plan_leaves_the_other_units_plan_with_its
     the per-op plan stands, and all that is claimed of the per-layer space is its
     plan-independent floor."""
     from memshard import planner
-    from memshard.search.highs import SolverTimeLimit
+    from memshard.core.errors import SolverTimeLimit
     solve = planner.solve
 
-    def layer_out_of_time(problem, objective, **options):
+    def layer_out_of_time(problem, objective, **options):  # (time made to run out: a fault injected)
         if problem.zero3_unit == "layer":
             raise SolverTimeLimit(options["time_limit_s"])
         return solve(problem, objective, **options)
@@ -379,6 +375,8 @@ def test_a_unit_out_of_time_before_any_plan_leaves_the_other_units_plan_with_its
     per_op = memshard.plan("gpt3-1.3b", "8", zero3_unit="op", **job)
     assert plan.solver.zero3_unit == "op" and plan.peak_bytes == per_op.peak_bytes
     floor = reference(_unit_problem("layer", **job)).least_peak_bytes
+    (layer,) = [stage for stage in plan.solver.stages if stage.scope == "ZeRO-3 per layer"]
+    assert layer.stopped == "time limit, no plan" and layer.bound == floor
     assert floor < per_op.peak_bytes * (1 - per_op.solver.gap)  # (so the floor is the bound)
     assert plan.solver.gap == pytest.approx(relative_gap(plan.peak_bytes, floor)) and plan.solver.status == "time_limit"
 
@@ -393,15 +391,14 @@ def test_the_time_limit_covers_the_searches_of_both_units(monkeypatch):
     import time
 
     from memshard import planner
-    solve, units, limits, late = planner.solve, [], [], [0.0]
+    solve, limits, late = planner.solve, [], [0.0]
 
     class PlannersClock:  # (the searches keep the real one)
         @staticmethod
         def perf_counter() -> float:
             return time.perf_counter() + late[0]
 
-    def layer_takes_all_the_time(problem, objective, **options):
-        units.append(problem.zero3_unit)
+    def layer_takes_all_the_time(problem, objective, **options):  # (the clock moved on: a fault injected)
         limits.append(options["time_limit_s"])
         result = solve(problem, objective, **options)
         late[0] = options["time_limit_s"]
@@ -410,8 +407,12 @@ def test_the_time_limit_covers_the_searches_of_both_units(monkeypatch):
     monkeypatch.setattr(planner, "solve", layer_takes_all_the_time)
     job = dict(batch=16, seq=2048, recompute="full", mip_gap=2e-3)  # (not the 3% default: proved closer)
     plan = memshard.plan("gpt3-1.3b", "8", time_limit_s=60, **job)
-    assert units == ["layer"] and 0 < limits[0] <= 60
+    assert len(limits) == 1 and 0 < limits[0] <= 60
+    searched = {stage.scope for stage in plan.solver.stages if stage.name == "first pass"}
+    assert searched == {"ZeRO-3 per layer"}  # the per-op unit not searched
+    (op,) = [stage for stage in plan.solver.stages if stage.scope == "ZeRO-3 per op"]
     per_op = _unit_problem("op", **job)
     floor, bound = reference(per_op).least_peak_bytes, relaxed_floor(per_op, reference(per_op), time.perf_counter() + 60)
+    assert op.stopped == "no time left" and op.bound == pytest.approx(bound, rel=1e-9)  # the bound beside
     assert relative_gap(plan.peak_bytes, floor) > 0.01 and bound >= plan.peak_bytes * (1 - 2e-3)
     assert plan.solver.zero3_unit == "layer" and plan.solver.status == "optimal" and plan.solver.gap <= 2e-3

@@ -59,7 +59,9 @@ def test_no_scientific_notation_and_counted_nouns(small_plan):
     text = memshard.format_plan(small_plan, width=200)
     assert not re.search(r"\d[eE][+-]\d", text)
     headline = text.splitlines()[0]
-    assert f"({format_parameters(small_plan.model.num_parameters)}, mixed" in headline
+    # an overridden model: its sizes, then its parameter count, beside its name
+    assert (f"(overridden: 1 layer, hidden 64, 2 heads, ffn 128, vocab 128; "
+            f"{format_parameters(small_plan.model.num_parameters)}, mixed") in headline
     assert "(4 devices)" in headline
     one = memshard.format_plan(memshard.plan("tiny-gpt", "1x2", batch=2, seq=8, micro_batches=1)).splitlines()[0]
     assert "(2 devices)" in one and "micro-batch" not in one

@@ -8,7 +8,7 @@ import pytest
 
 from memshard.core.errors import MemshardError
 from memshard.core.graph import FP32, Graph, Origin, TensorKind
-from memshard.models import PRESETS, build_graph, get_config
+from memshard.models import PRESETS, ModelConfig, build_graph, get_config
 from memshard.models.bert import build_bert
 
 SMALL = {"batch": 2, "seq": 16}
@@ -20,9 +20,9 @@ def small(name: str) -> Graph:
 
 
 # -- parameter counts -------------------------------------------------------------------------
-def closed_form_parameters(name: str) -> int:
+def closed_form_parameters(name: str | ModelConfig) -> int:
     """Parameter count derived layer by layer from the architecture, not from the graph."""
-    c = PRESETS[name]
+    c = PRESETS[name] if isinstance(name, str) else name
     L, h, f, V, P = c.num_layers, c.hidden, c.ffn, c.vocab, c.max_positions
     if c.family == "gpt":
         attn = 3 * (h * h + h) + (h * h + h)  # q, k, v, proj with biases
@@ -291,3 +291,57 @@ def test_get_config_overrides():
 def test_bad_requests_raise(call):
     with pytest.raises(MemshardError):
         call()
+
+
+# -- what an override of the hidden size means (models.follow_hidden) ----------------------------
+def sizes(cfg: ModelConfig) -> tuple[int, ...]:
+    return cfg.num_layers, cfg.hidden, cfg.heads, cfg.num_kv_heads, cfg.ffn, cfg.vocab
+
+
+@pytest.mark.parametrize("name, knobs, expected", [
+    # the head size (5120 / 40 = 128) and the MLP's ratio (4×) kept
+    ("gpt3-13b", dict(hidden=2304), (40, 2304, 18, 18, 9216, 50257)),
+    # a knob given too wins; the others still follow
+    ("gpt3-13b", dict(hidden=2304, ffn=8000), (40, 2304, 18, 18, 8000, 50257)),
+    ("gpt3-13b", dict(hidden=2304, heads=36), (40, 2304, 36, 36, 9216, 50257)),
+    # grouped-query attention: 4 heads per kv-head kept, 14336 / 4096 = 3.5× kept
+    ("llama3-8b", dict(hidden=2048), (32, 2048, 16, 4, 7168, 128256)),
+    ("llama3-8b", dict(hidden=2048, heads=32), (32, 2048, 32, 8, 7168, 128256)),
+    ("llama3-8b", dict(hidden=2048, kv_heads=16), (32, 2048, 16, 16, 7168, 128256)),
+    # LLaMA-2 7B's MLP is 2.6875× its hidden size
+    ("llama2-7b", dict(hidden=1024, num_layers=2), (2, 1024, 8, 8, 2752, 32000)),
+    # the preset's own hidden size is the preset; without --hidden nothing follows
+    ("gpt2", dict(hidden=768), (12, 768, 12, 12, 3072, 50257)),
+    ("llama3-8b", dict(heads=16), (32, 4096, 16, 8, 14336, 128256)),
+])
+def test_an_overridden_hidden_size_carries_the_heads_and_mlp_width(name, knobs, expected):
+    cfg = get_config(name, **knobs)
+    assert sizes(cfg) == expected
+    graph = build_graph(cfg, **SMALL)
+    assert graph.num_parameters == closed_form_parameters(cfg)
+
+
+def test_a_model_config_is_resized_as_a_preset_is():
+    from memshard.models.config import resized
+
+    assert sizes(resized(PRESETS["gpt3-13b"], {"hidden": 2304})) == sizes(get_config("gpt3-13b", hidden=2304))
+    assert sizes(resized(PRESETS["tiny-llama"], {"hidden": 256})) == (2, 256, 8, 4, 512, 512)
+
+
+def test_the_overridden_sizes_read_as_the_flags_take_them():
+    assert get_config("gpt3-13b", hidden=2304).sizes == "40 layers, hidden 2304, 18 heads, ffn 9216, vocab 50257"
+    assert get_config("llama3-8b", num_layers=1).sizes == "1 layer, hidden 4096, 32 heads, 8 kv-heads, ffn 14336, " \
+                                                           "vocab 128256"
+
+
+@pytest.mark.parametrize("name, knobs, message", [
+    ("gpt3-13b", dict(hidden=2300), "head size 128"),  # not whole heads
+    ("llama3-8b", dict(hidden=640), "multiple of 512"),  # 5 heads: not whole groups of 4 per kv-head
+    ("llama3-8b", dict(hidden=2048, heads=6), "kv-heads too"),
+    ("gpt2", dict(hidden=128, heads=3), "not divisible by 3 heads"),
+    ("llama3-8b", dict(hidden=1024, kv_heads=3), "not divisible by 3 kv-heads"),
+    ("gpt2", dict(vocab=1 << 25), "16,777,216"),
+])
+def test_an_inconsistent_override_is_one_clear_error(name, knobs, message):
+    with pytest.raises(MemshardError, match=message):
+        get_config(name, **knobs)

@@ -46,6 +46,7 @@ PLAN = {
     "--gap": (["--gap", "0.5"], "json"),
     "--top": (["--top", "1"], "json"),
     "--brief": (["--brief"], "text"),
+    "--verbose": (["--verbose"], "text"),  # the search's stages: the JSON unchanged
 }
 JOB_SOURCES = {"--model", "--hf-config", "--hf-model", "--json", "--help"}
 

@@ -58,6 +58,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from memshard.baselines.names import Kind, StrategyName, parse_strategy
 from memshard.baselines.rules import (
     SplitUnavailable,
     assign_strategies,
@@ -84,13 +85,14 @@ from memshard.problem.records import (
     Problem,
     Selection,
     complete_selection,
+    explicit_prefetch,
 )
 from memshard.problem.tensor_parallel import REDISTRIBUTE, tensor_parallel_dim, tensor_parallel_dims
 
 
 @dataclass(frozen=True)
 class Baseline:
-    name: str
+    name: str  # ``str`` of its StrategyName
     selection: Selection
     problem: Problem  # the problem it is a plan of (a finer logical mesh for TP < a node)
 
@@ -139,9 +141,9 @@ def megatron_tp(
 
 
 Replayed = Callable[[int], bool]  # op index → recomputed
-OP_LEVEL = "+selective-op"  # torchtitan's per-op selective activation checkpointing
-MLP_MODULE = "+selective-mlp"  # Megatron-LM's --recompute-granularity selective --recompute-modules mlp
-ATTENTION_AND_MLP = "+selective-attn-mlp"  # … --recompute-modules core_attn mlp
+OP_LEVEL = "selective-op"  # torchtitan's per-op selective activation checkpointing
+MLP_MODULE = "selective-mlp"  # Megatron-LM's --recompute-modules mlp (granularity selective)
+ATTENTION_AND_MLP = "selective-attn-mlp"  # … --recompute-modules core_attn mlp
 TORCH_RECIPE, MEGATRON_RECIPE = "torch", "megatron"  # the recipes with a recomputation policy of their own
 
 
@@ -175,21 +177,22 @@ def torch_tp_fsdp2(problem: Problem, tp_axes: int, replayed: Replayed) -> Select
 
 
 def recompute_variants(problem: Problem, recipe: str = "") -> list[tuple[str, Replayed]]:
-    """(name suffix, which ops to recompute) of each recomputation a baseline is built with;
+    """(policy, which ops to recompute) of each recomputation a baseline is built with (its
+    name's ``recompute``, ``names.RECOMPUTATIONS``);
     under ``auto`` also the recipe's own policy: ``torch``, torchtitan's per-op selective
     checkpointing (``+selective-op``); ``megatron``, Megatron-LM's MLP module
     (``+selective-mlp``, ``--recompute-modules mlp``), alone and with the core attention
     (``+selective-attn-mlp``, ``core_attn mlp``). On a problem whose layers are split
-    (``layer_split``): full recomputation of the layers of class 0 only, suffixed ``+full``
+    (``layer_split``): full recomputation of the layers of class 0 only, policy ``full``
     (``split_baseline`` names it)."""
     graph = problem.graph
     replayable = replayable_ops(graph)
     selective = core_attention(graph) & replayable
     if len(set(graph.layer_classes)) > 1:
-        return [("+full", lambda i: i in replayable and graph.ops[i].layer_class == 0)]
-    variants = {"none": [("", lambda i: False)],
-                "selective": [("+selective", lambda i: i in selective)],
-                "full": [("+full", lambda i: i in replayable)]}
+        return [("full", lambda i: i in replayable and graph.ops[i].layer_class == 0)]
+    variants = {"none": [("none", lambda i: False)],
+                "selective": [("selective", lambda i: i in selective)],
+                "full": [("full", lambda i: i in replayable)]}
     if problem.recompute != "auto":
         return variants[problem.recompute]
     # (Megatron-LM's selective only where the model has core attention)
@@ -200,8 +203,8 @@ def recompute_variants(problem: Problem, recipe: str = "") -> list[tuple[str, Re
     elif recipe == MEGATRON_RECIPE:
         mlp = mlp_module(graph)
         own = [(MLP_MODULE, mlp), (ATTENTION_AND_MLP, mlp | selective)]
-    for suffix, replayed in own:
-        listed.append((suffix, lambda i, replayed=replayed & replayable: i in replayed))
+    for policy, replayed in own:
+        listed.append((policy, lambda i, replayed=replayed & replayable: i in replayed))
     return listed
 
 
@@ -224,19 +227,21 @@ class LayerSplit:
         """The counts that recompute some layers but not all, from the most recomputed."""
         return range(layers - 1, 0, -1) if self.method == "block" else range(2, layers + 1)
 
-    def suffix(self, count: int) -> str:
-        return f"+full-{self.method}{count}"
+    def named(self, name: StrategyName, count: int) -> StrategyName:
+        """``name`` with ``count`` of its layers fully recomputed this way (``+full-block<N>``,
+        ``+full-every<N>``)."""
+        return replace(name, recompute="full", **{self.method: count})
 
 
 BLOCK, EVERY = LayerSplit("block"), LayerSplit("every")
 
 
-def layer_split(name: str) -> LayerSplit | None:
+def layer_split(name: StrategyName) -> LayerSplit | None:
     """How the recipe of baseline ``name`` recomputes some of the layers: Megatron-LM's by
     block, torchtitan's (FSDP2, PyTorch TP × FSDP2) every N-th layer; None for the others."""
-    if name.startswith("megatron-"):
+    if name.kind is Kind.MEGATRON:
         return BLOCK
-    if name.startswith(("fsdp2", "torch-tp")):
+    if name.kind in (Kind.FSDP2, Kind.TORCH_TP):
         return EVERY
     return None
 
@@ -245,15 +250,17 @@ def split_baseline(problem: Problem, name: str, count: int) -> Baseline | None:
     """Baseline ``name`` with ``count`` of its layers fully recomputed as its recipe picks them
     (``layer_split``), on ``problem`` (recomputation ``auto``) with its layers split in two
     classes, each sharing its own variables; None where the baseline does not fit."""
-    split = layer_split(name)
+    named = parse_strategy(name)
+    split = layer_split(named)
     graph = problem.graph
     if split is None or problem.recompute != "auto" or count not in split.counts(graph.num_layers):
         return None
     classes = split.classes(graph.num_layers, count)
     on = build_problem(graph.with_layer_classes(classes), problem.mesh, problem.shared_layers,
                        problem.micro_batches, problem.zero3_unit, problem.recompute, problem.framework)
-    found, _ = baselines(on, lambda n: n == name + "+full")
-    return next((replace(b, name=name + split.suffix(count)) for b in found), None)
+    full = str(replace(named, recompute="full"))
+    found, _ = baselines(on, lambda n: n == full)
+    return next((replace(b, name=str(split.named(named, count))) for b in found), None)
 
 
 def split_innermost(mesh: Mesh, tp: int) -> Mesh:
@@ -284,22 +291,26 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     whole nodes and more (the innermost axes); data parallelism takes the rest."""
     out, skipped, bases = [], [], []
     mesh = problem.mesh
-    suffixes = {recipe: [suffix for suffix, _ in recompute_variants(problem, recipe)]
+    policies = {recipe: [policy for policy, _ in recompute_variants(problem, recipe)]
                 for recipe in ("", TORCH_RECIPE, MEGATRON_RECIPE)}
 
-    def add(name, make, on: Callable[[], Problem] = lambda: problem, recipe: str = ""):
-        bases.append(name)
-        names = [(name + suffix, suffix) for suffix in suffixes[recipe] if wanted is None or wanted(name + suffix)]
+    def add(base: StrategyName, make, on: Callable[[], Problem] = lambda: problem,
+            recipe: str = ""):
+        bases.append(base)
+        named = [replace(base, recompute=policy) for policy in policies[recipe]]
+        names = [(str(name), name) for name in named]
+        names = [(text, name) for text, name in names if wanted is None or wanted(text)]
         if problem.graph.precision == AUTOCAST:
-            refused = [(n, why) for n, _ in names if (why := unpriced_under_autocast(n, recipe))]
+            refused = [(text, why) for text, name in names
+                       if (why := unpriced_under_autocast(name, recipe))]
             skipped.extend(refused)
-            names = [(n, suffix) for n, suffix in names if n not in dict(refused)]
+            names = [(text, name) for text, name in names if text not in dict(refused)]
         if names:
             on = on()
             replayed_by = dict(recompute_variants(on, recipe))  # its own op indices (torch-tp adds ops)
-        for full_name, suffix in names:
+        for full_name, name in names:
             try:
-                selection = make(on, replayed_by[suffix])
+                selection = make(on, replayed_by[name.recompute])
             except SplitUnavailable as e:
                 skipped.append((full_name, str(e)))
                 continue
@@ -310,55 +321,76 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
             else:
                 out.append(Baseline(full_name, selection, on))
 
-    add("dp", ddp)
+    add(StrategyName(Kind.DP), ddp)
     # torchtitan's per-op policy where no activation collective runs in a block (with tensor
     # parallelism it saves reduce-scatters' outputs, a reshard's result the model does not keep)
-    add("ddp", ddp, lambda: as_run_by(problem, DDP), recipe=TORCH_RECIPE)
-    add("ddp-bucket-view", ddp, lambda: as_run_by(problem, DDP_BUCKET_VIEW), recipe=TORCH_RECIPE)
+    add(StrategyName(Kind.DDP), ddp, lambda: as_run_by(problem, DDP), recipe=TORCH_RECIPE)
+    add(StrategyName(Kind.DDP, bucket_view=True), ddp, lambda: as_run_by(problem, DDP_BUCKET_VIEW),
+        recipe=TORCH_RECIPE)
     for stage in (1, 2, 3):
-        add(f"zero{stage}" + ("-fsdp" if stage == 3 else ""), lambda p, r, s=stage: zero(p, s, r))
-    add("fsdp2", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2), recipe=TORCH_RECIPE)
-    add("fsdp2-noreshard", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_NO_RESHARD), recipe=TORCH_RECIPE)
-    add(FSDP2_PREFETCH, lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_PREFETCH), recipe=TORCH_RECIPE)
-    add(FSDP2_TORCHTITAN, lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_TORCHTITAN), recipe=TORCH_RECIPE)
-    if 1 < mesh.shape[-1] < mesh.num_devices:  # resharded within a node after forward
-        add(f"fsdp2-reshard{mesh.shape[-1]}", lambda p, r: zero(p, 3, r), lambda: as_run_by(problem, FSDP2_RESHARD_NODE),
+        add(StrategyName(Kind.ZERO, zero_stage=stage), lambda p, r, s=stage: zero(p, s, r))
+    for name, framework in fully_sharded(mesh):
+        add(name, lambda p, r: zero(p, 3, r), lambda f=framework: as_run_by(problem, f),
             recipe=TORCH_RECIPE)
     for on, k, tp in tensor_parallel_layouts(problem):
         dp = mesh.num_devices // tp
-        tag = f"tp{tp}" + (f"-dp{dp}" if dp > 1 else "")
+        megatron = StrategyName(Kind.MEGATRON, tensor_parallel=tp,
+                                data_parallel=dp if dp > 1 else None)
         as_megatron = functools.cache(lambda on=on: as_run_by(on(), MEGATRON))
-        add(f"megatron-{tag}", lambda p, r, k=k: megatron_tp(p, k, replayed=r), as_megatron, MEGATRON_RECIPE)
-        add(f"megatron-{tag}-sp", lambda p, r, k=k: megatron_tp_sp(p, k, r), as_megatron, MEGATRON_RECIPE)
+        add(megatron, lambda p, r, k=k: megatron_tp(p, k, replayed=r), as_megatron, MEGATRON_RECIPE)
+        add(replace(megatron, sequence_parallel=True), lambda p, r, k=k: megatron_tp_sp(p, k, r),
+            as_megatron, MEGATRON_RECIPE)
         if dp > 1:
-            add(f"megatron-{tag}-sp-distopt", lambda p, r, k=k: megatron_tp_sp_distributed_optimizer(p, k, r),
-                as_megatron, MEGATRON_RECIPE)
-            add(f"tp{tp}-fsdp{dp}", lambda p, r, k=k: tp_fsdp(p, k, r), on)
-            add(f"torch-tp{tp}-fsdp{dp}", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
-                lambda on=on: as_run_by(on(), TORCH_TP))
-            add(f"torch-tp{tp}-fsdp{dp}-noreshard", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
-                lambda on=on: as_run_by(on(), TORCH_TP_NO_RESHARD))
-            add(f"torch-tp{tp}-fsdp{dp}-torchtitan", lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
-                lambda on=on: as_run_by(on(), TORCH_TP_TORCHTITAN))
+            add(replace(megatron, sequence_parallel=True, distributed_optimizer=True),
+                lambda p, r, k=k: megatron_tp_sp_distributed_optimizer(p, k, r), as_megatron,
+                MEGATRON_RECIPE)
+            add(StrategyName(Kind.TP_FSDP, tensor_parallel=tp, data_parallel=dp),
+                lambda p, r, k=k: tp_fsdp(p, k, r), on)
+            for name, framework in torch_tensor_parallel(tp, dp):
+                add(name, lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
+                    lambda on=on, f=framework: as_run_by(on(), f))
     if wanted is not None:  # the layer splits asked for by name (``compare`` finds its own)
         layers = problem.graph.num_layers
         for base in bases:
             split = layer_split(base)
             for count in split.counts(layers) if split and problem.recompute == "auto" else ():
-                if wanted(base + split.suffix(count)) and (b := split_baseline(problem, base, count)):
+                named = str(split.named(base, count))
+                if wanted(named) and (b := split_baseline(problem, str(base), count)):
                     out.append(b)
     return out, skipped
 
 
-def unpriced_under_autocast(name: str, recipe: str) -> str | None:
+def fully_sharded(mesh: Mesh) -> list[tuple[StrategyName, str]]:
+    """(name, framework) of each PyTorch ``fully_shard`` baseline on ``mesh``: its defaults, not
+    resharded after forward, prefetching explicitly, torchtitan's units, and resharded within a
+    node after forward where the mesh has more than one node."""
+    fsdp2 = StrategyName(Kind.FSDP2)
+    listed = [(fsdp2, FSDP2), (replace(fsdp2, reshard_after_forward=False), FSDP2_NO_RESHARD),
+              (replace(fsdp2, prefetch=explicit_prefetch(FSDP2_PREFETCH)), FSDP2_PREFETCH),
+              (replace(fsdp2, torchtitan_units=True), FSDP2_TORCHTITAN)]
+    if 1 < mesh.shape[-1] < mesh.num_devices:
+        listed.append((replace(fsdp2, reshard_after_forward=mesh.shape[-1]), FSDP2_RESHARD_NODE))
+    return listed
+
+
+def torch_tensor_parallel(tp: int, dp: int) -> list[tuple[StrategyName, str]]:
+    """(name, framework) of each PyTorch ``parallelize_module`` × ``fully_shard`` baseline of
+    degrees ``tp`` × ``dp``: its defaults, not resharded after forward, torchtitan's units."""
+    torch_tp = StrategyName(Kind.TORCH_TP, tensor_parallel=tp, data_parallel=dp)
+    return [(torch_tp, TORCH_TP),
+            (replace(torch_tp, reshard_after_forward=False), TORCH_TP_NO_RESHARD),
+            (replace(torch_tp, torchtitan_units=True), TORCH_TP_TORCHTITAN)]
+
+
+def unpriced_under_autocast(name: StrategyName, recipe: str) -> str | None:
     """Why baseline ``name`` is not offered under ``torch.autocast``, if it is not: PyTorch's
     implementations are offered where checked against PyTorch under autocast (DDP, FSDP2, with
     full checkpointing); Megatron-LM does not train under it."""
     if recipe == MEGATRON_RECIPE:
         return "Megatron-LM trains bf16 in its own layout (--precision mixed), not under torch.autocast"
-    if name.startswith("torch-tp"):
+    if name.kind is Kind.TORCH_TP:
         return "not checked against PyTorch under torch.autocast (--precision mixed or fp32 are)"
-    if name.endswith("+selective-op") or "-noreshard" in name:
+    if name.recompute == OP_LEVEL or name.reshard_after_forward is False:
         return ("under torch.autocast PyTorch keeps its weights' bf16 copies otherwise than memshard prices them "
                 "(measured 4–9% off; --precision mixed or fp32 are checked)")
     return None

@@ -1,6 +1,12 @@
 """Parsing and printing quantities: bytes (``80GiB``, ``1.5 TB``), seconds (``12 ms``), counts
 (``6.66B`` parameters) and counted nouns (``1 device``, ``8 devices``).
 
+What a user types is read here, each kind with its range: a count is a whole number from 1 to
+``MAX_COUNT``, a duration a finite number of seconds up to ``MAX_SECONDS``, a size in bytes a
+finite number of at least one byte (``MAX_BYTES`` bounds a device's memory and a budget), a
+factor on a step time (a slack, a slowdown) at most ``MAX_FACTOR``; a value out of range is a
+:class:`MemshardError` naming it.
+
 Printed figures have three significant digits and never use scientific notation: a unit
 changes where the rounded figure would reach 1000 (1023.9 MiB prints ``1 GiB``, 999.96 ms
 ``1 s``); past the largest unit the figure keeps plain digits (``8,880 PiB``, ``3,600 s``).
@@ -23,18 +29,67 @@ _COUNT = ("K", "M", "B", "T")  # thousand, million, billion, trillion
 _SECONDS = ((1e-9, "ns"), (1e-6, "µs"), (1e-3, "ms"), (1.0, "s"))
 _TOP = 999.5  # a figure that rounds to 1000 or more at three significant digits
 
+# The ranges of what a user types (guards against runaway input: no job comes near them).
+MAX_COUNT = 1 << 24  # sequences, tokens, model sizes, steps, points: 16,777,216
+MAX_SECONDS = 1e6  # a step-time budget, a solver limit, a timeout: 11.6 days
+MAX_BYTES = 1 << 60  # a device's memory or a memory budget: 1,024 PiB
+MAX_FACTOR = 1e6  # a slack or slowdown factor on a step time
+
 
 def parse_bytes(text: str) -> int:
     """``"80GiB"`` → 85899345920. Decimal (GB) and binary (GiB) units, case-insensitive; what
-    :func:`format_bytes` prints reads back (``"1,024 PiB"``)."""
+    :func:`format_bytes` prints reads back (``"1,024 PiB"``). At least one byte, and finite
+    (``1e400GiB`` is refused, not overflowed)."""
     match = re.fullmatch(r"\s*([0-9][0-9,]*\.?[0-9]*|\.[0-9]+)(?:e([0-9]+))?\s*([A-Za-z]*)\s*", str(text))
     unit = match.group(3).upper() if match else None
     if match is None or unit not in _BYTE_UNITS:
         raise MemshardError(f"cannot read {text!r} as a size in bytes (try e.g. 80GiB or 40GB)")
-    value = float(match.group(1).replace(",", "")) * 10 ** int(match.group(2) or 0) * _BYTE_UNITS[unit]
+    mantissa, exponent = float(match.group(1).replace(",", "")), (match.group(2) or "0").lstrip("0") or "0"
+    try:  # (an exponent of more than three digits overflows a float whatever it is)
+        value = mantissa and mantissa * 10.0 ** int(exponent[:4]) * _BYTE_UNITS[unit]
+    except OverflowError:
+        value = math.inf
     if value <= 0:
         raise MemshardError(f"a size must be positive, got {text!r}")
+    if value < 1:
+        raise MemshardError(f"a size must be at least 1 byte, got {text!r}")
+    if not math.isfinite(value):
+        raise MemshardError(f"{text!r} is too large to be a size in bytes")
     return int(value)
+
+
+def check_bytes(value: float, what: str) -> None:
+    """Refuse a size in bytes above ``MAX_BYTES`` (``what``: the option, for the message)."""
+    if value > MAX_BYTES:
+        raise MemshardError(f"{what} must be at most {format_bytes(MAX_BYTES)}, got {format_bytes(value)}")
+
+
+def parse_count(text: str, most: int = MAX_COUNT) -> int:
+    """A whole number from 1 to ``most``: ``"64"`` → 64; ``"2.5"``, ``"1e3"``, ``"0"`` refused."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise MemshardError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise MemshardError(f"expected a positive integer, got {text!r}")
+    if value > most:
+        raise MemshardError(f"expected a positive integer of at most {most:,}, got {text!r}")
+    return value
+
+
+def parse_seconds(text: str) -> float:
+    """A duration: ``"1.5s"``, ``"800ms"``, ``"20us"`` or a plain number of seconds; positive,
+    finite and at most ``MAX_SECONDS``."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(ms|s|us|µs)?\s*", str(text))
+    if not m:
+        raise MemshardError(f"expected a duration like 1.5s or 800ms, got {text!r}")
+    scale = {"ms": 1e-3, "us": 1e-6, "µs": 1e-6}.get(m.group(2) or "s", 1.0)
+    value = float(m.group(1)) * scale
+    if value <= 0:
+        raise MemshardError(f"a duration must be positive, got {text!r}")
+    if not value <= MAX_SECONDS:
+        raise MemshardError(f"a duration must be at most {format_seconds(MAX_SECONDS)}, got {text!r}")
+    return value
 
 
 def _significant(v: float) -> str:

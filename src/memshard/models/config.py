@@ -1,18 +1,74 @@
-"""Model configurations and the built-in presets.
+"""Model configurations, the built-in presets, and the one meaning of an override of a size.
 
 A preset fixes the architecture (layers, hidden, heads, ffn, vocab); batch and sequence
 length are given when a graph is built. Published parameter counts are kept next to each
 preset so tests can check the builders against them.
+
+Overriding the hidden size resizes the model the way ``memshard fit --max hidden`` grows it
+(:func:`follow_hidden`): the attention heads keep their size, the key/value heads their group
+of heads, the MLP width its ratio to the hidden size; a follower given too wins. Every command
+and the Python API mean this, for presets, ``ModelConfig`` objects and Hugging Face configs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from memshard.core.errors import MemshardError
 from memshard.core.graph import AUTOCAST, FP32, MIXED, PRECISIONS, Precision
+from memshard.core.quantities import MAX_COUNT
 
 MAX_LAYERS = 4096  # a guard against runaway input: no model comes near it
+
+
+@dataclass(frozen=True)
+class Width:
+    """A model's hidden size and the sizes that follow it: attention heads, key/value heads and
+    MLP width (None: the model derives it from the hidden size, as GPT-2's ``n_inner``)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int | None
+
+
+def follow_hidden(base: Width, hidden: int, given: Mapping[str, Any], name: str) -> Width:
+    """``base`` resized to ``hidden``, as ``fit --max hidden`` grows a model: as many heads as
+    keep the head size (``hidden × heads / base hidden``), as many key/value heads as keep the
+    heads per key/value head, the MLP width in the same ratio to the hidden size (rounded). A
+    follower in ``given`` (``heads``, ``kv_heads``, ``ffn``) wins over its resized value; the
+    key/value heads then follow the heads given. ``name``: the model, for the messages."""
+    size = base.hidden // base.heads
+    heads = given.get("heads")
+    if heads is None:
+        if hidden * base.heads % base.hidden:
+            raise MemshardError(f"{name}: hidden size {hidden} does not keep its head size {size}: give a multiple "
+                                f"of {size}, or the heads too")
+        heads = hidden * base.heads // base.hidden
+    kv_heads = given.get("kv_heads")
+    if kv_heads is None:
+        group = max(1, base.heads // base.kv_heads)
+        if heads % group:
+            instead = "the kv-heads too" if "heads" in given else (
+                f"a multiple of {size * group} (whole groups), or the kv-heads too")
+            raise MemshardError(f"{name}: {heads} heads do not keep its {group} heads per kv-head: give {instead}")
+        kv_heads = heads // group
+    ffn = given.get("ffn")
+    if ffn is None and base.ffn is not None:
+        ffn = max(1, round(base.ffn * hidden / base.hidden))
+    return Width(hidden, heads, kv_heads, ffn)
+
+
+def describe_sizes(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int | None, vocab: int) -> str:
+    """``40 layers, hidden 2304, 18 heads, ffn 9216, vocab 50257`` (the kv-heads where they differ
+    from the heads; no ffn where it is unknown): what a report gives beside an overridden
+    model's name."""
+    kv = f", {kv_heads} kv-heads" if kv_heads != heads else ""
+    mlp = f", ffn {ffn}" if ffn is not None else ""
+    return (f"{layers} layer{'' if layers == 1 else 's'}, hidden {hidden}, {heads} head{'' if heads == 1 else 's'}"
+            f"{kv}{mlp}, vocab {vocab}")
 
 
 @dataclass(frozen=True)
@@ -35,6 +91,16 @@ class ModelConfig:
     def num_kv_heads(self) -> int:
         return self.kv_heads or self.heads
 
+    @property
+    def width(self) -> Width:
+        """The hidden size and the sizes that follow it (:func:`follow_hidden`)."""
+        return Width(self.hidden, self.heads, self.num_kv_heads, self.ffn)
+
+    @property
+    def sizes(self) -> str:
+        """``40 layers, hidden 2304, 18 heads, ffn 9216, vocab 50257``."""
+        return describe_sizes(self.num_layers, self.hidden, self.heads, self.num_kv_heads, self.ffn, self.vocab)
+
     def check(self) -> None:
         sizes = (self.num_layers, self.hidden, self.heads, self.ffn, self.vocab, self.max_positions, self.default_seq)
         if any(isinstance(n, bool) or not isinstance(n, int) for n in (*sizes, self.num_kv_heads)):
@@ -44,6 +110,9 @@ class ModelConfig:
         if self.num_layers > MAX_LAYERS:
             raise MemshardError(f"{self.name}: {self.num_layers} layers; memshard plans models of at most "
                                 f"{MAX_LAYERS:,} layers")
+        if max(*sizes, self.num_kv_heads) > MAX_COUNT:
+            raise MemshardError(f"{self.name}: hidden, heads, kv-heads, ffn, vocab and positions must be at most "
+                                f"{MAX_COUNT:,}, got {max(*sizes, self.num_kv_heads):,}")
         if self.family != "llama" and self.num_kv_heads != self.heads:
             raise MemshardError(f"{self.name}: kv-heads (grouped-query attention) apply to LLaMA models only")
 
@@ -101,8 +170,26 @@ PRESETS: dict[str, ModelConfig] = {
 ALIASES = {"gpt2-124m": "gpt2", "gpt2-355m": "gpt2-medium", "gpt2-774m": "gpt2-large", "gpt2-1.5b": "gpt2-xl"}
 
 
+def resized(config: ModelConfig, overrides: Mapping[str, Any]) -> ModelConfig:
+    """``config`` with its fields ``overrides`` (None: not given); an override of the hidden
+    size carries the heads, key/value heads and MLP width with it (:func:`follow_hidden`)
+    unless they are given too. Unchecked (:meth:`ModelConfig.check`)."""
+    knobs = {k: v for k, v in overrides.items() if v is not None}
+    whole = all(isinstance(knobs[k], int) and not isinstance(knobs[k], bool) and knobs[k] >= 1
+                for k in ("hidden", "heads", "kv_heads", "ffn") if k in knobs)  # else check() says what is wrong
+    if "hidden" in knobs and whole:
+        config.check()  # the sizes it resizes
+        width = follow_hidden(config.width, knobs["hidden"], knobs, config.name)
+        followers = {"heads": width.heads, "ffn": width.ffn}
+        if config.kv_heads is not None or "kv_heads" in knobs or width.kv_heads != width.heads:
+            followers["kv_heads"] = width.kv_heads
+        knobs = {**followers, **knobs}
+    return replace(config, **knobs) if knobs else config
+
+
 def get_config(name: str, **overrides) -> ModelConfig:
-    """A preset by name, with knobs overridden (``num_layers=4``, ``precision="fp32"``…)."""
+    """A preset by name, with knobs overridden (``num_layers=4``, ``precision="fp32"``…; an
+    override of the hidden size resizes the model, :func:`resized`)."""
     key = ALIASES.get(name.lower(), name.lower())
     if key not in PRESETS:
         raise MemshardError(
@@ -114,7 +201,7 @@ def get_config(name: str, **overrides) -> ModelConfig:
             raise MemshardError(f"a built-in model's precision is mixed or fp32, not {overrides['precision']!r} "
                                 "(autocast: a Hugging Face config or an nn.Module, traced)")
         overrides["precision"] = PRECISIONS[overrides["precision"]]
-    cfg = replace(PRESETS[key], **overrides)
+    cfg = resized(PRESETS[key], overrides)
     if overrides:
         cfg = replace(cfg, published_parameters=None)
     cfg.check()

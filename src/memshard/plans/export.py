@@ -38,27 +38,19 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from memshard.baselines.names import Kind, StrategyName, parse_strategy
 from memshard.core.errors import MemshardError
 from memshard.core.graph import Graph, Origin, TensorKind
-from memshard.core.quantities import counted, format_bytes, format_parameters
+from memshard.core.quantities import counted, format_bytes
 from memshard.job import HFModel, Job, TracedModule
 from memshard.plans.plan import Plan
+from memshard.plans.report import model_figures
 from memshard.problem.gathers import end_weights
-from memshard.problem.records import FSDP2_PREFETCH, FSDP2_TORCHTITAN, explicit_prefetch
 from memshard.problem.tensor_parallel import REDISTRIBUTE
 
-TORCH_STRATEGIES = ("fsdp2", "ddp", "torch-tp")
-# the baselines of a PyTorch API with an option set: (their kind, the keyword argument)
-WITH_OPTION = {"fsdp2-noreshard": ("fsdp2", "reshard_after_forward=False"),
-               "ddp-bucket-view": ("ddp", "gradient_as_bucket_view=True")}
-TORCH_TP_NAME = re.compile(r"torch-tp(?P<tp>\d+)-fsdp(?P<dp>\d+)(?:(?P<noreshard>-noreshard)|(?P<torchtitan>-torchtitan))?")
-MEGATRON_NAME = re.compile(r"megatron-tp(?P<tp>\d+)(?:-dp(?P<dp>\d+))?(?P<sp>-sp)?(?P<distopt>-distopt)?")
-# +selective, +selective-op (torchtitan's per-op policy), +selective-mlp / +selective-attn-mlp
-# (Megatron-LM's MLP module, alone or with the core attention), +full, or +full-blockN / +full-everyN
-# (some layers recomputed, ``baselines.LayerSplit``)
-RECOMPUTE_SUFFIX = re.compile(r"\+(selective-op|selective-mlp|selective-attn-mlp|selective|full)(?:-(block|every)(\d+))?$")
+TORCH_STRATEGIES = (Kind.FSDP2, Kind.DDP, Kind.TORCH_TP)  # PyTorch's APIs, exported as Python
 CHECKPOINTED = ("full", "selective-op")  # the recomputation exported as torch.utils.checkpoint
 BUILT_UNDER_AUTO = ("selective-op", "selective-mlp", "selective-attn-mlp")  # a recipe's own policies
 # torchtitan's per-op selective activation checkpointing, as the ``+selective-op`` baselines price it
@@ -108,26 +100,65 @@ class MegatronLayout:
 
 @dataclass(frozen=True)
 class ExportTarget:
-    """An exportable strategy: ``kind`` is ``fsdp2``, ``ddp`` or ``megatron``; ``recompute`` the
-    policy its name carries (``+selective``, ``+full``), under which its baseline is built;
-    ``precision`` the precision its code runs unless the job says otherwise (None: the model's);
-    ``option`` a keyword argument given to every ``fully_shard`` or to ``DistributedDataParallel``;
-    ``split``/``count``: some layers recomputed in full, Megatron-LM's ``block`` (the first
-    ``count``) or torchtitan's ``every`` (each ``count``-th), under recomputation ``auto``
-    (as torchtitan's per-op policy, ``selective-op``, is); ``prefetch``: the blocks each
-    block's ``fully_shard`` prefetches explicitly each way (0: FSDP2's default); ``wrap_ends``:
-    the embedding and the output layers wrapped first, as torchtitan does."""
+    """An exportable strategy, as its name says: ``kind`` is ``fsdp2``, ``ddp``, ``torch-tp`` or
+    ``megatron``; ``recompute`` the policy its name carries (``+selective``, ``+full``), under
+    which its baseline is built; ``precision`` the precision its code runs unless the job says
+    otherwise (None: the model's); ``option`` a keyword argument given to every ``fully_shard``
+    or to ``DistributedDataParallel``; ``split``/``count``: some layers recomputed in full,
+    Megatron-LM's ``block`` (the first ``count``) or torchtitan's ``every`` (each
+    ``count``-th), under recomputation ``auto`` (as torchtitan's per-op policy,
+    ``selective-op``, is); ``prefetch``: the blocks each block's ``fully_shard`` prefetches
+    explicitly each way (0: FSDP2's default); ``wrap_ends``: the embedding and the output
+    layers wrapped first, as torchtitan does."""
 
-    strategy: str
-    kind: str
-    recompute: str
-    precision: str | None
-    megatron: MegatronLayout | None = None
-    option: str = ""
-    split: str = ""
-    count: int = 0
-    prefetch: int = 0
-    wrap_ends: bool = False
+    name: StrategyName
+
+    @property
+    def strategy(self) -> str:
+        return str(self.name)
+
+    @property
+    def kind(self) -> str:
+        return self.name.kind.value
+
+    @property
+    def recompute(self) -> str:
+        return self.name.recompute
+
+    @property
+    def precision(self) -> str | None:
+        return None if self.name.kind is Kind.MEGATRON else "fp32"
+
+    @property
+    def megatron(self) -> MegatronLayout | None:
+        name = self.name
+        if name.kind is not Kind.MEGATRON:
+            return None
+        return MegatronLayout(name.tensor_parallel, name.data_parallel or 1, name.sequence_parallel,
+                              name.distributed_optimizer)
+
+    @property
+    def option(self) -> str:
+        if self.name.bucket_view:
+            return "gradient_as_bucket_view=True"
+        reshard = self.name.reshard_after_forward
+        return "" if reshard is True else f"reshard_after_forward={reshard}"
+
+    @property
+    def split(self) -> str:
+        return "block" if self.name.block else "every" if self.name.every else ""
+
+    @property
+    def count(self) -> int:
+        return self.name.block or self.name.every
+
+    @property
+    def prefetch(self) -> int:
+        return self.name.prefetch
+
+    @property
+    def wrap_ends(self) -> bool:
+        return self.name.torchtitan_units
 
     @property
     def policy(self) -> str:
@@ -157,52 +188,40 @@ def export_target(strategy: str) -> ExportTarget:
     """What ``strategy`` exports as, or one MemshardError saying why it cannot be."""
     if not isinstance(strategy, str) or not strategy:
         raise MemshardError(f"a strategy is a name such as fsdp2, ddp or megatron-tp4-sp, got {strategy!r}")
-    suffix = RECOMPUTE_SUFFIX.search(strategy)
-    recompute = suffix.group(1) if suffix else "none"
-    split, count = (suffix.group(2) or "", int(suffix.group(3) or 0)) if suffix else ("", 0)
-    base = strategy[:suffix.start()] if suffix else strategy
-    megatron = MEGATRON_NAME.fullmatch(base)
-    if split and bool(megatron) != (split == "block"):
+    try:
+        name = parse_strategy(strategy)
+    except MemshardError as e:
+        raise MemshardError(f"{strategy} cannot be exported: {e}; {PARALLELIZE}") from None
+    target = ExportTarget(name)
+    if target.split and (name.kind is Kind.MEGATRON) != (target.split == "block"):
         raise MemshardError(f"{strategy} cannot be exported: Megatron-LM recomputes some layers by block "
                             "(+full-blockN), torchtitan's recipes every N-th layer (+full-everyN)")
-    if megatron:
-        layout = MegatronLayout(int(megatron["tp"]), int(megatron["dp"] or 1), bool(megatron["sp"]),
-                                bool(megatron["distopt"]))
-        return ExportTarget(strategy, "megatron", recompute, None, layout, split=split, count=count)
-    torch_tp = TORCH_TP_NAME.fullmatch(base)
-    if torch_tp:
-        kind, option = "torch-tp", "reshard_after_forward=False" if torch_tp["noreshard"] else ""
-    else:
-        kind, option = WITH_OPTION.get(base, ("fsdp2" if base in (FSDP2_PREFETCH, FSDP2_TORCHTITAN) else base, ""))
-        if node := re.fullmatch(r"fsdp2-reshard(\d+)", base):
-            kind, option = "fsdp2", f"reshard_after_forward={node[1]}"
-    if kind in TORCH_STRATEGIES:
+    if name.kind is Kind.MEGATRON:
+        return target
+    if name.kind in TORCH_STRATEGIES:
         # full and per-op recomputation are checked against torch.utils.checkpoint around every block
-        if recompute not in ("none", *CHECKPOINTED) or (recompute == "selective-op" and split):
-            raise MemshardError(f"{strategy} cannot be exported: its recomputation is not checked against "
-                                f"torch.utils.checkpoint as exported (+full and +selective-op are); export {base} "
-                                "or run it with memshard.parallelize(model, plan) (README: \"Using a plan from "
+        if name.recompute not in ("none", *CHECKPOINTED):
+            raise MemshardError(f"{strategy} cannot be exported: its recomputation is not "
+                                "checked against torch.utils.checkpoint as exported (+full and "
+                                f"+selective-op are); export {name.plain} or run it with "
+                                "memshard.parallelize(model, plan) (README: \"Using a plan from "
                                 "Python\")")
-        return ExportTarget(strategy, kind, recompute, "fp32", option=option, split=split, count=count,
-                            prefetch=explicit_prefetch(base),
-                            wrap_ends=base == FSDP2_TORCHTITAN or bool(torch_tp and torch_tp["torchtitan"]))
-    raise MemshardError(f"{strategy} cannot be exported: {_why_not(base)}; {PARALLELIZE}")
+        return target
+    raise MemshardError(f"{strategy} cannot be exported: {_why_not(name.plain)}; {PARALLELIZE}")
 
 
-def _why_not(base: str) -> str:
-    if base == "memshard":
+def _why_not(base: StrategyName) -> str:
+    if base.kind is Kind.MEMSHARD:
         return ("memshard's plan picks each operator's sharding, each parameter's ZeRO storage and each reshard "
                 "apart (per-op mixing), which PyTorch's public APIs cannot express")
-    if base == "dp":
+    if base.kind is Kind.DP:
         return ("dp is data parallelism as memshard's runtime runs it (gradients all-reduced in place, no "
                 "buckets); PyTorch's DistributedDataParallel is --strategy ddp")
-    if re.fullmatch(r"zero[123](-fsdp)?", base):
+    if base.kind is Kind.ZERO:
         return (f"{base} is an idealised ZeRO stage as memshard's runtime executes it, which no PyTorch API "
                 "allocates as priced; PyTorch's fully_shard is --strategy fsdp2")
-    if re.fullmatch(r"tp\d+-fsdp\d+", base):
-        return (f"{base} prices an idealised TP × FSDP (memshard's runtime); PyTorch's parallelize_module × "
-                f"fully_shard is --strategy torch-{base}")
-    return f"unknown strategy {base!r}"
+    return (f"{base} prices an idealised TP × FSDP (memshard's runtime); PyTorch's "
+            f"parallelize_module × fully_shard is --strategy {replace(base, kind=Kind.TORCH_TP)}")
 
 
 def check_exportable(target: ExportTarget, job: Job) -> None:
@@ -266,7 +285,7 @@ def header(plan: Plan) -> list[str]:
             shape += f" in {job.micro_batches} micro-batches"
     return [
         f"# memshard export: {plan.strategy}",
-        f"# Job: {model.name} ({format_parameters(model.num_parameters)}, {model.precision}){shape}, "
+        f"# Job: {model.name} ({model_figures(job, model.num_parameters, model.precision)}){shape}, "
         f"on mesh {job.mesh} ({counted(job.mesh.num_devices, 'device')})",
         f"# Predicted peak per device: {format_bytes(plan.peak_bytes)} ({round(plan.peak_bytes):,} bytes), "
         f"at {plan.memory.peak_at}",
@@ -556,7 +575,7 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
         raise MemshardError(f"{target.strategy} cannot be exported: its code is written for one stack of blocks, "
                             f"the model has {len(containers)}")
     (container,) = containers
-    tp = int(TORCH_TP_NAME.fullmatch(target.strategy.removesuffix("+full"))["tp"])
+    tp = target.name.tensor_parallel
     defaults = f"with {target.option}" if target.option else _ends_note(plan) if target.wrap_ends else "with their defaults"
     dp = plan.job.mesh.num_devices // tp
     prefix = f"{container.path}.0."

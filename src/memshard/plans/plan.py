@@ -14,13 +14,13 @@ executes) is built only when asked for.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
+from memshard.baselines.names import Kind, parse_strategy
 from memshard.baselines.recipes import as_run_by
 from memshard.core.errors import MemshardError
 from memshard.core.files import read_json, write_text_atomically
@@ -45,6 +45,7 @@ from memshard.problem.records import (
 )
 from memshard.search.coarsen import lift_selection
 from memshard.search.solve import SolveResult
+from memshard.search.stages import StageRecord
 
 SCHEMA = "memshard.plan/3"
 READABLE_SCHEMAS = ("memshard.plan/1", "memshard.plan/2", SCHEMA)
@@ -99,6 +100,9 @@ class SolverSummary:
     # each layer's class where layers share variables by class (``Graph.layer_classes``): a
     # recipe recomputing some of its layers; empty where all layers are one class
     layer_classes: tuple[int, ...] = ()
+    # the search's stages (``search/stages.py``): shown by ``memshard plan --verbose``, not
+    # written to the plan's JSON (a plan read back has none)
+    stages: tuple[StageRecord, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,9 @@ def runnable(plan: Plan) -> Plan:
                           advice=False)
     if framework != MEMSHARD:
         if framework in TORCH_TP_FRAMEWORKS:
-            name, instead = "parallelize_module × fully_shard", re.sub(r"-(noreshard|torchtitan)", "", plan.strategy.removeprefix("torch-"))
+            idealised = replace(parse_strategy(plan.strategy), kind=Kind.TP_FSDP,
+                                reshard_after_forward=True, torchtitan_units=False)
+            name, instead = "parallelize_module × fully_shard", str(idealised)
         elif framework in DDP_FRAMEWORKS:
             name, instead = "DistributedDataParallel", "dp"
         else:
@@ -339,7 +345,7 @@ def _solver_summary(problem: Problem, result: SolveResult | None) -> SolverSumma
                              problem.recompute, problem.framework, classes)
     return SolverSummary(result.status, result.time_s, result.gap, result.variables, result.constraints,
                          problem.shared_layers, problem.zero3_unit, result.search_space, problem.recompute,
-                         problem.framework, classes)
+                         problem.framework, classes, result.stages)
 
 
 def _split(assignment: tuple, mesh: Mesh) -> dict[str, str]:

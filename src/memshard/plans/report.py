@@ -11,7 +11,7 @@ from rich.table import Table
 
 from memshard.core.graph import Graph, TensorKind
 from memshard.core.quantities import counted, format_bytes, format_parameters, format_seconds
-from memshard.job import TracedModule
+from memshard.job import Job, TracedModule
 from memshard.plans.advice import (
     LINKED,
     TOO_SMALL,
@@ -31,7 +31,8 @@ CATEGORY_LABELS = {
 }
 
 
-def render_plan(plan: Plan, console: Console, top: int = 10, show_strategy: bool = True) -> None:
+def render_plan(plan: Plan, console: Console, top: int = 10, show_strategy: bool = True,
+                show_stages: bool = False) -> None:
     console.print(_headline(plan))
     if plan.model.unknown_ops:
         ops = ", ".join(f"{name} ×{n}" for name, n in plan.model.unknown_ops.items())
@@ -41,6 +42,8 @@ def render_plan(plan: Plan, console: Console, top: int = 10, show_strategy: bool
     if plan.solver.recompute != "none":
         console.print(_recompute_line(plan))
     console.print(_solver_line(plan))
+    if show_stages and plan.solver.stages:
+        console.print(_stages_table(plan))
     red = [r for r in plan.most_redundant_ops[:top] if r.redundant_bytes > 0]
     if red:
         console.print(_redundancy_table(red))
@@ -62,9 +65,18 @@ def _headline(plan: Plan) -> str:
             extra += micro
     elif isinstance(job.model, TracedModule) and job.micro_batches > 1:
         extra = micro
-    return (f"[bold]{model.name}[/] ({format_parameters(model.num_parameters)}, {model.precision}{extra}) "
+    return (f"[bold]{model.name}[/] ({model_figures(job, model.num_parameters, model.precision)}{extra}) "
             f"on mesh [bold]{mesh}[/] ({counted(mesh.num_devices, 'device')}), "
             f"objective [bold]{plan.objective or plan.strategy}[/]")
+
+
+def model_figures(job: Job, num_parameters: int, precision: str) -> str:
+    """What a report gives in brackets beside the model's name: the sizes where the job
+    overrides any (``overridden: 40 layers, hidden 2304, 18 heads, ffn 9216, vocab 50257;``),
+    then the parameter count and the precision."""
+    figures = f"{format_parameters(num_parameters)}, {precision}"
+    sizes = job.overridden_sizes()
+    return f"overridden: {sizes}; {figures}" if sizes else figures
 
 
 def _memory_table(plan: Plan) -> Table:
@@ -127,6 +139,26 @@ def _solver_line(plan: Plan) -> str:
             + ("" if s.shared_layers else " (exact: no shared layers)")
             + ("; ZeRO-3 weights gathered per layer" if s.zero3_unit == "layer" else "")
             + ("" if s.search_space == "full" else f"; {s.search_space} (--full-mesh to search all)"))
+
+
+def _stages_table(plan: Plan) -> Table:
+    """The search's stages in the order they ended (a stage within another ends first)."""
+    stages = plan.solver.stages
+    scoped = any(stage.scope for stage in stages)
+    t = _table("Search stages", ("search",) * scoped + ("stage", "minimises", "found", "bound", "time", "stopped"))
+    for stage in stages:
+        t.add_row(*(stage.scope,) * scoped, stage.name, stage.objective, _stage_figure(stage.objective, stage.found),
+                  _stage_figure(stage.objective, stage.bound), format_seconds(stage.time_s), stage.stopped)
+    return t
+
+
+def _stage_figure(objective: str, value: float | None) -> str:
+    """A stage's figure: bytes for the peak, seconds for the step time, a blend's in the model's units."""
+    if value is None:
+        return "–"
+    if objective == "memory":
+        return format_bytes(value)
+    return format_seconds(value) if objective == "time" else f"{value:.6g}"
 
 
 REDUNDANCY_NOTE = (
@@ -267,9 +299,14 @@ def format_plan(plan: Plan, top: int = 10, width: int = 120) -> str:
     return buffer.getvalue()
 
 
-def render_comparison(result: dict, console: Console) -> None:
+def render_comparison(result: dict, console: Console, job: Job | None = None) -> None:
+    """``memshard compare``'s table; ``job``: the job compared, whose overridden sizes the
+    headline gives (with the parameter count) beside the model's name."""
     model, mesh = result["model"], result["mesh"]
-    console.print(f"[bold]{model['name']}[/] on mesh [bold]{'x'.join(map(str, mesh['shape']))}[/]: "
+    figures = ""
+    if job is not None and job.overridden_sizes():
+        figures = f" ({model_figures(job, model['num_parameters'], model['precision'])})"
+    console.print(f"[bold]{model['name']}[/]{figures} on mesh [bold]{'x'.join(map(str, mesh['shape']))}[/]: "
                   "every strategy priced by the same memory and communication model")
     t = Table(title_justify="left")
     for col in ("strategy", "peak", "params+grads+opt", "activations", "transients", "redundant",

@@ -84,7 +84,9 @@ SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout 
 # fp32). Not a search option: memshard's runtime executes "memshard" plans only.
 MEMSHARD, FSDP2, DDP, TORCH_TP, MEGATRON = "memshard", "fsdp2", "ddp", "torch-tp", "megatron"
 FSDP2_NO_RESHARD, DDP_BUCKET_VIEW, TORCH_TP_NO_RESHARD = "fsdp2-noreshard", "ddp-bucket-view", "torch-tp-noreshard"
-FSDP2_PREFETCH, FSDP2_TORCHTITAN, FSDP2_RESHARD_NODE = "fsdp2-prefetch2", "fsdp2-torchtitan", "fsdp2-reshard-node"
+FSDP2_PREFETCHED = 2  # the layers FSDP2_PREFETCH prefetches each way
+FSDP2_PREFETCH = f"fsdp2-prefetch{FSDP2_PREFETCHED}"
+FSDP2_TORCHTITAN, FSDP2_RESHARD_NODE = "fsdp2-torchtitan", "fsdp2-reshard-node"
 TORCH_TP_TORCHTITAN = "torch-tp-torchtitan"
 FRAMEWORKS = (MEMSHARD, FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, FSDP2_TORCHTITAN, FSDP2_RESHARD_NODE, DDP, DDP_BUCKET_VIEW, TORCH_TP,
               TORCH_TP_NO_RESHARD, TORCH_TP_TORCHTITAN, MEGATRON)
@@ -98,7 +100,7 @@ TORCH_FRAMEWORKS = (*FSDP2_FRAMEWORKS, *DDP_FRAMEWORKS)  # run with torch.optim.
 def explicit_prefetch(framework: str) -> int:
     """How many layers each ``fully_shard`` of ``framework`` prefetches explicitly
     (``set_modules_to_forward_prefetch`` / ``…_backward_prefetch``); 0: FSDP2's default."""
-    return int(framework.removeprefix("fsdp2-prefetch")) if framework.startswith("fsdp2-prefetch") else 0
+    return FSDP2_PREFETCHED if framework == FSDP2_PREFETCH else 0
 
 
 def framework_graph(graph: Graph, framework: str) -> Graph:

@@ -6,7 +6,11 @@ planning large meshes on merged axes (``coarsen.py``).
   row families, documented there, each built by one ``add_*_constraints`` method (edge flows
   in ``edges.py``, live bytes in ``memory.py``, reshard buffers in ``reshards.py``);
 - ``reference.py``: the figures that scale the ILP and seed its search;
-- ``highs.py``: the search on one HiGHS model (a dive, then branch and bound);
-- ``solve.py``: the orchestration — lazy reshard rows, the tie-break pass — behind
-  :func:`memshard.search.solve.solve`.
+- ``highs.py``: one minimisation on one HiGHS model (a dive, the support search, reduced-cost
+  fixing, branch and bound, relaxations);
+- ``passes.py``: the first pass (the blend, then its proof);
+- ``solve.py``: the stages in order — the relaxation beside the search, the first pass's
+  rounds of lazy reshard rows, the tie-break pass — behind :func:`memshard.search.solve.solve`,
+  and the plain single MIP they are checked against (``solve_plain``);
+- ``stages.py``: the record of the stages run, kept on the result and the plan.
 """

@@ -2,7 +2,7 @@
 
 Adjacent mesh axes with identical links (say the two inter-node axes of ``8x8x16``) can be
 planned as one axis of their product size: the ILP then has two mesh axes instead of three,
-and is solved in seconds instead of minutes. A dim split over the merged axis becomes that
+and is solved far faster. A dim split over the merged axis becomes that
 dim split over each of the original axes, in order; ZeRO storage over it becomes storage
 over each. The lifted plan is priced again on the real mesh, so every reported figure is
 exact for it; what the merge gives up is only choices that treat the merged axes

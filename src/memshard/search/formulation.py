@@ -184,7 +184,7 @@ class Formulation:
         return ([tuple((int(c), 1.0) for c in cols) for cols in self.choice_columns]
                 + [((int(col), 1.0), (int(col), 0.0)) for _, col in sorted(self.keep_columns.items())])
 
-    def over_peak(self, values: np.ndarray, evaluation: Evaluation | None = None) -> set[int]:
+    def points_over_peak(self, values: np.ndarray, evaluation: Evaluation | None = None) -> set[int]:
         """The reshard points where the plan of a solution, priced by the evaluator (its
         reshards included; ``evaluation`` if already priced), holds more than the solution's
         M: the lazy reshard rows it violates. Empty: the plan meets every row, those not in

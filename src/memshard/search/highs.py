@@ -1,19 +1,18 @@
-"""The search on one HiGHS model: a dive, then branch and bound.
+"""The search on one HiGHS model: one minimisation, as stages (``docs/search.md``).
 
-Every minimisation starts with a dive (:meth:`HighsSearch.dive`): the LP relaxation by
-simplex, which on memshard's ILPs is often integral already (the plan, proved optimal by its
-own relaxation), else up to DIVE_DEPTH levels of branching on its most fractional
-disjunctions (a group's choices, a keep flag's two values), each branch warm-started from
-its parent's basis, which proves the plan where the relaxation split one or two decisions (a
-tied embedding's storage between two choices, a keep flag, a norm's strategy). HiGHS's
+Every minimisation (:meth:`HighsSearch.minimise`) starts with a dive (:meth:`HighsSearch.dive`):
+the LP relaxation by simplex, which on memshard's ILPs is often integral already (the plan,
+proved optimal by its own relaxation), else up to ``SearchLimits.dive_depth`` levels of
+branching on its most fractional disjunctions (a group's choices, a keep flag's two values),
+each branch warm-started from its parent's basis, which proves the plan where the relaxation
+split one or two decisions (a tied embedding's storage between two choices, a keep flag, a
+norm's strategy). Within the dive, the search within the relaxation's support
+(:meth:`HighsSearch.within_support`) gives it a plan where the rounding breaks a row. HiGHS's
 branch and bound runs only where the dive leaves the gap open, from the dive's plan if it had
-no start.
+no start, with the columns reduced-cost fixing pins (:meth:`HighsSearch.reduced_cost_fixing`).
+Each stage appends its record to ``HighsSearch.stages``.
 
-Branch and bound on the primary objective alone stalls on its many exact ties (which axis
-splits the batch, …): HiGHS's primal heuristics find no plan for long. So the first pass
-(:meth:`HighsSearch.first_pass`) minimises the primary objective plus a small multiple of
-the other one (the blend), which is usually optimal for the primary one alone, as a
-plan-independent bound on it often shows at once.
+The first pass, which minimises a blend of the two objectives, is ``passes.py``'s.
 
 Solver options are fixed (one thread, seed 0, counts rather than times bound the dive) so the
 same input gives the same plan.
@@ -33,9 +32,10 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from memshard.core.errors import MemshardError
-from memshard.search.formulation import HIGHS_TOLERANCE, Disjunction, Expression
+from memshard.core.errors import Infeasible, MemshardError, SolverTimeLimit
+from memshard.search.formulation import Disjunction, Expression
 from memshard.search.model import LinearModel
+from memshard.search.stages import BLEND, StageLog
 
 # In the first branch and bound, the secondary objective weighs TIE_BREAK of the primary one
 # (at their typical values: the zero-redundancy bound, ZeRO-3's step time).
@@ -50,81 +50,54 @@ SUPPORT_NODES = 200  # the search within a relaxation's support explores at most
 SUPPORT_TRIGGER = 0.01  # and runs where the rounding breaks a row or is this far above the relaxation
 # A branch and bound with columns pinned by reduced-cost fixing presolves a model of at least
 # this many nonzeros: below, presolve's probing costs more than the analytic centre of the
-# whole LP it saves (GPT-3 6.7B's fastest plan on 2x4, 76k: 1.7 s without it, 5 s with it);
-# above, the other way round (LLaMA-3 70B's with recomputation on 8x8, 253k: 14 s and 8 s;
-# GPT-3 175B's on 8x8x16, 289k: 6.7 s and 1.6 s).
+# whole LP it saves; above, the other way round (docs/search.md, *Measurements*).
 PRESOLVE_NONZEROS = 150_000
 # Reduced-cost fixing runs where the dive's plan is within this of its bound: there most of the
-# choices are ruled out and what is left is the proof (GPT-3 175B's fastest plan with
-# recomputation, 0.02%: branch and bound 10 s → 1.6 s; LLaMA-3 70B's, 0.18%: 22 s → 8 s);
-# further off, the pins sent HiGHS down another path (LLaMA-3 70B's least memory with full
-# recomputation, 4%: optimal in 13 s without them, 1.7% off at the 60 s limit with them).
+# choices are ruled out and what is left is the proof; further off, the pins sent HiGHS down
+# another, slower path (docs/search.md, *Measurements*).
 PIN_GAP = 0.01
 # The step time's relaxation tries primal simplex from the blend's basis for at most this many
-# of the root relaxation's iterations (0.3 of them on LLaMA-3 8B with recomputation)
+# of the root relaxation's iterations
 RELAXATION_ITERATIONS = 0.5
 
 
-class SolverTimeLimit(MemshardError):
-    def __init__(self, limit_s: float | None = None):
-        within = f" ({limit_s:g} s)" if limit_s is not None else ""
-        super().__init__(f"solver time limit{within} hit before any plan was found; raise --time-limit")
+@dataclass(frozen=True)
+class SearchLimits:
+    """The counts that bound a search's heuristics (counts, not times: the same input, the
+    same plan): a dive's depth and branches (``dive_branches``), and the most a dive's plan
+    may lie above its bound for reduced-cost fixing to run (``pin_gap``)."""
+
+    dive_depth: int = DIVE_DEPTH
+    dive_branches: int = DIVE_BRANCHES
+    pin_gap: float = PIN_GAP
 
 
-class Infeasible(MemshardError):
-    def __init__(self, objective: str):
-        super().__init__(f"no plan satisfies the {objective} constraints")
-        self.objective = objective
-
-
-class Unsettled(Exception):
-    """A first pass asked to stop after its dive (``speculative``) needs more: branch and
-    bound, or a relaxation to prove the dive's plan; or a minimisation asked for its dive
-    alone (``dive_only``) has no plan from it."""
-
-
-class DiveProved(Exception):
-    """A first pass's dive found a plan (``found``) that the relaxation of a loose floor proves
-    within the gap: no branch and bound follows."""
-
-    def __init__(self, found: FirstPass):
-        super().__init__()
-        self.found = found
-
-
-class RowsNeeded(Exception):
-    """A first pass's dive found a plan that breaks rows the model lacks (lazy ones): they
-    come before any branch and bound, which would search a model about to change."""
-
-    def __init__(self, values: np.ndarray):
-        super().__init__()
-        self.values = values
-
-
-class NoBetterPlan(MemshardError):
-    """The search's bound shows that no plan is below the cutoff it was given (``bound``, in
-    the objective's units)."""
-
-    def __init__(self, bound: float):
-        super().__init__("no plan is better than the cutoff")
-        self.bound = bound
+# Why a minimisation stopped before its proof (``Solution.halted``)
+UNSETTLED = "unsettled"  # a dive alone was asked for (speculative, dive only), and it did not settle
+ROWS_NEEDED = "rows needed"  # the dive's plan breaks rows the model lacks (lazy ones): those first
 
 
 @dataclass(frozen=True)
 class Solution:
-    """A solution of one minimisation: its columns, objective, relative gap to the best bound,
-    and whether the time limit stopped the search."""
+    """What a minimisation (or a first pass) ends with: a solution's columns, its objective,
+    its relative gap to the best bound, whether the time limit stopped the search, whether its
+    ties are resolved (the secondary objective within the gap of its best too), whether a
+    dive's plan the relaxation of a loose floor proves (no branch and bound); and, where it
+    stopped before any proof (``halted``: UNSETTLED, ROWS_NEEDED), why (then ``values`` is the
+    plan that needs rows, or None)."""
 
-    values: np.ndarray
+    values: np.ndarray | None
     objective: float
     gap: float
     timed_out: bool
+    ties_resolved: bool = False
+    dive_proved: bool = False
+    halted: str = ""
 
-
-@dataclass(frozen=True)
-class FirstPass(Solution):
-    ties_resolved: bool = False  # the secondary objective is within the gap of its best too
-    dive_proved: bool = False  # a dive's plan the relaxation of a loose floor proves (no branch and bound)
+    @staticmethod
+    def halt(reason: str, values: np.ndarray | None = None) -> Solution:
+        """A minimisation stopped before its proof, for ``reason``, with ``values`` if any."""
+        return Solution(values, math.nan, math.inf, False, halted=reason)
 
 
 @dataclass(frozen=True)
@@ -159,6 +132,7 @@ class DiveState:
     effort: float
     best: np.ndarray | None
     value: float
+    max_branches: int = DIVE_BRANCHES
     branches: int = 0
     iterations: int = 0
 
@@ -166,7 +140,7 @@ class DiveState:
         return self.value - DIVE_CUTOFF * self.gap * abs(self.value) if self.best is not None else math.inf
 
     def affordable(self) -> bool:
-        return self.branches < DIVE_BRANCHES and self.iterations < self.effort
+        return self.branches < self.max_branches and self.iterations < self.effort
 
     def proved(self, bound: float) -> bool:
         return self.value - bound <= self.gap * abs(self.value)
@@ -192,6 +166,11 @@ def branch_share(x: np.ndarray, branch: tuple[int, float]) -> float:
 
 def value_of(expr: Expression, values: np.ndarray) -> float:
     return float(values[expr[0]] @ expr[1])
+
+
+def dived_proves(dived: Dive, gap: float) -> bool:
+    """Whether a dive's plan is within ``gap`` of the dive's own bound."""
+    return dived.objective - dived.bound <= gap * abs(dived.objective) + 1e-9
 
 
 _STDOUT_SWAP = threading.Lock()  # two threads swapping file descriptor 1 at once could lose it
@@ -232,8 +211,8 @@ def _options(highs: highspy.Highs, options: dict):
 
 
 def _pass_model(highs: highspy.Highs, m: LinearModel) -> None:
-    """Hand ``m`` to ``highs`` as arrays (a ``HighsLp``'s fields convert element by element:
-    0.06 s instead of 0.01 on LLaMA-3 8B's model)."""
+    """Hand ``m`` to ``highs`` as arrays (a ``HighsLp``'s fields would convert element by
+    element, several times slower)."""
     lengths = np.fromiter((len(c) for c in m.row_columns), dtype=np.int64, count=m.num_rows)
     starts = np.zeros(m.num_rows, dtype=np.int32)
     np.cumsum(lengths[:-1], out=starts[1:])
@@ -250,10 +229,14 @@ class HighsSearch:
     branch and bound warm-started from a given or freshly found solution, and preceded, when
     ``disjunctions`` are given, by a dive until one leaves its gap open."""
 
-    def __init__(self, model: LinearModel, deadline: float, disjunctions: list[Disjunction] | None = None):
+    def __init__(self, model: LinearModel, deadline: float, disjunctions: list[Disjunction] | None = None,
+                 limits: SearchLimits | None = None):
         self.deadline = deadline
         self.num_columns = model.num_columns
         self.disjunctions = disjunctions or []
+        self.limits = limits or SearchLimits()
+        self.stages = StageLog()  # the record of the stages run
+        self.objective_kind = BLEND  # what the objective set measures (``stages.MEMORY``, …)
         self.dive_again()  # until a dive fails to prove its plan
         self.relaxation_solver: str | None = None  # within ``relaxing``: its LP solver
         self.relaxation_iterations = 0  # and its simplex iterations
@@ -331,47 +314,60 @@ class HighsSearch:
         cols, vals = expr
         self.highs.addRow(-highspy.kHighsInf, upper, len(cols), cols.astype(np.int32), vals)
 
-    def set_objective(self, expr: Expression) -> None:
+    def set_objective(self, expr: Expression, kind: str | None = None) -> None:
+        """Minimise ``expr`` in the next runs; ``kind``: what it measures, for the stage
+        record (None: as before)."""
         self.objective = expr
+        if kind is not None:
+            self.objective_kind = kind
         cost = np.zeros(self.num_columns)
         np.add.at(cost, expr[0], expr[1])
         self.highs.changeColsCost(self.num_columns, np.arange(self.num_columns, dtype=np.int32), cost)
 
     def minimise(self, expr: Expression, gap: float, start=None,
-                 before_branching: Callable[[np.ndarray | None], None] | None = None,
-                 dive_only: bool = False) -> Solution:
-        """Minimise ``expr`` to relative ``gap``: the dive, and where it does not prove its
-        plan, branch and bound from that plan, else from ``start`` (a full solution, a
-        partial one as (columns, values), or a function making one when it is needed).
-        ``before_branching``: called once a branch and bound is needed, before it starts, with
-        the dive's plan if any (it may solve relaxations of its own). ``dive_only``: no branch
-        and bound: the dive's plan, with the dive's gap (:class:`Unsettled` where it has none)."""
-        self.set_objective(expr)
+                 before_branching: Callable[[np.ndarray | None], Solution | None] | None = None,
+                 dive_only: bool = False, kind: str | None = None) -> Solution:
+        """Minimise ``expr`` (``kind``: what it measures; None: as the objective before) to
+        relative ``gap``: the dive, and where it does not prove its plan, the proof (branch
+        and bound) from that plan, else from ``start`` (a full solution, a partial one as
+        (columns, values), or a function making one when it is needed).
+        ``before_branching``: asked once a branch and bound is needed, before it starts, with
+        the dive's plan if any (it may solve relaxations of its own): a solution it returns
+        ends the minimisation there; None lets it go on. ``dive_only``: no branch and bound:
+        the dive's plan, with the dive's gap (halted UNSETTLED where it has none)."""
+        self.set_objective(expr, kind)
+        kind = self.objective_kind
         dived = None
         if self.diving:
             incumbent = None
             if isinstance(start, np.ndarray):
                 incumbent = (start, value_of(expr, start))
             dived = self.dive(gap, incumbent, start if callable(start) else None)
-            if dived is not None:
-                if dive_only or dived.objective - dived.bound <= gap * abs(dived.objective) + 1e-9:
-                    return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), False)
+            if dived is not None and (dive_only or dived_proves(dived, gap)):
+                return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), False)
             # A model whose relaxation a dive did not settle seldom changes in the next runs
-            # (the same rows and a few more): no more dives, each an LP (but see second_pass).
+            # (the same rows and a few more): no more dives, each an LP (but see the tie-break pass).
             self.diving = False
         if dive_only:
-            raise Unsettled()
+            return Solution.halt(UNSETTLED)
         if before_branching is not None:
-            before_branching(None if dived is None else dived.values)
-            self.set_objective(expr)
+            halted = before_branching(None if dived is None else dived.values)
+            if halted is not None:
+                return halted
+            self.set_objective(expr, kind)
+        return self.proof(expr, kind, gap, start, dived)
+
+    def proof(self, expr: Expression, kind: str, gap: float, start, dived: Dive | None) -> Solution:
+        """Branch and bound on ``expr`` after the dive ``dived`` (None: none, or no plan from
+        it), from the better of its plan and ``start`` (as ``minimise`` takes it), with the
+        columns reduced-cost fixing pins; out of time with nothing better, the dive's plan."""
         if dived is not None:
             # branch and bound from the better of the dive's plan and the start given (a full
-            # start is the dive's incumbent already): from the every-op-unsplit fallback,
-            # GPT-3 175B's took 30 s, from the dive's 19 s
+            # start is the dive's incumbent already): the dive's plan is the faster start
             start = self.better_start(start, dived)
         elif callable(start):
             start = start()
-            self.set_objective(expr)
+            self.set_objective(expr, kind)
         pinned = self.reduced_cost_fixing(dived) if dived is not None else None
         if pinned is not None:  # (the dive's plan keeps every pin: it is not above itself; a given start may not)
             start = dived.values
@@ -399,9 +395,9 @@ class HighsSearch:
     def made_start(self, make_start: Callable[[], object], basis) -> np.ndarray | None:
         """A start ``make_start`` makes (solving relaxations of its own) amid a dive: the
         objective and the dive's basis set back after; None unless it is a full solution."""
-        objective = self.objective
+        objective, kind = self.objective, self.objective_kind
         made = make_start()
-        self.set_objective(objective)
+        self.set_objective(objective, kind)
         self.highs.setBasis(basis)
         return made if isinstance(made, np.ndarray) else None
 
@@ -410,9 +406,19 @@ class HighsSearch:
         at a bound there, with reduced cost d, is off that bound only in plans of objective at
         least the relaxation's + |d|; where that is above the dive's plan, no better plan moves
         it (so the bound branch and bound proves holds for every plan). None where none is
-        pinned, or where the dive's plan is more than PIN_GAP above its bound."""
-        if dived.reduced is None or relative_gap(dived.objective, dived.bound) > PIN_GAP:
+        pinned, or where the dive's plan is more than ``SearchLimits.pin_gap`` above its bound
+        (then no stage runs)."""
+        if dived.reduced is None or relative_gap(dived.objective, dived.bound) > self.limits.pin_gap:
             return None
+        started = time.perf_counter()
+        pinned = self.pins(dived)
+        self.stages.add("reduced-cost fixing", self.objective_kind, started,
+                        f"{len(pinned.columns)} columns pinned" if pinned is not None else "no column pinned",
+                        bound=None if pinned is None else pinned.bound)
+        return pinned
+
+    def pins(self, dived: Dive) -> Pinned | None:
+        """The columns the dive's root relaxation pins (``reduced_cost_fixing``), or None."""
         cols = self.integer_columns
         x, d = dived.root[cols], dived.reduced[cols]
         # (a margin for HiGHS's dual feasibility tolerance)
@@ -430,6 +436,21 @@ class HighsSearch:
         with the ``pinned`` columns fixed; on a model of at least PRESOLVE_NONZEROS, with
         presolve, which drops them (HiGHS computes the analytic centre of the whole LP at every
         root, an interior-point solve)."""
+        started = time.perf_counter()
+        start_value = value_of(self.objective, start) if isinstance(start, np.ndarray) else None
+        try:
+            found = self.pinned_branch_and_bound(gap, start, pinned)
+        except MemshardError as error:
+            stopped = "time limit, no plan" if isinstance(error, SolverTimeLimit) else "no plan"
+            self.stages.add("branch and bound", self.objective_kind, started, stopped, start=start_value)
+            raise
+        self.stages.add("branch and bound", self.objective_kind, started,
+                        "time limit" if found.timed_out else "gap closed", found=found.objective,
+                        bound=found.objective - found.gap * abs(found.objective), start=start_value)
+        return found
+
+    def pinned_branch_and_bound(self, gap: float, start, pinned: Pinned | None) -> Solution:
+        """``branch_and_bound`` (its stage unrecorded)."""
         if pinned is None:
             return self.run_branch_and_bound(gap, start)
         highs = self.highs
@@ -472,8 +493,24 @@ class HighsSearch:
 
     def dive(self, gap: float, incumbent: tuple[np.ndarray, float] | None,
              make_start: Callable[[], object] | None = None) -> Dive | None:
+        """The dive (``dive_below_relaxation``), its stage recorded: why it stopped, whether
+        its plan is within ``gap`` of its bound."""
+        started = time.perf_counter()
+        dived = self.dive_below_relaxation(gap, incumbent, make_start)
+        if dived is None:
+            stopped = "no plan"
+        elif dived.root is None:
+            stopped = "relaxation integral"
+        else:
+            stopped = "gap closed" if dived_proves(dived, gap) else "gap open"
+        self.stages.add("dive", self.objective_kind, started, stopped, found=None if dived is None else dived.objective,
+                        bound=None if dived is None else dived.bound, start=None if incumbent is None else incumbent[1])
+        return dived
+
+    def dive_below_relaxation(self, gap: float, incumbent: tuple[np.ndarray, float] | None,
+                              make_start: Callable[[], object] | None = None) -> Dive | None:
         """The LP relaxation of the objective set, by simplex; where it is fractional, a
-        branching DIVE_DEPTH levels deep on its most fractional disjunctions, each branch
+        branching ``SearchLimits.dive_depth`` levels deep on its most fractional disjunctions, each branch
         warm-started from its parent's basis: the best integral solution met (or the
         ``incumbent`` (values, objective) if none is better), or None where neither exists.
 
@@ -483,7 +520,7 @@ class HighsSearch:
         branch stops where its dual simplex passes a cutoff DIVE_CUTOFF of the gap below that
         plan (HiGHS's ``objective_bound``, the node cutoff of its own search). The root's
         bound is, for each disjunction branched on, the least of its branches' bounds (one of
-        them holds for every plan); the largest over them. At most DIVE_BRANCHES branches are
+        them holds for every plan); the largest over them. At most ``dive_branches`` branches are
         solved, in at most DIVE_EFFORT times the relaxation's simplex iterations: counts, not
         times, so that the same input gives the same plan. The dive gives up where the
         relaxation's own branches, explored first, yield no plan."""
@@ -498,7 +535,7 @@ class HighsSearch:
             if self.integral(x):
                 return Dive(x, relaxed, relaxed)
             state = DiveState(gap, DIVE_EFFORT * max(info.simplex_iteration_count, 1), *(
-                incumbent if incumbent is not None else (None, math.inf)))
+                incumbent if incumbent is not None else (None, math.inf)), max_branches=self.limits.dive_branches)
             basis, reduced = highs.getBasis(), np.array(solution.col_dual)
             rounded = self.rounded(x)
             if rounded is None or rounded[1] - relaxed > SUPPORT_TRIGGER * abs(rounded[1]):
@@ -555,7 +592,7 @@ class HighsSearch:
 
     def branch(self, state: DiveState, basis, cutoff: float, fallback: float, depth: int) -> float:
         """Solve the relaxation as fixed now, from ``basis``, stopped at ``cutoff``; keep its
-        solution if integral and better, else branch on below DIVE_DEPTH: a lower bound on
+        solution if integral and better, else branch on below the dive's depth: a lower bound on
         the branch (``fallback`` if none was found)."""
         highs = self.highs
         highs.setBasis(basis)
@@ -578,7 +615,7 @@ class HighsSearch:
             if value < state.value:
                 state.best, state.value = x, value
             return value
-        if depth + 1 < DIVE_DEPTH and state.affordable():
+        if depth + 1 < self.limits.dive_depth and state.affordable():
             below = self.subtree(state, x, np.array(solution.col_dual), value, highs.getBasis(), depth + 1)
             return max(value, below)
         return value
@@ -620,6 +657,14 @@ class HighsSearch:
         more (recomputation: a strategy's replay against another's), the restricted search
         picks the combination that fits: a plan before branching, often within a few percent
         of the relaxation. None if it finds none."""
+        started = time.perf_counter()
+        found = self.search_support(x, gap)
+        self.stages.add("support search", self.objective_kind, started, "plan found" if found else "no plan",
+                        found=found[1] if found else None)
+        return found
+
+    def search_support(self, x: np.ndarray, gap: float) -> tuple[np.ndarray, float] | None:
+        """``within_support`` (its stage unrecorded)."""
         highs = self.highs
         forbidden = sorted({(col, 1.0 - at) for d in self.disjunctions for col, at in d
                             if branch_share(x, (col, at)) <= INTEGRALITY})
@@ -638,139 +683,53 @@ class HighsSearch:
         finally:
             highs.changeColsBounds(len(columns), columns, self.lower[columns], self.upper[columns])
 
-    def rounded_minimum(self, expr: Expression) -> np.ndarray | None:
-        """A plan near the least ``expr``: its LP relaxation by simplex, rounded (None if that
-        breaks a row or time runs out). The next solve starts afresh: from this basis the
-        next objective's relaxation took ten times as long as from none."""
-        self.set_objective(expr)
+    def rounded_minimum(self, expr: Expression, kind: str = BLEND) -> np.ndarray | None:
+        """A plan near the least ``expr`` (``kind``: what it measures): its LP relaxation by
+        simplex, rounded (None if that breaks a row or time runs out). The next solve starts
+        afresh: from this basis the next objective's relaxation took far longer than from none."""
+        started = time.perf_counter()
+        self.set_objective(expr, kind)
         with self.relaxing("simplex") as highs:
             highs.run()
             found = None
             if highs.getModelStatus() == highspy.HighsModelStatus.kOptimal:
                 found = self.rounded(np.array(highs.getSolution().col_value))
             highs.clearSolver()
+        self.stages.add("rounded relaxation", kind, started, "plan found" if found else "rounding breaks a row",
+                        found=found[1] if found else None)
         return None if found is None else found[0]
 
     def integral(self, x: np.ndarray) -> bool:
         v = x[self.integer_columns]
         return bool(np.all(np.abs(v - np.round(v)) <= INTEGRALITY))
 
-    def relaxation(self, expr: Expression, simplex_first: bool = False, presolve: bool = False) -> float | None:
-        """The LP relaxation's minimum of ``expr`` (None if not found in time): where
-        ``simplex_first``, by primal simplex from the basis the model has (the blend's
-        optimum: a few hundred iterations from the step time's), in at most
+    def relaxation(self, expr: Expression, simplex_first: bool = False, presolve: bool = False,
+                   kind: str | None = None) -> float | None:
+        """The LP relaxation's minimum of ``expr`` (``kind``: what it measures; None if not
+        found in time): where ``simplex_first``, by primal simplex from the basis the model has
+        (the blend's optimum: a few hundred iterations from the step time's), in at most
         RELAXATION_ITERATIONS of the root relaxation's iterations; else (or then) by interior
         point without crossover, a bound is all that is needed, with ``presolve`` if asked."""
-        self.set_objective(expr)
+        started = time.perf_counter()
+        self.set_objective(expr, kind)
+        bound, solver = self.relaxed_minimum(simplex_first, presolve)
+        self.stages.add("relaxation", self.objective_kind, started,
+                        f"solved by {solver}" if bound is not None else "not solved in time", bound=bound)
+        return bound
+
+    def relaxed_minimum(self, simplex_first: bool, presolve: bool) -> tuple[float | None, str]:
+        """``relaxation`` of the objective set: its minimum (None if not found in time), and
+        the LP solver that found it."""
         if simplex_first:
             primal = {"simplex_strategy": 4,  # primal simplex: the basis is primal feasible
                       "simplex_iteration_limit": int(RELAXATION_ITERATIONS * self.relaxation_iterations)}
             with self.relaxing("simplex") as highs, _options(highs, primal):
                 highs.run()
                 if highs.getModelStatus() == highspy.HighsModelStatus.kOptimal:
-                    return float(highs.getInfo().objective_function_value)
+                    return float(highs.getInfo().objective_function_value), "primal simplex"
         with self.relaxing("ipm") as highs, _options(highs, {"presolve": "on" if presolve else "off"}):
             highs.setOptionValue("run_crossover", "off")
             highs.run()
             if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-                return None
-            return float(highs.getInfo().objective_function_value)
-
-    def first_pass(self, expr: Expression, tie_break: Expression, floor: float, scales: tuple[float, float],
-                   gap: float, fallback, tie_break_cap: float = math.inf,
-                   relaxed_bound: Callable[[], float] | None = None,
-                   simplex_bound: bool = False, cutoff: float = math.inf, speculative: bool = False,
-                   on_branching: Callable[[], None] | None = None,
-                   needs_rows: Callable[[np.ndarray], bool] | None = None) -> FirstPass:
-        """Minimise ``expr`` (≥ ``floor``), ties broken by ``tie_break``.
-
-        Branch and bound first minimises the blend ``expr`` + w·``tie_break`` from
-        ``fallback`` (a start as ``minimise`` takes it), w such that ``tie_break`` weighs TIE_BREAK of
-        ``expr`` at their typical ``scales``, to a gap TIE_BREAK times finer. Usually that plan
-        is optimal for ``expr``, as ``floor`` or the LP relaxation of ``expr`` alone shows. Its
-        ties are resolved to within ``gap`` of ``tie_break`` when the blend's remaining gap and
-        HiGHS's tolerances, divided by w, are that small. Otherwise ``primary_alone``.
-        ``tie_break_cap`` bounds ``tie_break`` on every plan (a memory budget): then the blend's
-        bound B bounds ``expr`` too, expr ≥ B − w·cap (what a blend out of time reports).
-        ``relaxed_bound``: where ``floor`` may be loose (recomputation: it lets every
-        replayable tensor go for free), a bound on ``expr`` from its relaxation (computed beside
-        the search; -inf if none), asked for before the blend's branch and bound, not where the
-        floor proves the blend's dive; where it proves the dive's plan within ``gap``, that plan
-        is returned without branch and bound, its ties unresolved (docs/design.md).
-        ``simplex_bound``: ``expr``'s relaxation by primal simplex from the blend's basis first.
-        ``cutoff``: a value some other plan reaches: :class:`NoBetterPlan` at once where the
-        floor (raised to ``relaxed_bound`` first) is not below it by the gap.
-        ``speculative``: the dive alone; :class:`Unsettled` where its plan is not proved.
-        ``on_branching``: called where the blend's dive leaves its gap open (a long search follows).
-        ``needs_rows``: whether a plan breaks lazy rows: :class:`RowsNeeded` for the dive's plan
-        that does, the blend's returned unproved (no search of a model about to change)."""
-        blend, w = blend_objective(expr, tie_break, scales)
-
-        def relax_floor() -> None:  # the floor raised to ``expr``'s relaxation
-            nonlocal floor
-            if relaxed_bound is not None:
-                floor = max(floor, relaxed_bound())
-
-        def bound_by_relaxation() -> None:
-            relax_floor()
-            if floor >= cutoff * (1 - gap):
-                raise NoBetterPlan(floor)
-
-        if math.isfinite(cutoff):
-            bound_by_relaxation()
-
-        def before_branching(dived: np.ndarray | None) -> None:
-            if on_branching is not None:
-                on_branching()
-            if speculative:
-                raise Unsettled()
-            if needs_rows is not None and dived is not None and needs_rows(dived):
-                raise RowsNeeded(dived)
-            bound_by_relaxation()
-            if relaxed_bound is not None and dived is not None and relative_gap(dived_value := value_of(expr, dived), floor) <= gap:
-                raise DiveProved(FirstPass(dived, dived_value, relative_gap(dived_value, floor), False, False, True))
-
-        try:
-            blended = self.minimise(blend, gap * TIE_BREAK, start=fallback, before_branching=before_branching)
-        except DiveProved as proved:
-            return proved.found
-        values, value = blended.values, value_of(expr, blended.values)
-        blend_error = (blended.gap + HIGHS_TOLERANCE) * max(abs(blended.objective), 1.0)  # (and the tolerances)
-        ties_resolved = blend_error <= w * gap * abs(value_of(tie_break, values))
-        floor = max(floor, blended.objective * (1 - blended.gap) - w * tie_break_cap)
-        floor_gap = relative_gap(value, floor)
-        if floor_gap > gap and not self.expired():
-            if speculative:
-                raise Unsettled()
-            if needs_rows is not None and not blended.timed_out and needs_rows(values):
-                return FirstPass(values, value, floor_gap, False, False)
-            if relaxed_bound is None and (bound := self.relaxation(expr, simplex_first=simplex_bound)) is not None:
-                floor = max(floor, bound)
-            relax_floor()
-            floor_gap = relative_gap(value, floor)
-        if blended.timed_out or self.expired():
-            return FirstPass(values, value, floor_gap, True, False)
-        if floor_gap <= gap:
-            return FirstPass(values, value, floor_gap, False, ties_resolved)
-        # a dive on ``expr`` alone first (tiny-llama 2x2: branch and bound 13 s → 4 s after it), not on a
-        # loose floor's peak: simplex solves its relaxation slowly (GPT-3 175B: not in 25 s; IPM 7 s)
-        return self.primary_alone(expr, gap, FirstPass(values, value, floor_gap, False, ties_resolved), floor,
-                                  dive=relaxed_bound is None)
-
-    def primary_alone(self, expr: Expression, gap: float, blended: FirstPass, floor: float, dive: bool) -> FirstPass:
-        """The search on ``expr`` alone (a dive first if ``dive``), from the blend's plan
-        ``blended`` that ``floor`` leaves unproved: that plan, its ties broken, where nothing
-        better is found or the bound reached proves it within the gap too; else the better plan."""
-        values, value = blended.values, blended.objective
-        try:
-            if dive:
-                self.dive_again()
-            best = self.minimise(expr, gap, start=values)
-        except SolverTimeLimit:
-            return FirstPass(values, value, blended.gap, True, False)
-        # the best bound known: branch and bound's own (none where time ran out at once), or the floor
-        floor = max(floor, best.objective - best.gap * abs(best.objective))
-        if best.objective >= value - abs(value) * TIE_RESOLUTION or relative_gap(value, floor) <= gap:
-            return FirstPass(values, value, relative_gap(value, floor), best.timed_out,
-                             blended.ties_resolved and not best.timed_out)
-        return FirstPass(best.values, best.objective, relative_gap(best.objective, floor), best.timed_out, False)
+                return None, "interior point"
+            return float(highs.getInfo().objective_function_value), "interior point"

@@ -1,27 +1,33 @@
-"""Solving a problem: the formulation searched with HiGHS, lazy reshard rows, the tie-break pass.
+"""Solving a problem: the formulation searched with HiGHS, stage by stage (``docs/search.md``).
 
 Objectives: ``memory`` minimises M, then, with M held within the gap of its optimum, the step
-time (ties broken by time); ``time`` minimises T subject to M ≤ budget, then M. The first
-pass (``HighsSearch.first_pass``) minimises the primary objective with the secondary one as a
-small tie-break, which is usually optimal for the primary one alone and then needs no second
-pass.
+time (ties broken by time); ``time`` minimises T subject to M ≤ budget, then M.
+
+:func:`solve` runs the stages in order: the plan-independent floor against a cutoff (before
+anything is built); the formulation; the relaxation of the peak beside the search
+(:class:`RelaxationBeside`, where the floor is loose); the first pass
+(``passes.first_pass``), round after round until its plan meets every lazy reshard row; and
+the tie-break pass (:meth:`Solver.run_tie_break_pass`) where the first pass could not show its ties
+resolved. Each stage (and each stage within them, ``highs.py``) appends its record to the
+search's :class:`~memshard.search.stages.StageLog`; the result keeps it
+(``SolveResult.stages``). ``search="plain"`` is the reference those stages are checked
+against: one HiGHS branch and bound on the whole formulation (:func:`solve_plain`).
 
 The reshard rows are lazy (without a memory budget): most plans' peak is not at a reshard,
 and without those rows (and their ρ columns) each HiGHS solve is smaller. The first pass runs
 without them; where the plan, priced by the evaluator, holds more than its M at a reshard
 point, that point's rows are added and the first pass runs again, from that plan, until none
-is over (``Formulation.over_peak``; the first pass checks its dive's plan before branch and
-bound, its blended plan before any proof of it); the second pass likewise. A plan that meets
-M is optimal with every row too: dropping rows only enlarges the feasible set. Rows come
-point by point, not all at the first violation: a plan is often over M at a handful of its
-hundreds of reshard points. Every round's bound holds for the whole ILP: the next round
-starts from it. Out of time in a later round, the plan kept is the better of that round's and
-the one before it, as the evaluator prices them, with its gap to the best bound.
+is over (``Formulation.points_over_peak``; the first pass checks its dive's plan before
+branch and bound, its blended plan before any proof of it); the second pass likewise. A plan
+that meets M is optimal with every row too: dropping rows only enlarges the feasible set.
+Rows come point by point, not all at the first violation: a plan is often over M at a handful
+of its hundreds of reshard points. Every round's bound holds for the whole ILP: the next
+round starts from it. Out of time in a later round, the plan kept is the better of that
+round's and the one before it, as the evaluator prices them, with its gap to the best bound.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import threading
@@ -31,41 +37,48 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memshard.core.errors import MemshardError
+from memshard.core.errors import Infeasible, MemshardError, NoBetterPlan, SolverTimeLimit
 from memshard.problem.evaluate import Evaluation, evaluate, slot_peak
 from memshard.problem.records import Problem, Selection
 from memshard.search.formulation import Expression, Formulation
 from memshard.search.highs import (
+    ROWS_NEEDED,
     TIE_RESOLUTION,
+    UNSETTLED,
     HighsSearch,
-    Infeasible,
-    NoBetterPlan,
-    RowsNeeded,
-    SolverTimeLimit,
-    Unsettled,
+    Solution,
     blend_objective,
     relative_gap,
     value_of,
 )
+from memshard.search.passes import Objectives, PassRules, first_pass
 from memshard.search.reference import Reference, reference
+from memshard.search.stages import BLEND, MEMORY, TIME, StageLog, StageRecord
 
 OBJECTIVES = ("memory", "time")
+SEARCHES = ("staged", "plain")  # the staged search, and the plain single MIP it is checked against
 TIE_SLACK = 2e-3  # the most a loose floor's tie-break pass lets the peak exceed its bound by
 
 
 @dataclass(frozen=True)
 class SolveResult:
+    """The search's result: the plan, how it ended (``status``: "optimal", or "time_limit":
+    feasible, with its gap), the model's size, the ILP's own M (≥ the evaluated peak; equal at
+    optimum), the bound the search proved (no plan's objective, in bytes or seconds, is below
+    it), and the record of the stages run (their figures in bytes or seconds)."""
+
     selection: Selection
-    status: str  # "optimal", "time_limit" (feasible, with gap)
+    status: str
     objective: str
     gap: float
     time_s: float
     variables: int
     constraints: int
-    ilp_peak_bytes: float = 0.0  # the ILP's own M (≥ the evaluated peak; equal at optimum)
-    bound: float = 0.0  # no plan's objective (bytes or seconds) is below it, as the search proved
+    ilp_peak_bytes: float = 0.0
+    bound: float = 0.0
     search_space: str = "full"
     evaluation: Evaluation | None = None  # the plan priced by the evaluator
+    stages: tuple[StageRecord, ...] = ()
 
 
 @dataclass
@@ -83,6 +96,17 @@ class Outcome:
     dive_proved: bool = False  # the first pass's plan its dive's, proved by the peak's relaxation
 
 
+@dataclass
+class Rounds:
+    """The first pass's rounds so far: the start of the next (``fallback``), the best bound of
+    all (every round's holds for the whole ILP: it has fewer rows), and an earlier round's
+    plan (over M at some reshard) with its evaluated objective (``previous``)."""
+
+    fallback: object
+    lower: float = -math.inf
+    previous: tuple[np.ndarray, float] | None = None
+
+
 def second_pass_cap(best: float, lower: float, tolerance: float) -> float:
     """The most the tie-break pass lets the primary objective reach: within ``tolerance`` of
     the best bound ``lower``, and at least ``best`` (the first pass's) plus TIE_RESOLUTION."""
@@ -95,34 +119,54 @@ def second_pass_cap(best: float, lower: float, tolerance: float) -> float:
 class RelaxationBeside:
     """The LP relaxation of ``expr`` on ``model``, solved by interior point (with presolve) on
     a thread beside the search, from when the model is formulated: a second HiGHS model of it
-    as it is then (without lazy rows added later: a bound still, on fewer rows). On GPT-3
-    175B's least memory with recomputation, 4 s that the dive leaves the second core for.
-    ``value`` waits for it (-inf where not solved in time); ``stop`` cuts it short."""
+    as it is then (without lazy rows added later: a bound still, on fewer rows); a stage the
+    search need not wait for until it needs the bound. ``wait_for_bound`` waits for it (-inf
+    where not solved in time); ``stop`` cuts it short. Either records its stage in ``log``
+    (once)."""
 
-    def __init__(self, model, expr: Expression, deadline: float):
+    def __init__(self, model, expr: Expression, deadline: float, log: StageLog):
         search = HighsSearch(model, deadline)  # (the model passed to HiGHS here, before it grows)
         self.stopping = threading.Event()
         search.stop_on(self.stopping)
+        self.log, self.recorded = log, False
+        self.started, self.ended = time.perf_counter(), math.nan
         self.result: list[float | None] = []
-        self.thread = threading.Thread(target=lambda: self.result.append(search.relaxation(expr, presolve=True)),
-                                       daemon=True)
+        self.thread = threading.Thread(target=lambda: self.solve(search, expr), daemon=True)
         self.thread.start()
 
-    def value(self) -> float:
+    def solve(self, search: HighsSearch, expr: Expression) -> None:
+        self.result.append(search.relaxation(expr, presolve=True))
+        self.ended = time.perf_counter()
+
+    def wait_for_bound(self) -> float:
+        """Wait for the relaxation: its minimum (-inf where not solved in time)."""
         self.thread.join()
+        self.record("waited for")
         return self.result[0] if self.result and self.result[0] is not None else -math.inf
 
     def stop(self) -> None:
         self.stopping.set()
         self.thread.join()
+        self.record("not needed")
+
+    def record(self, stopped: str) -> None:
+        """Record the stage in the log, the first time only (its thread has ended)."""
+        if self.recorded:
+            return
+        self.recorded = True
+        bound = self.result[0] if self.result else None
+        ended = self.ended if math.isfinite(self.ended) else time.perf_counter()
+        self.log.extend([StageRecord("relaxation beside", MEMORY, None, bound, ended - self.started,
+                                     stopped if bound is not None else f"{stopped}, unsolved")])
 
 
 class Solver:
-    """One solve of ``problem``: its formulation, the HiGHS search on it, and the objectives."""
+    """One solve of ``problem``: its formulation, the HiGHS search on it, and the objectives
+    (``plain``: the whole formulation, no dive, no lazy rows: ``solve_plain``)."""
 
     def __init__(self, problem: Problem, objective: str, max_step_time_s: float | None,
                  memory_budget_bytes: float | None, deadline: float, fixed: Selection | None = None,
-                 figures: Reference | None = None):
+                 figures: Reference | None = None, plain: bool = False):
         self.problem = problem
         self.objective = objective
         self.memory_budget_bytes = memory_budget_bytes if objective == "time" else None
@@ -133,17 +177,31 @@ class Solver:
         # plan found without them may exceed it, and one found out of time would then be no
         # plan at all. With recomputation, for the first dive only (``speculative``): its
         # plans' peaks often fall on reshard points, and rounds took longer than all rows at
-        # once (GPT-3 1.3B on 1x8: 45 s against 30 s), but where the first dive's plan is
-        # proved and meets every row, that smaller LP is all (LLaMA-3 8B on 8x8: 0.9 s against
-        # 2.6 s); else every row is added and the search starts again.
-        self.lazy = fixed is None and (memory_budget_bytes is None or math.isinf(memory_budget_bytes))
+        # once, but where the first dive's plan is proved and meets every row, that smaller LP
+        # is all; else every row is added and the search starts again.
+        self.lazy = (not plain and fixed is None
+                     and (memory_budget_bytes is None or math.isinf(memory_budget_bytes)))
         self.speculative = self.lazy and problem.recompute != "none"
         formulation.add_plan_constraints(problem.candidate_points, reshard_rows=not self.lazy)
         time_expr = formulation.time_expression()
         formulation.add_budget_constraints(objective, time_expr, max_step_time_s, memory_budget_bytes)
         if fixed is not None:
             formulation.fix(fixed)
-        self.search = HighsSearch(formulation.model, deadline, formulation.disjunctions())
+        self.search = HighsSearch(formulation.model, deadline, None if plain else formulation.disjunctions())
+        self.stages = self.search.stages
+        self.set_objectives(objective, time_expr, max_step_time_s)
+        self.max_step_time_s = max_step_time_s if objective == "memory" else None
+        # the zero-redundancy floor lets every replayable tensor go for free: far below a
+        # recomputing plan's least peak, it proves nothing there
+        self.loose_floor = objective == "memory" and problem.recompute != "none"
+        self.relaxed_peak: RelaxationBeside | None = None  # its bound there (``start_relaxation_beside``)
+        self.cutoff = math.inf  # the primary objective (model units) another plan reaches
+        self.last_priced: tuple[np.ndarray, Evaluation, set[int]] | None = None
+
+    def set_objectives(self, objective: str, time_expr: Expression, max_step_time_s: float | None) -> None:
+        """The primary and secondary objectives, their floor and scales, the cap on the
+        secondary one, and what a start within the budget minimises."""
+        formulation = self.formulation
         ref = formulation.reference
         memory_floor = ref.memory_floor_bytes / formulation.bytes_unit
         time_estimate = ref.time_estimate_s / formulation.time_unit
@@ -164,18 +222,12 @@ class Solver:
         # What a start within the budget minimises: the budgeted quantity (then the other one)
         self.within_budget = (blend_objective(peak, time_expr, (memory_floor, time_estimate))[0] if objective == "time"
                               else blend_objective(time_expr, peak, (time_estimate, memory_floor))[0])
-        self.max_step_time_s = max_step_time_s if objective == "memory" else None
-        # the zero-redundancy floor lets every replayable tensor go for free: far below a
-        # recomputing plan's least peak, it proves nothing there
-        self.loose_floor = objective == "memory" and problem.recompute != "none"
-        self.relaxed_peak: RelaxationBeside | None = None  # its bound there (``beside``)
-        self.cutoff = math.inf  # the primary objective (model units) another plan reaches
-        self.last_priced: tuple[np.ndarray, Evaluation, set[int]] | None = None
 
-    def beside(self) -> None:
+    def start_relaxation_beside(self) -> None:
         """Where the floor is loose, start the peak's relaxation beside the search."""
         if self.loose_floor:
-            self.relaxed_peak = RelaxationBeside(self.formulation.model, self.primary, self.search.deadline)
+            self.relaxed_peak = RelaxationBeside(self.formulation.model, self.primary, self.search.deadline,
+                                                 self.stages)
 
     def fallback_start(self) -> Expression | Callable[[], Expression | np.ndarray]:
         """Where branch and bound starts without a given plan: every op unsplit, or, where that
@@ -202,8 +254,9 @@ class Solver:
         return within_budget
 
     def add_reshard_rows(self, points: set[int] | None) -> None:
-        """The reshard rows at ``points`` (None: all, and no more lazy rounds after; a dive
-        again, as on a new model)."""
+        """Add the reshard rows at ``points`` (None: all, and no more lazy rounds after; a dive
+        again, as on a new model): the stage "lazy rows"."""
+        started = time.perf_counter()
         model = self.formulation.model
         columns, rows = model.num_columns, model.num_rows
         self.formulation.add_reshard_constraints(points)
@@ -211,21 +264,25 @@ class Solver:
         if points is None:
             self.lazy = self.speculative = False
             self.search.dive_again()
+        added = "every reshard row added" if points is None else f"rows of {len(points)} reshard points added"
+        self.stages.add("lazy rows", self.objective, started, added)
 
     def priced(self, values: np.ndarray) -> tuple[Evaluation, set[int]]:
         """The plan of a solution priced by the evaluator, and the lazy rows it breaks
-        (``Formulation.over_peak``); the last one remembered (the search may ask first)."""
+        (``Formulation.points_over_peak``); the last one remembered (the search may ask first)."""
         if self.last_priced is None or not np.array_equal(self.last_priced[0], values):
             evaluation = evaluate(self.problem, self.formulation.selection(values))
-            self.last_priced = (values, evaluation, self.formulation.over_peak(values, evaluation))
+            self.last_priced = (values, evaluation, self.formulation.points_over_peak(values, evaluation))
         return self.last_priced[1], self.last_priced[2]
 
-    def over_peak(self, values: np.ndarray) -> bool:
+    def breaks_lazy_rows(self, values: np.ndarray) -> bool:
+        """Whether a solution's plan breaks reshard rows the model lacks."""
         return bool(self.priced(values)[1])
 
-    def rows_broken_by(self, values: np.ndarray) -> tuple[tuple[np.ndarray, float], Expression]:
-        """Add the lazy rows a solution's plan breaks: that plan with its evaluated objective
-        (the round's, kept should a later one run out of time), and the start of the next."""
+    def add_rows_broken_by(self, values: np.ndarray) -> tuple[tuple[np.ndarray, float], Expression]:
+        """Add the lazy rows a solution's plan breaks; return that plan with its evaluated
+        objective (the round's, kept should a later one run out of time), and the start of the
+        next round."""
         evaluation, over = self.priced(values)
         self.add_reshard_rows(over)
         f = self.formulation
@@ -252,100 +309,145 @@ class Solver:
         best = self.primary_of(evaluation)
         return Outcome(values, best, relative_gap(best, self.floor), True, False, self.floor, evaluation)
 
-    def first_pass(self, mip_gap: float, fallback: Expression, time_limit_s: float,
+    def pass_inputs(self, lower: float, mip_gap: float,
+                    on_branching: Callable[[], None] | None) -> tuple[Objectives, PassRules]:
+        """What a round of the first pass minimises (its floor raised to ``lower``), and how."""
+        objectives = Objectives(self.primary, self.secondary, self.objective, max(self.floor, lower), self.scales,
+                                self.secondary_cap)
+        rules = PassRules(max(mip_gap, TIE_RESOLUTION), cutoff=self.cutoff,
+                          relaxed_bound=self.relaxed_peak.wait_for_bound if self.relaxed_peak is not None else None,
+                          simplex_bound=self.objective == "time", speculative=self.speculative,
+                          on_branching=on_branching, needs_rows=self.breaks_lazy_rows if self.lazy else None)
+        return objectives, rules
+
+    def run_first_pass(self, mip_gap: float, fallback: Expression, time_limit_s: float,
                    start: Selection | None = None, on_branching: Callable[[], None] | None = None) -> Outcome:
-        """The first pass, round after round until its plan meets every lazy row; out of time
-        before any plan, the ``start`` it was given, where that one meets the budgets
-        (``on_branching``: see ``HighsSearch.first_pass``)."""
-        previous = None  # an earlier round's plan (over M at some reshard) and its evaluated objective
-        lower = -math.inf  # every round's bound holds for the whole ILP: it has fewer rows
+        """The first pass, round after round until its plan meets every lazy row (each round
+        the stage "first pass"); out of time before any plan, the ``start`` it was given,
+        where that one meets the budgets (``on_branching``: see ``PassRules``)."""
+        rounds = Rounds(fallback)
         while True:
+            started = time.perf_counter()
             try:
-                found = self.search.first_pass(self.primary, self.secondary, max(self.floor, lower), self.scales,
-                                               max(mip_gap, TIE_RESOLUTION), fallback, self.secondary_cap,
-                                               relaxed_bound=self.relaxed_peak and self.relaxed_peak.value,
-                                               simplex_bound=self.objective == "time", cutoff=self.cutoff,
-                                               speculative=self.speculative, on_branching=on_branching,
-                                               needs_rows=self.over_peak if self.lazy else None)
-            except Unsettled:
-                self.add_reshard_rows(None)
-                continue
-            except RowsNeeded as needed:  # the dive's plan breaks lazy rows: those first, then from it
-                (previous, fallback), lower = self.rows_broken_by(needed.values), max(lower, self.floor)
-                continue
+                found = first_pass(self.search, *self.pass_inputs(rounds.lower, mip_gap, on_branching),
+                                   rounds.fallback)
             except Infeasible:
+                self.stages.add("first pass", self.objective, started, "infeasible")
                 raise Infeasible(self.objective) from None
             except SolverTimeLimit:
-                if previous is None:
-                    given = self.given_start(start)
-                    if given is None:
-                        raise SolverTimeLimit(time_limit_s) from None
-                    return given
-                values, best = previous
-                return Outcome(values, best, relative_gap(best, lower), True, False, lower)
-            lower = max(lower, found.objective * (1 - found.gap))
-            outcome = Outcome(found.values, found.objective, found.gap, found.timed_out, found.ties_resolved, lower,
-                              dive_proved=found.dive_proved)
-            if not self.lazy:
+                self.stages.add("first pass", self.objective, started, "time limit, no plan")
+                return self.out_of_time(rounds, start, time_limit_s)
+            outcome, stopped = self.settle_round(found, rounds)
+            if found.halted:  # (the dive's plan that needs rows, as the evaluator prices it)
+                plan = rounds.previous[1] if found.halted == ROWS_NEEDED else None
+            else:
+                plan = found.objective
+            self.stages.add("first pass", self.objective, started, stopped, found=plan,
+                            bound=rounds.lower if math.isfinite(rounds.lower) else None)
+            if outcome is not None:
                 return outcome
-            outcome.evaluation, over = self.priced(found.values)
-            if not over:
-                return outcome
-            if self.speculative and not (found.timed_out or self.search.expired()):
-                self.add_reshard_rows(None)
-                continue
-            if found.timed_out or self.search.expired():  # out of time: the better plan, priced as it is
-                outcome.best = self.primary_of(outcome.evaluation)
-                if previous is not None and previous[1] < outcome.best:
-                    (outcome.values, outcome.best), outcome.evaluation = previous, None
-                outcome.gap = relative_gap(outcome.best, lower)
-                return outcome
-            # Reshards the plan runs hold more than M allows: again with their rows, from it.
-            previous, fallback = self.rows_broken_by(found.values)
 
-    def second_pass(self, outcome: Outcome, mip_gap: float) -> Outcome:
-        """Hold the primary objective within the gap of the best bound, minimise the other one.
-        The slack is at least the rows' feasibility tolerance accumulated along the chain of
-        live-byte variables (≈1e-6 of the peak); ties finer than TIE_RESOLUTION of the primary
-        objective are broken by the secondary one. (The first pass's plan meets every row, so
-        its optimum holds with the reshard rows too.)"""
-        f = self.formulation
+    def out_of_time(self, rounds: Rounds, start: Selection | None, time_limit_s: float) -> Outcome:
+        """The first pass out of time before a round's plan: the round before's, else the
+        ``start`` given where it meets the budgets (else :class:`SolverTimeLimit`)."""
+        if rounds.previous is None:
+            given = self.given_start(start)
+            if given is None:
+                raise SolverTimeLimit(time_limit_s) from None
+            return given
+        values, best = rounds.previous
+        return Outcome(values, best, relative_gap(best, rounds.lower), True, False, rounds.lower)
+
+    def settle_round(self, found: Solution, rounds: Rounds) -> tuple[Outcome | None, str]:
+        """What a round of the first pass that found ``found`` leads to: the pass's outcome,
+        or None where another round follows (its rows added, ``rounds`` moved on); and why
+        the round stopped."""
+        if found.halted == UNSETTLED:  # a speculative dive left its gap open: every row, again
+            self.add_reshard_rows(None)
+            return None, "dive unsettled"
+        if found.halted == ROWS_NEEDED:  # the dive's plan breaks lazy rows: those first, then from it
+            (rounds.previous, rounds.fallback), rounds.lower = self.add_rows_broken_by(found.values), max(
+                rounds.lower, self.floor)
+            return None, "dive's plan breaks lazy rows"
+        rounds.lower = max(rounds.lower, found.objective * (1 - found.gap))
+        outcome = Outcome(found.values, found.objective, found.gap, found.timed_out, found.ties_resolved,
+                          rounds.lower, dive_proved=found.dive_proved)
+        done = "time limit" if found.timed_out else "dive proved by the relaxation" if found.dive_proved else "proved"
+        if not self.lazy:
+            return outcome, done
+        outcome.evaluation, over = self.priced(found.values)
+        if not over:
+            return outcome, done
+        if self.speculative and not (found.timed_out or self.search.expired()):
+            self.add_reshard_rows(None)
+            return None, "plan breaks lazy rows"
+        if found.timed_out or self.search.expired():  # out of time: the better plan, priced as it is
+            outcome.best = self.primary_of(outcome.evaluation)
+            if rounds.previous is not None and rounds.previous[1] < outcome.best:
+                (outcome.values, outcome.best), outcome.evaluation = rounds.previous, None
+            outcome.gap = relative_gap(outcome.best, rounds.lower)
+            return outcome, "time limit"
+        # Reshards the plan runs hold more than M allows: again with their rows, from it.
+        rounds.previous, rounds.fallback = self.add_rows_broken_by(found.values)
+        return None, "plan breaks lazy rows"
+
+    def run_tie_break_pass(self, outcome: Outcome, mip_gap: float) -> Outcome:
+        """The tie-break pass (the stage "tie-break pass"): hold the primary objective within
+        the gap of the best bound, minimise the other one. The slack is at least the rows'
+        feasibility tolerance accumulated along the chain of live-byte variables (≈1e-6 of the
+        peak); ties finer than TIE_RESOLUTION of the primary objective are broken by the
+        secondary one. (The first pass's plan meets every row, so its optimum holds with the
+        reshard rows too.)"""
+        started, first = time.perf_counter(), value_of(self.secondary, outcome.values)
         tolerance = max(mip_gap, TIE_RESOLUTION)
         # Where the bound is a loose floor's relaxation, the gap is room to prove the plan, not
-        # to trade memory for time (GPT-3 13B on 1x8 at a 2% gap: +0.6%, and slower than the
-        # per-op plan that gap ruled out): the cap is within TIE_SLACK.
+        # to trade memory for time (a plan slower than one the gap had ruled out): the cap is
+        # within TIE_SLACK.
         slack = min(tolerance, TIE_SLACK) if self.relaxed_peak is not None else tolerance
         self.search.add_row(self.primary, second_pass_cap(outcome.best, outcome.lower, slack))
-        start = outcome.values
         # The secondary objective with the primary one as a small tie-break (TIE_BREAK of it
         # at the first pass's plan; the cap leaves the primary little room to trade): alone,
-        # its relaxation is so degenerate that simplex took ten times as long.
+        # its relaxation is so degenerate that simplex takes far longer.
+        start = outcome.values
         objective = blend_objective(self.secondary, self.primary,
                                     (value_of(self.secondary, start), value_of(self.primary, start)))[0]
         # A dive again, though the first pass's may have left its gap open: another objective,
-        # and its reduced costs pin choices for the branch and bound (tiny-gpt on 2x2: 24 s → 9 s).
-        # After a first pass without branch and bound (``dive_proved``), the dive alone: a
-        # branch and bound after it only proved its plan (GPT-3 13B on 1x8: 8.1 s → 2.6 s,
-        # GPT-3 1.3B with 2 layers on 8: 11.5 s → 2.9 s, the same plans).
+        # and its reduced costs pin choices for the branch and bound. After a first pass without
+        # branch and bound (``dive_proved``), the dive alone: a branch and bound after it only
+        # proved its plan.
         self.search.dive_again()
-        with contextlib.suppress(SolverTimeLimit, Unsettled):  # else keep the first pass's plan
-            while True:
-                second = self.search.minimise(objective, tolerance, start=start, dive_only=outcome.dive_proved)
-                over = f.over_peak(second.values) if self.lazy else set()
-                if value_of(self.secondary, second.values) > value_of(self.secondary, outcome.values):
-                    break  # out of time with a plan worse than the first pass's: that one stands
-                if not over:
-                    outcome.values, outcome.evaluation = second.values, None
-                    outcome.timed_out = outcome.timed_out or second.timed_out
-                    if outcome.lower > 0:  # the gap of the plan returned, not of the first pass's
-                        outcome.gap = max(outcome.gap, relative_gap(value_of(self.primary, second.values),
-                                                                    outcome.lower))
-                    break
-                if second.timed_out or self.search.expired():
-                    break  # the first pass's plan stands
-                self.add_reshard_rows(over)
-                start = f.selection_start(f.selection(outcome.values))
+        try:
+            stopped = self.break_ties(outcome, objective, tolerance)
+        except SolverTimeLimit:
+            stopped = "time limit: the first pass's plan stands"
+        secondary = TIME if self.objective == MEMORY else MEMORY
+        self.stages.add("tie-break pass", secondary, started, stopped, found=value_of(self.secondary, outcome.values),
+                        start=first)
         return outcome
+
+    def break_ties(self, outcome: Outcome, objective: Expression, tolerance: float) -> str:
+        """Minimise the tie-break pass's ``objective`` from ``outcome``'s plan, round after
+        round of lazy rows, and take its plan into ``outcome`` where it is no worse on the
+        secondary objective and meets every row: why the pass stopped."""
+        f, start = self.formulation, outcome.values
+        while True:
+            second = self.search.minimise(objective, tolerance, start=start, dive_only=outcome.dive_proved, kind=BLEND)
+            if second.halted:
+                return "dive unsettled: the first pass's plan stands"
+            over = f.points_over_peak(second.values) if self.lazy else set()
+            if value_of(self.secondary, second.values) > value_of(self.secondary, outcome.values):
+                return "no better plan: the first pass's plan stands"  # (out of time with a worse one)
+            if not over:
+                outcome.values, outcome.evaluation = second.values, None
+                outcome.timed_out = outcome.timed_out or second.timed_out
+                if outcome.lower > 0:  # the gap of the plan returned, not of the first pass's
+                    outcome.gap = max(outcome.gap, relative_gap(value_of(self.primary, second.values),
+                                                                outcome.lower))
+                return "time limit" if second.timed_out else "proved"
+            if second.timed_out or self.search.expired():
+                return "time limit: the first pass's plan stands"
+            self.add_reshard_rows(over)
+            start = f.selection_start(f.selection(outcome.values))
 
     def result(self, outcome: Outcome, started: float) -> SolveResult:
         f = self.formulation
@@ -362,6 +464,7 @@ class Solver:
             ilp_peak_bytes=outcome.best * f.bytes_unit if self.objective == "memory" else f.peak_bytes(outcome.values),
             bound=max(outcome.lower, 0.0) * (f.bytes_unit if self.objective == "memory" else f.time_unit),
             evaluation=outcome.evaluation,
+            stages=tuple(record.scaled(f.bytes_unit, f.time_unit) for record in self.stages.records),
         )
 
 
@@ -378,6 +481,7 @@ def solve(
     figures: Reference | None = None,
     on_formulated: Callable[[], None] | None = None,
     on_branching: Callable[[], None] | None = None,
+    search: str = "staged",
 ) -> SolveResult:
     """Solve ``problem`` for ``objective``; with ``fixed``, price that complete plan through
     the ILP instead (every choice pinned), which checks the linearisation against the
@@ -389,16 +493,23 @@ def solve(
     units). ``figures``: ``reference(problem)``, if already computed. ``on_formulated``:
     called once the model is built, before HiGHS solves anything (HiGHS releases the GIL
     while it solves: work started then on another thread runs beside it). ``on_branching``:
-    called once, where the first pass's dive leaves its gap open (a long search follows)."""
+    called once, where the first pass's dive leaves its gap open (a long search follows).
+    ``search``: "staged" (the stages of ``docs/search.md``), or "plain" (:func:`solve_plain`,
+    which takes no ``fixed``, ``start`` nor ``cutoff``)."""
     if objective not in OBJECTIVES:
         raise MemshardError(f"unknown objective {objective!r}; use memory or time")
+    if search not in SEARCHES:
+        raise MemshardError(f"unknown search {search!r}; use {' or '.join(SEARCHES)}")
     started = time.perf_counter()
     if figures is None:
         figures = reference(problem)
+    if search == "plain":
+        return solve_plain(problem, objective, max_step_time_s, memory_budget_bytes, time_limit_s, mip_gap, figures,
+                           on_formulated)
     if cutoff is not None:  # the plan-independent floor may rule the problem out before it is built
         floor = figures.least_peak_bytes if objective == "memory" else figures.time_floor_s
         if rules_out(floor, cutoff, mip_gap):
-            raise NoBetterPlan(floor)
+            raise NoBetterPlan(floor, by="the plan-independent floor")
     solver = Solver(problem, objective, max_step_time_s, memory_budget_bytes, started + time_limit_s, fixed, figures)
     f = solver.formulation
     unit = f.bytes_unit if objective == "memory" else f.time_unit
@@ -407,22 +518,45 @@ def solve(
     if on_formulated is not None:
         on_formulated()
     if fixed is not None:  # the one plan the rows allow: its objective, no search around it
-        found = solver.search.minimise(solver.primary, TIE_RESOLUTION)
+        found = solver.search.minimise(solver.primary, TIE_RESOLUTION, kind=objective)
         return solver.result(Outcome(found.values, found.objective, 0.0, found.timed_out, True, found.objective),
                              started)
     fallback = f.selection_start(start) if start is not None else solver.fallback_start()
-    solver.beside()
+    solver.start_relaxation_beside()
     try:
-        outcome = solver.first_pass(mip_gap, fallback, time_limit_s, start,
+        outcome = solver.run_first_pass(mip_gap, fallback, time_limit_s, start,
                                     on_branching and functools.cache(on_branching))
         if not outcome.ties_resolved and not solver.search.expired():
-            outcome = solver.second_pass(outcome, mip_gap)
+            outcome = solver.run_tie_break_pass(outcome, mip_gap)
     except NoBetterPlan as e:
-        raise NoBetterPlan(e.bound * unit) from None
+        raise NoBetterPlan(e.bound * unit, e.by) from None
     finally:
         if solver.relaxed_peak is not None:
             solver.relaxed_peak.stop()
     return solver.result(outcome, started)
+
+
+def solve_plain(problem: Problem, objective: str, max_step_time_s: float | None, memory_budget_bytes: float | None,
+                time_limit_s: float, mip_gap: float, figures: Reference | None = None,
+                on_formulated: Callable[[], None] | None = None) -> SolveResult:
+    """The plain search, the reference the staged one is checked against: one HiGHS branch
+    and bound on the whole formulation (every reshard row), minimising the primary objective
+    alone to ``mip_gap``: no dive, no lazy rows, no blend, no tie-break pass (so ties in the
+    primary objective fall as HiGHS finds them). Slower than the staged search, and its plan
+    may differ where several plans tie; its optimum agrees within the gap."""
+    started = time.perf_counter()
+    solver = Solver(problem, objective, max_step_time_s, memory_budget_bytes, started + time_limit_s,
+                    figures=figures, plain=True)
+    if on_formulated is not None:
+        on_formulated()
+    try:
+        found = solver.search.minimise(solver.primary, max(mip_gap, TIE_RESOLUTION), kind=objective)
+    except Infeasible:
+        raise Infeasible(objective) from None
+    except SolverTimeLimit:
+        raise SolverTimeLimit(time_limit_s) from None
+    lower = found.objective * (1 - found.gap)
+    return solver.result(Outcome(found.values, found.objective, found.gap, found.timed_out, True, lower), started)
 
 
 def rules_out(bound: float, cutoff: float, mip_gap: float) -> bool:
@@ -442,6 +576,6 @@ def relaxed_floor(problem: Problem, figures: Reference, deadline: float, max_ste
         return figures.least_peak_bytes
     if stop is not None:
         solver.search.stop_on(stop)
-    relaxed = solver.search.relaxation(solver.primary, presolve=True)
+    relaxed = solver.search.relaxation(solver.primary, presolve=True, kind=MEMORY)
     return figures.least_peak_bytes if relaxed is None else max(figures.least_peak_bytes,
                                                                 relaxed * solver.formulation.bytes_unit)

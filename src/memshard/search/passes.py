@@ -1,0 +1,188 @@
+"""The first pass: the primary objective minimised with the secondary one as a small
+tie-break (the blend), then proved, on one :class:`~memshard.search.highs.HighsSearch`.
+
+Branch and bound on the primary objective alone stalls on its many exact ties (which axis
+splits the batch, …): HiGHS's primal heuristics find no plan for long. So the first pass
+minimises the primary objective plus a small multiple of the other one (the blend), which is
+usually optimal for the primary one alone, as a plan-independent bound on it often shows at
+once. Its stages, in order: the blend's minimisation (a dive, then, where the dive leaves its
+gap open and nothing stops the pass there, branch and bound); the proof of the blend's plan
+(the floor, the blend's own bound, the relaxation of the primary objective); and, where none
+proves it, the search on the primary objective alone (:func:`primary_alone`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from memshard.core.errors import NoBetterPlan, SolverTimeLimit
+from memshard.search.formulation import HIGHS_TOLERANCE, Expression
+from memshard.search.highs import (
+    ROWS_NEEDED,
+    TIE_BREAK,
+    TIE_RESOLUTION,
+    UNSETTLED,
+    HighsSearch,
+    Solution,
+    blend_objective,
+    relative_gap,
+    value_of,
+)
+from memshard.search.stages import BLEND
+
+
+@dataclass(frozen=True)
+class Objectives:
+    """What a first pass minimises: ``primary`` (``kind``: what it measures, ``stages.MEMORY``
+    or ``stages.TIME``; no plan's is below ``floor``), ties broken by ``secondary``, at their
+    typical ``scales``; ``secondary_cap`` bounds ``secondary`` on every plan (a budget)."""
+
+    primary: Expression
+    secondary: Expression
+    kind: str
+    floor: float
+    scales: tuple[float, float]
+    secondary_cap: float = math.inf
+
+
+@dataclass(frozen=True)
+class PassRules:
+    """How a first pass goes: its relative ``gap``; ``cutoff``: a value some other plan
+    reaches (:class:`NoBetterPlan` at once where the floor, raised to ``relaxed_bound`` first,
+    is not below it by the gap); ``relaxed_bound``: where the floor may be loose
+    (recomputation: it lets every replayable tensor go for free), a bound on the primary
+    objective from its relaxation (computed beside the search; -inf if none), asked for
+    before the blend's branch and bound, not where the floor proves the blend's dive; where
+    it proves the dive's plan within the gap, that plan is returned without branch and bound,
+    its ties unresolved; ``simplex_bound``: the primary objective's relaxation by primal
+    simplex from the blend's basis first; ``speculative``: the dive alone (halted UNSETTLED
+    where its plan is not proved); ``on_branching``: called where the blend's dive leaves its
+    gap open (a long search follows); ``needs_rows``: whether a plan breaks lazy rows (halted
+    ROWS_NEEDED with the dive's plan that does; the blend's returned unproved: no search of
+    a model about to change)."""
+
+    gap: float
+    cutoff: float = math.inf
+    relaxed_bound: Callable[[], float] | None = None
+    simplex_bound: bool = False
+    speculative: bool = False
+    on_branching: Callable[[], None] | None = None
+    needs_rows: Callable[[np.ndarray], bool] | None = None
+
+
+def first_pass(search: HighsSearch, objectives: Objectives, rules: PassRules, fallback) -> Solution:
+    """Minimise ``objectives.primary`` (≥ its floor), ties broken by the secondary one.
+
+    Branch and bound first minimises the blend primary + w·secondary from ``fallback`` (a
+    start as ``HighsSearch.minimise`` takes it), w such that the secondary weighs TIE_BREAK
+    of the primary at their typical scales, to a gap TIE_BREAK times finer. Usually that plan
+    is optimal for the primary objective, as the floor or its LP relaxation alone shows. Its
+    ties are resolved to within the gap of the secondary when the blend's remaining gap and
+    HiGHS's tolerances, divided by w, are that small. Otherwise :func:`primary_alone`. A
+    ``secondary_cap`` (a budget) bounds the primary objective by the blend's bound B too:
+    primary ≥ B − w·cap (what a blend out of time reports)."""
+    return FirstPass(search, objectives, rules).run(fallback)
+
+
+class FirstPass:
+    """One first pass on ``search`` (``first_pass``), with its floor as it rises."""
+
+    def __init__(self, search: HighsSearch, objectives: Objectives, rules: PassRules):
+        self.search, self.objectives, self.rules = search, objectives, rules
+        self.floor = objectives.floor
+        self.blend, self.weight = blend_objective(objectives.primary, objectives.secondary, objectives.scales)
+
+    def raise_floor(self) -> None:
+        """Raise the floor to the primary objective's relaxation, where there is one."""
+        if self.rules.relaxed_bound is not None:
+            self.floor = max(self.floor, self.rules.relaxed_bound())
+
+    def raise_floor_against_cutoff(self) -> None:
+        """Raise the floor (``raise_floor``), and stop the search where it shows no plan is
+        below the cutoff by the gap (:class:`NoBetterPlan`)."""
+        self.raise_floor()
+        if self.floor >= self.rules.cutoff * (1 - self.rules.gap):
+            raise NoBetterPlan(self.floor)
+
+    def before_branching(self, dived: np.ndarray | None) -> Solution | None:
+        """What stops the blend's minimisation before its branch and bound, given the dive's
+        plan ``dived`` (None: none): a speculative pass, lazy rows the plan breaks, or the
+        primary objective's relaxation proving the plan; None: nothing does."""
+        rules, primary = self.rules, self.objectives.primary
+        if rules.on_branching is not None:
+            rules.on_branching()
+        if rules.speculative:
+            return Solution.halt(UNSETTLED)
+        if rules.needs_rows is not None and dived is not None and rules.needs_rows(dived):
+            return Solution.halt(ROWS_NEEDED, dived)
+        self.raise_floor_against_cutoff()
+        if rules.relaxed_bound is not None and dived is not None:
+            dived_value = value_of(primary, dived)
+            if relative_gap(dived_value, self.floor) <= rules.gap:
+                return Solution(dived, dived_value, relative_gap(dived_value, self.floor), False, False, True)
+        return None
+
+    def run(self, fallback) -> Solution:
+        """The pass: the blend minimised from ``fallback``, then its plan proved."""
+        search, rules = self.search, self.rules
+        if math.isfinite(rules.cutoff):
+            self.raise_floor_against_cutoff()
+        blended = search.minimise(self.blend, rules.gap * TIE_BREAK, start=fallback,
+                                  before_branching=self.before_branching, kind=BLEND)
+        if blended.halted or blended.dive_proved:
+            return blended
+        return self.proved(blended)
+
+    def proved(self, blended: Solution) -> Solution:
+        """The blend's plan ``blended`` checked against the floor, the blend's own bound and
+        the primary objective's relaxation; where none proves it, ``primary_alone``."""
+        search, rules, objectives = self.search, self.rules, self.objectives
+        primary, gap = objectives.primary, rules.gap
+        values, value = blended.values, value_of(primary, blended.values)
+        blend_error = (blended.gap + HIGHS_TOLERANCE) * max(abs(blended.objective), 1.0)  # (and the tolerances)
+        ties_resolved = blend_error <= self.weight * gap * abs(value_of(objectives.secondary, values))
+        self.floor = max(self.floor, blended.objective * (1 - blended.gap) - self.weight * objectives.secondary_cap)
+        floor_gap = relative_gap(value, self.floor)
+        if floor_gap > gap and not search.expired():
+            if rules.speculative:
+                return Solution.halt(UNSETTLED)
+            if rules.needs_rows is not None and not blended.timed_out and rules.needs_rows(values):
+                return Solution(values, value, floor_gap, False, False)
+            if rules.relaxed_bound is None:
+                bound = search.relaxation(primary, simplex_first=rules.simplex_bound, kind=objectives.kind)
+                if bound is not None:
+                    self.floor = max(self.floor, bound)
+            self.raise_floor()
+            floor_gap = relative_gap(value, self.floor)
+        if blended.timed_out or search.expired():
+            return Solution(values, value, floor_gap, True, False)
+        if floor_gap <= gap:
+            return Solution(values, value, floor_gap, False, ties_resolved)
+        # a dive on the primary objective alone first, not on a loose floor's peak: simplex
+        # solves its relaxation slowly (docs/search.md, *Measurements*)
+        return primary_alone(search, objectives, gap, Solution(values, value, floor_gap, False, ties_resolved),
+                             self.floor, dive=rules.relaxed_bound is None)
+
+
+def primary_alone(search: HighsSearch, objectives: Objectives, gap: float, blended: Solution, floor: float,
+                  dive: bool) -> Solution:
+    """The search on the primary objective alone (a dive first if ``dive``), from the blend's
+    plan ``blended`` that ``floor`` leaves unproved: that plan, its ties broken, where nothing
+    better is found or the bound reached proves it within the gap too; else the better plan."""
+    values, value = blended.values, blended.objective
+    try:
+        if dive:
+            search.dive_again()
+        best = search.minimise(objectives.primary, gap, start=values, kind=objectives.kind)
+    except SolverTimeLimit:
+        return Solution(values, value, blended.gap, True, False)
+    # the best bound known: branch and bound's own (none where time ran out at once), or the floor
+    floor = max(floor, best.objective - best.gap * abs(best.objective))
+    if best.objective >= value - abs(value) * TIE_RESOLUTION or relative_gap(value, floor) <= gap:
+        return Solution(values, value, relative_gap(value, floor), best.timed_out,
+                        blended.ties_resolved and not best.timed_out)
+    return Solution(best.values, best.objective, relative_gap(best.objective, floor), best.timed_out, False)
