@@ -8,9 +8,10 @@
 Every rank plans the job (planning is deterministic: every rank gets the same plan), builds the
 model from its config with the same seed, and hands both to ``memshard.parallelize``. Then it
 is the usual loop: AdamW over the sharded model's parameters, a warm-up schedule, gradient
-clipping, and a DCP checkpoint (model and optimizer by the module's names, the scheduler and
-the step) that resumes under any plan. Rank 0 prints each step's loss, the same on every rank.
-Random token batches stand in for a data loader (the same on every rank, drawn per step).
+clipping (torch's own, the global norm), and a DCP checkpoint (model and optimizer by the
+module's names, the scheduler and the step) that resumes under any plan, or under FSDP2
+(docs/training.md). Rank 0 prints each step's loss, the same on every rank. Random token
+batches stand in for a data loader (the same on every rank, drawn per step).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def main(argv=None) -> None:
         ids = batch(vocab, args, step, device)
         loss = sharded(ids, labels=ids)
         loss.backward()
-        norm = sharded.clip_grad_norm_(args.clip)
+        norm = torch.nn.utils.clip_grad_norm_(sharded.parameters(), args.clip)  # the global norm
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()

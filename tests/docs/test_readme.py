@@ -168,6 +168,7 @@ RUN = {("README.md", 0), ("docs/guide.md", 0), ("docs/guide.md", 1), ("docs/mode
 COMPILED_ONLY = {
     ("README.md", 1): "needs torchrun's ranks and a plan.json of them (tests/runtime runs parallelize)",
     ("docs/runtime.md", 0): "needs a process group of 4 ranks (tests/runtime/test_traced_runtime.py runs one)",
+    **{("docs/training.md", k): "needs ranks (tests/runtime/test_training_loop.py runs this loop)" for k in range(4)},
 }
 
 

@@ -6,10 +6,13 @@ and not; an LR scheduler), under memshard's least-memory plans and the baselines
 layer, TP, SP, recomputation), and compares with the same loop in one process on the unsharded
 model: every rank's ``loss.item()`` (no collective written by hand) equals the single process's
 loss (fp32, rtol 1e-5) and the gradients of the second step are as close to the exact (float64)
-ones as the single process's, as ``test_runtime.py`` judges them. Also: ``clip_grad_norm_``
-returns the single-process norm; 4 micro-batches accumulated with gradient sync off but for the
-last equal the full batch; an optimizer over the unsharded module's parameters, or a step while
-gradients wait to be reduced, fails with one ``MemshardError``. One forked world runs every case.
+ones as the single process's, as ``test_runtime.py`` judges them. Also: torch's own
+``clip_grad_norm_`` over the DTensor shards returns the single-process norm; 4 micro-batches
+accumulated with gradient sync off but for the last equal the full batch; an optimizer over the
+unsharded module's parameters, a step while gradients wait to be reduced, or a ``torch.optim``
+optimizer over a mixed-precision plan's bf16 shards fails with one ``MemshardError``; DCP
+checkpoints move between plans, into one process, and to and from FSDP2 (``fully_shard``).
+One forked world runs every case.
 """
 
 from __future__ import annotations
@@ -139,21 +142,30 @@ def _sharded_run(name: str, case: Case, plan, out_dir: Path) -> dict:
         if dist.get_rank() == 0:
             torch.save(grads, out_dir / f"{name}.pt")
 
-    losses, norms = train_steps(model, optimizer, graph, case, model.clip_grad_norm_, inspect)
+    def clip(max_norm):  # torch's own, over the DTensor shards
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    losses, norms = train_steps(model, optimizer, graph, case, clip, inspect)
     return {"losses": losses, "norms": norms, "step": model.step}
 
 
-def _misuse_runs(plan) -> dict:
-    """The errors of two steps that cannot be right (None where no error came)."""
+def _misuse_runs(plan, mixed: dict) -> dict:
+    """The errors of steps that cannot be right and of some that can (None where no error
+    came): an optimizer over the unsharded module, a step with gradients not reduced (both
+    under ZeRO-1 in fp32), AdamW and LeanAdam under mixed-precision plans (``mixed``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", plan.problem.mesh.shape)
-    graph = plan.problem.graph
+    from memshard.runtime.optim import LeanAdam
+
     out = {}
-    source = GraphModel(graph, seed=0)
-    model = memshard.parallelize(source, plan, mesh)
-    for what, optimizer, sync in (("source", torch.optim.AdamW(source.parameters()), True),
-                                  ("unreduced", torch.optim.AdamW(model.parameters()), False)):
+    for what, use in (("source", plan), ("unreduced", plan), *mixed.items()):
+        mesh = init_device_mesh("cpu", use.problem.mesh.shape)
+        graph = use.problem.graph
+        source = GraphModel(graph, seed=0)
+        model = memshard.parallelize(source, use, mesh)
+        params = source.parameters() if what == "source" else model.parameters()
+        optimizer = (LeanAdam if "lean" in what else torch.optim.AdamW)(params)
+        sync = what != "unreduced"
         model.set_requires_gradient_sync(sync)
         model(make_batch(graph, 1, 0)[0]).backward()
         try:
@@ -166,6 +178,17 @@ def _misuse_runs(plan) -> dict:
         optimizer.zero_grad()
         model.zero_grad()
     return out
+
+
+@functools.cache
+def mixed_plans() -> dict:
+    """Mixed-precision plans: ZeRO-1 (bf16 shards) with AdamW and LeanAdam, ZeRO-3 (fp32 master
+    shards, FSDP2's layout) with AdamW."""
+    def plan(strategy):
+        return runnable(strategy_plan("tiny-gpt", "4", strategy, batch=BATCH, precision="mixed"))
+
+    zero1 = plan("zero1")
+    return {"mixed zero1 adamw": zero1, "mixed zero1 lean": zero1, "mixed zero3 adamw": plan("zero3-fsdp")}
 
 
 def _accumulation_calls(plan) -> dict:
@@ -266,15 +289,73 @@ def _traced_run() -> list[float]:
     return traced_losses(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan.problem.graph)
 
 
+def _fsdp2_runs(out_dir: Path) -> dict:
+    """The traced LLaMA under memshard's plan: steps 0 to 2, a DCP checkpoint after step 0.
+    That checkpoint loaded into the module under PyTorch's FSDP2 (``fully_shard`` on a 1-D
+    mesh, each rank a quarter of the batch) with ``torch.distributed.checkpoint.state_dict``:
+    steps 1 and 2, a checkpoint after step 1. That one loaded under memshard's plan: step 2."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as torch_state
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from memshard.runtime import traced
+    from memshard.runtime.checkpoint import get_state_dict, set_state_dict
+
+    plan = traced_plan()
+    graph = plan.problem.graph
+
+    def memshard_model():
+        model = memshard.parallelize(traced_module(plan), plan, init_device_mesh("cpu", plan.problem.mesh.shape))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step_of(model, optimizer, step, share=lambda t: t, **fixed):
+        (args, kwargs), = traced.make_batch(graph, 1, step)
+        out = model(*map(share, args), **{k: share(v) for k, v in kwargs.items()}, **fixed)
+        loss = getattr(out, "loss", out)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    model, optimizer = memshard_model()
+    straight = [step_of(model, optimizer, 0).item()]
+    dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=out_dir / "memshard")
+    straight += [step_of(model, optimizer, step).item() for step in (1, 2)]
+
+    module = traced_module(plan)
+    fully_shard(module, mesh=init_device_mesh("cpu", (WORLD,)))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=5e-4)  # the checkpoint's 1e-3 replaces it
+    state = dict(zip(("model", "optim"), torch_state.get_state_dict(module, optimizer)))
+    dcp.load(state, checkpoint_id=out_dir / "memshard")
+    torch_state.set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    fsdp2 = []
+    for step in (1, 2):
+        loss = step_of(module, optimizer, step, lambda t: t.chunk(WORLD)[dist.get_rank()], **graph.traced.fixed_kwargs)
+        dist.all_reduce(loss)  # each rank's mean over its quarter: the batch's mean is their mean
+        fsdp2.append(loss.item() / WORLD)
+        if step == 1:
+            dcp.save(dict(zip(("model", "optim"), torch_state.get_state_dict(module, optimizer))),
+                     checkpoint_id=out_dir / "fsdp2")
+
+    model, optimizer = memshard_model()
+    state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+    dcp.load(state, checkpoint_id=out_dir / "fsdp2")
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    model.step = 2
+    return {"straight": straight, "fsdp2": fsdp2, "back": [step_of(model, optimizer, 2).item()]}
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     plans = _plans()
     report = {name: _sharded_run(name, case, plans[name], Path(out_dir)) for name, case in CASES.items()}
-    report["misuse"] = _misuse_runs(plans[MISUSE])
+    report["misuse"] = _misuse_runs(plans[MISUSE], mixed_plans())
     report["accumulation_calls"] = _accumulation_calls(plans[MISUSE])
     report["checkpoint"] = _checkpoint_runs(Path(out_dir))
     report["traced"] = _traced_run()
+    report["fsdp2"] = _fsdp2_runs(Path(out_dir))
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
@@ -286,7 +367,7 @@ def _plans() -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    _plans(), traced_plan()  # made here, before the fork: the ranks inherit them
+    _plans(), traced_plan(), mixed_plans()  # made here, before the fork: the ranks inherit them
     out_dir = tmp_path_factory.mktemp("training_loop")
     reports = forked_world(_worker, WORLD, out_dir)
     return reports, out_dir
@@ -389,6 +470,17 @@ def test_a_step_with_gradients_not_reduced_fails_loudly(runs):
         assert r["misuse"]["unreduced"] == loop.UNREDUCED
 
 
+def test_a_torch_optimizer_over_bf16_shards_fails_loudly(runs):
+    """Under mixed precision a ``torch.optim`` optimizer over ZeRO-1's bf16 shards would keep no
+    fp32 master weights: it fails at its first step. LeanAdam (masters in its states) steps;
+    so does AdamW over ZeRO-3's fp32 master shards."""
+    reports, _ = runs
+    for r in reports:
+        assert r["misuse"]["mixed zero1 adamw"] == loop.NO_MASTERS
+        assert r["misuse"]["mixed zero1 lean"] is None
+        assert r["misuse"]["mixed zero3 adamw"] is None
+
+
 def test_state_dict_is_keyed_by_the_modules_names(runs):
     reports, _ = runs
     graph = _plans()[CHECKPOINT_PLANS[0]].problem.graph
@@ -448,6 +540,21 @@ def test_a_traced_hugging_face_llama_trains_as_the_module(runs):
                            torch.optim.AdamW(module.parameters(), lr=1e-3), plan.problem.graph)
     for r in reports:
         torch.testing.assert_close(torch.tensor(r["traced"]), torch.tensor(losses), rtol=1e-5, atol=0)
+
+
+def test_a_checkpoint_moves_between_memshard_and_fsdp2(runs):
+    """A DCP checkpoint of memshard's plan (model and AdamW) loads into the same Hugging Face
+    module under FSDP2 (``fully_shard``, ``torch.distributed.checkpoint.state_dict``): its next
+    steps' losses are those of the memshard run that went on. FSDP2's checkpoint loads back
+    under memshard's plan alike."""
+    reports, _ = runs
+    for r in reports:
+        runs_of = r["fsdp2"]
+        torch.testing.assert_close(torch.tensor(runs_of["fsdp2"]), torch.tensor(runs_of["straight"][1:]),
+                                   rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(runs_of["back"]), torch.tensor(runs_of["straight"][2:]),
+                                   rtol=1e-5, atol=0)
+    assert reports[0]["fsdp2"]["straight"] == pytest.approx(reports[0]["traced"], rel=1e-5)
 
 
 def test_the_example_trains_saves_and_resumes(tmp_path):

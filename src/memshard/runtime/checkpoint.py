@@ -20,8 +20,9 @@ as that module's functions of the same names take a module and its optimizer::
     dcp.load(state, checkpoint_id=path)
     set_state_dict(sharded, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-A ZeRO-3 layer unit (``GatherUnit``) holds several parameters in one flat shard: its states
-are cut at its members' bounds into one entry per member.
+The optimizer's parameters are this rank's flat shards, one per parameter (a ZeRO-3 layer
+unit's members are parts of the unit's one flat shard, ``GatherUnit``): each value is
+gathered over the flat buffer's storage axes and cut at the members' bounds.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from collections.abc import Callable, Mapping
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import Replicate as TorchReplicate
+from torch.distributed.tensor import Shard as TorchShard
 
 from memshard.core.placement import REPLICATE
-from memshard.runtime.reshard import as_dtensor, reshard_local, to_torch
+from memshard.runtime.reshard import as_dtensor, local_of, reshard_local, to_torch
 
 
 # -- one parameter's values: this rank's flat piece ⇄ a DTensor of the parameter's shape --------
@@ -45,8 +48,16 @@ def _whole(piece: torch.Tensor, numel: int, mesh, flat_sharded) -> torch.Tensor:
 
 
 def _dtensor(store, local_flat: torch.Tensor) -> DTensor:
+    """A DTensor of the parameter's shape in the module: a traced module's graph may view a
+    weight in another shape (its heads split), and a state dict holds the module's. That
+    reshape may leave strided shards, which DCP does not place: those axes are replicated."""
     local = local_flat.reshape(store.local_shape)
-    return as_dtensor(local, store.mesh, store.compute, store.shape)
+    value = as_dtensor(local, store.mesh, store.compute, store.shape)
+    if store.module_shape == store.shape:
+        return value
+    value = value.reshape(store.module_shape)
+    plain = [p if type(p) in (TorchShard, TorchReplicate) else TorchReplicate() for p in value.placements]
+    return value.redistribute(store.mesh, plain) if plain != list(value.placements) else value
 
 
 def _local(store, value: torch.Tensor) -> torch.Tensor:
@@ -54,6 +65,8 @@ def _local(store, value: torch.Tensor) -> torch.Tensor:
     a full tensor (sliced here, no communication)."""
     placements = to_torch(store.compute)
     if isinstance(value, DTensor):
+        if tuple(value.shape) != store.shape:
+            value = value.reshape(store.shape)
         if tuple(value.placements) != tuple(placements):
             value = value.redistribute(store.mesh, placements)
         return value.to_local().reshape(store.local_shape)
@@ -61,39 +74,41 @@ def _local(store, value: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, store.mesh, placements, src_data_rank=None).to_local()
 
 
-def _entries(model) -> list[tuple[torch.Tensor, list[tuple[str, object, int, int]]]]:
-    """Each optimizer parameter with its members: (name, store, start, end), the member's
-    range in the flat buffer the parameter is this rank's piece of."""
-    out = []
-    for name, store in model.stores.items():
-        if store.unit is None:
-            out.append((store.opt, [(name, store, 0, store.numel)]))
-    for unit in model.units:
-        members = [(s.name, s, start, start + s.numel) for s, start in zip(unit.stores, unit.offsets)]
-        out.append((unit.param, members))
-    return out
+def _entries(model) -> list[list]:
+    """Each flat buffer's member stores (``executor.ParamStore``): a parameter's own, or a
+    ZeRO-3 layer unit's members in order."""
+    out = [[store] for store in model.stores.values() if store.unit is None]
+    return out + [list(unit.stores) for unit in model.units]
 
 
-def _holder(param: torch.Tensor, members) -> tuple[int, object, object]:
-    """(numel, mesh, flat layout) of the flat buffer ``param`` is a piece of."""
-    store = members[0][1]
+def _holder(members) -> tuple[int, object, object, list[int]]:
+    """(numel, mesh, flat layout, members' offsets) of the flat buffer the members share."""
+    store = members[0]
     if store.unit is not None:
-        return store.unit.numel, store.mesh, store.unit.flat_sharded
-    stored = store.stage >= 1
-    return store.numel, store.mesh, store.flat_sharded if stored else tuple(REPLICATE for _ in store.compute)
+        return store.unit.numel, store.mesh, store.unit.flat_sharded, store.unit.offsets
+    layout = store.flat_sharded if store.stage >= 1 else tuple(REPLICATE for _ in store.compute)
+    return store.numel, store.mesh, layout, [0]
 
 
-def _split(param, members, value: torch.Tensor) -> dict[str, DTensor]:
-    """A tensor of ``param``'s shape (the parameter, or a state of its size) as one DTensor
-    per member."""
-    numel, mesh, flat_sharded = _holder(param, members)
-    whole = _whole(value, numel, mesh, flat_sharded)
-    return {name: _dtensor(store, whole[start:end]) for name, store, start, end in members}
+def _member_slices(members, length: int) -> list[tuple[int, int]]:
+    """Each member's part of this rank's piece of the flat buffer (``length`` elements)."""
+    unit = members[0].unit
+    return unit.member_pieces() if unit is not None else [(0, length)]
 
 
-def _piece_range(param, members) -> tuple[int, int]:
+def _split(members, pieces: list[torch.Tensor]) -> dict[str, DTensor]:
+    """Values of the members' optimizer parameters' sizes (the parameters, or states of
+    their sizes; this rank's ``pieces``) as one DTensor of each member's shape."""
+    numel, mesh, flat_sharded, offsets = _holder(members)
+    piece = torch.cat([p.reshape(-1) for p in pieces]) if len(pieces) > 1 else pieces[0]
+    whole = _whole(piece, numel, mesh, flat_sharded)
+    return {store.name: _dtensor(store, whole[start:start + store.numel])
+            for store, start in zip(members, offsets)}
+
+
+def _piece_range(members) -> tuple[int, int]:
     """Where this rank's piece lies in the flat buffer."""
-    store = members[0][1]
+    store = members[0]
     if store.unit is not None:
         return store.unit.piece_range()
     if store.stage == 0:
@@ -101,16 +116,17 @@ def _piece_range(param, members) -> tuple[int, int]:
     return store.flat_start, store.flat_start + store.flat_len
 
 
-def _join(param, members, values: Callable[[str], torch.Tensor], dtype) -> torch.Tensor:
-    """This rank's piece of ``param``'s flat buffer from each member's saved value."""
-    lo, hi = _piece_range(param, members)
-    out = torch.empty(hi - lo, dtype=dtype, device=param.device)
-    for name, store, start, end in members:
-        begin, stop = max(lo, start), min(hi, end)
+def _join(members, values: Callable[[str], torch.Tensor], dtype, device) -> list[torch.Tensor]:
+    """Each member's part of this rank's piece, from each member's saved value."""
+    _, _, _, offsets = _holder(members)
+    lo, hi = _piece_range(members)
+    out = torch.empty(hi - lo, dtype=dtype, device=device)
+    for store, start in zip(members, offsets):
+        begin, stop = max(lo, start), min(hi, start + store.numel)
         if begin < stop:
-            flat = _local(store, values(name)).reshape(-1)
+            flat = _local(store, values(store.name)).reshape(-1)
             out[begin - lo:stop - lo].copy_(flat[begin - start:stop - start])
-    return out.view(param.shape)
+    return [out[a:b] for a, b in _member_slices(members, hi - lo)]
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -120,8 +136,8 @@ def model_state_dict(model) -> dict[str, DTensor]:
     in the dtype of the shard the optimizer updates (under mixed precision a ZeRO-3 shard is
     the fp32 master)."""
     out: dict[str, DTensor] = {}
-    for param, members in _entries(model):
-        out.update(_split(param, members, param.detach()))
+    for members in _entries(model):
+        out.update(_split(members, [local_of(store.opt) for store in members]))
     return {name: out[name] for name in model.graph.parameters}
 
 
@@ -132,12 +148,14 @@ def load_model_state_dict(model, state: Mapping[str, torch.Tensor]) -> None:
     missing = [name for name in model.graph.parameters if name not in state]
     if missing:
         raise KeyError(f"the state dict lacks {', '.join(missing[:5])}")
-    for param, members in _entries(model):
-        param.copy_(_join(param, members, state.__getitem__, param.dtype))
-        store = members[0][1]
+    for members in _entries(model):
+        shard = local_of(members[0].opt)
+        for store, piece in zip(members, _join(members, state.__getitem__, shard.dtype, shard.device)):
+            local_of(store.opt).copy_(piece)
+        store = members[0]
         if store.unit is None and store.stage < 3:  # the compute weight around the shard
             store.param.to_local().copy_(_local(store, state[store.name]))
-            store.gathered_version = store.opt._version
+            store.gathered_version = store.version()
 
 
 # -- the optimizer -----------------------------------------------------------------------------
@@ -148,8 +166,8 @@ def _init_optimizer_state(model, optimizer: torch.optim.Optimizer) -> None:
     if all(p in optimizer.state for group in optimizer.param_groups for p in group["params"]):
         return
     step, rates = model.step, [group["lr"] for group in optimizer.param_groups]
-    for param, _ in _entries(model):
-        param.grad = torch.zeros_like(param)
+    for store in model.stores.values():
+        store.opt.grad = torch.zeros_like(store.opt)
     for group in optimizer.param_groups:
         group["lr"] = 0.0
     optimizer.step()
@@ -159,8 +177,9 @@ def _init_optimizer_state(model, optimizer: torch.optim.Optimizer) -> None:
     model.step = step
 
 
-def _is_sized(value, param) -> bool:
-    return torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0
+def _is_sized(value, store) -> bool:
+    """Whether an optimizer state is of its parameter's size (a DTensor like it, or local)."""
+    return torch.is_tensor(value) and value.dim() > 0 and local_of(value).shape == local_of(store.opt).shape
 
 
 @torch.no_grad()
@@ -168,22 +187,23 @@ def optimizer_state_dict(model, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's state by the module's names (``get_state_dict``'s conventions): a
     state of a parameter's size as a DTensor like the parameter's, a scalar as it is."""
     _init_optimizer_state(model, optimizer)
-    names: dict[int, list[str]] = {}
+    names = {id(store.opt): name for name, store in model.stores.items()}
     state: dict[str, dict] = {}
-    for param, members in _entries(model):
-        names[id(param)] = [name for name, *_ in members]
-        per_member: dict[str, dict] = {name: {} for name in names[id(param)]}
-        for key, value in optimizer.state.get(param, {}).items():
-            if _is_sized(value, param):
-                for name, tensor in _split(param, members, value).items():
+    for members in _entries(model):
+        per_member: dict[str, dict] = {store.name: {} for store in members}
+        for key, value in optimizer.state.get(members[0].opt, {}).items():
+            if _is_sized(value, members[0]):
+                pieces = [local_of(optimizer.state[store.opt][key]) for store in members]
+                for name, tensor in _split(members, pieces).items():
                     per_member[name][key] = tensor
-            else:
-                for name in per_member:
-                    per_member[name][key] = value.clone() if torch.is_tensor(value) else value
+                continue
+            for store in members:
+                own = optimizer.state[store.opt][key]
+                per_member[store.name][key] = own.clone() if torch.is_tensor(own) else own
         state.update(per_member)
     groups = []
     for group in optimizer.param_groups:
-        params = [name for p in group["params"] for name in names.get(id(p), ())]
+        params = [names[id(p)] for p in group["params"] if id(p) in names]
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
     return {"state": {name: state[name] for name in model.graph.parameters if name in state},
             "param_groups": groups}
@@ -195,16 +215,20 @@ def load_optimizer_state_dict(model, optimizer: torch.optim.Optimizer, state: Ma
     :func:`optimizer_state_dict`; DTensors in any layout on this mesh, or full tensors)."""
     _init_optimizer_state(model, optimizer)
     saved = state["state"]
-    for param, members in _entries(model):
-        current = optimizer.state[param]
-        first = saved[members[0][0]]
-        for key, value in current.items():
-            if _is_sized(value, param):
-                current[key] = _join(param, members, lambda name, key=key: saved[name][key], value.dtype)
-            elif torch.is_tensor(value):
-                value.copy_(torch.as_tensor(first[key]))
-            else:
-                current[key] = first[key]
+    for members in _entries(model):
+        for key, value in list(optimizer.state[members[0].opt].items()):
+            if _is_sized(value, members[0]):
+                local = local_of(value)
+                pieces = _join(members, lambda name, key=key: saved[name][key], local.dtype, local.device)
+                for store, piece in zip(members, pieces):
+                    local_of(optimizer.state[store.opt][key]).copy_(piece)
+                continue
+            for store in members:
+                current = optimizer.state[store.opt]
+                if torch.is_tensor(current[key]):
+                    current[key].copy_(torch.as_tensor(saved[store.name][key]))
+                else:
+                    current[key] = saved[store.name][key]
     for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
 

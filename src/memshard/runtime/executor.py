@@ -9,15 +9,16 @@ with the kernels of ``ops.py``, so every op of the plan is one piece of code.
 table (``ops.KERNELS``, or a traced module's in ``traced.py``), the executor the rest:
 
 - every parameter becomes a DTensor in the layout its op's strategy needs; with ZeRO storage
-  (``ParamStore``) the optimizer sees only this rank's flat shard of it (the module's
-  parameters are these shards, so any ``torch.optim`` optimizer over ``parameters()`` trains
-  the plan: ``loop.py``): stage 1 shards the optimizer states, 2 also the gradients
-  (reduce-scattered as soon as each is complete), 3 also the weight (under mixed precision
+  (``ParamStore``) the optimizer sees only this rank's flat shard of it, as a 1-D DTensor of
+  the parameter's size (the module's parameters are these shards, so any ``torch.optim``
+  optimizer over ``parameters()`` trains the plan: ``loop.py``, and torch's
+  ``clip_grad_norm_`` reduces over the mesh): stage 1 shards the optimizer states, 2 also the
+  gradients (reduce-scattered as soon as each is complete), 3 also the weight (under mixed precision
   the fp32 shard is the master weight, cast to bf16 into its all-gather's output, its reduced
   bf16 gradient cast to fp32: FSDP2's layout), gathered around each use and gathered again in
   backward — or, with the plan's ``zero3_unit="layer"``, all of a layer's such weights as one flat shard
-  (``GatherUnit``, FSDP's unit): one all-gather for the layer's forward, one for its
-  backward, one reduce-scatter of their gradients;
+  (``GatherUnit``, FSDP's unit; the optimizer sees each member's part): one all-gather for
+  the layer's forward, one for its backward, one reduce-scatter of their gradients;
 - every activation is redistributed at each op boundary from its producer's layout to its
   consumer's (``reshard.Reshard``: forward in axis order, gradient in reverse axis order);
 - an edge the plan keeps (Megatron's sequence parallelism) saves the producer's smaller
@@ -44,6 +45,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import Replicate as TorchReplicate
+from torch.distributed.tensor import Shard as TorchShard
 
 from memshard.core.graph import Graph, TensorKind
 from memshard.core.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
@@ -53,7 +56,7 @@ from memshard.problem.records import Problem, Selection
 from memshard.problem.strategies import Strategy, input_grad_layout
 from memshard.runtime import checkpoint, loop, ops
 from memshard.runtime.replay import LayerReplay, ReplayLinks, again_hooks, storage_id
-from memshard.runtime.reshard import Reshard, reshard_local, to_torch, without_partial
+from memshard.runtime.reshard import Reshard, local_of, reshard_local, to_torch, without_partial
 
 INIT_STD = 0.02
 
@@ -197,6 +200,10 @@ class GraphModel(nn.Module):
     def parameter(self, name: str) -> nn.Parameter:
         return self.weights[_key(name)]
 
+    def module_shape(self, name: str) -> tuple[int, ...]:
+        """The parameter's shape in a state dict: the graph's."""
+        return self.graph.tensors[name].shape
+
     def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         g = self.graph
 
@@ -259,6 +266,7 @@ class ParamStore:
         self.unit: GatherUnit | None = None  # set by the unit that stores this weight
         self.compute, self.grad = compute, grad
         self.shape = tuple(full.shape)
+        self.module_shape = self.shape  # a state dict's (the module's, where a trace reshaped it)
         coords = mesh.get_coordinate() or [0] * mesh.ndim
         dt = distribute_tensor(full, mesh, to_torch(compute), src_data_rank=None)
         self.local_shape = tuple(dt.to_local().shape)
@@ -274,24 +282,51 @@ class ParamStore:
         # stages 0 and 1: the model's, told that a local gradient arrived (it reduces them all
         # when the backward ends)
         self.on_local_gradient: Callable[[], None] | None = None
+        # The optimizer's parameter (``opt``) is this rank's flat shard as a 1-D DTensor of the
+        # parameter's size: ``Shard(0)`` over the axes that split the compute weight or store
+        # it, ``Replicate`` over the rest. The element order is the plan's, not ``torch.chunk``'s,
+        # but every element lies on the ranks the placements say, so a reduction over the mesh
+        # (``torch.nn.utils.clip_grad_norm_``) counts each once.
+        self.flat_placements = tuple(
+            TorchShard(0) if isinstance(p, Shard) or (stage >= 1 and a in axes) else TorchReplicate()
+            for a, p in enumerate(compute))
+        self.shard: torch.Tensor | None = None  # the plain local tensor of ``opt``
+        self.opt: nn.Parameter | None = None
+        self.gathered_version = (0, 0)
+        # ZeRO-3: what a use's gather hangs on in autograd, so that its backward runs; the
+        # gradient goes to the shard by hand (``accumulate``), none through autograd
+        self.anchor = torch.empty(0, device=full.device, requires_grad=True)
         if stage < 3:
             self.param = nn.Parameter(dt)
             flat = dt.to_local().view(-1)
             piece = flat[self.flat_start:self.flat_start + self.flat_len] if stage >= 1 else flat
-            self.opt = nn.Parameter(piece)  # shares storage with the DTensor's local tensor
+            self.hold_shard(piece)  # shares storage with the DTensor's local tensor
             self.param.register_post_accumulate_grad_hook(lambda p: self._gradient_arrived())
-            # the shard's version when its compute weight was last gathered (an optimizer's
-            # in-place update moves it on: ``gather_updated``)
-            self.gathered_version = self.opt._version
         elif in_unit:
             self.local = dt.to_local().reshape(-1)  # the unit takes its piece, then drops this
-            self.param = self.opt = None
+            self.param = None
         else:  # the shard is the master weight (``shard_dtype``): gathered in the compute dtype
             flat = dt.to_local().reshape(-1)
             piece = flat[self.flat_start:self.flat_start + self.flat_len]
-            self.param = nn.Parameter(piece.to(shard_dtype or piece.dtype, copy=True))
-            self.opt = self.param
+            self.hold_shard(piece.to(shard_dtype or piece.dtype, copy=True))
+            self.param = self.opt
         del dt
+
+    def flat_dtensor(self, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's flat shard, or a tensor of its size) as the 1-D DTensor the
+        optimizer sees (``flat_placements``); no communication."""
+        return DTensor.from_local(local.reshape(-1), self.mesh, self.flat_placements, run_check=False,
+                                  shape=(math.prod(self.shape),), stride=(1,))
+
+    def hold_shard(self, shard: torch.Tensor) -> None:
+        """Make ``shard`` (a plain flat tensor) this rank's shard, and ``opt`` its DTensor."""
+        self.shard = shard
+        self.opt = nn.Parameter(self.flat_dtensor(shard))
+        self.gathered_version = self.version()
+
+    def version(self) -> tuple[int, int]:
+        """The shard's version: an in-place change through the parameter moves it on."""
+        return self.opt._version, local_of(self.opt)._version
 
     # gradient reduction: all-reduce the axes the storage does not shard, then reduce-scatter
     # over the storage axes (``problem/storage.py``'s sync_calls prices exactly this).
@@ -305,16 +340,23 @@ class ParamStore:
         src = tuple(p if a in self.axes else REPLICATE for a, p in enumerate(self.flat_partial))
         return reshard_local(flat, (self.numel,), self.mesh, src, self.flat_sharded)
 
-    def _accumulate(self, g: torch.Tensor) -> None:
-        self.opt.grad = g if self.opt.grad is None else self.opt.grad.add_(g)
+    @torch.no_grad()
+    def accumulate(self, g: torch.Tensor) -> None:
+        """Add ``g`` (this rank's reduced flat gradient) to the shard's gradient (cast to the
+        shard's dtype: an fp32 master's gradient is fp32, as autograd casts it)."""
+        g = g.to(self.opt.dtype)
+        if self.opt.grad is None:
+            self.opt.grad = self.flat_dtensor(g)
+        else:
+            local_of(self.opt.grad).add_(g.reshape(-1))
         if self.on_gradient is not None:
-            self.on_gradient(self.opt.grad)
+            self.on_gradient(local_of(self.opt.grad))
 
     def _reduce_now(self) -> None:
         g = self.param.grad
         self.param.grad = None
         local = torch.zeros(self.local_shape, device=self.param.device, dtype=self.param.dtype) if g is None else (g.to_local() if isinstance(g, DTensor) else g)
-        self._accumulate(self._reduce(local))
+        self.accumulate(self._reduce(local))
 
     def _gradient_arrived(self) -> None:
         """A backward's gradient is in the compute weight's ``.grad`` (stages 0 to 2): stage 2
@@ -333,46 +375,42 @@ class ParamStore:
             self._reduce_now()
 
     def is_updated(self) -> bool:
-        """Whether the shard changed since its compute weight was gathered (stages 1 and 2)."""
-        return self.stage in (1, 2) and self.opt._version != self.gathered_version
+        """Whether the shard changed through its parameter since its compute weight was
+        gathered (stages 1 and 2). (An optimizer's ``foreach`` update of a DTensor moves no
+        version on: its step hook gathers regardless, ``gather_updated(force=True)``.)"""
+        return self.stage in (1, 2) and self.version() != self.gathered_version
 
     @torch.no_grad()
-    def gather_updated(self) -> None:
+    def gather_updated(self, force: bool = False) -> None:
         """Stages 1 and 2: gather the updated shards back into the compute weight, if the shard
-        changed since the last gather."""
-        if self.is_updated():
-            full = reshard_local(self.opt.detach(), (self.numel,), self.mesh, self.flat_sharded,
+        changed since the last gather (or ``force``)."""
+        if self.stage in (1, 2) and (force or self.is_updated()):
+            full = reshard_local(self.shard.detach(), (self.numel,), self.mesh, self.flat_sharded,
                                  tuple(REPLICATE for _ in self.flat_sharded), reverse=True)
             self.param.to_local().view(-1).copy_(full)
-            self.gathered_version = self.opt._version
+            self.gathered_version = self.version()
 
     def after_step(self) -> None:
         """What an optimizer step hook does for this parameter (:meth:`gather_updated`)."""
         self.gather_updated()
 
-    def copies(self) -> int:
-        """How many ranks hold each element of this rank's optimizer shard."""
-        stored = self.axes if self.stage >= 1 else ()
-        return math.prod(self.mesh.size(a) for a, p in enumerate(self.compute)
-                         if not isinstance(p, Shard) and a not in stored)
-
     def gather(self) -> torch.Tensor:
-        full = gather_flat(self.param, self.numel, self.mesh, self.axes, self.flat_sharded, self.compute_dtype)
+        full = gather_flat(self.shard, self.numel, self.mesh, self.axes, self.flat_sharded, self.compute_dtype)
         return full.view(self.local_shape)
 
     def weight(self) -> tuple[torch.Tensor, Callable | None]:
         """The local compute weight for one use, and (stage 3) how to gather it again."""
         if self.stage < 3:
             return self.param.to_local(grad_placements=to_torch(self.grad)), None
-        return _GatherForUse.apply(self.param, self), self.gather
+        return _GatherForUse.apply(self.anchor, self), self.gather
 
 
 class _GatherForUse(torch.autograd.Function):
     """ZeRO-3: gather the weight for one use; backward reduces the gradient of all uses of
-    this micro-batch once, straight into the shard."""
+    this micro-batch once, straight into the shard's gradient (``ParamStore.accumulate``)."""
 
     @staticmethod
-    def forward(ctx, shard, store: ParamStore):
+    def forward(ctx, anchor, store: ParamStore):
         ctx.store = store
         store.outstanding += 1
         return store.gather()
@@ -385,7 +423,8 @@ class _GatherForUse(torch.autograd.Function):
         if store.outstanding:
             return None, None
         g, store.pending = store.pending, None
-        return store._reduce(g), None
+        store.accumulate(store._reduce(g))
+        return None, None
 
 
 class GatherUnit:
@@ -398,7 +437,11 @@ class GatherUnit:
     after the last. The members' gradients wait until every use's backward has run, are
     copied into one flat buffer, all-reduced over the axes where they are partial sums and
     not stored (per run of members alike), and reduce-scattered once into the shard
-    (``problem.LayerUnit`` prices these steps)."""
+    (``problem.LayerUnit`` prices these steps).
+
+    As FSDP2 does, the optimizer sees each member as a parameter of its own: the part of this
+    rank's flat shard that lies in the member (maybe empty), a 1-D DTensor of the member's
+    size (``ParamStore.opt``), its gradient a view of the unit's reduced gradient."""
 
     def __init__(self, stores: list[ParamStore], mesh: DeviceMesh, shard_dtype: torch.dtype | None = None):
         self.stores, self.mesh = stores, mesh
@@ -421,11 +464,11 @@ class GatherUnit:
         lo, n = _flat_range(self.numel, self.axes, mesh, coords)
         flat = torch.cat([store.local for store in stores])
         self.compute_dtype = flat.dtype
-        self.param = nn.Parameter(flat[lo:lo + n].to(shard_dtype or flat.dtype, copy=True))
-        self.opt = self.param
+        self.shard = flat[lo:lo + n].to(shard_dtype or flat.dtype, copy=True)
         del flat
-        for k, store in enumerate(stores):
+        for k, (store, (begin, end)) in enumerate(zip(stores, self.member_pieces())):
             store.unit, store.unit_index, store.local = self, k, None
+            store.hold_shard(self.shard[begin:end])
         self.uses = sum(store.uses for store in stores)  # member uses per forward pass
         self.forward_flat: torch.Tensor | None = None
         self.left = 0
@@ -434,7 +477,7 @@ class GatherUnit:
         self.regather = _UnitRegather(self)
 
     def gather(self) -> torch.Tensor:
-        return gather_flat(self.param, self.numel, self.mesh, self.axes, self.flat_sharded, self.compute_dtype)
+        return gather_flat(self.shard, self.numel, self.mesh, self.axes, self.flat_sharded, self.compute_dtype)
 
     def member(self, flat: torch.Tensor, k: int) -> torch.Tensor:
         store = self.stores[k]
@@ -448,24 +491,28 @@ class GatherUnit:
         self.left -= 1
         if not self.left:  # the last use: the op's arguments hold the buffer until it returns
             self.forward_flat = None
-        return _UnitUse.apply(self.param, self, k, flat), self.regather
+        return _UnitUse.apply(self.stores[k].anchor, self, k, flat), self.regather
 
     def piece_range(self) -> tuple[int, int]:
         """Where this rank's shard lies in the unit's flat buffer."""
         lo, n = _flat_range(self.numel, self.axes, self.mesh, self.mesh.get_coordinate() or [0] * self.mesh.ndim)
         return lo, lo + n
 
-    def gradient_pieces(self) -> list[tuple[torch.Tensor, int]]:
-        """This rank's shard of the unit's gradient cut at its members' bounds, each piece with
-        how many ranks hold a copy of it (members differ in the axes that split them)."""
+    def member_pieces(self) -> list[tuple[int, int]]:
+        """Each member's part of this rank's shard: its range there (empty where none)."""
         lo, hi = self.piece_range()
-        grad = self.param.grad.reshape(-1)
-        pieces = []
+        out = []
         for store, start in zip(self.stores, self.offsets):
-            begin, end = max(lo, start), min(hi, start + store.numel)
-            if begin < end:
-                pieces.append((grad[begin - lo:end - lo], store.copies()))
-        return pieces
+            begin = min(max(lo, start), hi) - lo
+            out.append((begin, max(begin, min(hi, start + store.numel) - lo)))
+        return out
+
+    def accumulate(self, reduced: torch.Tensor) -> None:
+        """This rank's shard of the unit's reduced gradient into the members' gradients
+        (views of it, the first time)."""
+        reduced = reduced.to(self.shard.dtype)
+        for store, (begin, end) in zip(self.stores, self.member_pieces()):
+            store.accumulate(reduced[begin:end])
 
     def reduce(self) -> torch.Tensor:
         """The members' summed gradients as this rank's shard of the unit's gradient."""
@@ -517,7 +564,7 @@ class _UnitUse(torch.autograd.Function):
     """One use of a unit member's weight; the last use's backward reduces the whole unit."""
 
     @staticmethod
-    def forward(ctx, shard, unit: GatherUnit, k: int, flat: torch.Tensor):
+    def forward(ctx, anchor, unit: GatherUnit, k: int, flat: torch.Tensor):
         ctx.unit, ctx.k = unit, k
         unit.outstanding += 1
         return unit.member(flat, k)
@@ -527,9 +574,9 @@ class _UnitUse(torch.autograd.Function):
         unit, k = ctx.unit, ctx.k
         unit.pending[k] = grad if k not in unit.pending else unit.pending[k].add_(grad)
         unit.outstanding -= 1
-        if unit.outstanding:
-            return None, None, None, None
-        return unit.reduce(), None, None, None
+        if not unit.outstanding:
+            unit.accumulate(unit.reduce())
+        return None, None, None, None
 
 
 class ShardedGraphModel(nn.Module):
@@ -569,6 +616,7 @@ class ShardedGraphModel(nn.Module):
             in_unit = opt.stage == 3 and name in units
             store = ParamStore(name, full, param_layout(G), grad, opt.stage, opt.axes, device_mesh, uses[name],
                                in_unit, shard_dtype)
+            store.module_shape = tuple(model.module_shape(name))
             self.stores[name] = store
             if in_unit:  # one flat shard per layer, storage axes and reduction over them
                 key = (units[name], opt.axes, tuple(isinstance(grad[a], Partial) for a in opt.axes))
@@ -583,10 +631,10 @@ class ShardedGraphModel(nn.Module):
             for unit in self.units:
                 layer = graph.ops[graph.consumers[unit.stores[0].name][0][0]].layer
                 self.units_of_layer.setdefault(layer, []).append(unit)
-        # The module's parameters are what an optimizer updates: this rank's shards (a stage 0-2
-        # shard shares storage with its DTensor compute weight, ``store.param``).
-        self.weights = nn.ParameterDict({_key(n): s.opt for n, s in self.stores.items() if s.unit is None})
-        self.unit_weights = nn.ParameterList([unit.param for unit in self.units])
+        # The module's parameters are what an optimizer updates: this rank's shards, as 1-D
+        # DTensors (a stage 0-2 shard shares storage with its DTensor compute weight,
+        # ``store.param``; a unit member's with the unit's flat shard).
+        self.weights = nn.ParameterDict({_key(n): s.opt for n, s in self.stores.items()})
         self.requires_gradient_sync = True
         self.local_gradients = False  # stage 0-1 gradients not reduced yet
         self.reduction_queued = False
@@ -763,38 +811,42 @@ class ShardedGraphModel(nn.Module):
                 store.param.grad = None
         self.local_gradients = False
 
-    def gather_updated(self) -> None:
-        """Gather the shards an optimizer updated into the compute weights (ZeRO 1-2)."""
+    def gather_updated(self, held: set[int] = frozenset()) -> None:
+        """Gather the shards updated since their last gather into the compute weights (ZeRO
+        1-2): those changed through their parameters, and those of ids ``held`` (an optimizer's
+        step updates its parameters in place)."""
         for store in self.stores.values():
-            if store.unit is None:
-                store.gather_updated()
+            store.gather_updated(force=id(store.opt) in held)
 
     def after_step(self) -> None:
         """Gather the updated shards (an optimizer's step hook does this by itself)."""
         self.gather_updated()
 
-    def check_optimizer(self, held: set[int]) -> None:
-        """Before a step of an optimizer holding the parameters of ids ``held``: raise if it
-        cannot be right for this model (``loop.check_step``)."""
+    def check_optimizer(self, held: set[int], keeps_masters: bool = False) -> None:
+        """Before a step of an optimizer holding the parameters of ids ``held`` (keeping fp32
+        master weights of low-precision ones or not): raise if it cannot be right for this
+        model (``loop.check_step``)."""
         mine = {id(p) for p in self.parameters()}
         has_gradients = self.local_gradients or any(p.grad is not None for p in self.parameters())
-        loop.check_step(self.source, held, mine, has_gradients, self.local_gradients)
+        low = set()
+        if self.graph.precision.master_bytes and not keeps_masters:
+            low = {id(p) for p in self.parameters() if p.dtype != torch.float32}
+        loop.check_step(self.source, held, mine, has_gradients, self.local_gradients, low)
 
     def after_optimizer_step(self, held: set[int]) -> None:
         """After a step of an optimizer holding the parameters of ids ``held``: if it holds
         this model's, gather the updated shards and move the step count on."""
         if any(id(p) in held for p in self.parameters()):
-            self.gather_updated()
+            self.gather_updated(held)
             self.step += 1
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, foreach: bool | None = None) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the plan's shards: the norm of the whole
-        model's gradients (each element counted once, whichever ranks hold it), the same on
-        every rank; the gradients scaled to at most ``max_norm``. Returns the norm."""
-        total = loop.global_norm(self.gradient_pieces(), norm_type, self.groups, self.device)
-        grads = [p for p in self.parameters() if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach)
-        return total
+        """``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)``: the norm of the whole
+        model's gradients (each element counted once, whichever ranks hold it: the shards are
+        DTensors), the same on every rank, as a plain tensor; the gradients scaled to at most
+        ``max_norm``."""
+        total = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type, foreach=foreach)
+        return total.full_tensor() if isinstance(total, DTensor) else total
 
     def state_dict(self, *args, **kwargs) -> dict[str, DTensor]:
         """Every parameter by the module's own name (``lm_head.weight``): a DTensor of its
@@ -809,27 +861,19 @@ class ShardedGraphModel(nn.Module):
             raise KeyError(f"unexpected keys in the state dict: {', '.join(sorted(unexpected)[:5])}")
         checkpoint.load_model_state_dict(self, state_dict)
 
-    def gradient_pieces(self) -> list[tuple[torch.Tensor, int]]:
-        """This rank's reduced gradients, each with how many ranks hold a copy of it."""
-        pieces = [(s.opt.grad, s.copies()) for s in self.stores.values()
-                  if s.unit is None and s.opt.grad is not None]
-        for unit in self.units:
-            if unit.param.grad is not None:
-                pieces.extend(unit.gradient_pieces())
-        return pieces
-
     @torch.no_grad()
     def full_gradient(self, name: str) -> torch.Tensor:
         """The whole reduced gradient of parameter ``name`` (gathered; for checks)."""
         store = self.stores[name]
         if store.unit is not None:
             unit = store.unit
-            flat = reshard_local(unit.param.grad.detach(), (unit.numel,), self.mesh, unit.flat_sharded,
+            piece = torch.cat([local_of(s.opt.grad).reshape(-1) for s in unit.stores])
+            flat = reshard_local(piece, (unit.numel,), self.mesh, unit.flat_sharded,
                                  tuple(REPLICATE for _ in unit.flat_sharded), reverse=True)
             local = unit.member(flat, store.unit_index)
             return reshard_local(local, store.shape, self.mesh, store.compute,
                                  tuple(REPLICATE for _ in store.compute), reverse=True)
-        g = store.opt.grad.detach()
+        g = local_of(store.opt.grad).detach()
         if store.stage >= 1:
             g = reshard_local(g, (store.numel,), self.mesh, store.flat_sharded,
                               tuple(REPLICATE for _ in store.flat_sharded), reverse=True)

@@ -14,19 +14,21 @@ built over ``sharded.parameters()`` (this rank's shards):
   last micro-batch ends (a callback queued on autograd's engine), unless gradient sync is off;
 - the updated shards of stages 1 and 2 are gathered into the compute weights by a global
   optimizer step hook (:func:`install_optimizer_hooks`), and the model's step count (its
-  dropout masks) moves on; a shard changed by anything else is gathered before the next
-  forward;
+  dropout masks) moves on; a shard changed in place through its parameter otherwise is
+  gathered before the next forward;
 - a step that cannot be right fails at once with one :class:`MemshardError`: an optimizer that
-  holds the unsharded module's parameters, or stepping while gradients wait to be reduced.
+  holds the unsharded module's parameters, stepping while gradients wait to be reduced, or a
+  ``torch.optim`` optimizer over the bf16 shards of a mixed-precision plan (it would update
+  them without fp32 master weights; ``optim.LeanAdam`` keeps them).
 
+The parameters an optimizer sees are DTensors (``executor.ParamStore.opt``), so
+``torch.nn.utils.clip_grad_norm_(sharded.parameters(), ...)`` reduces the norm over the mesh.
 This module also holds the loss summed over the axes that split it (:class:`SumOverAxes`:
-``loss.item()`` is the global loss on every rank) and the global gradient norm over the plan's
-shards (:func:`global_norm`).
+``loss.item()`` is the global loss on every rank).
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Iterable
 
@@ -46,8 +48,9 @@ _HOOKS: list = []  # the two global optimizer hooks, installed once
 
 def register(model) -> None:
     """Let every optimizer step in this process check and update ``model`` (a
-    ``ShardedGraphModel``): its ``check_optimizer(held)`` before, ``after_optimizer_step(held)``
-    after, ``held`` the ids of the optimizer's parameters."""
+    ``ShardedGraphModel``): its ``check_optimizer(held, keeps_masters)`` before,
+    ``after_optimizer_step(held)`` after, ``held`` the ids of the optimizer's parameters and
+    ``keeps_masters`` whether it keeps fp32 master weights of low-precision ones."""
     install_optimizer_hooks()
     _MODELS.add(model)
 
@@ -68,8 +71,9 @@ def _before_step(optimizer, args, kwargs) -> None:
     if not _MODELS:
         return
     held = held_ids(optimizer)
+    keeps_masters = bool(getattr(optimizer, "keeps_master_weights", False))
     for model in list(_MODELS):
-        model.check_optimizer(held)
+        model.check_optimizer(held, keeps_masters)
 
 
 def _after_step(optimizer, args, kwargs) -> None:
@@ -99,18 +103,25 @@ class SourceParameters:
 WRONG_PARAMETERS = ("this optimizer holds the parameters of the unsharded module, which the sharded "
                     "model does not use: build it over the sharded model's, "
                     "e.g. torch.optim.AdamW(sharded.parameters())")
+NO_MASTERS = ("this optimizer would update the bf16 shards of a mixed-precision plan with no fp32 "
+              "master weights, which the plan counts: use memshard.runtime.optim.LeanAdam, which "
+              "keeps them, or plan in fp32 (precision='fp32')")
 UNREDUCED = ("the optimizer steps while gradients wait to be reduced: gradient sync was off for the "
              "last backward; call sharded.set_requires_gradient_sync(True) before the last "
              "micro-batch's backward (or leave sharded.no_sync() before it)")
 
 
 def check_step(source: SourceParameters, held: set[int], mine: set[int], has_gradients: bool,
-               unreduced: bool) -> None:
-    """Raise the one error a step that cannot be right gets (the messages above)."""
+               unreduced: bool, low_precision: set[int] = frozenset()) -> None:
+    """Raise the one error a step that cannot be right gets (the messages above);
+    ``low_precision``: the ids of this model's parameters that lack fp32 master weights
+    under this optimizer."""
     if has_gradients and source.any_held(held):
         raise MemshardError(WRONG_PARAMETERS)
     if unreduced and held & mine:
         raise MemshardError(UNREDUCED)
+    if held & low_precision:
+        raise MemshardError(NO_MASTERS)
 
 
 class SumOverAxes(torch.autograd.Function):
@@ -128,26 +139,3 @@ class SumOverAxes(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
-
-
-@torch.no_grad()
-def global_norm(pieces: list[tuple[torch.Tensor, int]], norm_type: float, groups: tuple,
-                device: torch.device) -> torch.Tensor:
-    """The ``norm_type``-norm of all gradients over the mesh, from this rank's ``pieces``:
-    each a gradient piece and how many ranks hold a copy of it (its replication), so that
-    every element counts once. The same value on every rank (fp32)."""
-    norm_type = float(norm_type)
-    if math.isinf(norm_type):
-        local = torch.zeros((), device=device)
-        for g, _ in pieces:
-            if g.numel():
-                local = torch.maximum(local, g.detach().abs().max().float())
-        for group in groups:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        return local
-    local = torch.zeros((), dtype=torch.float64, device=device)
-    for g, copies in pieces:
-        local += g.detach().float().abs().pow(norm_type).sum().double() / copies
-    for group in groups:
-        dist.all_reduce(local, group=group)
-    return local.pow(1.0 / norm_type).float()

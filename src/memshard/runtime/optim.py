@@ -30,10 +30,16 @@ import math
 
 import torch
 
+from memshard.runtime.reshard import local_of
+
 CHUNK = 1024  # the least chunk of a mixed-precision update (elements)
 
 
 class LeanAdam(torch.optim.Optimizer):
+    """Adam over local tensors (a DTensor parameter's local shard): states of its local size."""
+
+    keeps_master_weights = True  # (``loop.py``: a mixed-precision plan's step is allowed)
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
 
@@ -41,10 +47,11 @@ class LeanAdam(torch.optim.Optimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             workspace = None
-            for p in group["params"]:
-                if p.grad is None:
+            for param in group["params"]:
+                if param.grad is None:
                     continue
-                state = self.state[p]
+                state = self.state[param]
+                p = local_of(param)
                 if not state:
                     state["step"] = 0
                     if p.dtype != torch.float32:
@@ -53,15 +60,16 @@ class LeanAdam(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(master)
                     state["exp_avg_sq"] = torch.zeros_like(master)
                 state["step"] += 1
+                grad = local_of(param.grad)
                 if "master" not in state:
-                    self._update(group, state, p.grad, p, p.grad)
-                    p.grad = None  # its buffer now holds the denominator
+                    self._update(group, state, grad, p, grad)
+                    param.grad = None  # its buffer now holds the denominator
                     continue
                 chunk = max(CHUNK, -(-p.numel() // 256))
                 if workspace is None or workspace.numel() < chunk:
                     workspace = p.new_empty(chunk, dtype=torch.float32)
-                self._update_mixed(group, state, p, workspace)
-                p.grad = None
+                self._update_mixed(group, state, p, grad, workspace)
+                param.grad = None
 
     @staticmethod
     def _update(group, state, g, master, denom_buffer) -> None:
@@ -74,10 +82,10 @@ class LeanAdam(torch.optim.Optimizer):
         denom = denom_buffer.copy_(v).sqrt_().div_(math.sqrt(1 - beta2**t)).add_(group["eps"])
         master.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1**t))
 
-    def _update_mixed(self, group, state, p, workspace) -> None:
+    def _update_mixed(self, group, state, p, grad, workspace) -> None:
         """Chunk by chunk: the bf16 gradient read into the fp32 workspace, the master and the
         moments updated, the master rounded back into the parameter."""
-        flat_p, flat_g = p.detach().view(-1), p.grad.detach().reshape(-1)
+        flat_p, flat_g = p.detach().view(-1), grad.detach().reshape(-1)
         master, m, v = (state[k].view(-1) for k in ("master", "exp_avg", "exp_avg_sq"))
         n = flat_p.numel()
         size = workspace.numel()

@@ -28,6 +28,15 @@ from torch.distributed.tensor import Shard as TorchShard
 from memshard.core.placement import Layout, Partial, Replicate, Shard
 
 
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of a DTensor (the tensor itself, not a view: an in-place change
+    of it is the DTensor's), or ``t``."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
 def to_torch(layout: Layout) -> tuple:
     """memshard placements → DTensor placements."""
     out = []

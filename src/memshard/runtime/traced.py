@@ -257,6 +257,10 @@ class TracedReference:
     def parameter(self, name: str) -> torch.Tensor:
         return self.params[name].reshape(self.graph.tensors[name].shape)
 
+    def module_shape(self, name: str) -> tuple[int, ...]:
+        """The parameter's shape in the module (a state dict's), not the IR's."""
+        return tuple(self.params[name].shape)
+
 
 def _flatten_inputs(ep, args: tuple, kwargs: dict) -> list:
     spec = ep.call_spec.in_spec
