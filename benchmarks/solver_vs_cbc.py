@@ -11,7 +11,7 @@ one thread each:
   producer-layout × consumer-layout pair of each edge, as Alpa and autoparallel build it).
 
 ``--lazy``: the ILP without its reshard rows, as ``memshard plan`` solves first
-(``ilp.solve.solve``); the plan HiGHS finds is then checked to meet M with its reshards (else
+(``search.solve.solve``); the plan HiGHS finds is then checked to meet M with its reshards (else
 that ILP is not the one memshard ends up solving, and the script says so).
 ``--same-objective``: one branch and bound each on the identical model, objective
 (memshard's first-pass blend of peak and step time), gap and start; HiGHS without memshard's
@@ -115,7 +115,7 @@ def pair_formulation(f: Formulation):
 
 def solve_highs(problem, f: Formulation, gap: float, limit: float) -> tuple[float, float, bool, bool]:
     """memshard's search for the least peak (``passes.first_pass``), the cheap bounds
-    it starts from included, and the tie-breaking second pass where ``ilp.solve.solve`` would
+    it starts from included, and the tie-breaking second pass where ``search.solve.solve`` would
     run one: (seconds, peak, whether the plan's evaluated peak is within its M, whether the
     second pass ran)."""
     started = time.perf_counter()
@@ -127,7 +127,7 @@ def solve_highs(problem, f: Formulation, gap: float, limit: float) -> tuple[floa
                             (floor, ref.time_estimate_s / f.time_unit))
     found = first_pass(search, objectives, PassRules(max(gap, TIE_RESOLUTION)), f.replicated_start())
     values = found.values
-    if not found.ties_resolved:  # as ilp.solve.solve: the step time, the peak held within the gap
+    if not found.ties_resolved:  # as search.solve.solve: the step time, the peak held within the gap
         tolerance = max(gap, TIE_RESOLUTION)
         search.add_row(peak, second_pass_cap(found.objective, found.objective * (1 - found.gap), tolerance))
         values = search.minimise(step_time, tolerance, start=values).values

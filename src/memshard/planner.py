@@ -28,14 +28,23 @@ from memshard.problem.pricing import build_problem
 from memshard.problem.recompute import RECOMPUTE_POLICIES
 from memshard.problem.records import ZERO3_UNITS, OpGroup, Problem, Selection
 from memshard.search.coarsen import lower_selection, merge_groups, merged_mesh, solve_merged
-from memshard.search.highs import relative_gap
+from memshard.search.highs import SearchLimits, relative_gap
 from memshard.search.reference import Reference, reference
-from memshard.search.solve import OBJECTIVES, SEARCHES, SolveResult, relaxed_floor, rules_out, solve
-from memshard.search.stages import MEMORY, StageRecord, in_scope
+from memshard.search.solve import (
+    OBJECTIVES,
+    SEARCHES,
+    SearchRequest,
+    SolveResult,
+    relaxed_floor,
+    rules_out,
+    solve,
+)
+from memshard.search.stages import MEMORY, StageRecord, TimeOut, in_scope
 
 MAX_FINITE = sys.float_info.max
 DEFAULT_GAP = 2e-3  # the relative optimality gap a search stops at, unless one is given
 RECOMPUTE_MEMORY_GAP = 0.03  # and the least-memory search with recomputation (``SearchOptions.gap``)
+UNIT_SEARCH = "unit's search"  # the stage of a ZeRO-3 unit's search that found no plan
 
 
 @dataclass(frozen=True)
@@ -49,7 +58,10 @@ class SearchOptions:
     limit and relative gap (``mip_gap``; None: ``gap`` says), how many of the most
     redundant ops the plan lists with advice, and the search (``search``: ``staged``, the
     stages of docs/search.md; ``plain``, one HiGHS branch and bound on the whole formulation,
-    the reference the staged search is checked against: ``search.solve.solve_plain``)."""
+    the reference the staged search is checked against: ``search.solve.solve_plain``).
+    ``time_out``: a test knob (``search.stages.TimeOut``): the stage run at which time runs
+    out, in each search (``SearchLimits.time_out``), or, for the stage "unit's search", at
+    the start or end of the search of the ZeRO-3 unit of that index in ``zero3_units``."""
 
     objective: str = "memory"
     max_step_time_s: float | None = None
@@ -62,6 +74,7 @@ class SearchOptions:
     top: int = 10
     recompute: str = "none"
     search: str = "staged"
+    time_out: TimeOut | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -189,10 +202,14 @@ def _least_memory_of_units(job: Job, options: SearchOptions, start: Plan | None,
                 following = (_NextUnit(pool, job, replace(options, zero3_unit=units[k + 1]), deadline)
                              if k + 1 < len(units) else None)
                 try:
+                    if options.time_out is not None and options.time_out.hits(UNIT_SEARCH, k):
+                        raise SolverTimeLimit(options.time_limit_s)  # (a test knob: time runs out here)
                     result = _search(searched, replace(options, time_limit_s=max(left, 1e-3)), start,
                                      cutoff=best[2] if best else None, figures=figures,
                                      on_formulated=following and following.build,
                                      on_branching=following and following.relax)
+                    if options.time_out is not None and options.time_out.hits(UNIT_SEARCH, k, at_end=True):
+                        deadline = time.perf_counter()  # (a test knob: time runs out as it ends)
                 except Infeasible:  # under a step-time budget: no plan of this unit meets it
                     stages.append(_unit_stage(unit, None, "infeasible"))
                     continue
@@ -230,7 +247,7 @@ def _scope(unit: str) -> str:
 
 def _unit_stage(unit: str, bound: float | None, stopped: str) -> StageRecord:
     """The record of a ZeRO-3 unit's search that found no plan (``bound``: what it proved)."""
-    return StageRecord("unit's search", MEMORY, None, bound, 0.0, stopped, scope=_scope(unit))
+    return StageRecord(UNIT_SEARCH, MEMORY, None, bound, 0.0, stopped, scope=_scope(unit))
 
 
 class _NextUnit:
@@ -274,13 +291,13 @@ def _search(problem: Problem, options: SearchOptions, start: Plan | None, cutoff
     initial = _start_selection(start, problem) if start is not None else None
     o = options
     search = solve if problem.mesh.real is problem.mesh else solve_merged
+    request = SearchRequest(problem, o.objective, max_step_time_s=o.max_step_time_s,
+                            memory_budget_bytes=o.memory_budget, time_limit_s=o.time_limit_s, mip_gap=o.gap,
+                            figures=figures, on_formulated=on_formulated, search=o.search,
+                            limits=SearchLimits(time_out=o.time_out))
     if o.search == "plain":
-        return search(problem, o.objective, max_step_time_s=o.max_step_time_s, memory_budget_bytes=o.memory_budget,
-                      time_limit_s=o.time_limit_s, mip_gap=o.gap, figures=figures, on_formulated=on_formulated,
-                      search="plain")
-    return search(problem, o.objective, max_step_time_s=o.max_step_time_s, memory_budget_bytes=o.memory_budget,
-                  time_limit_s=o.time_limit_s, mip_gap=o.gap, start=initial, cutoff=cutoff, figures=figures,
-                  on_formulated=on_formulated, on_branching=on_branching)
+        return search(request)
+    return search(replace(request, start=initial, cutoff=cutoff, on_branching=on_branching))
 
 
 def _start_selection(start: Plan, problem: Problem) -> Selection | None:
@@ -337,14 +354,15 @@ def explain_infeasible(problem: Problem, options: SearchOptions) -> MemshardErro
     """Say what the least achievable figure is, so the user knows what to ask for."""
     if options.objective == "time":
         budget = options.memory_budget if options.memory_budget is not None else problem.mesh.device_memory_bytes
-        least = _evaluation(problem, solve(problem, "memory", time_limit_s=options.time_limit_s))
+        least = _evaluation(problem, solve(SearchRequest(problem, "memory", time_limit_s=options.time_limit_s)))
         hint = ("; recomputing activations needs less (--recompute auto)"
                 if options.recompute == "none" and problem.graph.num_layers else "")
         return MemshardError(
             f"no plan fits in {format_bytes(budget)} per device: the least any plan needs is "
             f"{format_bytes(least.peak_bytes)} (zero-redundancy bound {format_bytes(least.lower_bound_bytes)}){hint}"
         )
-    fastest = solve(problem, "time", memory_budget_bytes=math.inf, time_limit_s=options.time_limit_s)
+    fastest = solve(SearchRequest(problem, "time", memory_budget_bytes=math.inf,
+                                    time_limit_s=options.time_limit_s))
     return MemshardError(f"no plan runs a step within {format_seconds(options.max_step_time_s)}: "
                          f"the fastest plan takes {format_seconds(_evaluation(problem, fastest).step_time_s)}")
 

@@ -18,7 +18,7 @@ from memshard.problem.evaluate import evaluate
 from memshard.problem.pricing import build_problem
 from memshard.problem.records import MEMSHARD
 from memshard.problem.schedule import Schedule
-from memshard.search.solve import solve
+from memshard.search.solve import SearchRequest, solve
 
 SMALL = dict(num_layers=2, hidden=128, heads=8, vocab=512, ffn=512)
 
@@ -77,7 +77,7 @@ def test_every_baseline_is_in_the_search_space_and_memshard_is_no_worse():
     best = memshard.plan("gpt3-1.3b", "2x4", **shape)  # within the default 0.1% gap
     for b in found:
         direct = evaluate(b.problem, b.selection)
-        forced = solve(b.problem, "memory", fixed=b.selection, mip_gap=0.0)
+        forced = solve(SearchRequest(b.problem, "memory", fixed=b.selection, mip_gap=0.0))
         assert forced.ilp_peak_bytes == pytest.approx(direct.peak_bytes, rel=1e-6), b.name
         assert best.peak_bytes <= direct.peak_bytes * (1 + 1e-3), b.name
 
@@ -146,7 +146,7 @@ def test_a_traced_model_is_laid_out_for_tensor_parallelism_by_its_weights(family
     best = memshard.plan(graph, "2x2").peak_bytes
     for b in found:
         direct = evaluate(b.problem, b.selection)
-        forced = solve(b.problem, "memory", fixed=b.selection, mip_gap=0.0)
+        forced = solve(SearchRequest(b.problem, "memory", fixed=b.selection, mip_gap=0.0))
         assert forced.ilp_peak_bytes == pytest.approx(direct.peak_bytes, rel=1e-6), b.name
         assert best <= direct.peak_bytes * (1 + 1e-3), b.name
 

@@ -21,7 +21,7 @@ from memshard.problem.evaluate import evaluate
 from memshard.problem.memory import CATEGORIES
 from memshard.problem.pricing import build_problem
 from memshard.problem.schedule import peak_layers
-from memshard.search.solve import solve
+from memshard.search.solve import SearchRequest, solve
 
 
 def test_the_peak_layers_are_the_hull_vertices_of_each_class():
@@ -71,7 +71,7 @@ def test_two_classes_price_as_the_exact_problem(model, mesh, name, count):
             for point in (schedule.forward, schedule.backward):
                 live = {k: a.live_bytes[point(by_layer[k][position])] for k in layers}
                 assert max(live.values()) == max(v for k, v in live.items() if k in hull)
-    forced = solve(shared.problem, "memory", fixed=shared.selection, mip_gap=0.0)
+    forced = solve(SearchRequest(shared.problem, "memory", fixed=shared.selection, mip_gap=0.0))
     assert forced.ilp_peak_bytes == pytest.approx(a.peak_bytes, rel=1e-6)
 
 

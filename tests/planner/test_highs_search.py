@@ -31,8 +31,8 @@ from memshard.search.highs import (
 from memshard.search.model import LinearModel, RowTag
 from memshard.search.passes import Objectives, PassRules, first_pass
 from memshard.search.reference import reference
-from memshard.search.solve import relaxed_floor, second_pass_cap, solve
-from memshard.search.stages import MEMORY
+from memshard.search.solve import SearchRequest, relaxed_floor, second_pass_cap, solve
+from memshard.search.stages import MEMORY, TimeOut
 
 NO_BRANCHES = SearchLimits(dive_branches=0)  # a dive that only rounds its relaxation
 
@@ -70,8 +70,8 @@ def test_the_search_within_the_relaxations_support_finds_the_plan_its_rounding_b
     x = relaxation(search)
     assert np.allclose(x[[c for cols in columns for c in cols[:2]]], 0.5)
     with search.relaxing("simplex"):
-        assert search.rounded(x) is None
-        values, value = search.within_support(x, 0.0)
+        assert search.round_relaxation(x) is None
+        values, value = search.search_within_support(x, 0.0)
     assert value == 2.0
     chosen = [int(np.argmax(values[cols])) for cols in columns]
     assert sorted(chosen) == [0, 1, 1]  # option 2 has no share in the relaxation: never taken
@@ -83,7 +83,7 @@ def test_a_dive_whose_rounding_breaks_a_row_has_the_supports_plan_before_any_bra
     model, disjunctions, objective, _ = odd_cycle(5)
     search = HighsSearch(model, time.perf_counter() + 60, disjunctions, NO_BRANCHES)
     search.set_objective(objective)
-    dived = search.dive(0.0, None)
+    dived = search.run_dive(0.0, None)
     assert dived is not None and dived.objective == 4.0 and dived.bound <= 4.0
     support, dive = search.stages.records  # (a stage within another ends first)
     assert support.name == "support search" and support.found == 4.0
@@ -101,19 +101,19 @@ def test_reduced_cost_fixing_pins_only_what_no_better_plan_moves():
     search = HighsSearch(model, time.perf_counter() + 60, disjunctions, SearchLimits(dive_branches=0, pin_gap=1.0))
     search.set_objective(objective)
     x = relaxation(search)
-    dived = search.dive(0.0, None)
+    dived = search.run_dive(0.0, None)
     assert dived.objective == 4.0 and dived.relaxed == pytest.approx(2.5) and dived.bound < 4.0
-    pinned = search.reduced_cost_fixing(dived)
+    pinned = search.run_reduced_cost_fixing(dived)
     assert sorted(pinned.columns.tolist()) == sorted(int(cols[2]) for cols in columns)
     assert np.all(pinned.values == 0.0) and pinned.bound > dived.objective
     (fixing,) = search.stages.named("reduced-cost fixing")
     assert fixing.stopped == "5 columns pinned" and fixing.bound == pinned.bound
-    found = search.branch_and_bound(0.0, dived.values, pinned)
+    found = search.run_branch_and_bound(0.0, dived.values, pinned)
     assert found.objective == pytest.approx(4.0) and found.gap == 0.0
     assert np.allclose(relaxation(search), x)  # every column free again
     assert search.minimise(objective, 0.0).objective == pytest.approx(4.0)  # the same, end to end
     far = HighsSearch(model, time.perf_counter() + 60, disjunctions, SearchLimits(dive_branches=0, pin_gap=0.3))
-    assert far.reduced_cost_fixing(dived) is None  # a dive this far off pins nothing
+    assert far.run_reduced_cost_fixing(dived) is None  # a dive this far off pins nothing
     assert not far.stages.named("reduced-cost fixing")  # (the stage did not run)
 
 
@@ -138,22 +138,22 @@ def test_branch_and_bound_starts_from_the_dives_plan_not_a_worse_start_given():
     assert [stage.name for stage in search.stages.records] == ["support search", "dive", "branch and bound"]
 
 
-def test_the_better_start_is_the_dives_plan_or_the_start_given_completed():
-    """``better_start``: a partial start that costs more than the dive's plan gives way to it;
+def test_the_start_chosen_is_the_dives_plan_or_the_start_given_completed():
+    """``choose_start``: a partial start that costs more than the dive's plan gives way to it;
     one that costs less is completed (its columns as given, the rest solved for) and kept."""
     model, disjunctions, objective, columns = odd_cycle(5)
     search = HighsSearch(model, time.perf_counter() + 60, disjunctions)
     search.set_objective(objective)
     with search.relaxing("simplex"):
-        worse, cost = search.completed(*partial_start(columns, [0, 2, 2, 2, 2]))
+        worse, cost = search.solve_completion(*partial_start(columns, [0, 2, 2, 2, 2]))
     assert cost == pytest.approx(40.0)
     dived = highs_module.Dive(worse, 40.0, 2.5)
     cols, values = partial_start(columns, [0, 1, 1, 1, 1])
-    better = search.better_start((cols, values), dived)
+    better = search.choose_start((cols, values), dived)
     assert value_of(objective, better) == pytest.approx(4.0) and np.allclose(better[cols], values)
     best = highs_module.Dive(better, 4.0, 2.5)
-    assert search.better_start(partial_start(columns, [0, 2, 2, 2, 2]), best) is better
-    assert search.better_start(worse, best) is better  # a full start: the dive had it as incumbent
+    assert search.choose_start(partial_start(columns, [0, 2, 2, 2, 2]), best) is better
+    assert search.choose_start(worse, best) is better  # a full start: the dive had it as incumbent
 
 
 def first_pass_with_lazy_rows(breaks: list[bool]):
@@ -204,12 +204,12 @@ def test_a_search_out_of_time_before_any_plan_returns_the_start_it_was_given():
     problem = build_problem(graph, parse_mesh("8x8"), recompute="auto")
     (start,), _ = baselines(problem, lambda name: name == "megatron-tp8-dp8-sp+full")
     priced = evaluate(problem, start.selection)
-    result = solve(problem, "memory", time_limit_s=0.5, start=start.selection)
+    result = solve(SearchRequest(problem, "memory", time_limit_s=0.5, start=start.selection))
     assert result.status == "time_limit" and result.selection == start.selection
     assert result.ilp_peak_bytes == pytest.approx(priced.peak_bytes)
     assert 0 < result.gap < 1  # against the plan-independent bound: nothing better was proved
     with pytest.raises(SolverTimeLimit):
-        solve(problem, "memory", time_limit_s=0.5, start=start.selection, max_step_time_s=priced.step_time_s / 2)
+        solve(SearchRequest(problem, "memory", time_limit_s=0.5, start=start.selection, max_step_time_s=priced.step_time_s / 2))
 
 
 def test_each_run_gets_the_time_left_on_the_clock_highs_reads():
@@ -237,7 +237,7 @@ def test_each_run_gets_the_time_left_on_the_clock_highs_reads():
     search.limit_time()  # a branch and bound's limit: its own run's
     limit = search.highs.getOptionValue("time_limit")  # (status, value) in some highspy versions
     assert (limit[1] if isinstance(limit, tuple) else limit) <= 60
-    assert search.branch_and_bound(0.0).objective == 11.0
+    assert search.run_branch_and_bound(0.0).objective == 11.0
 
 
 def test_a_branch_and_bound_out_of_time_before_any_bound_proves_nothing():
@@ -247,27 +247,26 @@ def test_a_branch_and_bound_out_of_time_before_any_bound_proves_nothing():
     search = HighsSearch(model, time.perf_counter() + 60, disjunctions)
     search.set_objective(objective)
     with search.relaxing("simplex"):
-        start, cost = search.completed(*partial_start(columns, [0] + [2] * 149))
+        start, cost = search.solve_completion(*partial_start(columns, [0] + [2] * 149))
     search.deadline = time.perf_counter()  # (the least limit HiGHS is given: 1 ms)
-    found = search.branch_and_bound(0.0, start)
+    found = search.run_branch_and_bound(0.0, start)
     assert not np.isfinite(search.highs.getInfo().mip_gap)
     assert found.timed_out and found.objective == pytest.approx(cost) and found.gap == 1.0
 
 
-def test_a_recomputing_search_out_of_time_has_the_peaks_own_bound(monkeypatch):
+def test_a_recomputing_search_out_of_time_has_the_peaks_own_bound():
     """With recomputation the zero-redundancy floor lets every replayable tensor go for free
     (here over 5% below the plan): a least-memory search whose branch and bound runs out of
-    time (made to, here) still has, as its gap, the LP relaxation of the peak alone (solved
-    before the branch and bound), which no plan beats (the recipes of memshard's own search
-    space checked)."""
+    time (made to, here: ``SearchLimits.time_out``) still has, as its gap, the LP relaxation
+    of the peak alone (solved before the branch and bound), which no plan beats (the recipes
+    of memshard's own search space checked)."""
     problem = build_problem(build_graph("gpt3-1.3b", batch=8, seq=1024, num_layers=2, precision="mixed"),
                             parse_mesh("8"), recompute="auto")
-
-    def out_of_time(search, gap, start=None, pinned=None):  # (time made to run out: a fault injected)
-        raise SolverTimeLimit()
-    monkeypatch.setattr(HighsSearch, "branch_and_bound", out_of_time)
-    result = solve(problem, "memory", time_limit_s=60)
+    out_of_time = SearchLimits(time_out=TimeOut("branch and bound"))
+    result = solve(SearchRequest(problem, "memory", time_limit_s=60, limits=out_of_time))
     assert result.status == "time_limit"
+    (branch_and_bound,) = [stage for stage in result.stages if stage.name == "branch and bound"]
+    assert branch_and_bound.stopped == "time limit, no plan"  # the time out where it was asked for
     (beside,) = [stage for stage in result.stages if stage.name == "relaxation beside"]
     assert beside.stopped == "waited for" and beside.bound == pytest.approx(result.ilp_peak_bytes * (1 - result.gap))
     floor_gap = relative_gap(result.ilp_peak_bytes, reference(problem).least_peak_bytes)
@@ -295,7 +294,7 @@ def test_a_least_memory_plan_the_floor_proves_is_found_by_one_dive_without_resha
     problem = build_problem(build_graph("llama3-8b", batch=64, seq=8192), parse_mesh("8x8"), recompute="auto",
                             zero3_unit="layer")
     branched = []
-    result = solve(problem, "memory", time_limit_s=60, on_branching=lambda: branched.append(True))
+    result = solve(SearchRequest(problem, "memory", time_limit_s=60, on_branching=lambda: branched.append(True)))
     assert result.status == "optimal" and result.gap <= 1e-4 and not branched
     # one dive, no branch and bound, no lazy rows added; the relaxation beside stopped, never waited for
     assert stage_names(result) == ["dive", "first pass", "relaxation beside"]
@@ -310,7 +309,7 @@ def test_the_fastest_plan_is_proved_by_the_step_times_relaxation_from_the_blends
     bound proves it only to w·(budget − M); the step time's own relaxation, by primal simplex
     from the blend's basis, proves it without an interior-point run."""
     problem = build_problem(build_graph("llama3-8b", batch=64, seq=8192), parse_mesh("8x8"), recompute="auto")
-    result = solve(problem, "time", memory_budget_bytes=80 * 2**30, time_limit_s=60)
+    result = solve(SearchRequest(problem, "time", memory_budget_bytes=80 * 2**30, time_limit_s=60))
     assert result.status == "optimal" and result.gap <= 2e-3
     relaxations = [stage for stage in result.stages if stage.name == "relaxation"]
     assert relaxations and all(stage.stopped == "solved by primal simplex" for stage in relaxations)  # no IPM
@@ -331,13 +330,13 @@ def test_a_search_given_a_cutoff_its_bound_reaches_finds_no_better_plan():
     problem = build_problem(build_graph("gpt3-1.3b", batch=8, seq=1024, num_layers=2, precision="mixed"),
                             parse_mesh("8"), recompute="auto")
     branched = []
-    plain = solve(problem, "memory", time_limit_s=60, on_branching=lambda: branched.append(True))
+    plain = solve(SearchRequest(problem, "memory", time_limit_s=60, on_branching=lambda: branched.append(True)))
     assert plain.status == "optimal" and 0 < plain.bound <= plain.ilp_peak_bytes
     assert plain.constraints == every_row(problem) and branched == [True]
     assert [stage.stopped for stage in plain.stages if stage.name == "lazy rows"] == ["every reshard row added"]
     floor = reference(problem).least_peak_bytes
     with pytest.raises(NoBetterPlan) as stopped:
-        solve(problem, "memory", time_limit_s=60, cutoff=floor * 1.01)
+        solve(SearchRequest(problem, "memory", time_limit_s=60, cutoff=floor * 1.01))
     assert floor * 1.01 * (1 - 2e-3) <= stopped.value.bound <= plain.bound * (1 + 1e-6)
     assert relaxed_floor(problem, reference(problem), time.perf_counter() + 60) == stopped.value.bound
     assert stopped.value.by == "the search's bound"
@@ -345,9 +344,9 @@ def test_a_search_given_a_cutoff_its_bound_reaches_finds_no_better_plan():
     stop.set()
     assert relaxed_floor(problem, reference(problem), time.perf_counter() + 60, stop=stop) == floor
     with pytest.raises(NoBetterPlan) as at_once:
-        solve(problem, "memory", time_limit_s=60, cutoff=floor * 1.001)
+        solve(SearchRequest(problem, "memory", time_limit_s=60, cutoff=floor * 1.001))
     assert at_once.value.bound == pytest.approx(floor) and at_once.value.by == "the plan-independent floor"
-    above = solve(problem, "memory", time_limit_s=60, cutoff=plain.ilp_peak_bytes * 1.5)
+    above = solve(SearchRequest(problem, "memory", time_limit_s=60, cutoff=plain.ilp_peak_bytes * 1.5))
     assert above.selection == plain.selection
 
 
@@ -362,7 +361,7 @@ def test_a_dives_plan_the_peaks_relaxation_proves_within_the_gap_needs_no_branch
     prove, not to trade memory for time)."""
     problem = build_problem(build_graph("gpt3-1.3b", batch=8, seq=1024, num_layers=2, precision="mixed"),
                             parse_mesh("8"), recompute="auto")
-    result = solve(problem, "memory", time_limit_s=60, mip_gap=0.03)
+    result = solve(SearchRequest(problem, "memory", time_limit_s=60, mip_gap=0.03))
     assert result.status == "optimal" and 2e-3 < result.gap <= 0.03
     names = stage_names(result)
     assert "branch and bound" not in names and names.count("tie-break pass") == 1
@@ -387,7 +386,7 @@ def test_the_tie_break_pass_dives_again():
     tie-break pass dives again, and returns a plan no slower than the first pass's, its peak
     within the cap the first pass's bound sets."""
     problem = build_problem(build_graph("tiny-gpt", batch=4, seq=32), parse_mesh("2x2"))
-    result = solve(problem, "memory", time_limit_s=120)
+    result = solve(SearchRequest(problem, "memory", time_limit_s=120))
     names = stage_names(result)
     assert result.status == "optimal" and names.count("tie-break pass") == 1
     rounds = [k for k, name in enumerate(names) if name == "first pass"]
@@ -402,22 +401,14 @@ def test_the_tie_break_pass_dives_again():
     assert priced.peak_bytes <= second_pass_cap(best, lower, 2e-3) * (1 + 1e-6)
 
 
-def test_a_search_out_of_time_after_its_dives_plan_needed_rows_returns_that_plan(monkeypatch):
+def test_a_search_out_of_time_after_its_dives_plan_needed_rows_returns_that_plan():
     """tiny-gpt on 2x2 (batch 8, gap 5%, as the runtime tests plan it): the first dive's plan
     breaks reshard rows left out, so they are added before any branch and bound; where time
-    then runs out, the search returns that plan, priced, with its gap to the floor (not the
-    infinite gap of no bound)."""
+    then runs out (made to, as the second round of the first pass starts), the search returns
+    that plan, priced, with its gap to the floor (not the infinite gap of no bound)."""
     problem = build_problem(build_graph("tiny-gpt", batch=8), parse_mesh("2x2"))
-    rounds = []
-
-    def out_of_time_after_the_first(search, *args, **kwargs):  # (time made to run out: a fault injected)
-        if rounds:
-            search.deadline = time.perf_counter()
-            raise SolverTimeLimit()
-        rounds.append(first_pass(search, *args, **kwargs))
-        return rounds[-1]
-    monkeypatch.setattr(solve_module, "first_pass", out_of_time_after_the_first)
-    result = solve(problem, "memory", mip_gap=0.05)
+    out_of_time = SearchLimits(time_out=TimeOut("first pass", run=1))
+    result = solve(SearchRequest(problem, "memory", mip_gap=0.05, limits=out_of_time))
     assert result.status == "time_limit"
     rows, breaks, out = [stage for stage in result.stages if stage.name in ("first pass", "lazy rows")]
     assert rows.name == "lazy rows" and rows.stopped.startswith("rows of")  # some points', not every row

@@ -9,11 +9,14 @@ import math
 import pytest
 
 import memshard
+from memshard.api import make_job
 from memshard.core.errors import MemshardError
 from memshard.core.placement import Shard, local_numel, parse_layout
+from memshard.planner import SearchOptions, plan_job
 from memshard.search.highs import relative_gap
 from memshard.search.reference import reference
 from memshard.search.solve import relaxed_floor
+from memshard.search.stages import TimeOut
 
 # A 4-layer GPT small enough that every solve takes a few seconds at most. (On a 2x2 mesh the
 # same model makes HiGHS take from 10 s to past a minute, so these tests use one axis of 4.)
@@ -357,21 +360,14 @@ def _unit_problem(unit: str, **job):
     return build_problem(graph, parse_mesh("8"), zero3_unit=unit, recompute=job["recompute"])
 
 
-def test_a_unit_out_of_time_before_any_plan_leaves_the_other_units_plan_with_its_floor_as_bound(monkeypatch):
-    """Per layer out of time before any plan (its start, if any, a plan of the other unit):
-    the per-op plan stands, and all that is claimed of the per-layer space is its
-    plan-independent floor."""
-    from memshard import planner
-    from memshard.core.errors import SolverTimeLimit
-    solve = planner.solve
-
-    def layer_out_of_time(problem, objective, **options):  # (time made to run out: a fault injected)
-        if problem.zero3_unit == "layer":
-            raise SolverTimeLimit(options["time_limit_s"])
-        return solve(problem, objective, **options)
-    monkeypatch.setattr(planner, "solve", layer_out_of_time)
+def test_a_unit_out_of_time_before_any_plan_leaves_the_other_units_plan_with_its_floor_as_bound():
+    """Per layer out of time before any plan (made to, as its search starts:
+    ``SearchOptions.time_out``; its start, if any, a plan of the other unit): the per-op plan
+    stands, and all that is claimed of the per-layer space is its plan-independent floor."""
     job = dict(batch=16, seq=2048, recompute="full")
-    plan = memshard.plan("gpt3-1.3b", "8", **job)
+    options = SearchOptions(recompute="full", time_out=TimeOut("unit's search", run=0))
+    assert options.zero3_units[0] == "layer"  # (the unit timed out)
+    plan = plan_job(make_job("gpt3-1.3b", "8", batch=16, seq=2048), options)
     per_op = memshard.plan("gpt3-1.3b", "8", zero3_unit="op", **job)
     assert plan.solver.zero3_unit == "op" and plan.peak_bytes == per_op.peak_bytes
     floor = reference(_unit_problem("layer", **job)).least_peak_bytes
@@ -381,33 +377,20 @@ def test_a_unit_out_of_time_before_any_plan_leaves_the_other_units_plan_with_its
     assert plan.solver.gap == pytest.approx(relative_gap(plan.peak_bytes, floor)) and plan.solver.status == "time_limit"
 
 
-def test_the_time_limit_covers_the_searches_of_both_units(monkeypatch):
-    """The time limit is the plan's, not each unit's: the per-layer search gets what is left
-    of it, and where that search leaves nothing (here the planner's clock is moved past the
-    limit as it returns), the per-op unit is not searched. Its bound is then the one computed
-    beside the per-layer search once that one branched (the relaxation a search given a cutoff
-    computes first, ``relaxed_floor``), which here rules the unit out as that search would
-    have (its floor, 4% below the plan, would not)."""
+def test_the_time_limit_covers_the_searches_of_both_units():
+    """The time limit is the plan's, not each unit's: where the per-layer search leaves
+    nothing of it (here time is made to run out as that search ends:
+    ``SearchOptions.time_out``), the per-op unit is not searched. Its bound is then the one
+    computed beside the per-layer search once that one branched (the relaxation a search
+    given a cutoff computes first, ``relaxed_floor``), which here rules the unit out as that
+    search would have (its floor, 4% below the plan, would not)."""
     import time
 
-    from memshard import planner
-    solve, limits, late = planner.solve, [], [0.0]
-
-    class PlannersClock:  # (the searches keep the real one)
-        @staticmethod
-        def perf_counter() -> float:
-            return time.perf_counter() + late[0]
-
-    def layer_takes_all_the_time(problem, objective, **options):  # (the clock moved on: a fault injected)
-        limits.append(options["time_limit_s"])
-        result = solve(problem, objective, **options)
-        late[0] = options["time_limit_s"]
-        return result
-    monkeypatch.setattr(planner, "time", PlannersClock)
-    monkeypatch.setattr(planner, "solve", layer_takes_all_the_time)
     job = dict(batch=16, seq=2048, recompute="full", mip_gap=2e-3)  # (not the 3% default: proved closer)
-    plan = memshard.plan("gpt3-1.3b", "8", time_limit_s=60, **job)
-    assert len(limits) == 1 and 0 < limits[0] <= 60
+    options = SearchOptions(recompute="full", mip_gap=2e-3, time_limit_s=60,
+                            time_out=TimeOut("unit's search", run=0, at_end=True))
+    plan = plan_job(make_job("gpt3-1.3b", "8", batch=16, seq=2048), options)
+    assert plan.solver.time_s <= 60
     searched = {stage.scope for stage in plan.solver.stages if stage.name == "first pass"}
     assert searched == {"ZeRO-3 per layer"}  # the per-op unit not searched
     (op,) = [stage for stage in plan.solver.stages if stage.scope == "ZeRO-3 per op"]

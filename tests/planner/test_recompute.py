@@ -32,7 +32,7 @@ from memshard.problem.recompute import (
 )
 from memshard.problem.records import CACHED
 from memshard.search.formulation import Formulation
-from memshard.search.solve import Solver, solve
+from memshard.search.solve import SearchRequest, Solver, solve
 from tests.unit.test_ilp_pricing import random_plan
 
 
@@ -127,7 +127,7 @@ def test_ilp_prices_random_recomputing_plans_as_the_evaluator(model, mesh, unit)
             expected = evaluate(problem, plan).peak_bytes
         except InconsistentPlan:
             continue
-        forced = solve(problem, "memory", fixed=plan, mip_gap=0.0)
+        forced = solve(SearchRequest(problem, "memory", fixed=plan, mip_gap=0.0))
         assert forced.selection == plan
         assert forced.ilp_peak_bytes == pytest.approx(expected, rel=1e-6)
         checked += 1
@@ -248,7 +248,7 @@ def test_recomputing_baselines_are_in_the_search_space_and_memshard_is_no_worse(
         direct = evaluate(b.problem, b.selection)
         assert best.peak_bytes <= direct.peak_bytes * 1.011, b.name
         if b.name in forced_ones:
-            forced = solve(b.problem, "memory", fixed=b.selection, mip_gap=0.0)
+            forced = solve(SearchRequest(b.problem, "memory", fixed=b.selection, mip_gap=0.0))
             assert forced.ilp_peak_bytes == pytest.approx(direct.peak_bytes, rel=1e-6), b.name
     assert forced_ones <= {b.name for b in found}
 
@@ -261,7 +261,7 @@ def test_a_budget_the_unsplit_plan_breaks_starts_from_the_least_memory_relaxatio
     f = Formulation(problem)
     f.add_plan_constraints(problem.candidate_points)
     budget = 0.5 * evaluate(problem, f.replicated()).peak_bytes
-    solver = Solver(problem, "time", None, budget, time.perf_counter() + 60)
+    solver = Solver(SearchRequest(problem, "time", memory_budget_bytes=budget), None, time.perf_counter() + 60)
     start = solver.fallback_start()
     assert callable(start)  # made only if the dive finds no plan
     values = start()
@@ -279,10 +279,10 @@ def test_a_step_time_budget_the_unsplit_plan_breaks_starts_from_the_fastest_rela
     problem = build_problem(graph, parse_mesh("8"), recompute="auto")
     f = Formulation(problem)
     f.add_plan_constraints(problem.candidate_points)
-    fastest = solve(problem, "time", memory_budget_bytes=math.inf)
+    fastest = solve(SearchRequest(problem, "time", memory_budget_bytes=math.inf))
     budget = 2 * evaluate(problem, fastest.selection).step_time_s
     assert evaluate(problem, f.replicated()).step_time_s > budget
-    solver = Solver(problem, "memory", budget, None, time.perf_counter() + 60)
+    solver = Solver(SearchRequest(problem, "memory", max_step_time_s=budget), None, time.perf_counter() + 60)
     values = solver.fallback_start()()
     model = solver.formulation.model
     assert not model.violated(values)
@@ -337,5 +337,5 @@ def test_fsdp2s_backward_prefetch_makes_layer_one_a_candidate_peak(policy):
     direct = evaluate(fsdp2.problem, fsdp2.selection)
     assert fsdp2.problem.schedule.describe(direct.peak_point, graph) == "backward layers.1.mlp.proj"
     assert direct.peak_point in fsdp2.problem.candidate_points
-    forced = solve(fsdp2.problem, "memory", fixed=fsdp2.selection, mip_gap=0.0)
+    forced = solve(SearchRequest(fsdp2.problem, "memory", fixed=fsdp2.selection, mip_gap=0.0))
     assert forced.ilp_peak_bytes == pytest.approx(direct.peak_bytes, rel=1e-6)

@@ -17,7 +17,7 @@ from memshard.problem.evaluate import evaluate, slot_peak
 from memshard.problem.pricing import build_problem
 from memshard.search.formulation import Formulation
 from memshard.search.highs import TIE_RESOLUTION, HighsSearch
-from memshard.search.solve import solve
+from memshard.search.solve import SearchRequest, solve
 from tests.bruteforce import count_selections, evaluate_all
 
 SIZES = st.sampled_from([2, 3, 4, 6, 8])
@@ -96,7 +96,7 @@ def test_ilp_matches_brute_force(graph, shape, budget_quantile):
     assert all(slot_peak(problem, selection) <= ev.peak_bytes * (1 + 1e-12) for selection, ev in evals)
     ties = [ev for _, ev in evals if ev.peak_bytes <= min_peak * (1 + 1e-9)]
     min_time_at_min_peak = min(ev.step_time_s for ev in ties)
-    result = solve(problem, "memory", mip_gap=0.0)
+    result = solve(SearchRequest(problem, "memory", mip_gap=0.0))
     got = evaluate(problem, result.selection)
     # exact up to the slack the second (tie-breaking) pass allows on the first objective
     assert abs(got.peak_bytes - min_peak) <= 2 * TIE_RESOLUTION * min_peak
@@ -104,7 +104,7 @@ def test_ilp_matches_brute_force(graph, shape, budget_quantile):
 
     # at a 5% gap the plan is within 5% of the least peak, and the gap reported is no smaller
     # than the plan's real one (the tie-break pass may spend the slack the bound leaves)
-    result = solve(problem, "memory", mip_gap=0.05)
+    result = solve(SearchRequest(problem, "memory", mip_gap=0.05))
     got = evaluate(problem, result.selection)
     assert got.peak_bytes <= min_peak / (1 - 0.05) * (1 + 1e-9)
     assert result.gap >= (got.peak_bytes - min_peak) / got.peak_bytes - 1e-6
@@ -121,7 +121,7 @@ def test_ilp_matches_brute_force(graph, shape, budget_quantile):
     budget = peaks[int(budget_quantile * (len(peaks) - 1))]
     feasible = [ev for _, ev in evals if ev.peak_bytes <= budget]
     min_time = min(ev.step_time_s for ev in feasible)
-    result = solve(problem, "time", memory_budget_bytes=budget, mip_gap=0.0)
+    result = solve(SearchRequest(problem, "time", memory_budget_bytes=budget, mip_gap=0.0))
     got = evaluate(problem, result.selection)
     assert got.peak_bytes <= budget * (1 + 1e-9)
     assert abs(got.step_time_s - min_time) <= 2 * TIE_RESOLUTION * min_time + 1e-12
@@ -130,7 +130,7 @@ def test_ilp_matches_brute_force(graph, shape, budget_quantile):
 
     # at a 5% gap the fastest plan is within 5% and its reported gap is no smaller than its real
     # one (the bound a blend gives under the budget, T ≥ B − w·budget, included)
-    result = solve(problem, "time", memory_budget_bytes=budget, mip_gap=0.05)
+    result = solve(SearchRequest(problem, "time", memory_budget_bytes=budget, mip_gap=0.05))
     got = evaluate(problem, result.selection)
     assert got.peak_bytes <= budget * (1 + 1e-9)
     assert got.step_time_s <= min_time / (1 - 0.05) * (1 + 1e-9) + 1e-12
@@ -138,13 +138,13 @@ def test_ilp_matches_brute_force(graph, shape, budget_quantile):
 
 
 def dive(problem):
-    """``HighsSearch.dive`` on the peak with every row: (its plan's evaluated peak, its bound),
+    """``HighsSearch.run_dive`` on the peak with every row: (its plan's evaluated peak, its bound),
     in bytes, after checking the ILP's M for that plan is its evaluated peak; None if no plan."""
     f = Formulation(problem)
     f.add_plan_constraints(problem.candidate_points)
     search = HighsSearch(f.model, time.perf_counter() + 60, f.disjunctions())
     search.set_objective(f.peak_expression())
-    dived = search.dive(0.0, None)
+    dived = search.run_dive(0.0, None)
     if dived is None:
         return None
     peak = evaluate(problem, f.selection(dived.values)).peak_bytes

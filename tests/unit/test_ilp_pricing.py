@@ -17,7 +17,7 @@ from memshard.models import build_graph
 from memshard.problem.evaluate import evaluate
 from memshard.problem.pricing import build_problem
 from memshard.problem.records import OpGroup, Selection
-from memshard.search.solve import solve
+from memshard.search.solve import SearchRequest, solve
 
 
 @functools.cache
@@ -50,6 +50,6 @@ def random_plan(problem, rng: random.Random) -> Selection:
 def test_ilp_prices_random_plans_as_the_evaluator(model, mesh, shared, seed):
     problem = _problem(model, mesh, shared)
     plan = random_plan(problem, random.Random(seed))
-    forced = solve(problem, "memory", fixed=plan, mip_gap=0.0)
+    forced = solve(SearchRequest(problem, "memory", fixed=plan, mip_gap=0.0))
     assert forced.selection == plan
     assert forced.ilp_peak_bytes == pytest.approx(evaluate(problem, plan).peak_bytes, rel=1e-6)

@@ -9,8 +9,10 @@ planning large meshes on merged axes (``coarsen.py``).
 - ``highs.py``: one minimisation on one HiGHS model (a dive, the support search, reduced-cost
   fixing, branch and bound, relaxations);
 - ``passes.py``: the first pass (the blend, then its proof);
-- ``solve.py``: the stages in order — the relaxation beside the search, the first pass's
-  rounds of lazy reshard rows, the tie-break pass — behind :func:`memshard.search.solve.solve`,
-  and the plain single MIP they are checked against (``solve_plain``);
-- ``stages.py``: the record of the stages run, kept on the result and the plan.
+- ``solve.py``: one request (``SearchRequest``) searched by the stages in order — the
+  relaxation beside the search, then one loop over ``STAGES``: the first pass's rounds of
+  lazy reshard rows, the tie-break pass — behind :func:`memshard.search.solve.solve`, and the
+  plain single MIP they are checked against (``solve_plain``);
+- ``stages.py``: the record of the stages run, kept on the result and the plan, and the test
+  knob that makes time run out at a stage (``TimeOut``).
 """

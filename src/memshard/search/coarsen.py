@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from memshard.core.mesh import Mesh, MeshAxis
 from memshard.problem.records import OpGroup, Problem, Selection
-from memshard.search.solve import SolveResult, solve
+from memshard.search.solve import SearchRequest, SolveResult, solve
 
 
 def merge_groups(mesh: Mesh) -> list[tuple[int, ...]]:
@@ -99,9 +99,10 @@ def _choice_index(group) -> dict:
     return {_choice_key(group, k): k for k in range(len(group.choices))}
 
 
-def solve_merged(coarse: Problem, objective: str, **kwargs) -> SolveResult:
-    """Solve ``coarse``, a problem on merged axes (``merged_mesh``): priced as the real mesh
-    runs it, so its plan meets the same budgets there (``kwargs``: as ``solve``'s)."""
-    result = solve(coarse, objective, **kwargs)
+def solve_merged(request: SearchRequest) -> SolveResult:
+    """Solve ``request``, whose problem is on merged axes (``merged_mesh``): priced as the real
+    mesh runs it, so its plan meets the same budgets there."""
+    result = solve(request)
+    coarse = request.problem
     merged = " and ".join("×".join(p.name for p in axis.parts) for axis in coarse.mesh.axes if axis.parts)
     return replace(result, search_space=f"axes {merged} planned as one")

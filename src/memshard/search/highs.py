@@ -1,15 +1,15 @@
 """The search on one HiGHS model: one minimisation, as stages (``docs/search.md``).
 
-Every minimisation (:meth:`HighsSearch.minimise`) starts with a dive (:meth:`HighsSearch.dive`):
+Every minimisation (:meth:`HighsSearch.minimise`) starts with a dive (:meth:`HighsSearch.run_dive`):
 the LP relaxation by simplex, which on memshard's ILPs is often integral already (the plan,
 proved optimal by its own relaxation), else up to ``SearchLimits.dive_depth`` levels of
 branching on its most fractional disjunctions (a group's choices, a keep flag's two values),
 each branch warm-started from its parent's basis, which proves the plan where the relaxation
 split one or two decisions (a tied embedding's storage between two choices, a keep flag, a
 norm's strategy). Within the dive, the search within the relaxation's support
-(:meth:`HighsSearch.within_support`) gives it a plan where the rounding breaks a row. HiGHS's
+(:meth:`HighsSearch.search_within_support`) gives it a plan where the rounding breaks a row. HiGHS's
 branch and bound runs only where the dive leaves the gap open, from the dive's plan if it had
-no start, with the columns reduced-cost fixing pins (:meth:`HighsSearch.reduced_cost_fixing`).
+no start, with the columns reduced-cost fixing pins (:meth:`HighsSearch.run_reduced_cost_fixing`).
 Each stage appends its record to ``HighsSearch.stages``.
 
 The first pass, which minimises a blend of the two objectives, is ``passes.py``'s.
@@ -35,7 +35,7 @@ import numpy as np
 from memshard.core.errors import Infeasible, MemshardError, SolverTimeLimit
 from memshard.search.formulation import Disjunction, Expression
 from memshard.search.model import LinearModel
-from memshard.search.stages import BLEND, StageLog
+from memshard.search.stages import BLEND, StageLog, TimeOut
 
 # In the first branch and bound, the secondary objective weighs TIE_BREAK of the primary one
 # (at their typical values: the zero-redundancy bound, ZeRO-3's step time).
@@ -65,11 +65,14 @@ RELAXATION_ITERATIONS = 0.5
 class SearchLimits:
     """The counts that bound a search's heuristics (counts, not times: the same input, the
     same plan): a dive's depth and branches (``dive_branches``), and the most a dive's plan
-    may lie above its bound for reduced-cost fixing to run (``pin_gap``)."""
+    may lie above its bound for reduced-cost fixing to run (``pin_gap``); and a test knob,
+    ``time_out`` (``stages.TimeOut``): the stage run at which time runs out (None: none; a
+    stage checks it as it starts, ``HighsSearch.begin_stage``)."""
 
     dive_depth: int = DIVE_DEPTH
     dive_branches: int = DIVE_BRANCHES
     pin_gap: float = PIN_GAP
+    time_out: TimeOut | None = None
 
 
 # Why a minimisation stopped before its proof (``Solution.halted``)
@@ -102,8 +105,9 @@ class Solution:
 
 @dataclass(frozen=True)
 class Dive:
-    """A dive's best integral solution, its objective, and a lower bound on the ILP's; and
-    its root relaxation (objective, solution, reduced costs) for reduced-cost fixing."""
+    """What the stage "dive" returns (:meth:`HighsSearch.run_dive`): its best integral
+    solution, its objective, and a lower bound on the ILP's; and its root relaxation
+    (objective, solution, reduced costs), the input of reduced-cost fixing."""
 
     values: np.ndarray
     objective: float
@@ -115,8 +119,9 @@ class Dive:
 
 @dataclass(frozen=True)
 class Pinned:
-    """Integer columns pinned at values for a branch and bound, and the least objective any
-    plan that moves one of them off has."""
+    """What the stage "reduced-cost fixing" returns, the input of branch and bound: integer
+    columns pinned at values, and the least objective any plan that moves one of them off
+    has."""
 
     columns: np.ndarray
     values: np.ndarray
@@ -124,9 +129,10 @@ class Pinned:
 
 
 @dataclass
-class DiveState:
-    """A dive's gap, its budget (simplex iterations) and what it spent, the best integral
-    solution met and its objective."""
+class DiveProgress:
+    """A dive in progress (its working record, not a stage output): its gap, its budget
+    (simplex iterations) and what it spent, the best integral solution met and its
+    objective."""
 
     gap: float
     effort: float
@@ -236,6 +242,7 @@ class HighsSearch:
         self.disjunctions = disjunctions or []
         self.limits = limits or SearchLimits()
         self.stages = StageLog()  # the record of the stages run
+        self.runs: dict[str, int] = {}  # how many runs of each stage have begun (``begin_stage``)
         self.objective_kind = BLEND  # what the objective set measures (``stages.MEMORY``, …)
         self.dive_again()  # until a dive fails to prove its plan
         self.relaxation_solver: str | None = None  # within ``relaxing``: its LP solver
@@ -271,6 +278,16 @@ class HighsSearch:
 
     def expired(self) -> bool:
         return time.perf_counter() >= self.deadline
+
+    def begin_stage(self, stage: str) -> None:
+        """Count a run of the stage ``stage`` as begun. Where ``SearchLimits.time_out`` names
+        this run, time runs out now: the deadline passes, and :class:`SolverTimeLimit` is
+        raised (a test knob)."""
+        run = self.runs.get(stage, 0)
+        self.runs[stage] = run + 1
+        if self.limits.time_out is not None and self.limits.time_out.hits(stage, run):
+            self.deadline = time.perf_counter()
+            raise SolverTimeLimit()
 
     def dive_again(self) -> None:
         """The next minimisation starts with a dive (where there are disjunctions to branch on)."""
@@ -342,7 +359,7 @@ class HighsSearch:
             incumbent = None
             if isinstance(start, np.ndarray):
                 incumbent = (start, value_of(expr, start))
-            dived = self.dive(gap, incumbent, start if callable(start) else None)
+            dived = self.run_dive(gap, incumbent, start if callable(start) else None)
             if dived is not None and (dive_only or dived_proves(dived, gap)):
                 return Solution(dived.values, dived.objective, relative_gap(dived.objective, dived.bound), False)
             # A model whose relaxation a dive did not settle seldom changes in the next runs
@@ -355,24 +372,24 @@ class HighsSearch:
             if halted is not None:
                 return halted
             self.set_objective(expr, kind)
-        return self.proof(expr, kind, gap, start, dived)
+        return self.prove(expr, kind, gap, start, dived)
 
-    def proof(self, expr: Expression, kind: str, gap: float, start, dived: Dive | None) -> Solution:
+    def prove(self, expr: Expression, kind: str, gap: float, start, dived: Dive | None) -> Solution:
         """Branch and bound on ``expr`` after the dive ``dived`` (None: none, or no plan from
         it), from the better of its plan and ``start`` (as ``minimise`` takes it), with the
         columns reduced-cost fixing pins; out of time with nothing better, the dive's plan."""
         if dived is not None:
             # branch and bound from the better of the dive's plan and the start given (a full
             # start is the dive's incumbent already): the dive's plan is the faster start
-            start = self.better_start(start, dived)
+            start = self.choose_start(start, dived)
         elif callable(start):
             start = start()
             self.set_objective(expr, kind)
-        pinned = self.reduced_cost_fixing(dived) if dived is not None else None
+        pinned = self.run_reduced_cost_fixing(dived) if dived is not None else None
         if pinned is not None:  # (the dive's plan keeps every pin: it is not above itself; a given start may not)
             start = dived.values
         try:
-            found = self.branch_and_bound(gap, start, pinned)
+            found = self.run_branch_and_bound(gap, start, pinned)
         except SolverTimeLimit:
             if dived is None:
                 raise
@@ -383,16 +400,16 @@ class HighsSearch:
                             found is None or found.timed_out)
         return found
 
-    def better_start(self, start, dived: Dive) -> np.ndarray:
+    def choose_start(self, start, dived: Dive) -> np.ndarray:
         """The dive's plan, or ``start`` completed where it is a partial one (columns, values)
         that does better."""
         if not isinstance(start, tuple):
             return dived.values
         with self.relaxing("simplex"):
-            completed = self.completed(*start)
+            completed = self.solve_completion(*start)
         return completed[0] if completed is not None and completed[1] < dived.objective else dived.values
 
-    def made_start(self, make_start: Callable[[], object], basis) -> np.ndarray | None:
+    def make_start_amid_dive(self, make_start: Callable[[], object], basis) -> np.ndarray | None:
         """A start ``make_start`` makes (solving relaxations of its own) amid a dive: the
         objective and the dive's basis set back after; None unless it is a full solution."""
         objective, kind = self.objective, self.objective_kind
@@ -401,7 +418,7 @@ class HighsSearch:
         self.highs.setBasis(basis)
         return made if isinstance(made, np.ndarray) else None
 
-    def reduced_cost_fixing(self, dived: Dive) -> Pinned | None:
+    def run_reduced_cost_fixing(self, dived: Dive) -> Pinned | None:
         """The integer columns the dive's root relaxation pins (reduced-cost fixing): a column
         at a bound there, with reduced cost d, is off that bound only in plans of objective at
         least the relaxation's + |d|; where that is above the dive's plan, no better plan moves
@@ -418,7 +435,7 @@ class HighsSearch:
         return pinned
 
     def pins(self, dived: Dive) -> Pinned | None:
-        """The columns the dive's root relaxation pins (``reduced_cost_fixing``), or None."""
+        """The columns the dive's root relaxation pins (``run_reduced_cost_fixing``), or None."""
         cols = self.integer_columns
         x, d = dived.root[cols], dived.reduced[cols]
         # (a margin for HiGHS's dual feasibility tolerance)
@@ -431,7 +448,7 @@ class HighsSearch:
         return Pinned(cols[pin], np.where(at_lower, self.lower[cols], self.upper[cols])[pin],
                       dived.relaxed + float(np.abs(d[pin]).min()))
 
-    def branch_and_bound(self, gap: float, start=None, pinned: Pinned | None = None) -> Solution:
+    def run_branch_and_bound(self, gap: float, start=None, pinned: Pinned | None = None) -> Solution:
         """HiGHS's branch and bound on the objective set, from ``start`` (until the deadline),
         with the ``pinned`` columns fixed; on a model of at least PRESOLVE_NONZEROS, with
         presolve, which drops them (HiGHS computes the analytic centre of the whole LP at every
@@ -439,7 +456,8 @@ class HighsSearch:
         started = time.perf_counter()
         start_value = value_of(self.objective, start) if isinstance(start, np.ndarray) else None
         try:
-            found = self.pinned_branch_and_bound(gap, start, pinned)
+            self.begin_stage("branch and bound")
+            found = self.run_pinned_branch_and_bound(gap, start, pinned)
         except MemshardError as error:
             stopped = "time limit, no plan" if isinstance(error, SolverTimeLimit) else "no plan"
             self.stages.add("branch and bound", self.objective_kind, started, stopped, start=start_value)
@@ -449,22 +467,22 @@ class HighsSearch:
                         bound=found.objective - found.gap * abs(found.objective), start=start_value)
         return found
 
-    def pinned_branch_and_bound(self, gap: float, start, pinned: Pinned | None) -> Solution:
-        """``branch_and_bound`` (its stage unrecorded)."""
+    def run_pinned_branch_and_bound(self, gap: float, start, pinned: Pinned | None) -> Solution:
+        """``run_branch_and_bound`` (its stage unrecorded)."""
         if pinned is None:
-            return self.run_branch_and_bound(gap, start)
+            return self.run_highs_mip(gap, start)
         highs = self.highs
         columns = pinned.columns.astype(np.int32)
         highs.changeColsBounds(len(columns), columns, pinned.values, pinned.values)
         try:
             with _options(highs, {"presolve": "on" if highs.getNumNz() >= PRESOLVE_NONZEROS else "off"}):
-                found = self.run_branch_and_bound(gap, start)
+                found = self.run_highs_mip(gap, start)
         finally:
             highs.changeColsBounds(len(columns), columns, self.lower[columns], self.upper[columns])
         bound = min(found.objective - found.gap * abs(found.objective), pinned.bound)
         return Solution(found.values, found.objective, relative_gap(found.objective, bound), found.timed_out)
 
-    def run_branch_and_bound(self, gap: float, start=None) -> Solution:
+    def run_highs_mip(self, gap: float, start=None) -> Solution:
         highs = self.highs
         highs.setOptionValue("mip_rel_gap", gap)
         self.limit_time()
@@ -491,7 +509,7 @@ class HighsSearch:
         return Solution(values, objective, relative_gap(objective, bound),
                         status == highspy.HighsModelStatus.kTimeLimit)
 
-    def dive(self, gap: float, incumbent: tuple[np.ndarray, float] | None,
+    def run_dive(self, gap: float, incumbent: tuple[np.ndarray, float] | None,
              make_start: Callable[[], object] | None = None) -> Dive | None:
         """The dive (``dive_below_relaxation``), its stage recorded: why it stopped, whether
         its plan is within ``gap`` of its bound."""
@@ -534,30 +552,30 @@ class HighsSearch:
             x = np.array(solution.col_value)
             if self.integral(x):
                 return Dive(x, relaxed, relaxed)
-            state = DiveState(gap, DIVE_EFFORT * max(info.simplex_iteration_count, 1), *(
+            state = DiveProgress(gap, DIVE_EFFORT * max(info.simplex_iteration_count, 1), *(
                 incumbent if incumbent is not None else (None, math.inf)), max_branches=self.limits.dive_branches)
             basis, reduced = highs.getBasis(), np.array(solution.col_dual)
-            rounded = self.rounded(x)
+            rounded = self.round_relaxation(x)
             if rounded is None or rounded[1] - relaxed > SUPPORT_TRIGGER * abs(rounded[1]):
-                supported = self.within_support(x, gap)
+                supported = self.search_within_support(x, gap)
                 if supported is not None and (rounded is None or supported[1] < rounded[1]):
                     rounded = supported
             if rounded is None and state.best is None and make_start is not None:
                 # the rounding breaks a budget: the plan within it, before branching needs one
-                made = self.made_start(make_start, basis)
+                made = self.make_start_amid_dive(make_start, basis)
                 rounded = None if made is None else (made, value_of(self.objective, made))
             if rounded is not None and rounded[1] < state.value:
                 state.best, state.value = rounded
             highs.setBasis(basis)
             try:
-                bound = self.subtree(state, x, reduced, relaxed, basis, 0)
+                bound = self.branch_below(state, x, reduced, relaxed, basis, 0)
             finally:
                 highs.setOptionValue("objective_bound", highspy.kHighsInf)
             if bound is None or state.best is None:
                 return None
             return Dive(state.best, state.value, min(bound, state.value), relaxed, x, reduced)
 
-    def subtree(self, state: DiveState, x: np.ndarray, reduced: np.ndarray, relaxed: float, basis,
+    def branch_below(self, state: DiveProgress, x: np.ndarray, reduced: np.ndarray, relaxed: float, basis,
                 depth: int) -> float | None:
         """A lower bound on the ILP below a node whose relaxation is ``x`` (objective
         ``relaxed``, reduced costs, ``basis``), branching on its most fractional disjunctions
@@ -581,7 +599,7 @@ class HighsSearch:
                 if branch < cutoff and state.affordable() and not self.expired():
                     highs.changeColBounds(col, at, at)
                     try:
-                        branch = self.branch(state, basis, cutoff, branch, depth)
+                        branch = self.solve_branch(state, basis, cutoff, branch, depth)
                     finally:
                         highs.changeColBounds(col, self.lower[col], self.upper[col])
                 least = min(least, branch)
@@ -590,7 +608,7 @@ class HighsSearch:
                 break
         return bound
 
-    def branch(self, state: DiveState, basis, cutoff: float, fallback: float, depth: int) -> float:
+    def solve_branch(self, state: DiveProgress, basis, cutoff: float, fallback: float, depth: int) -> float:
         """Solve the relaxation as fixed now, from ``basis``, stopped at ``cutoff``; keep its
         solution if integral and better, else branch on below the dive's depth: a lower bound on
         the branch (``fallback`` if none was found)."""
@@ -616,11 +634,11 @@ class HighsSearch:
                 state.best, state.value = x, value
             return value
         if depth + 1 < self.limits.dive_depth and state.affordable():
-            below = self.subtree(state, x, np.array(solution.col_dual), value, highs.getBasis(), depth + 1)
+            below = self.branch_below(state, x, np.array(solution.col_dual), value, highs.getBasis(), depth + 1)
             return max(value, below)
         return value
 
-    def rounded(self, x: np.ndarray) -> tuple[np.ndarray, float] | None:
+    def round_relaxation(self, x: np.ndarray) -> tuple[np.ndarray, float] | None:
         """The relaxation ``x`` rounded: each disjunction fixed at its largest share, the
         continuous columns solved for by the LP under the objective set (inside a relaxing
         context): a plan and its objective, or None where that rounding breaks a row (a link,
@@ -631,9 +649,9 @@ class HighsSearch:
         for d in self.disjunctions:
             col, value = max(d, key=lambda branch: (branch_share(x, branch), -branch[0]))
             at[col] = value
-        return self.completed(columns, np.array([at[col] for col in columns.tolist()]))
+        return self.solve_completion(columns, np.array([at[col] for col in columns.tolist()]))
 
-    def completed(self, columns: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, float] | None:
+    def solve_completion(self, columns: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, float] | None:
         """The integer ``columns`` fixed at ``values``, the others solved for by the LP under
         the objective set (inside a relaxing context): a solution and its objective, or None
         where those values break a row."""
@@ -649,7 +667,7 @@ class HighsSearch:
         finally:
             highs.changeColsBounds(len(columns), columns, self.lower[columns], self.upper[columns])
 
-    def within_support(self, x: np.ndarray, gap: float) -> tuple[np.ndarray, float] | None:
+    def search_within_support(self, x: np.ndarray, gap: float) -> tuple[np.ndarray, float] | None:
         """The best plan among the branches the relaxation ``x`` takes some share of: branch
         and bound (with presolve, which removes the branches fixed away) restricted to them,
         at most SUPPORT_NODES nodes (a count, not a time: the same input, the same plan). Where
@@ -658,13 +676,13 @@ class HighsSearch:
         picks the combination that fits: a plan before branching, often within a few percent
         of the relaxation. None if it finds none."""
         started = time.perf_counter()
-        found = self.search_support(x, gap)
+        found = self.branch_within_support(x, gap)
         self.stages.add("support search", self.objective_kind, started, "plan found" if found else "no plan",
                         found=found[1] if found else None)
         return found
 
-    def search_support(self, x: np.ndarray, gap: float) -> tuple[np.ndarray, float] | None:
-        """``within_support`` (its stage unrecorded)."""
+    def branch_within_support(self, x: np.ndarray, gap: float) -> tuple[np.ndarray, float] | None:
+        """``search_within_support`` (its stage unrecorded)."""
         highs = self.highs
         forbidden = sorted({(col, 1.0 - at) for d in self.disjunctions for col, at in d
                             if branch_share(x, (col, at)) <= INTEGRALITY})
@@ -683,7 +701,7 @@ class HighsSearch:
         finally:
             highs.changeColsBounds(len(columns), columns, self.lower[columns], self.upper[columns])
 
-    def rounded_minimum(self, expr: Expression, kind: str = BLEND) -> np.ndarray | None:
+    def find_rounded_minimum(self, expr: Expression, kind: str = BLEND) -> np.ndarray | None:
         """A plan near the least ``expr`` (``kind``: what it measures): its LP relaxation by
         simplex, rounded (None if that breaks a row or time runs out). The next solve starts
         afresh: from this basis the next objective's relaxation took far longer than from none."""
@@ -693,7 +711,7 @@ class HighsSearch:
             highs.run()
             found = None
             if highs.getModelStatus() == highspy.HighsModelStatus.kOptimal:
-                found = self.rounded(np.array(highs.getSolution().col_value))
+                found = self.round_relaxation(np.array(highs.getSolution().col_value))
             highs.clearSolver()
         self.stages.add("rounded relaxation", kind, started, "plan found" if found else "rounding breaks a row",
                         found=found[1] if found else None)
@@ -703,7 +721,7 @@ class HighsSearch:
         v = x[self.integer_columns]
         return bool(np.all(np.abs(v - np.round(v)) <= INTEGRALITY))
 
-    def relaxation(self, expr: Expression, simplex_first: bool = False, presolve: bool = False,
+    def solve_relaxation(self, expr: Expression, simplex_first: bool = False, presolve: bool = False,
                    kind: str | None = None) -> float | None:
         """The LP relaxation's minimum of ``expr`` (``kind``: what it measures; None if not
         found in time): where ``simplex_first``, by primal simplex from the basis the model has
@@ -712,13 +730,13 @@ class HighsSearch:
         point without crossover, a bound is all that is needed, with ``presolve`` if asked."""
         started = time.perf_counter()
         self.set_objective(expr, kind)
-        bound, solver = self.relaxed_minimum(simplex_first, presolve)
+        bound, solver = self.find_relaxed_minimum(simplex_first, presolve)
         self.stages.add("relaxation", self.objective_kind, started,
                         f"solved by {solver}" if bound is not None else "not solved in time", bound=bound)
         return bound
 
-    def relaxed_minimum(self, simplex_first: bool, presolve: bool) -> tuple[float | None, str]:
-        """``relaxation`` of the objective set: its minimum (None if not found in time), and
+    def find_relaxed_minimum(self, simplex_first: bool, presolve: bool) -> tuple[float | None, str]:
+        """``solve_relaxation`` of the objective set: its minimum (None if not found in time), and
         the LP solver that found it."""
         if simplex_first:
             primal = {"simplex_strategy": 4,  # primal simplex: the basis is primal feasible

@@ -153,7 +153,7 @@ class FirstPass:
             if rules.needs_rows is not None and not blended.timed_out and rules.needs_rows(values):
                 return Solution(values, value, floor_gap, False, False)
             if rules.relaxed_bound is None:
-                bound = search.relaxation(primary, simplex_first=rules.simplex_bound, kind=objectives.kind)
+                bound = search.solve_relaxation(primary, simplex_first=rules.simplex_bound, kind=objectives.kind)
                 if bound is not None:
                     self.floor = max(self.floor, bound)
             self.raise_floor()

@@ -3,12 +3,15 @@
 Objectives: ``memory`` minimises M, then, with M held within the gap of its optimum, the step
 time (ties broken by time); ``time`` minimises T subject to M ≤ budget, then M.
 
-:func:`solve` runs the stages in order: the plan-independent floor against a cutoff (before
-anything is built); the formulation; the relaxation of the peak beside the search
-(:class:`RelaxationBeside`, where the floor is loose); the first pass
-(``passes.first_pass``), round after round until its plan meets every lazy reshard row; and
-the tie-break pass (:meth:`Solver.run_tie_break_pass`) where the first pass could not show its ties
-resolved. Each stage (and each stage within them, ``highs.py``) appends its record to the
+:func:`solve` takes one :class:`SearchRequest` and runs the stages in order: the
+plan-independent floor against a cutoff (before anything is built); the formulation; the
+relaxation of the peak beside the search (:class:`RelaxationBeside`, where the floor is
+loose); then one loop over :data:`STAGES`, each a function from a typed input to an
+:class:`Outcome`: the first pass (:func:`first_pass_rounds`, each round
+``passes.first_pass``), round after round until its plan meets every lazy reshard row; and
+the tie-break pass (:func:`tie_break_pass`) where the first pass could not show its ties
+resolved. The :class:`Solver` holds what the stages share: the formulation, the HiGHS
+search, the objectives, and the pricing of a plan and its lazy rows. Each stage (and each stage within them, ``highs.py``) appends its record to the
 search's :class:`~memshard.search.stages.StageLog`; the result keeps it
 (``SolveResult.stages``). ``search="plain"`` is the reference those stages are checked
 against: one HiGHS branch and bound on the whole formulation (:func:`solve_plain`).
@@ -33,7 +36,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -46,6 +49,7 @@ from memshard.search.highs import (
     TIE_RESOLUTION,
     UNSETTLED,
     HighsSearch,
+    SearchLimits,
     Solution,
     blend_objective,
     relative_gap,
@@ -81,9 +85,9 @@ class SolveResult:
     stages: tuple[StageRecord, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Outcome:
-    """Where the search stands: a solution, its primary objective (model units), its gap,
+    """What a stage of :data:`STAGES` returns, where the search stands: a solution, its primary objective (model units), its gap,
     whether time ran out, whether its ties are resolved, and the best bound of all rounds."""
 
     values: np.ndarray
@@ -97,10 +101,11 @@ class Outcome:
 
 
 @dataclass
-class Rounds:
-    """The first pass's rounds so far: the start of the next (``fallback``), the best bound of
-    all (every round's holds for the whole ILP: it has fewer rows), and an earlier round's
-    plan (over M at some reshard) with its evaluated objective (``previous``)."""
+class RoundsSoFar:
+    """The first pass in progress (its working record, not a stage output): the start of its
+    next round (``fallback``), the best bound of all rounds (every round's holds for the
+    whole ILP: it has fewer rows), and an earlier round's plan (over M at some reshard) with
+    its evaluated objective (``previous``)."""
 
     fallback: object
     lower: float = -math.inf
@@ -135,7 +140,7 @@ class RelaxationBeside:
         self.thread.start()
 
     def solve(self, search: HighsSearch, expr: Expression) -> None:
-        self.result.append(search.relaxation(expr, presolve=True))
+        self.result.append(search.solve_relaxation(expr, presolve=True))
         self.ended = time.perf_counter()
 
     def wait_for_bound(self) -> float:
@@ -160,13 +165,52 @@ class RelaxationBeside:
                                      stopped if bound is not None else f"{stopped}, unsolved")])
 
 
-class Solver:
-    """One solve of ``problem``: its formulation, the HiGHS search on it, and the objectives
-    (``plain``: the whole formulation, no dive, no lazy rows: ``solve_plain``)."""
+@dataclass(frozen=True)
+class SearchRequest:
+    """What :func:`solve` searches: ``problem`` for ``objective`` ("memory" or "time"), within
+    the budgets (``max_step_time_s`` with memory; ``memory_budget_bytes`` with time, None:
+    the device's memory), until ``time_limit_s``, to the relative ``mip_gap``. ``fixed``: a
+    complete plan priced through the ILP instead (every choice pinned), which checks the
+    linearisation against the evaluator. ``start``: a plan of ``problem`` branch and bound
+    starts from (default: every op unsplit); one within the budget guarantees an answer under
+    a time limit (itself, if the search finds none in time). ``cutoff``: the objective (bytes
+    or seconds) a plan found elsewhere reaches: where the search's first bounds show that no
+    plan of ``problem`` is more than the gap below it, :class:`NoBetterPlan` is raised with
+    that bound (in the same units). ``figures``: ``reference(problem)``, if already computed.
+    ``on_formulated``: called once the model is built, before HiGHS solves anything (HiGHS
+    releases the GIL while it solves: work started then on another thread runs beside it).
+    ``on_branching``: called once, where the first pass's dive leaves its gap open (a long
+    search follows). ``search``: "staged" (the stages of ``docs/search.md``), or "plain"
+    (:func:`solve_plain`, which takes no ``fixed``, ``start`` nor ``cutoff``). ``limits``: the
+    counts that bound the search's heuristics, and the test knob ``SearchLimits.time_out``."""
 
-    def __init__(self, problem: Problem, objective: str, max_step_time_s: float | None,
-                 memory_budget_bytes: float | None, deadline: float, fixed: Selection | None = None,
-                 figures: Reference | None = None, plain: bool = False):
+    problem: Problem
+    objective: str = "memory"
+    max_step_time_s: float | None = None
+    memory_budget_bytes: float | None = None
+    time_limit_s: float = 60.0
+    mip_gap: float = 2e-3
+    fixed: Selection | None = None
+    start: Selection | None = None
+    cutoff: float | None = None
+    figures: Reference | None = None
+    on_formulated: Callable[[], None] | None = None
+    on_branching: Callable[[], None] | None = None
+    search: str = "staged"
+    limits: SearchLimits = SearchLimits()
+
+
+class Solver:
+    """One solve of a request: its formulation, the HiGHS search on it, the objectives, and
+    the helpers the stages share (pricing a plan, adding lazy rows); ``plain``: the whole
+    formulation, no dive, no lazy rows (``solve_plain``)."""
+
+    def __init__(self, request: SearchRequest, figures: Reference | None, deadline: float, plain: bool = False):
+        problem, objective, fixed = request.problem, request.objective, None if plain else request.fixed
+        self.request = request
+        # called once, where the first pass's dive leaves its gap open
+        self.on_branching = request.on_branching and functools.cache(request.on_branching)
+        max_step_time_s, memory_budget_bytes = request.max_step_time_s, request.memory_budget_bytes
         self.problem = problem
         self.objective = objective
         self.memory_budget_bytes = memory_budget_bytes if objective == "time" else None
@@ -187,7 +231,8 @@ class Solver:
         formulation.add_budget_constraints(objective, time_expr, max_step_time_s, memory_budget_bytes)
         if fixed is not None:
             formulation.fix(fixed)
-        self.search = HighsSearch(formulation.model, deadline, None if plain else formulation.disjunctions())
+        self.search = HighsSearch(formulation.model, deadline, None if plain else formulation.disjunctions(),
+                                  request.limits)
         self.stages = self.search.stages
         self.set_objectives(objective, time_expr, max_step_time_s)
         self.max_step_time_s = max_step_time_s if objective == "memory" else None
@@ -249,7 +294,7 @@ class Solver:
 
         @functools.cache  # the dive may ask first, then branch and bound
         def within_budget() -> Expression | np.ndarray:
-            found = self.search.rounded_minimum(self.within_budget)
+            found = self.search.find_rounded_minimum(self.within_budget)
             return f.selection_start(replicated) if found is None else found
         return within_budget
 
@@ -267,7 +312,7 @@ class Solver:
         added = "every reshard row added" if points is None else f"rows of {len(points)} reshard points added"
         self.stages.add("lazy rows", self.objective, started, added)
 
-    def priced(self, values: np.ndarray) -> tuple[Evaluation, set[int]]:
+    def price(self, values: np.ndarray) -> tuple[Evaluation, set[int]]:
         """The plan of a solution priced by the evaluator, and the lazy rows it breaks
         (``Formulation.points_over_peak``); the last one remembered (the search may ask first)."""
         if self.last_priced is None or not np.array_equal(self.last_priced[0], values):
@@ -277,13 +322,13 @@ class Solver:
 
     def breaks_lazy_rows(self, values: np.ndarray) -> bool:
         """Whether a solution's plan breaks reshard rows the model lacks."""
-        return bool(self.priced(values)[1])
+        return bool(self.price(values)[1])
 
     def add_rows_broken_by(self, values: np.ndarray) -> tuple[tuple[np.ndarray, float], Expression]:
         """Add the lazy rows a solution's plan breaks; return that plan with its evaluated
         objective (the round's, kept should a later one run out of time), and the start of the
         next round."""
-        evaluation, over = self.priced(values)
+        evaluation, over = self.price(values)
         self.add_reshard_rows(over)
         f = self.formulation
         return (values, self.primary_of(evaluation)), f.selection_start(f.selection(values))
@@ -309,147 +354,18 @@ class Solver:
         best = self.primary_of(evaluation)
         return Outcome(values, best, relative_gap(best, self.floor), True, False, self.floor, evaluation)
 
-    def pass_inputs(self, lower: float, mip_gap: float,
-                    on_branching: Callable[[], None] | None) -> tuple[Objectives, PassRules]:
+    def pass_inputs(self, lower: float) -> tuple[Objectives, PassRules]:
         """What a round of the first pass minimises (its floor raised to ``lower``), and how."""
         objectives = Objectives(self.primary, self.secondary, self.objective, max(self.floor, lower), self.scales,
                                 self.secondary_cap)
-        rules = PassRules(max(mip_gap, TIE_RESOLUTION), cutoff=self.cutoff,
+        rules = PassRules(max(self.request.mip_gap, TIE_RESOLUTION), cutoff=self.cutoff,
                           relaxed_bound=self.relaxed_peak.wait_for_bound if self.relaxed_peak is not None else None,
                           simplex_bound=self.objective == "time", speculative=self.speculative,
-                          on_branching=on_branching, needs_rows=self.breaks_lazy_rows if self.lazy else None)
+                          on_branching=self.on_branching, needs_rows=self.breaks_lazy_rows if self.lazy else None)
         return objectives, rules
 
-    def run_first_pass(self, mip_gap: float, fallback: Expression, time_limit_s: float,
-                   start: Selection | None = None, on_branching: Callable[[], None] | None = None) -> Outcome:
-        """The first pass, round after round until its plan meets every lazy row (each round
-        the stage "first pass"); out of time before any plan, the ``start`` it was given,
-        where that one meets the budgets (``on_branching``: see ``PassRules``)."""
-        rounds = Rounds(fallback)
-        while True:
-            started = time.perf_counter()
-            try:
-                found = first_pass(self.search, *self.pass_inputs(rounds.lower, mip_gap, on_branching),
-                                   rounds.fallback)
-            except Infeasible:
-                self.stages.add("first pass", self.objective, started, "infeasible")
-                raise Infeasible(self.objective) from None
-            except SolverTimeLimit:
-                self.stages.add("first pass", self.objective, started, "time limit, no plan")
-                return self.out_of_time(rounds, start, time_limit_s)
-            outcome, stopped = self.settle_round(found, rounds)
-            if found.halted:  # (the dive's plan that needs rows, as the evaluator prices it)
-                plan = rounds.previous[1] if found.halted == ROWS_NEEDED else None
-            else:
-                plan = found.objective
-            self.stages.add("first pass", self.objective, started, stopped, found=plan,
-                            bound=rounds.lower if math.isfinite(rounds.lower) else None)
-            if outcome is not None:
-                return outcome
-
-    def out_of_time(self, rounds: Rounds, start: Selection | None, time_limit_s: float) -> Outcome:
-        """The first pass out of time before a round's plan: the round before's, else the
-        ``start`` given where it meets the budgets (else :class:`SolverTimeLimit`)."""
-        if rounds.previous is None:
-            given = self.given_start(start)
-            if given is None:
-                raise SolverTimeLimit(time_limit_s) from None
-            return given
-        values, best = rounds.previous
-        return Outcome(values, best, relative_gap(best, rounds.lower), True, False, rounds.lower)
-
-    def settle_round(self, found: Solution, rounds: Rounds) -> tuple[Outcome | None, str]:
-        """What a round of the first pass that found ``found`` leads to: the pass's outcome,
-        or None where another round follows (its rows added, ``rounds`` moved on); and why
-        the round stopped."""
-        if found.halted == UNSETTLED:  # a speculative dive left its gap open: every row, again
-            self.add_reshard_rows(None)
-            return None, "dive unsettled"
-        if found.halted == ROWS_NEEDED:  # the dive's plan breaks lazy rows: those first, then from it
-            (rounds.previous, rounds.fallback), rounds.lower = self.add_rows_broken_by(found.values), max(
-                rounds.lower, self.floor)
-            return None, "dive's plan breaks lazy rows"
-        rounds.lower = max(rounds.lower, found.objective * (1 - found.gap))
-        outcome = Outcome(found.values, found.objective, found.gap, found.timed_out, found.ties_resolved,
-                          rounds.lower, dive_proved=found.dive_proved)
-        done = "time limit" if found.timed_out else "dive proved by the relaxation" if found.dive_proved else "proved"
-        if not self.lazy:
-            return outcome, done
-        outcome.evaluation, over = self.priced(found.values)
-        if not over:
-            return outcome, done
-        if self.speculative and not (found.timed_out or self.search.expired()):
-            self.add_reshard_rows(None)
-            return None, "plan breaks lazy rows"
-        if found.timed_out or self.search.expired():  # out of time: the better plan, priced as it is
-            outcome.best = self.primary_of(outcome.evaluation)
-            if rounds.previous is not None and rounds.previous[1] < outcome.best:
-                (outcome.values, outcome.best), outcome.evaluation = rounds.previous, None
-            outcome.gap = relative_gap(outcome.best, rounds.lower)
-            return outcome, "time limit"
-        # Reshards the plan runs hold more than M allows: again with their rows, from it.
-        rounds.previous, rounds.fallback = self.add_rows_broken_by(found.values)
-        return None, "plan breaks lazy rows"
-
-    def run_tie_break_pass(self, outcome: Outcome, mip_gap: float) -> Outcome:
-        """The tie-break pass (the stage "tie-break pass"): hold the primary objective within
-        the gap of the best bound, minimise the other one. The slack is at least the rows'
-        feasibility tolerance accumulated along the chain of live-byte variables (≈1e-6 of the
-        peak); ties finer than TIE_RESOLUTION of the primary objective are broken by the
-        secondary one. (The first pass's plan meets every row, so its optimum holds with the
-        reshard rows too.)"""
-        started, first = time.perf_counter(), value_of(self.secondary, outcome.values)
-        tolerance = max(mip_gap, TIE_RESOLUTION)
-        # Where the bound is a loose floor's relaxation, the gap is room to prove the plan, not
-        # to trade memory for time (a plan slower than one the gap had ruled out): the cap is
-        # within TIE_SLACK.
-        slack = min(tolerance, TIE_SLACK) if self.relaxed_peak is not None else tolerance
-        self.search.add_row(self.primary, second_pass_cap(outcome.best, outcome.lower, slack))
-        # The secondary objective with the primary one as a small tie-break (TIE_BREAK of it
-        # at the first pass's plan; the cap leaves the primary little room to trade): alone,
-        # its relaxation is so degenerate that simplex takes far longer.
-        start = outcome.values
-        objective = blend_objective(self.secondary, self.primary,
-                                    (value_of(self.secondary, start), value_of(self.primary, start)))[0]
-        # A dive again, though the first pass's may have left its gap open: another objective,
-        # and its reduced costs pin choices for the branch and bound. After a first pass without
-        # branch and bound (``dive_proved``), the dive alone: a branch and bound after it only
-        # proved its plan.
-        self.search.dive_again()
-        try:
-            stopped = self.break_ties(outcome, objective, tolerance)
-        except SolverTimeLimit:
-            stopped = "time limit: the first pass's plan stands"
-        secondary = TIME if self.objective == MEMORY else MEMORY
-        self.stages.add("tie-break pass", secondary, started, stopped, found=value_of(self.secondary, outcome.values),
-                        start=first)
-        return outcome
-
-    def break_ties(self, outcome: Outcome, objective: Expression, tolerance: float) -> str:
-        """Minimise the tie-break pass's ``objective`` from ``outcome``'s plan, round after
-        round of lazy rows, and take its plan into ``outcome`` where it is no worse on the
-        secondary objective and meets every row: why the pass stopped."""
-        f, start = self.formulation, outcome.values
-        while True:
-            second = self.search.minimise(objective, tolerance, start=start, dive_only=outcome.dive_proved, kind=BLEND)
-            if second.halted:
-                return "dive unsettled: the first pass's plan stands"
-            over = f.points_over_peak(second.values) if self.lazy else set()
-            if value_of(self.secondary, second.values) > value_of(self.secondary, outcome.values):
-                return "no better plan: the first pass's plan stands"  # (out of time with a worse one)
-            if not over:
-                outcome.values, outcome.evaluation = second.values, None
-                outcome.timed_out = outcome.timed_out or second.timed_out
-                if outcome.lower > 0:  # the gap of the plan returned, not of the first pass's
-                    outcome.gap = max(outcome.gap, relative_gap(value_of(self.primary, second.values),
-                                                                outcome.lower))
-                return "time limit" if second.timed_out else "proved"
-            if second.timed_out or self.search.expired():
-                return "time limit: the first pass's plan stands"
-            self.add_reshard_rows(over)
-            start = f.selection_start(f.selection(outcome.values))
-
     def result(self, outcome: Outcome, started: float) -> SolveResult:
+        """The search's result from its last stage's ``outcome`` (``started``: when it began)."""
         f = self.formulation
         selection = f.selection(outcome.values)
         return SolveResult(
@@ -468,93 +384,218 @@ class Solver:
         )
 
 
-def solve(
-    problem: Problem,
-    objective: str = "memory",
-    max_step_time_s: float | None = None,
-    memory_budget_bytes: float | None = None,
-    time_limit_s: float = 60.0,
-    mip_gap: float = 2e-3,
-    fixed: Selection | None = None,
-    start: Selection | None = None,
-    cutoff: float | None = None,
-    figures: Reference | None = None,
-    on_formulated: Callable[[], None] | None = None,
-    on_branching: Callable[[], None] | None = None,
-    search: str = "staged",
-) -> SolveResult:
-    """Solve ``problem`` for ``objective``; with ``fixed``, price that complete plan through
-    the ILP instead (every choice pinned), which checks the linearisation against the
-    evaluator. ``start``: a plan of ``problem`` branch and bound starts from (default: every
-    op unsplit); one within the budget guarantees an answer under a time limit (itself, if
-    the search finds none in time). ``cutoff``: the objective (bytes or seconds) a plan found
-    elsewhere reaches: where the search's first bounds show that no plan of ``problem`` is
-    more than the gap below it, :class:`NoBetterPlan` is raised with that bound (in the same
-    units). ``figures``: ``reference(problem)``, if already computed. ``on_formulated``:
-    called once the model is built, before HiGHS solves anything (HiGHS releases the GIL
-    while it solves: work started then on another thread runs beside it). ``on_branching``:
-    called once, where the first pass's dive leaves its gap open (a long search follows).
-    ``search``: "staged" (the stages of ``docs/search.md``), or "plain" (:func:`solve_plain`,
-    which takes no ``fixed``, ``start`` nor ``cutoff``)."""
+@dataclass(frozen=True)
+class FirstPassInput:
+    """The first stage's input: where its first round starts (``fallback``: a start as
+    ``HighsSearch.minimise`` takes it), and the plan the request gave (``start``, or None),
+    which it returns where time runs out before any plan of its own."""
+
+    fallback: object
+    start: Selection | None
+
+
+def first_pass_rounds(solver: Solver, given: FirstPassInput) -> Outcome:
+    """The first pass, round after round until its plan meets every lazy row (each round
+    the stage "first pass", each round of rows the stage "lazy rows"); out of time before any
+    plan, the ``start`` it was given, where that one meets the budgets."""
+    rounds = RoundsSoFar(given.fallback)
+    while True:
+        started = time.perf_counter()
+        try:
+            solver.search.begin_stage("first pass")
+            found = first_pass(solver.search, *solver.pass_inputs(rounds.lower), rounds.fallback)
+        except Infeasible:
+            solver.stages.add("first pass", solver.objective, started, "infeasible")
+            raise Infeasible(solver.objective) from None
+        except SolverTimeLimit:
+            solver.stages.add("first pass", solver.objective, started, "time limit, no plan")
+            return out_of_time(solver, rounds, given.start)
+        outcome, stopped = settle_round(solver, found, rounds)
+        if found.halted:  # (the dive's plan that needs rows, as the evaluator prices it)
+            plan = rounds.previous[1] if found.halted == ROWS_NEEDED else None
+        else:
+            plan = found.objective
+        solver.stages.add("first pass", solver.objective, started, stopped, found=plan,
+                          bound=rounds.lower if math.isfinite(rounds.lower) else None)
+        if outcome is not None:
+            return outcome
+
+
+def out_of_time(solver: Solver, rounds: RoundsSoFar, start: Selection | None) -> Outcome:
+    """The first pass out of time before a round's plan: the round before's, else the
+    ``start`` given where it meets the budgets (else :class:`SolverTimeLimit`)."""
+    if rounds.previous is None:
+        given = solver.given_start(start)
+        if given is None:
+            raise SolverTimeLimit(solver.request.time_limit_s) from None
+        return given
+    values, best = rounds.previous
+    return Outcome(values, best, relative_gap(best, rounds.lower), True, False, rounds.lower)
+
+
+def settle_round(solver: Solver, found: Solution, rounds: RoundsSoFar) -> tuple[Outcome | None, str]:
+    """What a round of the first pass that found ``found`` leads to: the pass's outcome,
+    or None where another round follows (its rows added, ``rounds`` moved on); and why
+    the round stopped."""
+    if found.halted == UNSETTLED:  # a speculative dive left its gap open: every row, again
+        solver.add_reshard_rows(None)
+        return None, "dive unsettled"
+    if found.halted == ROWS_NEEDED:  # the dive's plan breaks lazy rows: those first, then from it
+        (rounds.previous, rounds.fallback), rounds.lower = solver.add_rows_broken_by(found.values), max(
+            rounds.lower, solver.floor)
+        return None, "dive's plan breaks lazy rows"
+    rounds.lower = max(rounds.lower, found.objective * (1 - found.gap))
+    outcome = Outcome(found.values, found.objective, found.gap, found.timed_out, found.ties_resolved,
+                      rounds.lower, dive_proved=found.dive_proved)
+    done = "time limit" if found.timed_out else "dive proved by the relaxation" if found.dive_proved else "proved"
+    if not solver.lazy:
+        return outcome, done
+    evaluation, over = solver.price(found.values)
+    outcome = replace(outcome, evaluation=evaluation)
+    if not over:
+        return outcome, done
+    expired = found.timed_out or solver.search.expired()
+    if solver.speculative and not expired:
+        solver.add_reshard_rows(None)
+        return None, "plan breaks lazy rows"
+    if expired:  # out of time: the better plan, priced as it is
+        values, best = outcome.values, solver.primary_of(evaluation)
+        if rounds.previous is not None and rounds.previous[1] < best:
+            (values, best), evaluation = rounds.previous, None
+        return replace(outcome, values=values, best=best, evaluation=evaluation,
+                       gap=relative_gap(best, rounds.lower)), "time limit"
+    # Reshards the plan runs hold more than M allows: again with their rows, from it.
+    rounds.previous, rounds.fallback = solver.add_rows_broken_by(found.values)
+    return None, "plan breaks lazy rows"
+
+
+def tie_break_pass(solver: Solver, outcome: Outcome) -> Outcome:
+    """The tie-break pass (the stage "tie-break pass"), where the first pass could not show
+    its ties resolved and time is left: hold the primary objective within the gap of the best
+    bound, minimise the other one. The slack is at least the rows' feasibility tolerance
+    accumulated along the chain of live-byte variables (≈1e-6 of the peak); ties finer than
+    TIE_RESOLUTION of the primary objective are broken by the secondary one. (The first
+    pass's plan meets every row, so its optimum holds with the reshard rows too.)"""
+    if outcome.ties_resolved or solver.search.expired():
+        return outcome
+    started, first = time.perf_counter(), value_of(solver.secondary, outcome.values)
+    tolerance = max(solver.request.mip_gap, TIE_RESOLUTION)
+    # Where the bound is a loose floor's relaxation, the gap is room to prove the plan, not
+    # to trade memory for time (a plan slower than one the gap had ruled out): the cap is
+    # within TIE_SLACK.
+    slack = min(tolerance, TIE_SLACK) if solver.relaxed_peak is not None else tolerance
+    solver.search.add_row(solver.primary, second_pass_cap(outcome.best, outcome.lower, slack))
+    # The secondary objective with the primary one as a small tie-break (TIE_BREAK of it
+    # at the first pass's plan; the cap leaves the primary little room to trade): alone,
+    # its relaxation is so degenerate that simplex takes far longer.
+    start = outcome.values
+    objective = blend_objective(solver.secondary, solver.primary,
+                                (value_of(solver.secondary, start), value_of(solver.primary, start)))[0]
+    # A dive again, though the first pass's may have left its gap open: another objective,
+    # and its reduced costs pin choices for the branch and bound. After a first pass without
+    # branch and bound (``dive_proved``), the dive alone: a branch and bound after it only
+    # proved its plan.
+    solver.search.dive_again()
+    try:
+        outcome, stopped = break_ties(solver, outcome, objective, tolerance)
+    except SolverTimeLimit:
+        stopped = "time limit: the first pass's plan stands"
+    secondary = TIME if solver.objective == MEMORY else MEMORY
+    solver.stages.add("tie-break pass", secondary, started, stopped, found=value_of(solver.secondary, outcome.values),
+                      start=first)
+    return outcome
+
+
+def break_ties(solver: Solver, outcome: Outcome, objective: Expression, tolerance: float) -> tuple[Outcome, str]:
+    """Minimise the tie-break pass's ``objective`` from ``outcome``'s plan, round after
+    round of lazy rows: the outcome with its plan where it is no worse on the secondary
+    objective and meets every row (else ``outcome``), and why the pass stopped."""
+    f, start = solver.formulation, outcome.values
+    while True:
+        second = solver.search.minimise(objective, tolerance, start=start, dive_only=outcome.dive_proved, kind=BLEND)
+        if second.halted:
+            return outcome, "dive unsettled: the first pass's plan stands"
+        over = f.points_over_peak(second.values) if solver.lazy else set()
+        if value_of(solver.secondary, second.values) > value_of(solver.secondary, outcome.values):
+            return outcome, "no better plan: the first pass's plan stands"  # (out of time with a worse one)
+        if not over:
+            gap = outcome.gap
+            if outcome.lower > 0:  # the gap of the plan returned, not of the first pass's
+                gap = max(gap, relative_gap(value_of(solver.primary, second.values), outcome.lower))
+            return replace(outcome, values=second.values, evaluation=None, gap=gap,
+                           timed_out=outcome.timed_out or second.timed_out), (
+                "time limit" if second.timed_out else "proved")
+        if second.timed_out or solver.search.expired():
+            return outcome, "time limit: the first pass's plan stands"
+        solver.add_reshard_rows(over)
+        start = f.selection_start(f.selection(outcome.values))
+
+
+# The stages :func:`solve` runs, in order: each takes the one before's output (the first, a
+# FirstPassInput) and returns an Outcome.
+STAGES: tuple[Callable[[Solver, object], Outcome], ...] = (first_pass_rounds, tie_break_pass)
+
+
+def solve(request: SearchRequest) -> SolveResult:
+    """Solve ``request`` (:class:`SearchRequest`): with a cutoff, the plan-independent floor
+    first (it may rule the problem out before anything is built); the formulation; the
+    relaxation beside the search, where the floor is loose; then :data:`STAGES`, in order.
+    With ``request.fixed``, that plan priced through the ILP, no search around it."""
+    problem, objective = request.problem, request.objective
     if objective not in OBJECTIVES:
         raise MemshardError(f"unknown objective {objective!r}; use memory or time")
-    if search not in SEARCHES:
-        raise MemshardError(f"unknown search {search!r}; use {' or '.join(SEARCHES)}")
+    if request.search not in SEARCHES:
+        raise MemshardError(f"unknown search {request.search!r}; use {' or '.join(SEARCHES)}")
     started = time.perf_counter()
-    if figures is None:
-        figures = reference(problem)
-    if search == "plain":
-        return solve_plain(problem, objective, max_step_time_s, memory_budget_bytes, time_limit_s, mip_gap, figures,
-                           on_formulated)
-    if cutoff is not None:  # the plan-independent floor may rule the problem out before it is built
+    figures = request.figures if request.figures is not None else reference(problem)
+    if request.search == "plain":
+        return solve_plain(request, figures)
+    if request.cutoff is not None:  # the plan-independent floor may rule the problem out before it is built
         floor = figures.least_peak_bytes if objective == "memory" else figures.time_floor_s
-        if rules_out(floor, cutoff, mip_gap):
+        if rules_out(floor, request.cutoff, request.mip_gap):
             raise NoBetterPlan(floor, by="the plan-independent floor")
-    solver = Solver(problem, objective, max_step_time_s, memory_budget_bytes, started + time_limit_s, fixed, figures)
+    solver = Solver(request, figures, started + request.time_limit_s)
     f = solver.formulation
     unit = f.bytes_unit if objective == "memory" else f.time_unit
-    if cutoff is not None:
-        solver.cutoff = cutoff / unit
-    if on_formulated is not None:
-        on_formulated()
-    if fixed is not None:  # the one plan the rows allow: its objective, no search around it
+    if request.cutoff is not None:
+        solver.cutoff = request.cutoff / unit
+    if request.on_formulated is not None:
+        request.on_formulated()
+    if request.fixed is not None:  # the one plan the rows allow: its objective, no search around it
         found = solver.search.minimise(solver.primary, TIE_RESOLUTION, kind=objective)
         return solver.result(Outcome(found.values, found.objective, 0.0, found.timed_out, True, found.objective),
                              started)
-    fallback = f.selection_start(start) if start is not None else solver.fallback_start()
+    fallback = f.selection_start(request.start) if request.start is not None else solver.fallback_start()
     solver.start_relaxation_beside()
+    state: object = FirstPassInput(fallback, request.start)
     try:
-        outcome = solver.run_first_pass(mip_gap, fallback, time_limit_s, start,
-                                    on_branching and functools.cache(on_branching))
-        if not outcome.ties_resolved and not solver.search.expired():
-            outcome = solver.run_tie_break_pass(outcome, mip_gap)
+        for stage in STAGES:
+            state = stage(solver, state)
     except NoBetterPlan as e:
         raise NoBetterPlan(e.bound * unit, e.by) from None
     finally:
         if solver.relaxed_peak is not None:
             solver.relaxed_peak.stop()
-    return solver.result(outcome, started)
+    return solver.result(state, started)
 
 
-def solve_plain(problem: Problem, objective: str, max_step_time_s: float | None, memory_budget_bytes: float | None,
-                time_limit_s: float, mip_gap: float, figures: Reference | None = None,
-                on_formulated: Callable[[], None] | None = None) -> SolveResult:
+def solve_plain(request: SearchRequest, figures: Reference | None = None) -> SolveResult:
     """The plain search, the reference the staged one is checked against: one HiGHS branch
     and bound on the whole formulation (every reshard row), minimising the primary objective
     alone to ``mip_gap``: no dive, no lazy rows, no blend, no tie-break pass (so ties in the
     primary objective fall as HiGHS finds them). Slower than the staged search, and its plan
-    may differ where several plans tie; its optimum agrees within the gap."""
+    may differ where several plans tie; its optimum agrees within the gap. It takes no
+    ``fixed``, ``start`` nor ``cutoff``."""
     started = time.perf_counter()
-    solver = Solver(problem, objective, max_step_time_s, memory_budget_bytes, started + time_limit_s,
-                    figures=figures, plain=True)
-    if on_formulated is not None:
-        on_formulated()
+    solver = Solver(request, figures, started + request.time_limit_s, plain=True)
+    if request.on_formulated is not None:
+        request.on_formulated()
     try:
-        found = solver.search.minimise(solver.primary, max(mip_gap, TIE_RESOLUTION), kind=objective)
+        found = solver.search.minimise(solver.primary, max(request.mip_gap, TIE_RESOLUTION), kind=request.objective)
     except Infeasible:
-        raise Infeasible(objective) from None
+        raise Infeasible(request.objective) from None
     except SolverTimeLimit:
-        raise SolverTimeLimit(time_limit_s) from None
+        raise SolverTimeLimit(request.time_limit_s) from None
     lower = found.objective * (1 - found.gap)
     return solver.result(Outcome(found.values, found.objective, found.gap, found.timed_out, True, lower), started)
 
@@ -571,11 +612,11 @@ def relaxed_floor(problem: Problem, figures: Reference, deadline: float, max_ste
     cutoff computes before anything else: the floor, raised where it is loose
     (recomputation) to the LP relaxation of the peak, solved until ``deadline`` or until
     ``stop`` is set (then the floor alone)."""
-    solver = Solver(problem, "memory", max_step_time_s, None, deadline, figures=figures)
+    solver = Solver(SearchRequest(problem, "memory", max_step_time_s), figures, deadline)
     if not solver.loose_floor:
         return figures.least_peak_bytes
     if stop is not None:
         solver.search.stop_on(stop)
-    relaxed = solver.search.relaxation(solver.primary, presolve=True, kind=MEMORY)
+    relaxed = solver.search.solve_relaxation(solver.primary, presolve=True, kind=MEMORY)
     return figures.least_peak_bytes if relaxed is None else max(figures.least_peak_bytes,
                                                                 relaxed * solver.formulation.bytes_unit)

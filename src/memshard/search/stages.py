@@ -6,7 +6,8 @@ reduced-cost fixing, a branch and bound, a relaxation, a round of lazy rows, the
 pass. Each appends one :class:`StageRecord` to the :class:`StageLog` of its search as it ends;
 the log is kept on the search's result (``SolveResult.stages``) and on the plan
 (``SolverSummary.stages``), and ``memshard plan --verbose`` shows it. It changes nothing the
-search does: it is what tests and users read to see what the search did.
+search does: it is what tests and users read to see what the search did. :class:`TimeOut` is
+the test knob that makes time run out at a named stage's run (``docs/search.md``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,22 @@ class StageRecord:
         unit = {MEMORY: bytes_unit, TIME: time_unit}.get(self.objective, 1.0)
         return replace(self, found=_times(self.found, unit), bound=_times(self.bound, unit),
                        start=_times(self.start, unit))
+
+
+@dataclass(frozen=True)
+class TimeOut:
+    """A test knob (``SearchLimits.time_out``, ``SearchOptions.time_out``): time runs out at
+    the ``run``-th run (from 0) of the stage ``stage``, as it starts (or, ``at_end``, as it
+    ends), as though the deadline had passed then. A search never sets it: it lets a test
+    see what a search out of time at that stage returns."""
+
+    stage: str
+    run: int = 0
+    at_end: bool = False
+
+    def hits(self, stage: str, run: int, at_end: bool = False) -> bool:
+        """Whether time runs out at the ``run``-th run of ``stage``, at its start or end."""
+        return (self.stage, self.run, self.at_end) == (stage, run, at_end)
 
 
 def _times(value: float | None, unit: float) -> float | None:
