@@ -41,18 +41,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def clear_dtensor_caches() -> None:
+    """Forget what DTensor cached in this process: a forked rank inherits its parent's caches,
+    filled there by other tests' fake worlds (rank 0 of the same mesh shape), whose shards'
+    offsets are not this rank's."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+
+
+def _fresh_rank(rank: int, worker, *args) -> None:
+    clear_dtensor_caches()
+    worker(rank, *args)
+
+
 def forked_world(worker, world: int, out_dir) -> list[dict]:
     """Run ``worker(rank, world, port, out_dir)`` on ``world`` forked ranks (one OpenMP thread
-    each) and return each rank's ``rank<r>.json`` from ``out_dir``. Forked ranks start in well
-    under a second (spawned ones re-import torch: ~20 s on 2 cores); they inherit this process,
-    which must hold no process group."""
+    each, DTensor's caches cleared) and return each rank's ``rank<r>.json`` from ``out_dir``.
+    Forked ranks start in well under a second (spawned ones re-import torch: ~20 s on 2 cores);
+    they inherit this process, which must hold no process group."""
     assert not dist.is_initialized()
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         for attempt in range(2):
             try:
-                mp.start_processes(worker, args=(world, free_port(), str(out_dir)), nprocs=world, join=True,
+                mp.start_processes(_fresh_rank, args=(worker, world, free_port(), str(out_dir)), nprocs=world, join=True,
                                    start_method="fork")
                 break
             except mp.ProcessExitedException as crash:
@@ -149,7 +165,7 @@ def _world(plans, steps: int, module_factory) -> list[list[dict]]:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, plans, steps, queue, module_factory))
+    procs = [ctx.Process(target=_fresh_rank, args=(r, _worker, world, port, plans, steps, queue, module_factory))
              for r in range(world)]
     for p in procs:
         p.start()
