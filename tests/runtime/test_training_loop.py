@@ -37,7 +37,7 @@ from memshard.plans.plan import runnable
 from memshard.runtime import loop
 from memshard.runtime.executor import GraphModel, make_batch
 from tests.runtime_harness import BATCH, INSPECT_STEP, forked_world
-from tests.runtime_plans import least_memory, saved
+from tests.runtime_plans import fastest, least_memory, saved
 
 STEPS = 3
 WORLD = 4
@@ -53,7 +53,7 @@ class Case:
 
     model: str
     mesh: str
-    strategy: str  # "memory": memshard's least-memory plan (saved), else a baseline
+    strategy: str  # "memory" / "time": memshard's least-memory / fastest plan (saved), else a baseline
     optimizer: str = "adamw"
     clip: bool = False
     micro_batches: int = 1
@@ -67,6 +67,8 @@ CASES = {
     "llama-memshard-1x4-sgd": Case("tiny-llama", "1x4", "memory", "sgd", schedule=True),
     "llama-memshard-4-adam": Case("tiny-llama", "4", "memory", "adam"),
     "llama-memshard-layer-2x2-adamw": Case("tiny-llama", "2x2", "memory", unit="layer"),
+    "llama-memshard-time-1x4-adamw": Case("tiny-llama", "1x4", "time"),
+    "gpt-memshard-full-4-adamw": Case("tiny-gpt", "4", "memory", recompute="full"),
     "llama-zero1-4-adamw": Case("tiny-llama", "4", "zero1"),
     "gpt-zero2-4-sgd": Case("tiny-gpt", "4", "zero2", "sgd"),
     "llama-zero3-2x2-adamw": Case("tiny-llama", "2x2", "zero3-fsdp"),
@@ -89,8 +91,10 @@ MISUSE = "llama-zero1-4-adamw"  # the plan of the misuse and collective counts (
 
 
 def make_plan(case: Case):
-    if case.strategy == "memory":
-        return saved(least_memory(case.model, case.mesh, case.unit))
+    if case.strategy == "memory":  # (searched: memshard's least-memory and fastest plans, saved)
+        return saved(least_memory(case.model, case.mesh, case.unit, recompute=case.recompute))
+    if case.strategy == "time":
+        return saved(fastest(case.model, case.mesh, 1.3, case.unit))
     return runnable(strategy_plan(case.model, case.mesh, case.strategy, batch=BATCH, precision="fp32",
                                   zero3_unit=case.unit, recompute=case.recompute))
 
