@@ -14,7 +14,7 @@ from memshard.baselines.recipes import baselines
 from memshard.core.errors import MemshardError
 from memshard.core.graph import Graph
 from memshard.core.mesh import Mesh
-from memshard.core.quantities import MAX_FACTOR
+from memshard.core.quantities import check_factor
 from memshard.fitting import FitResult, fit_job
 from memshard.job import HFModel, Job, TracedModule, is_module
 from memshard.models import ModelConfig
@@ -116,8 +116,7 @@ def compare(model: Model | Job, mesh: str | Mesh = "2x4", *, time_slack: float =
     ``time_slack`` × the fastest baseline's step time, then every baseline by peak memory.
     ``model`` and the keyword ``arguments`` are what :func:`plan` takes (or a :class:`Job`);
     the objective is memory's, so no objective or budget may be given."""
-    if isinstance(time_slack, bool) or not (isinstance(time_slack, (int, float)) and 1 <= time_slack <= MAX_FACTOR):
-        raise MemshardError(f"the time slack must be a number from 1 to {MAX_FACTOR:,.0f}, got {time_slack!r}")
+    check_factor(time_slack, "the time slack")
     given = sorted(set(arguments) & {"objective", "max_step_time_s", "memory_budget", "start"})
     if given:
         raise MemshardError(f"compare plans for the least memory and within the time slack: give no {', '.join(given)}")

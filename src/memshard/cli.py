@@ -15,6 +15,7 @@ import re
 import sys
 
 from memshard.core.errors import MemshardError
+from memshard.core.quantities import check_bytes, parse_bytes, parse_count, parse_seconds
 
 EXIT_USAGE = 2
 # memshard's model knobs (``job.MODEL_KNOBS``) and their flags; kept here so that
@@ -64,36 +65,29 @@ def _negative_values(argv: list[str]) -> list[str]:
     return out
 
 
-def _positive_int(text: str) -> int:
-    """A count from 1 to ``MAX_COUNT`` (``core/quantities.py``)."""
-    from memshard.core.quantities import parse_count
+def _option_type(parse):
+    """An argparse ``type`` from a parser of ``core/quantities.py``: its range and its one-line
+    MemshardError (argparse prints it as the option's error)."""
+    def read(text: str):
+        try:
+            return parse(text)
+        except MemshardError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
-    try:
-        return parse_count(text)
-    except MemshardError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _seconds(text: str) -> float:
-    """A duration, positive and at most ``MAX_SECONDS`` (``core/quantities.py``)."""
-    from memshard.core.quantities import parse_seconds
-
-    try:
-        return parse_seconds(text)
-    except MemshardError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    read.__name__ = parse.__name__
+    return read
 
 
-def _bytes(text: str) -> int:
-    """A size in bytes, at least one and at most ``MAX_BYTES`` (``core/quantities.py``)."""
-    from memshard.core.quantities import check_bytes, parse_bytes
-
-    try:
-        value = parse_bytes(text)
-        check_bytes(value, "a size")
-    except MemshardError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _size(text: str) -> int:
+    """A size in bytes, at least one and at most ``MAX_BYTES``."""
+    value = parse_bytes(text)
+    check_bytes(value, "a size")
     return value
+
+
+_positive_int = _option_type(parse_count)  # a count from 1 to MAX_COUNT
+_seconds = _option_type(parse_seconds)  # a duration, positive and at most MAX_SECONDS
+_bytes = _option_type(_size)
 
 
 def _floats(text: str) -> tuple[float, ...]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from memshard.baselines.names import parse_strategy
 from memshard.core.errors import Infeasible, MemshardError
 from memshard.core.mesh import MAX_DEVICES
-from memshard.core.quantities import MAX_FACTOR, format_bytes
+from memshard.core.quantities import MAX_COUNT, check_factor, format_bytes
 from memshard.job import HFModel, Job
 from memshard.models import ModelConfig
 from memshard.models.config import MAX_LAYERS, follow_hidden
@@ -52,7 +52,6 @@ from memshard.problem.bounds import peak_lower_bound
 
 KNOBS = ("batch", "seq", "layers", "hidden")  # pushed as far as they fit (--max)
 DEVICES = "devices"  # pulled as low as fits (--min): nodes of the mesh's inner axes
-MAX_VALUE = 1 << 24  # no knob is searched past this (16M sequences, tokens, layers or hidden)
 GROWTH = 64  # one extrapolated probe goes at most this many times further; devices no further
 
 
@@ -89,7 +88,7 @@ class FitResult:
     max_step_time_s: float | None
     answers: tuple[Answer, ...]  # memshard first, then the baselines by largest value
     time_s: float
-    limit: int = MAX_VALUE  # the largest value the model takes (``knob_limit``)
+    limit: int = MAX_COUNT  # the largest value the model takes (``knob_limit``)
     max_slowdown: float | None = None  # every step within this × memshard's fastest fitting plan
 
     def to_dict(self) -> dict:
@@ -144,7 +143,7 @@ def knob_limit(job: Job, knob: str) -> int:
     if knob == DEVICES:
         return min(MAX_DEVICES, GROWTH * job.mesh.num_devices)
     if knob != "seq":
-        return MAX_VALUE
+        return MAX_COUNT
     if isinstance(job.model, HFModel):
         from memshard.trace.hf import load_config, max_positions
 
@@ -152,7 +151,7 @@ def knob_limit(job: Job, knob: str) -> int:
     else:
         cfg = job.config
         limit = None if cfg.family == "llama" else cfg.max_positions
-    return min(limit or MAX_VALUE, MAX_VALUE)
+    return min(limit or MAX_COUNT, MAX_COUNT)
 
 
 def job_at(job: Job, knob: str, value: int) -> Job:
@@ -200,7 +199,7 @@ class KnobSearch:
     extrapolation), ``memory``: the device memory the peaks are held against."""
 
     def __init__(self, strategy: str, probe: Callable[[int], tuple[Probe, Plan | None]], memory: float, step: int,
-                 fixed_bytes: Callable[[Plan], float] | None, limit: int = MAX_VALUE, rising: bool = True):
+                 fixed_bytes: Callable[[Plan], float] | None, limit: int = MAX_COUNT, rising: bool = True):
         self.answer = Answer(strategy)
         self.probe, self.memory, self.step, self.fixed_bytes = probe, memory, step, fixed_bytes
         self.limit, self.rising = _round(limit, step), rising
@@ -300,7 +299,7 @@ class KnobSearch:
 
 
 def _round(value: float, step: int) -> int:
-    return int(min(max(step, value // step * step), MAX_VALUE))
+    return int(min(max(step, value // step * step), MAX_COUNT))
 
 
 # -- probes ------------------------------------------------------------------------------------------
@@ -417,10 +416,7 @@ def fit_job(job: Job, knob: str = "batch", options: SearchOptions | None = None,
     if options.objective != "memory":
         raise MemshardError("fit searches the least memory at each value; bound the step time with --max-step-time")
     if max_slowdown is not None:
-        if (isinstance(max_slowdown, bool) or not isinstance(max_slowdown, (int, float))
-                or not 1 <= max_slowdown <= MAX_FACTOR):
-            raise MemshardError(f"the slowdown bound must be a number from 1 to {MAX_FACTOR:,.0f}, "
-                                f"got {max_slowdown!r}")
+        check_factor(max_slowdown, "the slowdown bound")
         if options.max_step_time_s is not None:
             raise MemshardError("give a step-time budget or a slowdown bound, not both")
     memory = job.mesh.device_memory_bytes

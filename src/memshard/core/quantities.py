@@ -64,6 +64,13 @@ def check_bytes(value: float, what: str) -> None:
         raise MemshardError(f"{what} must be at most {format_bytes(MAX_BYTES)}, got {format_bytes(value)}")
 
 
+def check_factor(value, what: str) -> None:
+    """Refuse a factor on a step time (a slack, a slowdown) that is not a number from 1 to
+    ``MAX_FACTOR`` (``what``: the option, for the message)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= MAX_FACTOR:
+        raise MemshardError(f"{what} must be a number from 1 to {MAX_FACTOR:,.0f}, got {value!r}")
+
+
 def parse_count(text: str, most: int = MAX_COUNT) -> int:
     """A whole number from 1 to ``most``: ``"64"`` → 64; ``"2.5"``, ``"1e3"``, ``"0"`` refused."""
     try:

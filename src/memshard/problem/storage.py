@@ -292,7 +292,7 @@ class StoragePricing:
 
         prec = self.draft.graph.precision
         # memshard's runtime casts a ZeRO-3 shard that is the fp32 master into its place in
-        # the all-gather's bf16 output and gathers there (``executor.gather_flat``, as FSDP2
+        # the all-gather's bf16 output and gathers there (``stores.gather_flat``, as FSDP2
         # does); a shard split unevenly is cast apart, then gathered by reshards
         casting = self.draft.framework == MEMSHARD and prec.shard_bytes != prec.param_bytes
         gathering, scattering, cast = [], [], []

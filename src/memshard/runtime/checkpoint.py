@@ -41,8 +41,6 @@ from memshard.runtime.reshard import as_dtensor, local_of, reshard_local, to_tor
 # -- one parameter's values: this rank's flat piece ⇄ a DTensor of the parameter's shape --------
 def _whole(piece: torch.Tensor, numel: int, mesh, flat_sharded) -> torch.Tensor:
     """The whole flat buffer (a compute shard, or a unit's) from this rank's piece of it."""
-    if all(p == REPLICATE for p in flat_sharded):
-        return piece.reshape(-1)
     return reshard_local(piece.detach().reshape(-1), (numel,), mesh, flat_sharded,
                          tuple(REPLICATE for _ in flat_sharded), reverse=True)
 
@@ -75,7 +73,7 @@ def _local(store, value: torch.Tensor) -> torch.Tensor:
 
 
 def _entries(model) -> list[list]:
-    """Each flat buffer's member stores (``executor.ParamStore``): a parameter's own, or a
+    """Each flat buffer's member stores (``stores.ParamStore``): a parameter's own, or a
     ZeRO-3 layer unit's members in order."""
     out = [[store] for store in model.stores.values() if store.unit is None]
     return out + [list(unit.stores) for unit in model.units]

@@ -8,7 +8,7 @@ After ``memshard.parallelize``, the three lines of any training loop::
 train the plan exactly as one process trains the module, with any ``torch.optim`` optimizer
 built over ``sharded.parameters()`` (this rank's shards):
 
-- the gradient reductions run from the backward itself (``executor.ParamStore``): ZeRO-2
+- the gradient reductions run from the backward itself (``stores.ParamStore``): ZeRO-2
   reduce-scatters each gradient as soon as it is complete, ZeRO-3 reduces in the backward of
   its gather, and stages 0 and 1 reduce their accumulated gradients when the backward of the
   last micro-batch ends (a callback queued on autograd's engine), unless gradient sync is off;
@@ -21,7 +21,7 @@ built over ``sharded.parameters()`` (this rank's shards):
   ``torch.optim`` optimizer over the bf16 shards of a mixed-precision plan (it would update
   them without fp32 master weights; ``optim.LeanAdam`` keeps them).
 
-The parameters an optimizer sees are DTensors (``executor.ParamStore.opt``), so
+The parameters an optimizer sees are DTensors (``stores.ParamStore.opt``), so
 ``torch.nn.utils.clip_grad_norm_(sharded.parameters(), ...)`` reduces the norm over the mesh.
 This module also holds the loss summed over the axes that split it (:class:`SumOverAxes`:
 ``loss.item()`` is the global loss on every rank).
