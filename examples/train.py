@@ -17,6 +17,7 @@ batches stand in for a data loader (the same on every rank, drawn per step).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
@@ -74,9 +75,17 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
-    device = "cuda" if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    train(args, "cuda" if cuda else "cpu")
+    # The mesh, the model and the optimizer are gone now: their process group is destroyed
+    # here, not at interpreter exit (where gloo's threads abort the process).
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def train(args, device: str) -> None:
+    """The loop: plan, shard, train, checkpoint; the losses to ``args.losses``."""
     plan = memshard.plan(memshard.HFModel(args.config), args.mesh, batch=args.batch, seq=args.seq,
                          precision="fp32")
     mesh = init_device_mesh(device, plan.problem.mesh.shape)
@@ -106,7 +115,6 @@ def main(argv=None) -> None:
     if args.losses and dist.get_rank() == 0:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

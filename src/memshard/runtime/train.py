@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import sys
@@ -171,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             from memshard.runtime.report import render_run
 
             render_run([report], Console())
+        # nothing holds the process group now but the registry: it is destroyed here, its
+        # gloo threads joined, not at interpreter exit (where they abort the process)
+        del mesh
+        gc.collect()
         dist.destroy_process_group()
         return 0
     except MemshardError as e:
