@@ -13,10 +13,11 @@ from memshard.baselines.names import Kind, StrategyName, parse_strategy
 from memshard.baselines.recipes import baselines
 from memshard.core.errors import MemshardError
 from memshard.core.graph import Graph
+from memshard.core.hardware import Hardware
 from memshard.core.mesh import Mesh
 from memshard.core.quantities import check_factor
 from memshard.fitting import FitResult, fit_job
-from memshard.job import HFModel, Job, TracedModule, is_module
+from memshard.job import HFModel, Job, TracedModule, as_mesh, is_module
 from memshard.models import ModelConfig
 from memshard.planner import (
     SearchOptions,
@@ -34,9 +35,11 @@ SEARCH_FIELDS = frozenset(f.name for f in fields(SearchOptions))
 
 
 def make_job(model, mesh: str | Mesh, *, example_inputs=None, batch: int | None = None, seq: int | None = None,
-             micro_batches: int = 1, **overrides) -> Job:
-    """The job the API's arguments describe (``overrides``: model knobs and ``precision``)."""
+             micro_batches: int = 1, gpu: str | Hardware | None = None, **overrides) -> Job:
+    """The job the API's arguments describe (``overrides``: model knobs and ``precision``;
+    ``gpu``: a preset's name, ``memshard.PRESETS``, or a ``Hardware`` record)."""
     precision = overrides.pop("precision", None)
+    mesh = as_mesh(mesh, gpu)
     if is_module(model):
         model = TracedModule(model, example_inputs)
     elif example_inputs is not None:

@@ -37,7 +37,7 @@ FIT_KNOBS = ("batch", "seq", "layers", "hidden")  # ``fit.KNOBS`` (a test checks
 SEARCH_DESTS = ("objective", "max_step_time", "memory_budget", "zero3_unit", "recompute", "exact", "full_mesh",
                 "time_limit", "gap")
 JOB_DESTS = ("model", "hf_config", "hf_model", "attn_implementation", "mesh", "batch", "seq", "micro_batches",
-             "precision", *KNOB_FLAGS, "axis_names", "bandwidth", "latency", "device_memory", "peak_tflops",
+             "precision", *KNOB_FLAGS, "gpu", "hardware", "axis_names", "bandwidth", "latency", "device_memory", "peak_tflops",
              "efficiency")
 
 
@@ -107,7 +107,7 @@ def add_job_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
                        help="a transformers model type with a built-in config: gpt2, llama, mistral, qwen2, bert…")
     parser.add_argument("--attn-implementation", choices=("sdpa", "eager"),
                         help="with --hf-*: the attention kernel to trace (default: the model's)")
-    parser.add_argument("--mesh", required=required, help="mesh shape, e.g. 2x4 or 8x8x16 (last axis = within a node)")
+    parser.add_argument("--mesh", required=required, help="mesh shape, e.g. 2x4 or 8x8x16 (devices fill nodes from the last axis)")
     parser.add_argument("--batch", type=_positive_int, help="global batch in sequences (default: one per device)")
     parser.add_argument("--seq", type=_positive_int, help="sequence length (default: the model's)")
     parser.add_argument("--micro-batches", type=_positive_int,
@@ -126,13 +126,17 @@ def add_job_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
                    help="mixed (bf16 with fp32 master weights and Adam states; the default, but the tiny "
                         "models are fp32), fp32, or autocast (fp32 weights, torch.autocast to bf16 on CUDA, as "
                         "DDP users train in bf16; traced models only)")
-    m = parser.add_argument_group("hardware (defaults: A100/H100-class)")
+    from memshard.core.hardware import DEFAULT_GPU, PRESETS
+
+    m = parser.add_argument_group(f"hardware (default: {DEFAULT_GPU}, nodes of 8; docs/hardware.md)")
+    m.add_argument("--gpu", choices=tuple(PRESETS), help=f"the device (default {DEFAULT_GPU})")
+    m.add_argument("--hardware", metavar="FILE", help="the device as a JSON or TOML file of hardware fields")
     m.add_argument("--axis-names", help="comma-separated mesh axis names")
-    m.add_argument("--bandwidth", type=_floats, help="GB/s per device for each mesh axis, comma-separated")
-    m.add_argument("--latency", type=_floats, help="µs per collective step for each mesh axis, comma-separated")
-    m.add_argument("--device-memory", type=_bytes, help="memory per device (default 80GiB)")
-    m.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (default 312)")
-    m.add_argument("--efficiency", type=float, help="fraction of peak reached (default 0.5)")
+    m.add_argument("--bandwidth", type=_floats, help="NCCL bus GB/s per device for each mesh axis, comma-separated")
+    m.add_argument("--latency", type=_floats, help="µs per ring step for each mesh axis, comma-separated")
+    m.add_argument("--device-memory", type=_bytes, help="memory per device (default: the GPU's)")
+    m.add_argument("--peak-tflops", type=float, help="dense 16-bit peak TFLOP/s per device (default: the GPU's)")
+    m.add_argument("--efficiency", type=float, help="the best GEMMs' fraction of peak (default: the GPU's)")
 
 
 def add_search_arguments(parser: argparse.ArgumentParser, objective: bool) -> None:
@@ -199,16 +203,20 @@ def _model_of(args):
 
 
 def _mesh_of(args):
-    from memshard.core.mesh import COMPUTE_EFFICIENCY, DEVICE_MEMORY, DEVICE_PEAK_FLOPS, parse_mesh
+    from memshard.core.hardware import load_hardware
+    from memshard.core.mesh import parse_mesh
 
     _check_hardware(args)
+    if args.gpu and args.hardware:
+        raise MemshardError("give --gpu or --hardware, not both (a --hardware file names its preset as `base`)")
     names = tuple(args.axis_names.split(",")) if args.axis_names else None
     mesh = parse_mesh(
         args.mesh,
         names=names,
-        device_memory_bytes=args.device_memory or DEVICE_MEMORY,
-        peak_flops=args.peak_tflops * 1e12 if args.peak_tflops is not None else DEVICE_PEAK_FLOPS,
-        compute_efficiency=args.efficiency if args.efficiency is not None else COMPUTE_EFFICIENCY,
+        device_memory_bytes=args.device_memory,
+        peak_flops=args.peak_tflops * 1e12 if args.peak_tflops is not None else None,
+        compute_efficiency=args.efficiency,
+        hardware=load_hardware(args.hardware) if args.hardware else args.gpu,
     )
     return mesh.with_links(
         bandwidths=tuple(b * 1e9 for b in args.bandwidth) if args.bandwidth else None,

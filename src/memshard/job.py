@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any
 
 from memshard.core.errors import MemshardError
 from memshard.core.graph import AUTOCAST, PRECISIONS, Graph
+from memshard.core.hardware import Hardware, hardware_from_dict
 from memshard.core.mesh import Mesh, make_mesh, parse_mesh
 from memshard.core.quantities import MAX_COUNT
 from memshard.models import ModelConfig, build_graph, get_config
@@ -295,16 +296,19 @@ def _hf_width(cfg, ffn_name: str | None) -> Width:
                  getattr(cfg, ffn_name) if ffn_name else None)
 
 
-def as_mesh(mesh) -> Mesh:
-    """A mesh from what the API accepts: ``"2x4"``, ``8`` (one axis), ``(2, 4)``, or a Mesh."""
+def as_mesh(mesh, gpu: str | Hardware | None = None) -> Mesh:
+    """A mesh from what the API accepts: ``"2x4"``, ``8`` (one axis), ``(2, 4)``, or a Mesh;
+    ``gpu``: the device (a preset's name or a record), for a mesh not given as a Mesh."""
     if isinstance(mesh, Mesh):
+        if gpu is not None:
+            raise MemshardError("a Mesh has its hardware already: give no gpu")
         return mesh
     if isinstance(mesh, str):
-        return parse_mesh(mesh)
+        return parse_mesh(mesh, hardware=gpu)
     if isinstance(mesh, int) and not isinstance(mesh, bool):
-        return make_mesh((mesh,))
+        return make_mesh((mesh,), hardware=gpu)
     if isinstance(mesh, (tuple, list)):
-        return make_mesh(tuple(mesh))
+        return make_mesh(tuple(mesh), hardware=gpu)
     raise MemshardError(f"a mesh is a string like '2x4', an int, a tuple of ints or a memshard Mesh, got {mesh!r}")
 
 
@@ -326,14 +330,15 @@ def mesh_to_dict(mesh: Mesh) -> dict[str, Any]:
         "bandwidth_bytes_per_s": [a.bandwidth_bytes_per_s for a in mesh.axes],
         "latency_s": [a.latency_s for a in mesh.axes],
         "device_memory_bytes": mesh.device_memory_bytes,
-        "peak_flops": mesh.peak_flops,
-        "compute_efficiency": mesh.compute_efficiency,
+        "hardware": asdict(mesh.hardware),
     }
 
 
 def mesh_from_dict(data: Mapping[str, Any]) -> Mesh:
+    if "hardware" not in data:
+        raise MemshardError("the plan was written before memshard recorded the mesh's hardware: plan it again")
     mesh = make_mesh(tuple(data["shape"]), tuple(data["axis_names"]), device_memory_bytes=data["device_memory_bytes"],
-                     peak_flops=data["peak_flops"], compute_efficiency=data["compute_efficiency"])
+                     hardware=hardware_from_dict(dict(data["hardware"]), "the plan's hardware"))
     if math.prod(mesh.shape) != data.get("num_devices", mesh.num_devices):
         raise MemshardError("the mesh's shape and device count disagree")
     return mesh.with_links(tuple(data["bandwidth_bytes_per_s"]), tuple(data["latency_s"]))

@@ -75,14 +75,25 @@ def test_make_mesh_rejects_duplicate_or_miscounted_names():
 
 # -- links ------------------------------------------------------------------------------------------
 def test_default_links_innermost_axis_is_intra_node():
-    mesh = parse_mesh("8x8x16")
+    mesh = parse_mesh("8x8x8")  # H100s, nodes of 8: the last axis is a node
     bandwidths = [a.bandwidth_bytes_per_s for a in mesh.axes]
-    assert bandwidths == [25e9, 25e9, 150e9]
+    assert bandwidths == [48e9, 48e9, 370e9]
+    assert [a.per_node for a in mesh.axes] == [1, 1, 8]
     lat = [a.latency_s for a in mesh.axes]
     # the intra-node link is faster in latency too
     assert lat[-1] < lat[0] and lat[0] == lat[1]
-    # a single axis is the node itself
-    assert parse_mesh("8").axes[0].bandwidth_bytes_per_s == 150e9
+    # a single axis of 8 is the node itself
+    assert parse_mesh("8").axes[0].bandwidth_bytes_per_s == 370e9
+
+
+def test_devices_fill_nodes_innermost_first():
+    """8x4x2 on nodes of 8: the two inner axes fill a node; 2x16: the 16 span two nodes, each
+    node's 8 devices of it on its 8 NICs (as fast as NVLink allows)."""
+    mesh = parse_mesh("8x4x2", hardware="a100-80gb")
+    assert [(a.per_node, a.bandwidth_bytes_per_s) for a in mesh.axes] == [(1, 24e9), (4, 230e9), (2, 230e9)]
+    mesh = parse_mesh("2x16", hardware="a100-80gb")
+    assert [(a.per_node, a.bandwidth_bytes_per_s) for a in mesh.axes] == [(1, 24e9), (8, 8 * 24e9)]
+    assert mesh.axes[1].latency_s == mesh.hardware.inter_node_step_latency_s
 
 
 def test_with_links_overrides_per_axis():
@@ -93,13 +104,13 @@ def test_with_links_overrides_per_axis():
     assert new.shape == (2, 4)
     assert new.axis_names == mesh.axis_names
     # the original is unchanged (frozen dataclass)
-    assert [a.bandwidth_bytes_per_s for a in mesh.axes] == [25e9, 150e9]
+    assert [a.bandwidth_bytes_per_s for a in mesh.axes] == [370e9, 370e9]
 
 
 def test_with_links_only_one_field():
     mesh = parse_mesh("2x4")
     new = mesh.with_links(latencies=(3e-6, 4e-6))
-    assert [a.bandwidth_bytes_per_s for a in new.axes] == [25e9, 150e9]
+    assert [a.bandwidth_bytes_per_s for a in new.axes] == [370e9, 370e9]
     assert [a.latency_s for a in new.axes] == [3e-6, 4e-6]
     assert mesh.with_links() == mesh
 

@@ -6,6 +6,7 @@ so a new option must say here how it acts."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,8 @@ PLAN = {
     "--device-memory": (["--device-memory", "1GiB"], "json"),
     "--peak-tflops": (["--peak-tflops", "50"], "json"),
     "--efficiency": (["--efficiency", "0.25"], "json"),
+    "--gpu": (["--gpu", "a100-40gb"], "json"),
+    "--hardware": (["--hardware", str(Path(__file__).parents[2] / "examples" / "hardware.toml")], "json"),
     "--objective": (["--objective", "time"], "json"),
     "--max-step-time": (["--max-step-time", "100s"], "json"),
     "--memory-budget": (["--memory-budget", "80GiB"], "refused"),  # the memory objective has none

@@ -87,6 +87,7 @@ class Op:
     buffers: tuple[SavedBuffer, ...] = ()
     flops_per_point: float = 1.0  # forward FLOPs per point of the iteration space
     backward_flops_ratio: float = 1.0
+    causal: bool = False  # fused attention that skips the masked half of its scores
     layer: int | None = None
     role: str | None = None
     layer_class: int = 0  # the layers of a role share variables within a class (0 for all)

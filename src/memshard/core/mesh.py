@@ -1,8 +1,10 @@
-"""The device mesh: axis sizes and names, per-axis links, device memory and speed.
+"""The device mesh: axis sizes and names, per-axis links, and the device (``core/hardware.py``).
 
-A mesh is written ``2x4`` on the command line: the last axis is the innermost (devices of
-one node, fast links), the others cross nodes. Defaults describe an A100/H100-class cluster
-and are all overridable.
+A mesh is written ``2x4`` on the command line: the last axis is the innermost. Devices are
+numbered innermost first and filled into nodes of ``hardware.gpus_per_node``: an axis whose
+group stays within a node runs its collectives over NVLink-class links; one whose group spans
+nodes runs them over the NICs, each node's share of the group (its GPUs of that group) using
+as many NICs. Every figure is overridable.
 """
 
 from __future__ import annotations
@@ -13,14 +15,8 @@ import re
 from dataclasses import dataclass, replace
 
 from memshard.core.errors import MemshardError
+from memshard.core.hardware import DEFAULT_GPU, Hardware, preset
 
-INTRA_NODE_BANDWIDTH = 150e9  # bytes/s per device, NVLink-class
-INTER_NODE_BANDWIDTH = 25e9  # bytes/s per device, 200 Gb/s InfiniBand-class
-INTRA_NODE_LATENCY = 5e-6
-INTER_NODE_LATENCY = 20e-6
-DEVICE_MEMORY = 80 * 2**30
-DEVICE_PEAK_FLOPS = 312e12  # dense bf16
-COMPUTE_EFFICIENCY = 0.5  # fraction of peak a well-shaped kernel reaches
 MAX_DEVICES = 2**20  # a guard against runaway input: the largest clusters are far below it
 
 
@@ -30,15 +26,24 @@ class MeshAxis:
     size: int
     latency_s: float
     bandwidth_bytes_per_s: float
+    per_node: int = 0  # devices of the axis within one node (its size: it stays within a node)
     parts: tuple[MeshAxis, ...] = ()  # a merged axis (search/coarsen.py): the real axes, outer first
 
 
 @dataclass(frozen=True)
 class Mesh:
     axes: tuple[MeshAxis, ...]
-    device_memory_bytes: int = DEVICE_MEMORY
-    peak_flops: float = DEVICE_PEAK_FLOPS
-    compute_efficiency: float = COMPUTE_EFFICIENCY
+    device_memory_bytes: int
+    hardware: Hardware
+
+    @property
+    def peak_flops(self) -> float:
+        return self.hardware.peak_flops
+
+    @property
+    def compute_efficiency(self) -> float:
+        """The best GEMMs' fraction of peak (``--efficiency``)."""
+        return self.hardware.matmul_efficiency
 
     @functools.cached_property  # asked for by every layout price
     def shape(self) -> tuple[int, ...]:
@@ -113,13 +118,34 @@ def default_axis_names(ndim: int) -> tuple[str, ...]:
     return tuple(f"inter{i}" for i in range(ndim - 1)) + ("intra",)
 
 
+def axis_links(shape: tuple[int, ...], hardware: Hardware) -> tuple[tuple[float, float, int], ...]:
+    """Per axis, its (step latency, bus bandwidth per device, devices per node). Devices fill
+    nodes innermost axis first: an axis whose group fits in a node's share of the inner axes is
+    within a node; otherwise its ring crosses nodes, each node holding ``k`` of its devices,
+    whose ``k`` NICs carry it."""
+    out = []
+    for i, size in enumerate(shape):
+        inner = math.prod(shape[i + 1:])
+        if inner * size <= hardware.gpus_per_node:
+            out.append((hardware.intra_node_step_latency_s, hardware.intra_node_bandwidth, size))
+            continue
+        per_node = max(1, hardware.gpus_per_node // inner)
+        out.append((hardware.inter_node_step_latency_s,
+                    min(hardware.intra_node_bandwidth, per_node * hardware.inter_node_bandwidth), per_node))
+    return tuple(out)
+
+
 def make_mesh(
     shape: tuple[int, ...],
     names: tuple[str, ...] | None = None,
-    device_memory_bytes: int = DEVICE_MEMORY,
-    peak_flops: float = DEVICE_PEAK_FLOPS,
-    compute_efficiency: float = COMPUTE_EFFICIENCY,
+    device_memory_bytes: int | None = None,
+    peak_flops: float | None = None,
+    compute_efficiency: float | None = None,
+    hardware: Hardware | str | None = None,
 ) -> Mesh:
+    """A mesh of ``shape`` on ``hardware`` (a preset's name or a record; default the default
+    GPU); ``peak_flops`` and ``compute_efficiency`` override its figures, ``device_memory_bytes``
+    its capacity."""
     if not isinstance(shape, (tuple, list)) or not shape or any(
             isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
         raise MemshardError(f"mesh axes must be positive integers, got {shape!r}")
@@ -129,21 +155,17 @@ def make_mesh(
     names = names or default_axis_names(len(shape))
     if len(names) != len(shape) or len(set(names)) != len(names):
         raise MemshardError(f"need {len(shape)} distinct axis names, got {names}")
-    axes = []
-    for i, (size, name) in enumerate(zip(shape, names)):
-        inner = i == len(shape) - 1
-        axes.append(
-            MeshAxis(
-                name=name,
-                size=int(size),
-                latency_s=INTRA_NODE_LATENCY if inner else INTER_NODE_LATENCY,
-                bandwidth_bytes_per_s=INTRA_NODE_BANDWIDTH if inner else INTER_NODE_BANDWIDTH,
-            )
-        )
-    if not (math.isfinite(device_memory_bytes) and device_memory_bytes > 0
-            and math.isfinite(peak_flops) and peak_flops > 0 and 0 < compute_efficiency <= 1):
-        raise MemshardError("device memory and peak FLOP/s must be positive numbers, efficiency in (0, 1]")
-    return Mesh(tuple(axes), int(device_memory_bytes), float(peak_flops), float(compute_efficiency))
+    hardware = preset(hardware or DEFAULT_GPU) if not isinstance(hardware, Hardware) else hardware
+    for value, what in ((device_memory_bytes, "device memory"), (peak_flops, "peak FLOP/s")):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise MemshardError(f"{what} must be a positive number, got {value!r}")
+    if compute_efficiency is not None and not (0 < compute_efficiency <= 1):
+        raise MemshardError(f"efficiency must be in (0, 1], got {compute_efficiency!r}")
+    hardware = replace(hardware, peak_flops=float(peak_flops or hardware.peak_flops),
+                       matmul_efficiency=float(compute_efficiency or hardware.matmul_efficiency))
+    axes = tuple(MeshAxis(name, int(size), latency, bandwidth, per_node)
+                 for name, size, (latency, bandwidth, per_node) in zip(names, shape, axis_links(tuple(shape), hardware)))
+    return Mesh(axes, int(device_memory_bytes or hardware.memory_bytes), hardware)
 
 
 def parse_mesh(text: str, **kwargs) -> Mesh:

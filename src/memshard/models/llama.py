@@ -73,6 +73,7 @@ def build_llama(cfg: ModelConfig, batch: int, seq: int) -> Graph:
             buffers=(SavedBuffer(g.prefix + "attn.sdpa.lse", ("b", "e", "g", "s"), LSE_BYTES),),
             flops_per_point=4.0,
             backward_flops_ratio=2.5,
+            causal=True,
         )
         a = g.linear("attn.o", o, q_dims, ("e", "g", "d", "h"), bsh, bias=False)
         x = g.add("attn.residual", x, a, bsh)

@@ -1,16 +1,20 @@
-"""Collectives, their alpha-beta time, and resharding between two layouts.
+"""Collectives, their time as NCCL runs them, and resharding between two layouts.
 
-Per mesh axis of size ``m`` (latency α, bandwidth β per device), for a buffer of ``B`` bytes:
+Per mesh axis of size ``m`` (bus bandwidth β per device, ring-step latency λ; the device's
+collective start-up α), for a buffer of ``B`` bytes, NCCL's ring algorithm:
 
-==============  ==========================================  ===========================
+==============  ==========================================  ==================================
 collective      B is                                          time
-==============  ==========================================  ===========================
-all-gather      the gathered (output) local buffer            α + (m−1)/m · B/β
-reduce-scatter  the input local buffer                        α + (m−1)/m · B/β
-all-reduce      the local buffer                              2α + 2(m−1)/m · B/β
-all-to-all      the local buffer (each device keeps 1/m)      α + (m−1)/m · B/β
-==============  ==========================================  ===========================
+==============  ==========================================  ==================================
+all-gather      the gathered (output) local buffer            α + (m−1)·λ + (m−1)/m · B/β
+reduce-scatter  the input local buffer                        α + (m−1)·λ + (m−1)/m · B/β
+all-reduce      the local buffer                              α + 2(m−1)·λ + 2(m−1)/m · B/β
+all-to-all      the local buffer (each device keeps 1/m)      α + (m−1)·λ + (m−1)/m · B/β
+==============  ==========================================  ==================================
 
+β is NCCL's *bus* bandwidth (nccl-tests' busbw: the same for every group size) on large
+messages; the latency terms make small messages latency-bound, as measured. An axis's β and λ
+are its links' (``core/mesh.py``: within a node, or the NICs of a group spanning nodes).
 Bytes on the wire per device are the bandwidth terms times β. (One may write all-to-all as
 ``(m−1)/m² · B`` with ``B`` the buffer summed over the axis group; it is the same figure.)
 
@@ -29,6 +33,7 @@ for gradients), and a ``Collective``'s axis is an axis of ``mesh.real``.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from memshard.core.mesh import Mesh
@@ -55,21 +60,56 @@ class Collective:
     axis: int  # of ``mesh.real``
     buffer_bytes: float
     share: float = 1.0  # of one call: weights gathered together split its latency (and count)
+    group: tuple[int, ...] = ()  # one communicator over these axes of ``mesh.real`` (``axis`` the first)
+
+    @property
+    def axes(self) -> tuple[int, ...]:
+        return self.group or (self.axis,)
+
+
+def _size(c: Collective, mesh: Mesh) -> int:
+    return math.prod(mesh.real.axes[a].size for a in c.axes)
 
 
 def wire_bytes(c: Collective, mesh: Mesh) -> float:
     """Bytes one device sends."""
-    m = mesh.real.axes[c.axis].size
+    m = _size(c, mesh)
     factor = 2.0 if c.kind == ALL_REDUCE else 1.0
     return factor * (m - 1) / m * c.buffer_bytes
 
 
+def ring_links(axes: tuple[int, ...], mesh: Mesh) -> tuple[float, float]:
+    """(bus bandwidth, latency of its steps per pass) of one ring over ``axes`` of ``mesh.real``.
+    Within a node: the slowest axis's links. Across nodes: each node's ``k`` devices of the
+    group send over ``k`` NICs (an axis across nodes gives its NIC's share), the steps that
+    cross nodes at their latency."""
+    real = [mesh.real.axes[a] for a in axes]
+    size = math.prod(a.size for a in real)
+    crossing = [a for a in real if a.per_node < a.size]
+    inside = [a for a in real if a.per_node >= a.size]
+    bandwidth = min((a.bandwidth_bytes_per_s for a in inside), default=math.inf)
+    if crossing:
+        per_node = math.prod(a.per_node for a in real)
+        nic = min(a.bandwidth_bytes_per_s / a.per_node for a in crossing)
+        bandwidth = min(bandwidth, per_node * nic)
+    inter_steps = sum(a.size - 1 for a in crossing)
+    intra_latency = min((a.latency_s for a in inside), default=0.0)
+    latency = sum((a.size - 1) * a.latency_s for a in crossing) + (size - 1 - inter_steps) * intra_latency
+    return bandwidth, latency
+
+
 def collective_time(c: Collective, mesh: Mesh) -> float:
-    axis = mesh.real.axes[c.axis]
-    if axis.size == 1:
+    """The ring's start-up and steps (split over what shares one call) and its bytes."""
+    if _size(c, mesh) == 1:
         return 0.0
-    steps = 2 if c.kind == ALL_REDUCE else 1
-    return steps * axis.latency_s * c.share + wire_bytes(c, mesh) / axis.bandwidth_bytes_per_s
+    if c.group:
+        bandwidth, steps_latency = ring_links(c.group, mesh)
+    else:
+        axis = mesh.real.axes[c.axis]
+        bandwidth, steps_latency = axis.bandwidth_bytes_per_s, (axis.size - 1) * axis.latency_s
+    passes = 2 if c.kind == ALL_REDUCE else 1
+    latency = mesh.hardware.collective_latency_s + passes * steps_latency
+    return latency * c.share + wire_bytes(c, mesh) / bandwidth
 
 
 def total_time(calls: tuple[Collective, ...] | list[Collective], mesh: Mesh) -> float:
@@ -181,3 +221,19 @@ def reduce_scatter_flat(numel: int, dtype_bytes: int, axes: tuple[int, ...], mes
 
 def all_reduce_over(nbytes: float, axes: tuple[int, ...], mesh: Mesh) -> tuple[Collective, ...]:
     return tuple(Collective(ALL_REDUCE, r, nbytes) for r in mesh.to_real_axes(axes))
+
+
+def one_communicator(calls: tuple[Collective, ...]) -> tuple[Collective, ...]:
+    """``calls`` over several axes as one communicator over them all, as the frameworks run a
+    data-parallel group (one NCCL ring; the same bytes as the reduce-scatters and all-gathers
+    axis by axis, fewer for an all-reduce): one call per kind, on the kind's whole buffer."""
+    out: list[Collective] = []
+    for kind in dict.fromkeys(c.kind for c in calls):
+        same = [c for c in calls if c.kind == kind]
+        if len(same) == 1:
+            out += same
+            continue
+        axes = tuple(sorted(c.axis for c in same))
+        whole = max(c.buffer_bytes for c in same)
+        out.append(Collective(kind, axes[0], whole, same[0].share, axes))
+    return tuple(out)

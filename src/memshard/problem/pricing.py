@@ -19,6 +19,7 @@ from memshard.core.graph import Graph, Op, TensorKind
 from memshard.core.mesh import Mesh
 from memshard.problem import comm
 from memshard.problem.draft import ProblemDraft
+from memshard.problem.kernels import op_time
 from memshard.problem.memory import (
     STATS_BYTES,
     STATS_IN_BACKWARD,
@@ -88,13 +89,12 @@ class _Builder(ProblemDraft):
     # -- ops ---------------------------------------------------------------------------------
 
     def op_choices(self, op: Op, strategies: list[Strategy], replayed: bool = False) -> list[Choice]:
-        """Each strategy's compute and statistics all-reduces per step; a replayed op runs its
-        forward (and its forward's all-reduces) a second time."""
-        rate = self.mesh.peak_flops * self.mesh.compute_efficiency
+        """Each strategy's compute (``kernels.py``) and statistics all-reduces per step; a
+        replayed op runs its forward (and its forward's all-reduces) a second time."""
         out = []
         for s in strategies:
             local = s.local_sizes
-            forward = op.flops_per_point * math.prod(local.values())
+            kernels = op_time(op, self.graph, local, self.mesh.hardware)
             calls: tuple[comm.Collective, ...] = ()
             stats: tuple[comm.Collective, ...] = ()
             if op.stats_per_row:
@@ -103,8 +103,8 @@ class _Builder(ProblemDraft):
                 calls = stats = comm.all_reduce_over(rows * op.stats_per_row * STATS_BYTES, axes, self.mesh)
                 if op.kind in STATS_IN_BACKWARD:
                     calls += comm.all_reduce_over(rows * STATS_IN_BACKWARD[op.kind] * STATS_BYTES, axes, self.mesh)
-            replay = (forward / rate + self.time(stats)) * self.micro_batches if replayed else 0.0
-            compute = forward * (1 + op.backward_flops_ratio + replayed) / rate * self.micro_batches
+            replay = (kernels.forward_s + self.time(stats)) * self.micro_batches if replayed else 0.0
+            compute = (kernels.forward_s * (1 + replayed) + kernels.backward_s) * self.micro_batches
             calls = (calls + stats * replayed) * self.micro_batches
             label = (s.name(), "recomputed") if replayed else s.name()
             out.append(Choice(label, compute, calls, compute + self.time(calls), replay))

@@ -22,6 +22,7 @@ from memshard.core.placement import PARTIAL, REPLICATE, Shard, local_numel
 from memshard.problem import comm
 from memshard.problem.draft import ProblemDraft
 from memshard.problem.gathers import LayerUnit, gather_points
+from memshard.problem.kernels import optimizer_step_time
 from memshard.problem.memory import (
     MASTER_ALONE,
     StorageOption,
@@ -103,15 +104,16 @@ class StoragePricing:
             # baseline's choices index the same options in every framework's problem. Only for a
             # layout with no axis left to shard: elsewhere ZeRO over a free axis holds less.
             options += [(G, MASTER_ALONE) for G in dict.fromkeys(g_labels) if len(storage_options(G, mesh)) == 1]
+        mems = [storage_memory(spec, G, opt, self.draft.graph.precision, mesh) for G, opt in options]
         choices = []
-        for G, opt in options:
+        for (G, opt), m in zip(options, mems):
             calls = self.sync_calls(spec, G, opt, self.gathers_per_pass(name, uses))
             if opt.stage == 3 and name in self.draft.units:  # the unit's calls, shared
                 share = 1 / self.draft.units[name].members
                 calls = tuple(replace(c, share=share) if c.kind != comm.ALL_REDUCE else c for c in calls)
-            choices.append(Choice((G, opt.stage, opt.axes), 0.0, calls, self.draft.time(calls)))
+            step = optimizer_step_time(m.optimizer_states, m.gradients, m.parameters, mesh.hardware)
+            choices.append(Choice((G, opt.stage, opt.axes), step, calls, step + self.draft.time(calls)))
         gid = self.draft.index[key] = len(self.draft.groups)
-        mems = [storage_memory(spec, G, opt, self.draft.graph.precision, mesh) for G, opt in options]
         self.draft.groups.append(StorageGroup(name, choices, options, mems))
         self.draft.links.append(Link(gid, tuple(G for G, _ in options), og, tuple(g_labels)))
         for i, j in uses[1:]:  # tied weights: every use agrees on the layout
@@ -333,17 +335,21 @@ class StoragePricing:
         they are stored sharded (ZeRO-2/3), which reduces them after every micro-batch;
         ZeRO-3 gathers the weight ``n_gathers`` times per micro-batch (``gathers_per_pass``)."""
         mesh, prec = self.draft.mesh, self.draft.graph.precision
+        # the frameworks reduce and gather over one data-parallel communicator; memshard's
+        # runtime axis by axis (DTensor's redistribute)
+        grouped = comm.one_communicator if self.draft.framework != MEMSHARD else tuple
         numel = local_numel(spec.shape, param_layout(G), mesh.shape)
         partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
         sharded = set(opt.axes) if opt.stage >= 1 else set()
-        reduce = comm.all_reduce_over(numel * prec.reduce_bytes, tuple(a for a in partial_axes if a not in sharded),
-                                      mesh)
+        reduce = grouped(comm.all_reduce_over(numel * prec.reduce_bytes,
+                                              tuple(a for a in partial_axes if a not in sharded), mesh))
         if sharded:
-            reduce += comm.reduce_scatter_flat(numel, prec.reduce_bytes, tuple(a for a in opt.axes if a in partial_axes),
-                                               mesh)
+            reduce += grouped(comm.reduce_scatter_flat(numel, prec.reduce_bytes,
+                                                       tuple(a for a in opt.axes if a in partial_axes), mesh))
         calls = reduce * (self.draft.micro_batches if opt.stage >= 2 else 1)
         if opt.stage in (1, 2):
-            calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh)
+            calls += grouped(comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh))
         elif opt.stage == 3:
-            calls += comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh) * (n_gathers * self.draft.micro_batches)
+            calls += grouped(comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh)) * (
+                n_gathers * self.draft.micro_batches)
         return calls

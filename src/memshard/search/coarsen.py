@@ -45,7 +45,8 @@ def merged_mesh(mesh: Mesh, groups: list[tuple[int, ...]]) -> Mesh:
         first = mesh.axes[g[0]]
         axes.append(first if len(g) == 1 else MeshAxis(
             "*".join(mesh.axes[a].name for a in g), math.prod(mesh.axes[a].size for a in g), first.latency_s,
-            first.bandwidth_bytes_per_s, parts=tuple(mesh.axes[a] for a in g)))
+            first.bandwidth_bytes_per_s, math.prod(mesh.axes[a].per_node for a in g),
+            parts=tuple(mesh.axes[a] for a in g)))
     return replace(mesh, axes=tuple(axes))
 
 

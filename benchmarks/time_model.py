@@ -1,0 +1,95 @@
+"""memshard's step-time model against published Megatron-LM runs without pipeline stages.
+
+    .venv/bin/python benchmarks/time_model.py [--write]
+
+Narayanan et al. (SC'21) Table 1, rows 1–4: GPT of the paper's shapes (s = 2048, V = 51,200),
+mixed precision, full activation recomputation, on A100 80 GB nodes of 8 (8 × 200 Gb/s HDR),
+priced as ``megatron-tp{t}-dp{d}+full`` (``ddp+full`` where TP is 1) with one sequence per
+micro-batch (the paper does not state it). The published step is the paper's eq. 3 FLOPs over
+GPUs × the TFLOP/s it measured. Then Korthikanti et al. (2022) Table 4: one layer of the 22B
+GPT (h = 6144, a = 64, TP 8, micro-batch 4, s = 2048), priced as the step of two layers less
+the step of one, each recomputation and sequence-parallel setting. The published figures are
+those of ``docs/time-model.md``, copied from the papers; nothing here is fitted to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+from memshard.api import make_job, strategy_plan
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks_md import provenance, write_section  # noqa: E402
+
+# name, heads, hidden, layers, TP, GPUs, batch, published step (s)
+NARAYANAN = [
+    ("1.7B", 24, 2304, 24, 1, 32, 512, 3.53),
+    ("3.6B", 32, 3072, 30, 2, 64, 512, 3.70),
+    ("7.5B", 32, 4096, 36, 4, 128, 512, 3.70),
+    ("18.4B", 48, 6144, 40, 8, 256, 1024, 9.40),
+]
+# Korthikanti Table 4: experiment, strategy, recompute, published combined ms per layer
+KORTHIKANTI = [
+    ("baseline, no recompute", "megatron-tp8", "none", 19.6),
+    ("sequence parallelism", "megatron-tp8-sp", "none", 19.0),
+    ("baseline with full recompute", "megatron-tp8+full", "full", 27.2),
+    ("selective recompute", "megatron-tp8+selective", "selective", 20.9),
+    ("selective + sequence parallel", "megatron-tp8-sp+selective", "selective", 20.3),
+]
+GOAL = 0.10  # every row within ±10%
+
+
+def narayanan_step(name: str, heads: int, hidden: int, layers: int, tp: int, gpus: int, batch: int) -> float:
+    dp = gpus // tp
+    job = make_job("gpt3-1.3b", f"{gpus // 8}x8", gpu="a100-80gb", batch=batch, seq=2048, micro_batches=batch // dp,
+                   num_layers=layers, hidden=hidden, heads=heads, ffn=4 * hidden, vocab=51200)
+    strategy = f"megatron-tp{tp}-dp{dp}+full" if tp > 1 else "ddp+full"
+    return strategy_plan(job, strategy=strategy, recompute="full").step_time_s
+
+
+def layer_ms(strategy: str, recompute: str) -> float:
+    """One 22B layer's step time: two layers' step less one layer's."""
+    def step(layers: int) -> float:
+        job = make_job("gpt3-1.3b", "8", gpu="a100-80gb", batch=4, seq=2048, num_layers=layers, hidden=6144,
+                       heads=64, ffn=4 * 6144, vocab=51200)
+        return strategy_plan(job, strategy=strategy, recompute=recompute).step_time_s
+    return (step(2) - step(1)) * 1e3
+
+
+def tables() -> tuple[str, list[float]]:
+    errors = []
+    lines = ["| model | GPUs | TP × DP | published step | memshard | error |", "|---|---|---|---:|---:|---:|"]
+    for name, heads, hidden, layers, tp, gpus, batch, published in NARAYANAN:
+        ours = narayanan_step(name, heads, hidden, layers, tp, gpus, batch)
+        errors.append(ours / published - 1)
+        lines.append(f"| {name} | {gpus} | {tp} × {gpus // tp} | {published:.2f} s | {ours:.2f} s | {errors[-1]:+.1%} |")
+    abs_errors = [abs(e) for e in errors]
+    lines.append(f"| median / largest \\|error\\| | | | | | {statistics.median(abs_errors):.1%} / "
+                 f"{max(abs_errors):.1%} |")
+    lines += ["", "| one layer of the 22B GPT (TP 8, micro-batch 4) | published | memshard | error | "
+              "overhead: published | memshard |", "|---|---:|---:|---:|---:|---:|"]
+    base_published, base_ours = KORTHIKANTI[0][3], None
+    for experiment, strategy, recompute, published in KORTHIKANTI:
+        ours = layer_ms(strategy, recompute)
+        base_ours = base_ours if base_ours is not None else ours
+        lines.append(f"| {experiment} | {published:.1f} ms | {ours:.1f} ms | {ours / published - 1:+.1%} | "
+                     f"{published / base_published - 1:+.0%} | {ours / base_ours - 1:+.0%} |")
+    return "\n".join(lines), errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="write the tables into BENCHMARKS.md")
+    args = parser.parse_args()
+    text, errors = tables()
+    print(text)
+    if args.write:
+        write_section("time-model", "The step-time model against published Megatron-LM runs",
+                      provenance("python benchmarks/time_model.py --write") + "\n\n" + text)
+
+
+if __name__ == "__main__":
+    main()
