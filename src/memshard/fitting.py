@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 from memshard.baselines.names import parse_strategy
 from memshard.core.errors import Infeasible, MemshardError
-from memshard.core.mesh import MAX_DEVICES
+from memshard.core.mesh import MAX_DEVICES, resized
 from memshard.core.quantities import MAX_COUNT, check_factor, format_bytes
 from memshard.job import HFModel, Job
 from memshard.models import ModelConfig
@@ -158,8 +158,8 @@ def job_at(job: Job, knob: str, value: int) -> Job:
     """``job`` with ``knob`` at ``value`` (devices: the outermost mesh axis resized, the
     global batch kept)."""
     if knob == DEVICES:
-        outer = replace(job.mesh.axes[0], size=value // default_step(job, DEVICES))
-        return replace(job, mesh=replace(job.mesh, axes=(outer, *job.mesh.axes[1:])), batch=job.global_batch)
+        shape = (value // default_step(job, DEVICES), *job.mesh.shape[1:])
+        return replace(job, mesh=resized(job.mesh, shape), batch=job.global_batch)
     if knob == "batch":
         return replace(job, batch=value)
     if knob == "seq":

@@ -10,6 +10,7 @@ import pytest
 
 import memshard
 from memshard.core.errors import MemshardError
+from memshard.core.hardware import hardware_from_dict
 from memshard.fitting import KNOBS, KnobSearch, Probe, Prober, family, fit_job, job_at
 from memshard.job import Job
 from memshard.planner import SearchOptions, plan_job
@@ -73,7 +74,8 @@ def test_other_knobs_find_their_boundary(knob):
 
 def test_the_fewest_devices_are_the_first_node_count_a_scan_fits():
     """Nodes of 2 (the inner axis), the global batch kept at 120: more nodes, less per device."""
-    mesh = memshard.parse_mesh("2x2", device_memory_bytes=12 * MIB)
+    nodes_of_2 = hardware_from_dict({"base": "a100-80gb", "gpus_per_node": 2})
+    mesh = memshard.parse_mesh("2x2", device_memory_bytes=12 * MIB, hardware=nodes_of_2)
     job = Job("tiny-gpt", mesh, batch=120, precision="fp32")
     coarse = SearchOptions(mip_gap=0.02)  # tiny two-axis problems: a 2% gap is quick, and the scan uses it too
     answer = fit_job(job, "devices", coarse, baselines=False).answers[0]

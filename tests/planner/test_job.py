@@ -13,6 +13,8 @@ import pytest
 import memshard
 from memshard.cli import build_parser
 from memshard.core.errors import MemshardError
+from memshard.core.hardware import hardware_from_dict
+from memshard.core.mesh import parse_mesh
 from memshard.job import HFModel, Job
 from memshard.planner import SearchOptions, plan_job
 from memshard.plans.advice import reselect
@@ -220,8 +222,11 @@ def test_a_merged_mesh_plan_builds_the_real_problem_only_when_asked(monkeypatch)
     for module in (memshard.planner, memshard.plans.plan):
         original = module.build_problem
         monkeypatch.setattr(module, "build_problem", lambda *a, _f=original, **k: built.append(a[1]) or _f(*a, **k))
-    # GPT-2's own dims, two layers: tiny dims make the ILP slow (a loose LP bound)
-    job = Job("gpt2", "2x2x2", batch=8, seq=128, precision="fp32", overrides={"num_layers": 2})
+    # GPT-2's own dims, two layers: tiny dims make the ILP slow (a loose LP bound); nodes of
+    # 2, so the two outer axes both cross nodes on one NIC each, and merge
+    nodes_of_2 = hardware_from_dict({"base": "a100-80gb", "gpus_per_node": 2})
+    job = Job("gpt2", parse_mesh("2x2x2", hardware=nodes_of_2), batch=8, seq=128, precision="fp32",
+              overrides={"num_layers": 2})
     plan = plan_job(job, SearchOptions(mip_gap=0.01))
     assert [str(m) for m in built] == ["4x2"]  # the merged problem only
     assert plan.to_dict()["mesh"]["shape"] == [2, 2, 2]

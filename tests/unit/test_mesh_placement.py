@@ -276,3 +276,14 @@ def test_placements_are_one_object_each_and_behave_as_values():
     assert dataclasses.replace(Shard(0), dim=3) is Shard(3) and Shard(0).dim == 0
     assert {(Shard(0), REPLICATE): 1}[(Shard(0), Replicate())] == 1
     assert Shard(np.int64(2)) is Shard(2) and type(Shard(np.int64(2)).dim) is int and repr(Shard(2)) == "Shard(dim=2)"
+
+
+def test_a_resized_mesh_sits_on_nodes_anew_and_keeps_links_set_by_hand():
+    from memshard.core.mesh import resized
+
+    mesh = parse_mesh("1x4", hardware="a100-80gb")  # half a node: both axes on NVLink
+    grown = resized(mesh, (4, 4))  # 16 devices: the outer axis now spans 2 nodes
+    assert grown.shape == (4, 4) and grown.axis_names == mesh.axis_names
+    assert [a.bandwidth_bytes_per_s for a in grown.axes] == [2 * 24e9, 230e9]
+    by_hand = mesh.with_links(bandwidths=(10e9, 230e9))
+    assert [a.bandwidth_bytes_per_s for a in resized(by_hand, (4, 4)).axes] == [10e9, 230e9]

@@ -111,6 +111,21 @@ class Mesh:
         return replace(self, axes=tuple(axes))
 
 
+def resized(mesh: Mesh, shape: tuple[int, ...]) -> Mesh:
+    """``mesh`` with new axis sizes: its names, device and capacity kept, each axis's links
+    those of the new shape's nodes, unless they were set by hand (``with_links``)."""
+    if len(shape) != mesh.ndim or mesh.real is not mesh:
+        raise ValueError("a resized mesh keeps the axes of a mesh without merged axes")
+    def build(sizes):
+        return make_mesh(tuple(sizes), mesh.axis_names, device_memory_bytes=mesh.device_memory_bytes,
+                         hardware=mesh.hardware)
+    defaults, fresh = build(mesh.shape), build(shape)
+    axes = tuple(new if (old.latency_s, old.bandwidth_bytes_per_s) == (default.latency_s, default.bandwidth_bytes_per_s)
+                 else replace(new, latency_s=old.latency_s, bandwidth_bytes_per_s=old.bandwidth_bytes_per_s)
+                 for new, old, default in zip(fresh.axes, mesh.axes, defaults.axes))
+    return replace(fresh, axes=axes)
+
+
 def default_axis_names(ndim: int) -> tuple[str, ...]:
     """``dp``-free neutral names: the innermost axis is ``intra``, outer ones ``inter0``…"""
     if ndim == 1:

@@ -96,7 +96,8 @@ def _attention(op: Op, graph: Graph, local: dict[str, int], hardware: Hardware) 
     points = math.prod(local[d] for d in op.dims)
     flops = op.flops_per_point * points * (0.5 if op.causal else 1.0)
     query = op.output
-    head_size = local[query.dims[-1]]
+    value = set(op.inputs[2].dims) if len(op.inputs) > 2 else set(query.dims)
+    head_size = math.prod(local[d] for d in query.dims if d in op.unsplittable_dims and d in value)
     blocks = math.ceil(_numel(query, local) / head_size / ATTENTION_BLOCK_ROWS)
     rate = (_peak(hardware, graph.tensors[query.tensor].dtype_bytes) * hardware.attention_efficiency
             * _waves(blocks, hardware))

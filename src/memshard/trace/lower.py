@@ -266,7 +266,7 @@ class _Lowering:
             reduced_dims=tuple(dict.fromkeys(self._name(x, desc) for x in self.atoms.leaves(desc.reduced))),
             unsplittable_dims=unsplittable, stats_per_row=desc.stats_per_row,
             saves_inputs=saves_inputs, saves_output=saved.output, buffers=buffers,
-            flops_per_point=desc.flops_per_point, backward_flops_ratio=desc.backward_flops_ratio,
+            flops_per_point=desc.flops_per_point, backward_flops_ratio=desc.backward_flops_ratio, causal=desc.causal,
             layer=layer, role=role,
         )
 
