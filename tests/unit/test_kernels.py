@@ -69,3 +69,17 @@ def test_causal_fused_attention_costs_half_its_scores():
 def test_adam_moves_its_states_twice():
     assert optimizer_step_time(12e9, 2e9, 2e9, A100) == pytest.approx(streaming_time(28e9, A100))
     assert optimizer_step_time(0, 0, 0, A100) == 0.0
+
+
+def test_the_steps_breakdown_adds_up_to_its_time():
+    """A plan's compute by kind sums to its compute, its collectives' times to its
+    communication; a GPT has no fused attention, a LLaMA has."""
+    from memshard.api import strategy_plan
+
+    for model, attention in (("tiny-gpt", False), ("tiny-llama", True)):
+        plan = strategy_plan(model, "2x2", "ddp", batch=4)
+        assert sum(plan.compute_by_kind.values()) == pytest.approx(plan.compute_time_s, rel=1e-12)
+        assert plan.compute_by_kind["matmuls"] > 0 and plan.compute_by_kind["optimizer step"] > 0
+        assert (plan.compute_by_kind["attention"] > 0) == attention
+        by_kind = plan.communication.by_kind.values()
+        assert sum(v["time_s"] for v in by_kind) == pytest.approx(plan.communication_time_s, rel=1e-12)

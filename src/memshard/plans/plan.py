@@ -82,7 +82,7 @@ class MemoryFigures:
 @dataclass(frozen=True)
 class CommunicationFigures:
     bytes_per_step: float
-    by_kind: dict[str, dict[str, float]]  # kind → calls, buffer_bytes, wire_bytes
+    by_kind: dict[str, dict[str, float]]  # kind → calls, buffer_bytes, wire_bytes, time_s
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,7 @@ class Plan:
     compute_time_s: float
     communication_time_s: float
     recompute_time_s: float  # what the replays add to the step: forward compute and reshards
+    compute_by_kind: dict[str, float]  # matmuls, attention, other ops, optimizer step → seconds
     solver: SolverSummary
     most_redundant_ops: tuple[RedundantOp, ...]
     ops: tuple[OpChoice, ...]
@@ -260,6 +261,7 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
         "compute_time_s": plan.compute_time_s,
         "communication_time_s": plan.communication_time_s,
         "recompute_time_s": plan.recompute_time_s,
+        "compute_by_kind_s": plan.compute_by_kind,
         "solver": {"status": s.status, "time_s": s.time_s, "gap": s.gap, "variables": s.variables,
                    "constraints": s.constraints, "shared_layers": s.shared_layers, "zero3_unit": s.zero3_unit,
                    "search_space": s.search_space, "recompute": s.recompute, "framework": s.framework,
@@ -326,6 +328,7 @@ def build_plan(
         compute_time_s=ev.compute_time_s,
         communication_time_s=ev.communication_time_s,
         recompute_time_s=ev.recompute_time_s,
+        compute_by_kind=ev.compute_by_kind,
         solver=_solver_summary(problem, result),
         most_redundant_ops=advise(problem, selection, ev, top, alternatives=advice),
         ops=_op_choices(problem, selection),

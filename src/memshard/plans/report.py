@@ -103,16 +103,21 @@ def _communication_table(plan: Plan) -> Table:
     c.add_column("collective")
     c.add_column("calls", justify="right")
     c.add_column("bytes sent per device", justify="right")
+    c.add_column("time", justify="right")
     for kind, v in plan.communication.by_kind.items():
         if v["calls"]:
-            c.add_row(kind.replace("_", "-"), f"{v['calls']:,}", format_bytes(v["wire_bytes"]))
-    c.add_row("[bold]total[/]", "", f"[bold]{format_bytes(plan.communication.bytes_per_step)}[/]")
-    c.add_row("estimated step time", "", format_seconds(plan.step_time_s))
-    c.add_row("  compute / communication", "",
-              f"{format_seconds(plan.compute_time_s)} / {format_seconds(plan.communication_time_s)}")
+            c.add_row(kind.replace("_", "-"), f"{v['calls']:,}", format_bytes(v["wire_bytes"]),
+                      format_seconds(v.get("time_s", 0.0)))
+    c.add_row("[bold]total[/]", "", f"[bold]{format_bytes(plan.communication.bytes_per_step)}[/]",
+              format_seconds(plan.communication_time_s))
+    c.add_row("compute", "", "", format_seconds(plan.compute_time_s))
+    for kind, seconds in plan.compute_by_kind.items():
+        if seconds:
+            c.add_row(f"  {kind}", "", "", format_seconds(seconds))
     if plan.solver.recompute != "none":
         share = plan.recompute_time_s / plan.step_time_s if plan.step_time_s else 0.0
-        c.add_row("  of which recomputation", "", f"{format_seconds(plan.recompute_time_s)} ({share:.1%})")
+        c.add_row("  of which recomputation", "", "", f"{format_seconds(plan.recompute_time_s)} ({share:.1%})")
+    c.add_row("[bold]estimated step time[/]", "", "", f"[bold]{format_seconds(plan.step_time_s)}[/]")
     return c
 
 

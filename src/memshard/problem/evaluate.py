@@ -8,14 +8,15 @@ sums it directly (no linearisation), so it is the reference the solver is tested
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from memshard.problem import comm
 from memshard.problem.bounds import zero_redundancy_bound
+from memshard.problem.kernels import GEMM_KINDS
 from memshard.problem.memory import CATEGORIES
-from memshard.problem.records import DURING_RESHARDS, Problem, Selection
+from memshard.problem.records import DURING_RESHARDS, OpGroup, Problem, Selection
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Evaluation:
     live_bytes: np.ndarray  # per schedule point
     category_bytes: np.ndarray  # per category (CATEGORIES' order) × schedule point
     recompute_time_s: float = 0.0  # what replays add (in the step time already)
+    compute_by_kind: dict[str, float] = field(default_factory=dict)  # COMPUTE_KINDS → seconds
 
     def breakdown_at(self, point: int) -> dict[str, float]:
         """Live bytes per category at schedule point ``point``."""
@@ -59,6 +61,23 @@ def _priced(problem: Problem, selection: Selection) -> list[tuple[int, float, tu
     priced = [(g.instances, g.choices[k].compute_s, g.choices[k].calls)
               for g, k in zip(problem.groups, selection.choices)]
     return priced + [(edge.executions, 0.0, problem.edge_calls(selection, e)) for e, edge in enumerate(problem.edges)]
+
+
+COMPUTE_KINDS = ("matmuls", "attention", "other ops", "optimizer step")
+
+
+def compute_by_kind(problem: Problem, selection: Selection) -> dict[str, float]:
+    """The step's compute per kind: GEMMs, fused attention, the ops priced by their bytes
+    (norms, softmax, dropout, activations, adds, the embedding, the loss), Adam's step."""
+    out = dict.fromkeys(COMPUTE_KINDS, 0.0)
+    for group, k in zip(problem.groups, selection.choices):
+        if isinstance(group, OpGroup):
+            op_kind = problem.graph.ops[group.ops[0]].kind
+            kind = "matmuls" if op_kind in GEMM_KINDS else "attention" if op_kind == "sdpa" else "other ops"
+        else:
+            kind = "optimizer step"
+        out[kind] += group.instances * group.choices[k].compute_s
+    return out
 
 
 def recompute_time(problem: Problem, selection: Selection) -> float:
@@ -176,14 +195,16 @@ def _add_reshards(problem: Problem, selection: Selection, ledger: _Ledger, swap:
 def _communication(problem: Problem, selection: Selection) -> tuple[float, float, float, dict]:
     """(compute seconds, communication seconds, bytes sent, per collective kind)."""
     compute = communication = wire = 0.0
-    by_kind: dict[str, dict[str, float]] = {k: {"calls": 0, "buffer_bytes": 0.0, "wire_bytes": 0.0} for k in comm.KINDS}
+    by_kind: dict[str, dict[str, float]] = {k: {"calls": 0, "buffer_bytes": 0.0, "wire_bytes": 0.0, "time_s": 0.0}
+                                            for k in comm.KINDS}
     for instances, compute_s, calls in _priced(problem, selection):
         compute += instances * compute_s
         for call in calls:
-            w = comm.wire_bytes(call, problem.mesh)
-            communication += instances * comm.collective_time(call, problem.mesh)
+            w, t = comm.wire_bytes(call, problem.mesh), comm.collective_time(call, problem.mesh)
+            communication += instances * t
             wire += instances * w
             entry = by_kind[call.kind]
+            entry["time_s"] += instances * t
             entry["calls"] += instances * call.share
             entry["buffer_bytes"] += instances * call.buffer_bytes
             entry["wire_bytes"] += instances * w
@@ -229,4 +250,5 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
         live_bytes=total,
         category_bytes=live,
         recompute_time_s=recompute_time(problem, selection),
+        compute_by_kind=compute_by_kind(problem, selection),
     )
