@@ -14,10 +14,10 @@ from time_model import KORTHIKANTI, NARAYANAN, layer_ms, narayanan_step  # noqa:
 
 
 @pytest.mark.parametrize("row", NARAYANAN[:2], ids=[row[0] for row in NARAYANAN[:2]])
-def test_the_data_parallel_rows_of_narayanan_table_1_within_5_percent(row):
+def test_the_data_parallel_rows_of_narayanan_table_1_within_10_percent(row):
     """GPT 1.7B and 3.6B on 32 and 64 A100s (TP 1 and 2, DP 32, full recomputation)."""
     *job, published = row
-    assert narayanan_step(*job) == pytest.approx(published, rel=0.05)
+    assert narayanan_step(*job) == pytest.approx(published, rel=0.10)  # the issue's goal per row
 
 
 def test_korthikantis_recomputation_overheads_in_order_and_size():

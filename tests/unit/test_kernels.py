@@ -18,7 +18,7 @@ A100 = preset("a100-80gb")
 def test_a_large_gemm_runs_at_the_best_rate_and_a_small_one_below_it():
     big = gemm_time(1, 8192, 8192, 8192, 2, A100)
     assert big == pytest.approx(2 * 8192**3 / (A100.peak_flops * A100.matmul_efficiency), rel=0.02)
-    # a TP-8 slice of the same GEMM: its 128x256 output tiles fill 8/108 of a wave less well
+    # a TP-8 slice of the same GEMM: its output tiles fill the waves less well
     small = gemm_time(1, 8192, 1024, 8192, 2, A100)
     assert small > big / 8
     # fp32 runs at the FP32 rate

@@ -6,8 +6,9 @@ bytes at the memory bandwidth streaming kernels reach, plus the device's kernel 
 
 * **GEMMs** (``linear``, ``matmul``): forward ``C[M,N] = A[M,K]·B[K,N]`` (times any batch
   dims), backward the two GEMMs ``dA = dC·Bᵀ`` and ``dB = Aᵀ·dC``. Rate: the best GEMMs'
-  fraction of peak, times the wave quantisation of the output's 128×256 tiles over the
-  device's multiprocessors (a TP split that leaves 1.3 waves runs 2). Bytes: A, B and C.
+  fraction of peak, times the wave quantisation of the output's tiles over the device's
+  multiprocessors (a TP split that leaves 1.3 waves runs 2), for the tile that fills them
+  best (``TILES``: a smaller tile fills better, at a lower rate). Bytes: A, B and C.
 * **Fused attention** (``sdpa``, FlashAttention): its FLOPs (half the scores when causal, as
   the kernel skips the masked blocks) at the attention kernels' fraction of peak, backward
   2.5× the forward's FLOPs at 0.85 of that rate, both times the wave quantisation of its
@@ -29,7 +30,10 @@ from memshard.core.graph import Graph, Op, Operand
 from memshard.core.hardware import Hardware
 
 GEMM_KINDS = ("linear", "matmul")
-TILE_ROWS, TILE_COLUMNS = 128, 256  # a large cuBLAS tile of the output
+# Output tiles cuBLAS chooses among, with the fraction of the best GEMM rate each reaches (a
+# smaller tile reuses less of what it loads): the heuristic picks the tile whose waves fill
+# the multiprocessors best.
+TILES = ((128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.75), (64, 64, 0.6))
 ATTENTION_BLOCK_ROWS = 128  # queries per FlashAttention block
 ATTENTION_BACKWARD_RATE = 0.85  # its backward's rate over its forward's
 
@@ -70,8 +74,10 @@ def streaming_time(nbytes: float, hardware: Hardware) -> float:
 def gemm_time(batch: int, m: int, n: int, k: int, dtype_bytes: int, hardware: Hardware) -> float:
     """``batch`` products ``[m,k]·[k,n]``: the longer of FLOPs and bytes, plus the overhead."""
     flops = 2.0 * batch * m * n * k
-    tiles = batch * math.ceil(m / TILE_ROWS) * math.ceil(n / TILE_COLUMNS)
-    rate = _peak(hardware, dtype_bytes) * hardware.matmul_efficiency * _waves(tiles, hardware)
+    fill = max(max(rate * _waves(batch * math.ceil(m / rows) * math.ceil(n / columns), hardware),
+                   rate * _waves(batch * math.ceil(n / rows) * math.ceil(m / columns), hardware))
+               for rows, columns, rate in TILES)
+    rate = _peak(hardware, dtype_bytes) * hardware.matmul_efficiency * fill
     moved = batch * (m * k + k * n + m * n) * dtype_bytes
     return hardware.kernel_overhead_s + max(flops / rate,
                                             moved / (hardware.memory_bandwidth * hardware.memory_efficiency))
