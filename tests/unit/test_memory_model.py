@@ -11,6 +11,7 @@ from memshard.core.graph import FP32, MIXED, Graph, Op, Operand, TensorKind, Ten
 from memshard.core.mesh import make_mesh, parse_mesh
 from memshard.core.placement import PARTIAL, REPLICATE, Shard
 from memshard.models import build_graph
+from memshard.plans.advice import redundancy_by_op
 from memshard.plans.plan import build_plan
 from memshard.problem.evaluate import evaluate
 from memshard.problem.memory import (
@@ -22,6 +23,7 @@ from memshard.problem.memory import (
 )
 from memshard.problem.pricing import build_problem
 from memshard.problem.records import OpGroup, complete_selection
+from memshard.search.solve import SearchRequest, solve
 
 R, P = REPLICATE, PARTIAL
 
@@ -321,3 +323,60 @@ def test_zero_redundancy_bound_gpt2_two_layers():
     at_loss_backward = 12 * psi + inputs + saved + 2 * s * b * V
     assert plan.lower_bound_bytes >= at_loss_backward / n
     assert plan.peak_bytes >= plan.lower_bound_bytes
+
+
+def residual_graph():
+    """x[64,16] · w1 → h; h · w2 → f; h + f → y; cross-entropy of y (fp32, each activation
+    4096 B): the add is the last reader of both its inputs, as a transformer's residual is."""
+    tensors = {
+        "x": TensorSpec("x", (64, 16), 4, TensorKind.INPUT),
+        "labels": TensorSpec("labels", (64,), 8, TensorKind.INPUT),
+        "w1": TensorSpec("w1", (16, 16), 4, TensorKind.PARAMETER),
+        "w2": TensorSpec("w2", (16, 16), 4, TensorKind.PARAMETER),
+        "h": TensorSpec("h", (64, 16), 4, TensorKind.ACTIVATION),
+        "f": TensorSpec("f", (64, 16), 4, TensorKind.ACTIVATION),
+        "y": TensorSpec("y", (64, 16), 4, TensorKind.ACTIVATION),
+        "loss": TensorSpec("loss", (), 4, TensorKind.ACTIVATION),
+    }
+    linear = dict(saves_inputs=(0,), flops_per_point=2.0, backward_flops_ratio=2.0)
+    ab, bc, ac = ("a", "b"), ("b", "c"), ("a", "c")
+    ops = (
+        Op("lin1", "linear", (Operand("x", ab), Operand("w1", bc)), Operand("h", ac), **linear),
+        Op("lin2", "linear", (Operand("h", ab), Operand("w2", bc)), Operand("f", ac), **linear),
+        Op("residual", "add", (Operand("h", ac), Operand("f", ac)), Operand("y", ac)),
+        Op("loss", "cross_entropy", (Operand("y", ac), Operand("labels", ("a",))),
+           Operand("loss", ()), reduced_dims=("c",), stats_per_row=3, saves_inputs=(0, 1)),
+    )
+    return Graph("residual", tensors, ops, "loss", precision=FP32)
+
+
+def test_an_add_hands_its_output_gradient_itself_to_both_inputs():
+    # Autograd's AddBackward returns the gradient it receives for both inputs: the add's
+    # backward makes nothing, and h's and f's producers, each reading it as it is, hold one
+    # 4096 B tensor until lin2's backward (which adds lin2's gradient for h, 4096 B, and w2's,
+    # 1024 B). Counted as three tensors at the add's backward and two after it, the peak was
+    # 28160 B.
+    problem = build_problem(residual_graph(), parse_mesh("4"))
+    S = problem.schedule
+    plan = complete_selection(problem, pick(problem, {}))
+    ev = evaluate(problem, plan)
+    before = ev.live_bytes[S.reshard_out(3)]  # y's gradient made by the loss's backward
+    assert ev.live_bytes[S.backward(2)] == ev.live_bytes[S.reshard_out(2)] == before
+    assert ev.live_bytes[S.backward(1)] == before + 4096 + 1024 == ev.peak_bytes == 24064
+    assert ev.breakdown["transients"] == 2 * 4096
+    # per op, the redundant bytes at the peak add up to the plan's (the shared gradient once)
+    by_op = redundancy_by_op(problem, plan, ev.peak_point)
+    assert sum(by_op.values()) == pytest.approx(ev.redundant_bytes) == 0.75 * 24064
+    # the ILP pinned to the plan prices the same peak
+    forced = solve(SearchRequest(problem, "memory", fixed=plan, mip_gap=0.0))
+    assert forced.ilp_peak_bytes == pytest.approx(ev.peak_bytes, rel=1e-9)
+
+
+def test_a_resharded_input_gradient_is_a_tensor_of_its_own():
+    # lin2 split over its output columns: f is S(1) and its gradient is resharded from the
+    # add's (R) into a 1024 B piece of its own, beside the add's gradient h keeps.
+    problem = build_problem(residual_graph(), parse_mesh("4"))
+    S = problem.schedule
+    plan = complete_selection(problem, pick(problem, {problem.op_group[1]: ("c",)}))
+    ev = evaluate(problem, plan)
+    assert ev.breakdown_at(S.backward(1))["transients"] == 4096 + 1024 + 4096  # and lin2's for h

@@ -189,6 +189,14 @@ def _owners(problem: Problem) -> dict[int, str]:
     return owner
 
 
+def _shared_gradients_at(problem: Problem, selection: Selection, point: int):
+    """(op role, redundant bytes) of each output-gradient slot live at ``point`` that counts
+    a gradient another producer holds too (``records.SharedGradient``), to take back."""
+    for g in problem.shared_gradients:
+        if g.start <= point <= g.end and g.shared(problem, selection):
+            yield problem.groups[g.owner].key, float(g.redundant[selection.choices[g.group]])
+
+
 def _held_at(problem: Problem, selection: Selection, point: int):
     """Each distinct activation held at ``point``: (a holder of it, its held tensor, the
     layout id, the layout, the op group that owns it — its producer, or the consumer whose
@@ -215,6 +223,8 @@ def redundancy_by_op(problem: Problem, selection: Selection, point: int) -> dict
         if s.start <= point <= s.end and s.phase != DURING_RESHARDS:  # (the moment before the reshards)
             key = owner[s.group]
             out[key] = out.get(key, 0.0) + float(s.redundant[selection.choices[s.group]])
+    for key, nbytes in _shared_gradients_at(problem, selection, point):
+        out[key] -= nbytes
     for _, held, lid, _, gid in _held_at(problem, selection, point):
         key = problem.groups[gid].key
         out[key] = out.get(key, 0.0) + float(held.redundant[lid])
@@ -237,6 +247,11 @@ def redundancy_parts(problem: Problem, selection: Selection, point: int, ops: se
         if s.start <= point <= s.end and s.phase != DURING_RESHARDS and owner[s.group] in parts:
             add(owner[s.group], *_slot_part(problem, selection, s.group, s.category, prefixes),
                 float(s.redundant[selection.choices[s.group]]))
+    for op, nbytes in _shared_gradients_at(problem, selection, point):
+        if op in parts and nbytes > 0:  # (its slot's part, in the same layout: as large or larger)
+            left = parts[op].pop(("transients", ()), 0.0) - nbytes
+            if left > 0:
+                parts[op]["transients", ()] = left
     for h, held, lid, layout, gid in _held_at(problem, selection, point):
         axes = tuple(problem.mesh.axis_names[a] for a, p in enumerate(layout)
                      if not isinstance(p, Shard) and problem.mesh.shape[a] > 1)

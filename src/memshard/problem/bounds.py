@@ -51,6 +51,10 @@ def least_choice_bound(problem: Problem) -> np.ndarray:
         m = float(s.nbytes.min())
         least[s.start] += m
         least[s.end + 1] -= m
+    for g in problem.shared_gradients:  # what a plan may take back from the slots
+        m = float(g.nbytes.max())
+        least[g.start] -= m
+        least[g.end + 1] += m
     _held_once(problem, least, lambda held: float(np.min(held.nbytes)))
     return np.cumsum(least)[:n_points]
 
@@ -73,5 +77,8 @@ def zero_redundancy_bound(problem: Problem) -> np.ndarray:
     for item in (*problem.constants, *problem.slots):
         unique[item.start] += item.global_bytes
         unique[item.end + 1] -= item.global_bytes
+    for g in problem.shared_gradients:  # held once
+        unique[g.start] -= g.global_bytes
+        unique[g.end + 1] += g.global_bytes
     _held_once(problem, unique, lambda held: held.global_bytes)
     return np.cumsum(unique)[:n_points] / problem.mesh.num_devices

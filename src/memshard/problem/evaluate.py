@@ -136,10 +136,15 @@ def check_plan(problem: Problem, selection: Selection) -> None:
 
 
 def _add_slots(problem: Problem, selection: Selection, ledger: _Ledger) -> dict[int, np.ndarray]:
-    """The constants and the chosen slots; returns what changes at each point while its
+    """The constants and the chosen slots (less the output-gradient slots that count one
+    shared gradient twice: ``SharedGradient``); returns what changes at each point while its
     reshards run (``Slot.phase``): point → per category, then redundant."""
     for c in problem.constants:
         ledger.add(c.start, c.end, c.category, c.nbytes, c.redundant)
+    for g in problem.shared_gradients:
+        if g.shared(problem, selection):
+            k = selection.choices[g.group]
+            ledger.add(g.start, g.end, "transients", -g.nbytes[k], -g.redundant[k])
     swap = defaultdict(lambda: np.zeros(len(CATEGORIES) + 1))
     for s in problem.slots:
         k = selection.choices[s.group]

@@ -5,8 +5,9 @@ For a tensor of shape ``S`` laid out as ``L`` on the mesh, one device holds
 same bytes sit on ``replication(L)`` devices. The model prices, per choice the planner makes:
 
 - an op's strategy: private saved buffers (dropout masks), the gradients it produces for its
-  activation inputs (and, for a narrow input of a wide op, the wide gradient autograd casts:
-  ``promoted_gradient``), the gradient of its output (``op_memory``);
+  activation inputs (none where it hands on its output's own: ``passes_gradient``; and, for a
+  narrow input of a wide op, the wide gradient autograd casts: ``promoted_gradient``), the
+  gradient of its output (``op_memory``);
 - a parameter's layout and storage sharding (``storage_memory``): weight, gradient and
   optimizer states, each divided further by the mesh axes the storage shards over
   (ZeRO-1: optimizer states, ZeRO-2: + gradients, ZeRO-3/FSDP: + weights), plus the
@@ -175,3 +176,12 @@ def promoted_gradient(op: Op, source: TensorSpec, out: TensorSpec) -> float:
     if source.dtype_bytes >= out.dtype_bytes or source.numel != out.numel or op.kind in GRADIENT_PASSES_THROUGH:
         return 0.0
     return out.dtype_bytes / source.dtype_bytes
+
+
+def passes_gradient(op: Op, j: int, source: TensorSpec, out: TensorSpec) -> bool:
+    """Whether op's backward hands its input ``j`` the output's gradient itself, no tensor of
+    its own: an add's input of the output's dims and dtype (autograd's ``AddBackward`` returns
+    the gradient it receives for both inputs; a broadcast input's is summed, a narrower one's
+    cast, each a new tensor)."""
+    return (op.kind == "add" and op.inputs[j].dims == op.output.dims
+            and source.dtype_bytes == out.dtype_bytes)

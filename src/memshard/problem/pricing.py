@@ -5,7 +5,8 @@ evaluator (``evaluate.py``) read, so the two price every plan identically: for e
 strategies (compute time, statistics all-reduces, buffers, gradients), for every activation
 its edges and holders, for every parameter its storage options (weight, gradient, optimizer
 states, the ZeRO-3 gathers and the gradients' reductions, alone or by layer unit:
-``problem/storage.py``), and the reshard points. The records are described in ``records.py``.
+``problem/storage.py``), the reshard points, and the adds whose gradient two producers share.
+The records are described in ``records.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from memshard.problem.memory import (
     buffer_bytes,
     buffer_global_bytes,
     buffer_redundant_bytes,
+    passes_gradient,
     promoted_gradient,
 )
 from memshard.problem.recompute import (
@@ -63,6 +65,7 @@ from memshard.problem.records import (
     OpGroup,
     Problem,
     ReshardPoint,
+    SharedGradient,
     explicit_prefetch,
     framework_graph,
     without_partial,
@@ -159,6 +162,8 @@ class _Builder(ProblemDraft):
                           "transients", *prices, out.nbytes)
             for j in activation_inputs(self.graph, op):
                 t = op.inputs[j].tensor
+                if passes_gradient(op, j, self.graph.tensors[t], out):
+                    continue  # its gradient is the output's, priced above
                 prices = self.cached((gid, "input_grad", j), lambda t=t, gid=gid, j=j: self.layout_prices(
                     self.graph.tensors[t], [without_partial(L) for L in self.groups[gid].input_grads[j]]))
                 # The last consumer's is the tensor's whole gradient until it is resharded.
@@ -279,6 +284,34 @@ class _Builder(ProblemDraft):
         if not saves and self.groups[consumer].may_replay:
             return READ_BY_REPLAY
         return ""
+
+    def shared_gradients(self, op_group: list[int],
+                         edge_of_input: dict[tuple[int, int], int]) -> list[SharedGradient]:
+        """The adds whose output gradient two producers may receive as it is
+        (``records.SharedGradient``): the last consumer of both its inputs (two tensors), each
+        of the output's dims and dtype, neither edge out of a redistribution."""
+        S, graph, out = self.sched, self.graph, []
+        for i, op in enumerate(graph.ops):
+            spec = graph.tensors[op.output.tensor]
+            inputs = activation_inputs(graph, op)
+            tensors = [op.inputs[j].tensor for j in inputs]
+            if (len(inputs) != 2 or len(set(tensors)) != 2
+                    or op.output.tensor not in self.last_consumer
+                    or any(self.last_consumer[t] != i
+                           or not passes_gradient(op, j, graph.tensors[t], spec)
+                           for j, t in zip(inputs, tensors))):
+                continue
+            edges = (edge_of_input[(i, inputs[0])], edge_of_input[(i, inputs[1])])
+            if any(self.edges[e].gradient_through for e in edges):
+                continue
+            gid, strategies = op_group[i], self.groups[op_group[i]].strategies
+            nbytes, redundant = self.cached(  # (the output gradient's prices, as op_slots')
+                (gid, "output_grad"), lambda spec=spec, strategies=strategies: self.layout_prices(
+                    spec, [without_partial(s.output_layout) for s in strategies]))
+            first = max(graph.producer[t] for t in tensors)  # the first backward of the two
+            out.append(SharedGradient(gid, edges, S.reshard_out(i), S.backward(first), op_group[first],
+                                      nbytes, redundant, float(spec.nbytes)))
+        return out
 
     def add_reshard_points(self, edge_of_input: dict[tuple[int, int], int]) -> list[ReshardPoint]:
         S = self.sched
@@ -425,4 +458,5 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         op_group=op_group, micro_batches=micro_batches, edge_of_input=edge_of_input,
         storage_group=storage_group, reshard_points=b.add_reshard_points(edge_of_input),
         zero3_unit=zero3_unit, recompute=recompute, conflicts=b.conflicts, framework=framework,
+        shared_gradients=b.shared_gradients(op_group, edge_of_input),
     )

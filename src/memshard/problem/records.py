@@ -16,6 +16,9 @@ and a mesh. A plan is a :class:`Selection`: one choice per group, a keep flag pe
   gathers it again in backward, as Megatron's sequence parallelism does. An edge costs the
   forward reshard, the backward reshard of the gradient, and the re-gather when kept.
 - **slots**: memory priced per choice of one group, live on a closed interval of schedule points.
+- **shared gradients**: an add hands its output's gradient itself to both inputs; where both
+  producers receive it in its own layout, their two output-gradient slots are one tensor
+  (``SharedGradient`` takes one back).
 - **holders**: an activation can be held at once by its producer (until its last forward use),
   by a consumer's input copy, and by every op that saves it; with recomputation also by a
   replay (what it makes again, what it reads). The producer's tensor counts
@@ -289,6 +292,30 @@ class Slot:
 
 
 @dataclass(frozen=True)
+class SharedGradient:
+    """An op that hands its output's gradient itself to two inputs (an add:
+    ``memory.passes_gradient``) of which it is the last consumer. A producer whose output
+    gradient is in that gradient's layout (its edge reshards nothing) receives the tensor
+    itself; when both do, their output-gradient slots count one tensor twice, from the op's
+    input-gradient reshards (``start``) to the first of the two producers' backwards (``end``).
+    The record takes the second count back (a negative transient)."""
+
+    group: int  # the op's group
+    edges: tuple[int, int]  # its two inputs' edges
+    start: int
+    end: int
+    owner: int  # the op group of the producer whose backward is ``end`` (its count is taken back)
+    nbytes: np.ndarray  # per choice of the op: its output gradient
+    redundant: np.ndarray
+    global_bytes: float
+
+    def shared(self, problem: Problem, selection: Selection) -> bool:
+        """Whether both producers receive the op's gradient tensor itself under ``selection``."""
+        return all(layouts.producer_grad == layouts.consumer_grad
+                   for layouts in (problem.edge_layouts(selection, e) for e in self.edges))
+
+
+@dataclass(frozen=True)
 class HeldTensor:
     name: str
     key: int  # the producer's op group: equal for the same tensor in every shared layer
@@ -390,6 +417,7 @@ class Problem:
     framework: str = MEMSHARD  # one of FRAMEWORKS
     recompute: str = "none"  # one of recompute.RECOMPUTE_POLICIES
     conflicts: list[Conflict] = field(default_factory=list)
+    shared_gradients: list[SharedGradient] = field(default_factory=list)
     # ``edge_layouts`` of the selection last asked about (pricing a plan asks ~10 times per edge)
     _layouts_seen: tuple[Selection | None, dict[int, EdgeLayouts]] = field(
         default=(None, {}), init=False, repr=False, compare=False)

@@ -10,6 +10,7 @@ Variables::
     κ[e] ∈ {0,1}       edge e keeps its saved copy in the producer's layout
     c[e,L,R], y[τ,H,L] ≥ 0   a consumer's own copy; the producer's tensor once its own
                        holder has ended                                 (memory.py)
+    s[a,L] ∈ [0,1]     an add's gradient in layout L, received by both its producers (memory.py)
     ρ[e,f] ≥ 0         the reshard-buffer price f of edge e             (reshards.py)
     L_t                live bytes at candidate point t
     M ≥ 0              peak bytes per device
@@ -24,7 +25,8 @@ Row families (each row is tagged with its family, see ``model.RowTag``), one met
                 op under ZeRO-3)                                      add_conflict_constraints
   edge-flow, keep, replay   Alpa's edge linearisation factored by mesh axis, a kept copy,
                 recomputation's copies                                add_edge_constraints
-  live-bytes, memory, copy, held   L_t chained, L_t + const_t ≤ M      add_memory_constraints
+  live-bytes, memory, copy, held, shared-gradient   L_t chained, L_t + const_t ≤ M
+                                                                      add_memory_constraints
   reshard, reshard-price   L_t + Σ_k ρ + S_t(x) + const_t ≤ M          add_reshard_constraints
   budget        T ≤ step-time budget (objective memory), M ≤ memory budget (objective time)
                 with T = Σ instances·time(x) + Σ executions·time(z)   add_budget_constraints

@@ -26,6 +26,13 @@ output PyTorch's selective checkpoint caches) is a column bounded by their produ
   u ≥ r[q]  for every group q of a layer that may be replayed        (family ``checkpointed``)
       u: the layer recomputes some op; B = u for an output cached where its op is not replayed
 
+An add that hands its output's gradient to both its producers (``records.SharedGradient``)
+takes one output-gradient slot back where both receive the tensor itself, per layout L:
+
+  s_L ≤ [the add's gradient is in L],  s_L ≤ [each producer's is]
+      (family ``shared-gradient``) memory pushes s_L up to their product; the live bytes
+      count −bytes(L)·s_L
+
 Tensors of shared layers have the same producer group and holders, so a (tensor kind, live
 holders) signature is one expression, counted once per tensor that has it.
 """
@@ -57,6 +64,7 @@ from memshard.problem.records import (
     SOURCE,
     Holder,
     Problem,
+    SharedGradient,
     without_partial,
 )
 from memshard.search.edges import EdgeFlow
@@ -87,6 +95,7 @@ class LiveBytes:
         self.outputs: dict[int, dict[Layout, list[tuple[int, bool]]]] = {}  # see output_choices
         self.checkpointed: dict[tuple[int, ...], int] = {}  # a layer's replaying groups → u
         self.expressions: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.shared_expressions: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     # -- "holder h holds its tensor in layout L" ---------------------------------------------
     def indicator(self, h: Holder, layout: Layout, part: str = "all") -> dict[int, float]:
@@ -188,21 +197,59 @@ class LiveBytes:
         strategies = self.problem.groups[group].strategies
         return {int(self.choice_columns[group][c]): 1.0 for c, s in enumerate(strategies) if s.output_layout == layout}
 
+    def shared_gradient(self, g: SharedGradient) -> tuple[np.ndarray, np.ndarray]:
+        """−bytes(L)·s_L over the layouts L of the add's output gradient (family
+        ``shared-gradient``): the second count of a gradient both producers receive as it is.
+        Adds of the same groups (identical layers) share their columns."""
+        problem, x = self.problem, self.choice_columns
+        producers = tuple(problem.edges[e].producer for e in g.edges)
+        key = (g.group, producers)
+        if key not in self.shared_expressions:
+            by_layout: dict[Layout, list[int]] = defaultdict(list)  # the add's choices per layout
+            for c, strategy in enumerate(problem.groups[g.group].strategies):
+                if g.nbytes[c]:
+                    by_layout[without_partial(strategy.output_layout)].append(c)
+            cols, vals = [], []
+            for layout, choices in by_layout.items():
+                sides = [{int(x[g.group][c]): 1.0 for c in choices}]
+                sides += [{int(x[p][c]): 1.0
+                           for c, strategy in enumerate(problem.groups[p].strategies)
+                           if without_partial(strategy.output_layout) == layout}
+                          for p in producers]
+                if not all(sides):
+                    continue
+                s = int(self.model.columns(1, integer=False)[0])
+                for side in sides:
+                    row = {col: -v for col, v in side.items()}
+                    row[s] = 1.0
+                    self.model.row(row, -highspy.kHighsInf, 0.0,
+                                   RowTag("shared-gradient", item=problem.groups[g.group].key))
+                cols.append(s)
+                vals.append(-float(g.nbytes[choices[0]]) / self.bytes_unit)
+            self.shared_expressions[key] = (np.array(cols, dtype=np.int64),
+                                            np.array(vals, dtype=float))
+        return self.shared_expressions[key]
+
     # -- the rows ------------------------------------------------------------------------------
     def add(self, points: list[int]) -> list[int]:
         """One ``memory`` row per candidate point (returned), over a chain of live-byte columns."""
         slot_keys, slot_vectors, slot_start, slot_end = self.merged_slots()
         holders = _HolderIndex(self.problem)
+        shared_start = np.array([g.start for g in self.problem.shared_gradients], dtype=np.int64)
+        shared_end = np.array([g.end for g in self.problem.shared_gradients], dtype=np.int64)
         terms = []
         for t in points:
             live_slots = np.nonzero((slot_start <= t) & (t <= slot_end))[0]
+            shared = np.nonzero((shared_start <= t) & (t <= shared_end))[0]
+            for g in shared:  # (its columns before the chain's)
+                self.shared_gradient(self.problem.shared_gradients[g])
             signatures = []
             for signature, tensor, count in holders.live_at(t):
                 if signature not in self.expressions:
                     self.expressions[signature] = self.expression(holders, *signature, tensor)
                 signatures.append((signature, count))
             const = sum(c.nbytes for c in self.problem.constants if c.start <= t <= c.end) / self.bytes_unit
-            terms.append((live_slots, signatures, const))
+            terms.append((live_slots, signatures, const, shared))
         rows = self.chain_rows(points, terms, slot_keys, slot_vectors)
         self.constants_at = {t: terms[k][2] for k, t in enumerate(points)}
         return rows
@@ -227,15 +274,20 @@ class LiveBytes:
         live = model.columns(len(points), integer=False, lo=-highspy.kHighsInf, hi=highspy.kHighsInf)
         dense = np.zeros(model.num_columns)  # λ_k's coefficients: the scale changes are measured against
         slots_before: set[int] = set()
+        shared_before: set[int] = set()
         counts_before: dict[tuple, int] = {}
         rows = []
-        for k, (live_slots, signatures, const) in enumerate(terms):
+        for k, (live_slots, signatures, const, live_shared) in enumerate(terms):
             slots = set(live_slots.tolist())
+            shared = set(live_shared.tolist())
             counts: dict[tuple, int] = defaultdict(int)
             for signature, count in signatures:
                 counts[signature] += count
             parts = [(self.choice_columns[slot_keys[i][0]], slot_vectors[slot_keys[i]] * (1.0 if i in slots else -1.0))
                      for i in sorted(slots ^ slots_before)]
+            for g in sorted(shared ^ shared_before):
+                cols, vals = self.shared_gradient(self.problem.shared_gradients[g])
+                parts.append((cols, vals * (1.0 if g in shared else -1.0)))
             for signature in sorted(counts.keys() | counts_before.keys()):
                 change = counts.get(signature, 0) - counts_before.get(signature, 0)
                 if change:
@@ -251,7 +303,7 @@ class LiveBytes:
             rows.append(model.row({int(live[k]): 1.0, self.peak: -1.0}, -highspy.kHighsInf, -const,
                                   RowTag("memory", points[k])))
             self.live_column[points[k]] = int(live[k])
-            slots_before, counts_before = slots, counts
+            slots_before, shared_before, counts_before = slots, shared, counts
         return rows
 
     def expression(self, holders: _HolderIndex, key: int, mask: int, tensor: int) -> tuple[np.ndarray, np.ndarray]:
