@@ -287,7 +287,7 @@ def every_row(problem) -> int:
 
 def test_a_least_memory_plan_the_floor_proves_is_found_by_one_dive_without_reshard_rows():
     """LLaMA-3 8B on 8x8 with recomputation, least memory, ZeRO-3 per layer: the first dive,
-    its reshard rows left out, finds a plan the plan-independent floor proves (within 0.01%)
+    its reshard rows left out, finds a plan the plan-independent floor proves (within 0.02%)
     and that meets every row left out (priced by the evaluator, its peak is the model's):
     no branch and bound, fewer rows than the whole model, and the relaxation of the peak,
     started beside the search, neither waited for nor let run on (it is stopped)."""
@@ -295,7 +295,7 @@ def test_a_least_memory_plan_the_floor_proves_is_found_by_one_dive_without_resha
                             zero3_unit="layer")
     branched = []
     result = solve(SearchRequest(problem, "memory", time_limit_s=60, on_branching=lambda: branched.append(True)))
-    assert result.status == "optimal" and result.gap <= 1e-4 and not branched
+    assert result.status == "optimal" and result.gap <= 2e-4 and not branched
     # one dive, no branch and bound, no lazy rows added; the relaxation beside stopped, never waited for
     assert stage_names(result) == ["dive", "first pass", "relaxation beside"]
     assert result.stages[-1].stopped.startswith("not needed")
@@ -382,11 +382,11 @@ def test_a_dives_plan_the_peaks_relaxation_proves_within_the_gap_needs_no_branch
 
 
 def test_the_tie_break_pass_dives_again():
-    """tiny-gpt on 2x2 A100s, the least memory: the first pass's dive leaves its gap open (the
+    """tiny LLaMA on 2x2, the least memory: the first pass's dive leaves its gap open (the
     model's later runs then skip the dive), and its plan's ties are not shown resolved; the
     tie-break pass dives again, and returns a plan no slower than the first pass's, its peak
     within the cap the first pass's bound sets."""
-    problem = build_problem(build_graph("tiny-gpt", batch=4, seq=32), parse_mesh("2x2", hardware="a100-80gb"))
+    problem = build_problem(build_graph("tiny-llama", batch=4, seq=32), parse_mesh("2x2"))
     result = solve(SearchRequest(problem, "memory", time_limit_s=120))
     names = stage_names(result)
     assert result.status == "optimal" and names.count("tie-break pass") == 1
