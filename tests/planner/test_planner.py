@@ -339,7 +339,7 @@ def test_the_least_memory_with_recomputation_is_the_leaner_of_both_zero3_units()
 
 
 def test_a_unit_whose_floor_reaches_the_plan_found_is_not_searched():
-    """LLaMA-3 8B on 8x8, least memory with recomputation: per layer, a plan within 0.01% of
+    """LLaMA-3 8B on 8x8, least memory with recomputation: per layer, a plan within 0.02% of
     the plan-independent floor, which is the same per op; so the per-op problem is ruled out
     by its floor before its model is built (its one stage record says so: no stage of its
     search ran), the plan proved."""
@@ -348,7 +348,7 @@ def test_a_unit_whose_floor_reaches_the_plan_found_is_not_searched():
     assert [(stage.name, stage.stopped) for stage in per_op] == [
         ("unit's search", "no better plan, by the plan-independent floor")]
     assert {stage.scope for stage in plan.solver.stages} == {"ZeRO-3 per layer", "ZeRO-3 per op"}
-    assert plan.solver.zero3_unit == "layer" and plan.solver.status == "optimal" and plan.solver.gap <= 1e-4
+    assert plan.solver.zero3_unit == "layer" and plan.solver.status == "optimal" and plan.solver.gap <= 2e-4
 
 
 def _unit_problem(unit: str, **job):
