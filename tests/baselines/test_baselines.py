@@ -143,7 +143,9 @@ def test_a_traced_model_is_laid_out_for_tensor_parallelism_by_its_weights(family
         whole = p["names"][0].endswith(("norm.weight", "ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias",
                                         "ln_f.weight", "ln_f.bias", "wpe.weight", "c_proj.bias"))
         assert (p["layout"] == "RR") == whole, p
-    best = memshard.plan(graph, "2x2").peak_bytes
+    # Searched to a 2% gap (the default 0.1% costs several times as long on this tiny traced
+    # model): no worse than any baseline here, the default's plan is no worse within its gap.
+    best = memshard.plan(graph, "2x2", mip_gap=0.02).peak_bytes
     for b in found:
         direct = evaluate(b.problem, b.selection)
         forced = solve(SearchRequest(b.problem, "memory", fixed=b.selection, mip_gap=0.0))

@@ -30,6 +30,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 import memshard  # noqa: E402
+from memshard.core.graph import Graph  # noqa: E402
 from memshard.runtime.measure import MemoryMeter, destroy, init_fake_world  # noqa: E402
 from memshard.trace.hf import build_model, load_config, trace_hf  # noqa: E402
 from memshard.trace.kernels import cuda_attention  # noqa: E402
@@ -44,6 +45,16 @@ FAMILIES = {
     "gpt2": {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 512, "n_positions": 64,
              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
 }
+
+
+@functools.cache
+def _traced(family: str, batch: int, seq: int, precision: str, device: str, overrides: tuple) -> Graph:
+    return trace_hf(family, batch=batch, seq=seq, precision=precision, device=device, **dict(overrides))
+
+
+def traced_graph(family: str, batch: int, seq: int, precision: str, device: str = "cuda", **overrides) -> Graph:
+    """``trace_hf``'s graph, traced once in this module: the tests share it (a Graph is frozen)."""
+    return _traced(family, batch, seq, precision, device, tuple(sorted(overrides.items())))
 
 
 def blocks_of(model) -> list[torch.nn.Module]:
@@ -374,7 +385,7 @@ def test_a_baseline_is_what_its_pytorch_implementation_allocates(baseline, famil
     """(``+full``: the blocks recomputed by ``torch.utils.checkpoint``, which replays a block
     when backward first unpacks one of its saved tensors, after FSDP2 has gathered its
     weights.)"""
-    graph = trace_hf(family, batch=world, seq=SEQ, precision="fp32", **FAMILIES[family])
+    graph = traced_graph(family, batch=world, seq=SEQ, precision="fp32", **FAMILIES[family])
     predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute_of(baseline)).peak_bytes
     for rank in (0, world - 1):
         assert MEASURED[baseline](family, world, rank) == pytest.approx(predicted, rel=0.02), rank
@@ -384,7 +395,7 @@ def test_a_baseline_is_what_its_pytorch_implementation_allocates(baseline, famil
 def test_a_baseline_is_what_its_pytorch_implementation_allocates_at_256_tokens(baseline):
     """Where activations, the loss's buffers and the recomputation matter more than the
     weights: LLaMA (GPT-2's config has 64 positions), 4 ranks, 256 tokens per sequence."""
-    graph = trace_hf("llama", batch=4, seq=256, precision="fp32", **FAMILIES["llama"])
+    graph = traced_graph("llama", batch=4, seq=256, precision="fp32", **FAMILIES["llama"])
     predicted = memshard.strategy_plan(graph, "4", baseline, recompute=recompute_of(baseline)).peak_bytes
     assert MEASURED[baseline]("llama", 4, 0, seq=256) == pytest.approx(predicted, rel=0.02)
 
@@ -395,7 +406,7 @@ def test_checkpointing_every_nth_block_is_what_pytorch_allocates(every):
     index is a multiple of N, the others keeping their activations (``fsdp2+full-everyN``,
     its layers in two classes), LLaMA with 4 blocks, 256 tokens, FSDP2 on 4 ranks; between
     FSDP2 without and with every block checkpointed."""
-    graph = trace_hf("llama", batch=4, seq=256, precision="fp32", **config("llama", 4))
+    graph = traced_graph("llama", batch=4, seq=256, precision="fp32", **config("llama", 4))
     name = f"fsdp2+full-every{every}"
     predicted = memshard.strategy_plan(graph, "4", name, recompute="auto")
     assert predicted.solver.layer_classes == tuple(0 if k % every == 0 else 1 for k in range(4))
@@ -413,7 +424,7 @@ def test_ddp_bucket_size_changes_no_memory(baseline, parallelize):
     small_buckets = functools.partial(parallelize, bucket_cap_mb=0.05)
 
     for seq in (SEQ, 256):
-        graph = trace_hf("llama", batch=4, seq=seq, precision="fp32", **FAMILIES["llama"])
+        graph = traced_graph("llama", batch=4, seq=seq, precision="fp32", **FAMILIES["llama"])
         predicted = memshard.strategy_plan(graph, "4", baseline).peak_bytes
         assert ddp_peak("llama", 4, 0, parallelize=small_buckets, seq=seq) == pytest.approx(predicted, rel=0.02), seq
 
@@ -421,7 +432,7 @@ def test_ddp_bucket_size_changes_no_memory(baseline, parallelize):
 def test_ddp_bucket_views_hold_the_gradients_once():
     """Where the optimizer step is the peak, ``gradient_as_bucket_view=True`` saves one copy
     of the gradients, in PyTorch and in the baselines alike."""
-    graph = trace_hf("llama", batch=4, seq=SEQ, precision="fp32", **FAMILIES["llama"])
+    graph = traced_graph("llama", batch=4, seq=SEQ, precision="fp32", **FAMILIES["llama"])
     gradients = sum(graph.tensors[p].nbytes for p in graph.parameters)
     predicted = {name: memshard.strategy_plan(graph, "4", name).peak_bytes for name in ("ddp", "ddp-bucket-view")}
     measured = {name: MEASURED[name]("llama", 4, 0) for name in predicted}
@@ -433,7 +444,7 @@ def test_fsdp2_holds_more_than_the_idealised_zero3():
     """What FSDP2 holds besides a layer's gathered weights and gradients (the root's weights
     all step, the prefetched next layer, its flat buffers) is real memory: more than the
     idealised per-layer ZeRO-3 memshard's own runtime executes, for less communication."""
-    graph = trace_hf("llama", batch=4, seq=SEQ, precision="fp32", **FAMILIES["llama"])
+    graph = traced_graph("llama", batch=4, seq=SEQ, precision="fp32", **FAMILIES["llama"])
     fsdp2 = memshard.strategy_plan(graph, "4", "fsdp2")
     ideal = memshard.strategy_plan(graph, "4", "zero3-fsdp", zero3_unit="layer")
     assert fsdp2.peak_bytes > 1.1 * ideal.peak_bytes
@@ -446,7 +457,7 @@ def test_fsdp2_holds_more_than_the_idealised_zero3():
 @pytest.mark.parametrize("family, dp, tp, seq", [("llama", 2, 2, SEQ), ("llama", 4, 2, 256),
                                                  ("qwen2", 2, 2, 256), ("qwen2", 4, 2, SEQ)])
 def test_torch_tensor_parallel_times_fsdp2_is_what_pytorch_allocates(family, dp, tp, seq):
-    graph = trace_hf(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
+    graph = traced_graph(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
     predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}").peak_bytes
     idealised = memshard.strategy_plan(graph, f"{dp}x{tp}", f"tp{tp}-fsdp{dp}").peak_bytes
     for rank in (0, dp * tp - 1):
@@ -463,7 +474,7 @@ def test_torch_tensor_parallel_times_fsdp2_kept_after_forward_is_what_pytorch_al
     block's gathered weights held from its forward to its backward: one all-gather less)."""
     from torch.distributed.fsdp import fully_shard
 
-    graph = trace_hf(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
+    graph = traced_graph(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
     name = f"torch-tp{tp}-fsdp{dp}"
     predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", name + "-noreshard").peak_bytes
     assert predicted > memshard.strategy_plan(graph, f"{dp}x{tp}", name).peak_bytes
@@ -502,7 +513,7 @@ def test_fsdp2_on_real_gloo_ranks_is_what_the_baseline_predicts(tmp_path):
     without checkpointing within 2% on every rank."""
     from tests.runtime_harness import forked_world
 
-    graph = trace_hf("llama", batch=4, seq=256, precision="fp32", **FAMILIES["llama"])
+    graph = traced_graph("llama", batch=4, seq=256, precision="fp32", **FAMILIES["llama"])
     reports = forked_world(_gloo_worker, 4, tmp_path)
     for baseline in ("fsdp2", "fsdp2+full"):
         predicted = memshard.strategy_plan(graph, "4", baseline, recompute=recompute_of(baseline)).peak_bytes
@@ -516,7 +527,7 @@ def test_fsdp2_on_real_gloo_ranks_is_what_the_baseline_predicts(tmp_path):
 def test_torch_tensor_parallel_with_checkpointing_is_what_pytorch_allocates(family, dp, tp, seq):
     """``torch-tp…+full``: TP × FSDP2 with every block under ``torch.utils.checkpoint``; the
     block's input is the embedding's output reduce-scattered once (``RowwiseParallel``)."""
-    graph = trace_hf(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
+    graph = traced_graph(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
     predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}+full", recompute="full").peak_bytes
     for rank in (0, dp * tp - 1):
         measured = tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize=checkpointed_tensor_parallel_fsdp2)
@@ -531,7 +542,7 @@ def test_fsdp2_in_mixed_precision_is_what_pytorch_allocates(family, world, seq, 
     fp32 shards (the master weights) and fp32 reduced gradients beside Adam's two moments,
     bf16 gathered weights, activations and computed gradients, the reduce-scatter's flat
     input in fp32 (``fsdp2-noreshard``: with ``reshard_after_forward=False``)."""
-    graph = trace_hf(family, batch=world, seq=seq, precision="mixed", **FAMILIES[family])
+    graph = traced_graph(family, batch=world, seq=seq, precision="mixed", **FAMILIES[family])
     baseline = ("fsdp2" if reshard else "fsdp2-noreshard") + ("+full" if recompute == "full" else "")
     predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute).peak_bytes
     parallelize = functools.partial(mixed_precision, parallelize=fully_shard_blocks if reshard else kept_after_forward)
@@ -543,7 +554,7 @@ def test_fsdp2_in_mixed_precision_is_what_pytorch_allocates(family, world, seq, 
 
 @pytest.mark.parametrize("family, dp, tp, seq", [("llama", 2, 2, 256), ("qwen2", 4, 2, SEQ)])
 def test_torch_tensor_parallel_times_fsdp2_in_mixed_precision_is_what_pytorch_allocates(family, dp, tp, seq):
-    graph = trace_hf(family, batch=dp, seq=seq, precision="mixed", **FAMILIES[family])
+    graph = traced_graph(family, batch=dp, seq=seq, precision="mixed", **FAMILIES[family])
     predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}").peak_bytes
     parallelize = functools.partial(mixed_precision, parallelize=tensor_parallel_fsdp2)
     for rank in (0, dp * tp - 1):
@@ -555,7 +566,7 @@ def check_fully_sharded(baseline: str, wrap, family: str, world: int, layers: in
     """``baseline`` (with ``+full`` under full recomputation) predicts the peak that FSDP2
     applied by ``wrap`` (under FSDP2's mixed precision, and ``checkpointed``, as asked)
     allocates on the first and the last rank, within 2%: (the traced graph, the last rank's peak)."""
-    graph = trace_hf(family, batch=world, seq=seq, precision=precision, **config(family, layers))
+    graph = traced_graph(family, batch=world, seq=seq, precision=precision, **config(family, layers))
     suffix = "+full" if recompute == "full" else ""
     predicted = memshard.strategy_plan(graph, str(world), baseline + suffix, recompute=recompute).peak_bytes
     parallelize = wrap if precision == "fp32" else functools.partial(mixed_precision, parallelize=wrap)
@@ -600,7 +611,7 @@ def test_fsdp2_wrapped_as_torchtitan_wraps_a_decoder_is_what_pytorch_allocates(f
 def test_fsdp2_wrapped_as_torchtitan_with_tied_embeddings_is_fsdp2():
     """Tied embeddings: torchtitan puts the embedding, final norm and output layer in one
     unit not resharded after forward, which is gathered and reduced as the root is."""
-    graph = trace_hf("gpt2", batch=4, seq=SEQ, precision="fp32", **FAMILIES["gpt2"])
+    graph = traced_graph("gpt2", batch=4, seq=SEQ, precision="fp32", **FAMILIES["gpt2"])
     assert (memshard.strategy_plan(graph, "4", "fsdp2-torchtitan").peak_bytes
             == memshard.strategy_plan(graph, "4", "fsdp2").peak_bytes)
     text = memshard.export(graph, "4", strategy="fsdp2-torchtitan")  # and exported as fsdp2's blocks and root
@@ -613,7 +624,7 @@ def test_torch_tensor_parallel_times_fsdp2_wrapped_as_torchtitan_is_what_pytorch
                                                                                           precision):
     """``torch-tp<T>-fsdp<D>-torchtitan``: torchtitan's 2-D recipe with its FSDP2 units (the
     embedding and the output layers apart from the root), 5–11% below ``torch-tp<T>-fsdp<D>``."""
-    graph = trace_hf(family, batch=dp, seq=seq, precision=precision, **FAMILIES[family])
+    graph = traced_graph(family, batch=dp, seq=seq, precision=precision, **FAMILIES[family])
     predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}-torchtitan").peak_bytes
     parallelize = tensor_parallel_torchtitan_wrapped if precision == "fp32" else functools.partial(
         mixed_precision, parallelize=tensor_parallel_torchtitan_wrapped)
@@ -632,7 +643,7 @@ def test_fsdp2_resharded_within_a_node_after_forward_is_what_pytorch_allocates(f
     (the mesh's innermost axis), FSDP2 over all of them: each layer keeps its weights' 1/N
     shard from its forward to its backward, where the all-gather within the node reads it."""
     world, node = math.prod(map(int, mesh.split("x"))), int(mesh.split("x")[-1])
-    graph = trace_hf(family, batch=world, seq=seq, precision=precision, **config(family, layers))
+    graph = traced_graph(family, batch=world, seq=seq, precision=precision, **config(family, layers))
     suffix = "+full" if recompute == "full" else ""
     predicted = memshard.strategy_plan(graph, mesh, f"fsdp2-reshard{node}{suffix}", recompute=recompute).peak_bytes
     parallelize = resharded_within(node)
@@ -654,7 +665,7 @@ def test_ddp_and_fsdp2_under_autocast_are_what_pytorch_allocates(baseline, famil
     autocast computes it in, each weight's bf16 copy saved for its backward. The ranks run CPU
     autocast here, so the trace takes CPU's op lists (``device="cpu"``; CUDA's are
     checked against a GPU's measurements below)."""
-    graph = trace_hf(family, batch=world, seq=seq, precision="autocast", device="cpu", **FAMILIES[family])
+    graph = traced_graph(family, batch=world, seq=seq, precision="autocast", device="cpu", **FAMILIES[family])
     predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute_of(baseline)).peak_bytes
     for rank in (0, world - 1):
         measured = MEASURED[baseline](family, world, rank, seq=seq, autocast=True)
@@ -671,7 +682,7 @@ GPU_BASELINES = {"ddp-autocast": ("autocast", "ddp", "none"), "ddp+full-autocast
 
 def predicted_on(run: dict, device: str) -> float:
     precision, baseline, recompute = GPU_BASELINES[run["run"]]
-    graph = trace_hf(run["family"], batch=run["world"], seq=run["seq"], precision=precision, device=device,
+    graph = traced_graph(run["family"], batch=run["world"], seq=run["seq"], precision=precision, device=device,
                      **run["config"])
     return memshard.strategy_plan(graph, str(run["world"]), baseline, recompute=recompute).peak_bytes
 

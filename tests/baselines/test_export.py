@@ -52,10 +52,9 @@ def parallelize_of(text: str):
 def traced():
     """The conformance tests' tiny HF models, traced once: one sequence of 32 tokens per rank."""
     pytest.importorskip("transformers")
-    from memshard.trace.hf import trace_hf
-    from tests.baselines.test_conformance import FAMILIES, SEQ
+    from tests.baselines.test_conformance import FAMILIES, SEQ, traced_graph
 
-    return {f: trace_hf(f, batch=WORLD, seq=SEQ, precision="fp32", **FAMILIES[f]) for f in FAMILIES}
+    return {f: traced_graph(f, batch=WORLD, seq=SEQ, precision="fp32", **FAMILIES[f]) for f in FAMILIES}
 
 
 def measured(strategy: str, parallelize, family: str, rank: int, autocast: bool = False) -> int:
@@ -105,10 +104,9 @@ def test_the_exported_code_allocates_what_the_plan_predicts(strategy, family, tr
 def test_an_autocast_export_says_how_to_train_and_allocates_what_is_predicted(strategy):
     """Under ``--precision autocast`` the code is the fp32 one; its header says to train under
     ``torch.autocast``, as the step measured here does (CPU's, whose lists the trace takes)."""
-    from memshard.trace.hf import trace_hf
-    from tests.baselines.test_conformance import FAMILIES, SEQ, recompute_of
+    from tests.baselines.test_conformance import FAMILIES, SEQ, recompute_of, traced_graph
 
-    graph = trace_hf("llama", batch=WORLD, seq=SEQ, precision="autocast", device="cpu", **FAMILIES["llama"])
+    graph = traced_graph("llama", batch=WORLD, seq=SEQ, precision="autocast", device="cpu", **FAMILIES["llama"])
     text = memshard.export(graph, str(WORLD), strategy=strategy)
     assert 'torch.autocast("cuda", dtype=torch.bfloat16)' in text and "mp_policy" not in text
     predicted = memshard.strategy_plan(graph, str(WORLD), strategy, recompute=recompute_of(strategy)).peak_bytes
@@ -121,10 +119,9 @@ def test_an_autocast_export_says_how_to_train_and_allocates_what_is_predicted(st
 def test_an_explicitly_prefetching_fsdp2_export_allocates_what_is_predicted(family):
     """``fsdp2-prefetch2`` on four blocks: each block's ``set_modules_to_forward_prefetch``
     and ``set_modules_to_backward_prefetch`` written from its container, as priced."""
-    from memshard.trace.hf import trace_hf
-    from tests.baselines.test_conformance import SEQ, config, fully_sharded_peak
+    from tests.baselines.test_conformance import SEQ, config, fully_sharded_peak, traced_graph
 
-    graph = trace_hf(family, batch=WORLD, seq=SEQ, precision="fp32", **config(family, 4))
+    graph = traced_graph(family, batch=WORLD, seq=SEQ, precision="fp32", **config(family, 4))
     text = memshard.export(graph, str(WORLD), strategy="fsdp2-prefetch2")
     assert "block.set_modules_to_forward_prefetch(blocks[k + 1:k + 3])" in text
     assert "block.set_modules_to_backward_prefetch([blocks[k - j] for j in range(1, 3)])" in text
@@ -138,10 +135,9 @@ def test_an_explicitly_prefetching_fsdp2_export_allocates_what_is_predicted(fami
 def test_a_torchtitan_wrapped_fsdp2_export_allocates_what_is_predicted(family, precision):
     """``fsdp2-torchtitan``: the embedding and the output layers sharded first, by the modules
     that hold those weights, read off the traced graph."""
-    from memshard.trace.hf import trace_hf
-    from tests.baselines.test_conformance import SEQ, config, fully_sharded_peak
+    from tests.baselines.test_conformance import SEQ, config, fully_sharded_peak, traced_graph
 
-    graph = trace_hf(family, batch=WORLD, seq=SEQ, precision=precision, **config(family, 3))
+    graph = traced_graph(family, batch=WORLD, seq=SEQ, precision=precision, **config(family, 3))
     text = memshard.export(graph, str(WORLD), strategy="fsdp2-torchtitan")
     assert 'fully_shard(model.get_submodule("model.embed_tokens"), mesh=mesh' in text
     assert ('fully_shard([model.get_submodule("model.norm"), model.get_submodule("lm_head")], mesh=mesh'
@@ -154,10 +150,9 @@ def test_a_torchtitan_wrapped_fsdp2_export_allocates_what_is_predicted(family, p
 
 def test_an_fsdp2_export_resharded_within_a_node_allocates_what_is_predicted():
     """``fsdp2-reshard2`` on a 2x2 mesh: ``reshard_after_forward=2`` to every ``fully_shard``."""
-    from memshard.trace.hf import trace_hf
-    from tests.baselines.test_conformance import SEQ, config, fully_sharded_peak
+    from tests.baselines.test_conformance import SEQ, config, fully_sharded_peak, traced_graph
 
-    graph = trace_hf("llama", batch=WORLD, seq=SEQ, precision="fp32", **config("llama", 3))
+    graph = traced_graph("llama", batch=WORLD, seq=SEQ, precision="fp32", **config("llama", 3))
     text = memshard.export(graph, "2x2", strategy="fsdp2-reshard2")
     assert text.count(", reshard_after_forward=2)") == 2
     predicted = memshard.strategy_plan(graph, "2x2", "fsdp2-reshard2").peak_bytes
@@ -170,12 +165,11 @@ def test_an_fsdp2_export_resharded_within_a_node_allocates_what_is_predicted():
 def test_a_mixed_precision_export_runs_fsdp2_mixed_precision_and_allocates_what_is_predicted(strategy, family):
     """A mixed-precision job's FSDP2 export gives every ``fully_shard`` the policy its
     baseline prices (bf16 compute, fp32 shards and gradient reduction)."""
-    from memshard.trace.hf import trace_hf
-    from tests.baselines.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak
+    from tests.baselines.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak, traced_graph
 
     tensor_parallel = strategy.startswith("torch-tp")
     mesh, batch = ("2x2", 2) if tensor_parallel else (str(WORLD), WORLD)  # a sequence per replica
-    graph = trace_hf(family, batch=batch, seq=SEQ, precision="mixed", **FAMILIES[family])
+    graph = traced_graph(family, batch=batch, seq=SEQ, precision="mixed", **FAMILIES[family])
     text = memshard.export(graph, mesh, strategy=strategy)
     assert text.count("mp_policy=mp_policy)") == 2
     assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in text
@@ -194,7 +188,6 @@ def test_the_exported_tensor_parallel_code_is_torchtitans_plan_and_allocates_wha
     ``fully_shard``, as the conformance test applies it.)"""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from memshard.trace.hf import trace_hf
     from tests.baselines.test_conformance import (
         FAMILIES,
         SEQ,
@@ -203,9 +196,10 @@ def test_the_exported_tensor_parallel_code_is_torchtitans_plan_and_allocates_wha
         fake_rank,
         tensor_parallel_fsdp2,
         tp_fsdp2_peak,
+        traced_graph,
     )
 
-    graph = trace_hf(family, batch=2, seq=SEQ, precision="fp32", **FAMILIES[family])  # a sequence per replica
+    graph = traced_graph(family, batch=2, seq=SEQ, precision="fp32", **FAMILIES[family])  # a sequence per replica
     strategy = "torch-tp2-fsdp2" + ("+full" if recompute == "full" else "")
     text = memshard.export(graph, "2x2", strategy=strategy)
     predicted = memshard.strategy_plan(graph, "2x2", strategy, recompute=recompute).peak_bytes
@@ -227,10 +221,9 @@ def test_the_exported_tensor_parallel_code_is_torchtitans_plan_and_allocates_wha
 def test_the_exported_tensor_parallel_code_with_torchtitans_units_allocates_what_is_predicted():
     """``torch-tp2-fsdp2-torchtitan``: the embedding and the output layers sharded over the
     data-parallel axis first, then the blocks and the root."""
-    from memshard.trace.hf import trace_hf
-    from tests.baselines.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak
+    from tests.baselines.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak, traced_graph
 
-    graph = trace_hf("llama", batch=2, seq=SEQ, precision="fp32", **FAMILIES["llama"])
+    graph = traced_graph("llama", batch=2, seq=SEQ, precision="fp32", **FAMILIES["llama"])
     text = memshard.export(graph, "2x2", strategy="torch-tp2-fsdp2-torchtitan")
     assert 'fully_shard(model.get_submodule("model.embed_tokens"), mesh=dp_mesh)' in text
     assert text.count(", reshard_after_forward=False)") == 1
@@ -241,10 +234,9 @@ def test_the_exported_tensor_parallel_code_with_torchtitans_units_allocates_what
 
 def test_the_exported_tensor_parallel_code_kept_after_forward_allocates_what_is_predicted():
     """``torch-tp2-fsdp2-noreshard``: every ``fully_shard`` given ``reshard_after_forward=False``."""
-    from memshard.trace.hf import trace_hf
-    from tests.baselines.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak
+    from tests.baselines.test_conformance import FAMILIES, SEQ, tp_fsdp2_peak, traced_graph
 
-    graph = trace_hf("llama", batch=2, seq=SEQ, precision="fp32", **FAMILIES["llama"])
+    graph = traced_graph("llama", batch=2, seq=SEQ, precision="fp32", **FAMILIES["llama"])
     text = memshard.export(graph, "2x2", strategy="torch-tp2-fsdp2-noreshard")
     assert text.count(", reshard_after_forward=False)") == 2
     predicted = memshard.strategy_plan(graph, "2x2", "torch-tp2-fsdp2-noreshard").peak_bytes
@@ -349,10 +341,9 @@ def test_megatron_block_recomputation_is_its_block_method():
 def test_checkpointing_every_nth_block_is_exported_and_allocates_what_is_predicted():
     """``fsdp2+full-every2``: the exported loop wraps the blocks of even index only, and the
     function run under the fake process group allocates the prediction (LLaMA, 4 blocks)."""
-    from memshard.trace.hf import trace_hf
-    from tests.baselines.test_conformance import SEQ, config, fully_sharded_peak
+    from tests.baselines.test_conformance import SEQ, config, fully_sharded_peak, traced_graph
 
-    graph = trace_hf("llama", batch=WORLD, seq=SEQ, precision="fp32", **config("llama", 4))
+    graph = traced_graph("llama", batch=WORLD, seq=SEQ, precision="fp32", **config("llama", 4))
     text = memshard.export(graph, str(WORLD), strategy="fsdp2+full-every2")
     assert "if k % 2 == 0:" in text and text.count("checkpoint_wrapper(") == 1
     predicted = memshard.strategy_plan(graph, str(WORLD), "fsdp2+full-every2", recompute="auto").peak_bytes

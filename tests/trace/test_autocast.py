@@ -91,7 +91,9 @@ def test_autocast_is_priced_for_traced_models_and_run_by_none():
     graph = trace_hf("gpt2", batch=2, seq=32, precision="autocast", **GPT2)
     with pytest.raises(MemshardError, match="autocast plan"):
         runnable(memshard.strategy_plan(graph, "2", "ddp"))
-    compared = memshard.compare(trace_hf("gpt2", batch=4, seq=32, precision="autocast", **GPT2), "2x2")
+    # (the rows' names and the reasons are checked here, not memshard's plans: a loose gap)
+    compared = memshard.compare(trace_hf("gpt2", batch=4, seq=32, precision="autocast", **GPT2), "2x2",
+                                mip_gap=0.5)
     names = {row["strategy"]: row for row in compared["skipped"]}
     assert "autocast" in names["megatron-tp2-dp2"]["reason"]
     assert {"fsdp2-noreshard", "torch-tp2-fsdp2"} <= set(names)  # measured off, or not checked, under it
