@@ -155,6 +155,7 @@ class Plan:
     compute_time_s: float
     communication_time_s: float
     recompute_time_s: float  # what the replays add to the step: forward compute and reshards
+    hidden_communication_s: float  # of communication_time_s, under the compute (not in the step)
     compute_by_kind: dict[str, float]  # matmuls, attention, other ops, optimizer step → seconds
     solver: SolverSummary
     most_redundant_ops: tuple[RedundantOp, ...]
@@ -261,6 +262,7 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
         "compute_time_s": plan.compute_time_s,
         "communication_time_s": plan.communication_time_s,
         "recompute_time_s": plan.recompute_time_s,
+        "hidden_communication_s": plan.hidden_communication_s,
         "compute_by_kind_s": plan.compute_by_kind,
         "solver": {"status": s.status, "time_s": s.time_s, "gap": s.gap, "variables": s.variables,
                    "constraints": s.constraints, "shared_layers": s.shared_layers, "zero3_unit": s.zero3_unit,
@@ -328,6 +330,7 @@ def build_plan(
         compute_time_s=ev.compute_time_s,
         communication_time_s=ev.communication_time_s,
         recompute_time_s=ev.recompute_time_s,
+        hidden_communication_s=ev.hidden_communication_s,
         compute_by_kind=ev.compute_by_kind,
         solver=_solver_summary(problem, result),
         most_redundant_ops=advise(problem, selection, ev, top, alternatives=advice),

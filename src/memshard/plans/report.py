@@ -110,6 +110,8 @@ def _communication_table(plan: Plan) -> Table:
                       format_seconds(v.get("time_s", 0.0)))
     c.add_row("[bold]total[/]", "", f"[bold]{format_bytes(plan.communication.bytes_per_step)}[/]",
               format_seconds(plan.communication_time_s))
+    if plan.hidden_communication_s:
+        c.add_row("  of which under the compute", "", "", format_seconds(plan.hidden_communication_s))
     c.add_row("compute", "", "", format_seconds(plan.compute_time_s))
     for kind, seconds in plan.compute_by_kind.items():
         if seconds:

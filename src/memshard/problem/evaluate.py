@@ -1,6 +1,10 @@
 """Price one complete plan: live bytes at every schedule point, the peak and its breakdown,
 redundant bytes, the zero-redundancy bound, communication and step time.
 
+The step time is the compute, plus every collective, less the collectives hidden under the
+compute (:func:`hidden_communication`): the step is the longer of two streams, the compute and
+the collectives its framework runs beside it, plus the collectives that run in line.
+
 The evaluator reads the same :class:`~memshard.problem.records.Problem` the ILP is built from, but
 sums it directly (no linearisation), so it is the reference the solver is tested against.
 """
@@ -36,6 +40,7 @@ class Evaluation:
     category_bytes: np.ndarray  # per category (CATEGORIES' order) × schedule point
     recompute_time_s: float = 0.0  # what replays add (in the step time already)
     compute_by_kind: dict[str, float] = field(default_factory=dict)  # COMPUTE_KINDS → seconds
+    hidden_communication_s: float = 0.0  # of communication_time_s, under the compute
 
     def breakdown_at(self, point: int) -> dict[str, float]:
         """Live bytes per category at schedule point ``point``."""
@@ -94,10 +99,25 @@ def recompute_time(problem: Problem, selection: Selection) -> float:
     return ops + edges
 
 
+def hidden_communication(problem: Problem, selection: Selection) -> float:
+    """Seconds of collectives the compute hides: those the framework runs beside it
+    (``Choice.overlapped_s``), up to the ops' compute (the optimizer step waits for the reduced
+    gradients)::
+
+        hidden = min(Σ instances·overlapped_s, Σ_op groups instances·compute_s)
+    """
+    overlapped = compute = 0.0
+    for group, k in zip(problem.groups, selection.choices):
+        overlapped += group.instances * group.choices[k].overlapped_s
+        if isinstance(group, OpGroup):
+            compute += group.instances * group.choices[k].compute_s
+    return min(overlapped, compute)
+
+
 def step_time(problem: Problem, selection: Selection) -> float:
     """The plan's estimated step time (``evaluate(...).step_time_s`` without the memory)."""
     return sum(n * (compute_s + sum(comm.collective_time(c, problem.mesh) for c in calls))
-               for n, compute_s, calls in _priced(problem, selection))
+               for n, compute_s, calls in _priced(problem, selection)) - hidden_communication(problem, selection)
 
 
 class _Ledger:
@@ -240,6 +260,7 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
     bound = zero_redundancy_bound(problem)
     bound_point = int(np.argmax(bound))
     compute, communication, wire, by_kind = _communication(problem, selection)
+    hidden = hidden_communication(problem, selection)
     return Evaluation(
         peak_bytes=float(total[peak_point]),
         peak_point=peak_point,
@@ -247,7 +268,7 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
         redundant_bytes=float(np.cumsum(ledger.redundant)[peak_point]),
         lower_bound_bytes=float(bound[bound_point]),
         lower_bound_point=bound_point,
-        step_time_s=compute + communication,
+        step_time_s=compute + communication - hidden,
         compute_time_s=compute,
         communication_time_s=communication,
         communication_bytes=wire,
@@ -256,4 +277,5 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
         category_bytes=live,
         recompute_time_s=recompute_time(problem, selection),
         compute_by_kind=compute_by_kind(problem, selection),
+        hidden_communication_s=hidden,
     )

@@ -98,6 +98,13 @@ NO_RESHARD_FRAMEWORKS = (FSDP2_NO_RESHARD, TORCH_TP_NO_RESHARD)  # fully_shard(r
 FSDP2_FRAMEWORKS = (FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, FSDP2_TORCHTITAN, FSDP2_RESHARD_NODE, *TORCH_TP_FRAMEWORKS)  # fully_shard on every layer and the root
 DDP_FRAMEWORKS = (DDP, DDP_BUCKET_VIEW)
 TORCH_FRAMEWORKS = (*FSDP2_FRAMEWORKS, *DDP_FRAMEWORKS)  # run with torch.optim.Adam (foreach)
+# The frameworks that run a layer's data-parallel collectives on a stream of their own, beside the
+# compute: FSDP2 prefetches the next layer's all-gather and reduce-scatters a layer's gradients
+# while the backward goes on; DDP all-reduces its buckets during the backward. The root's (the
+# embedding's, the head's) wait: the first all-gather starts the step, the last reduction ends
+# it. Megatron-LM by default (no ``--overlap-grad-reduce``) and memshard's runtime run every
+# collective in line. See ``Choice.overlapped_s`` and ``evaluate.hidden_communication``.
+OVERLAPPING_FRAMEWORKS = TORCH_FRAMEWORKS
 
 
 def explicit_prefetch(framework: str) -> int:
@@ -160,6 +167,7 @@ class Choice:
     calls: tuple[comm.Collective, ...]  # per instance: forward + backward + optimizer
     time_s: float
     replay_s: float = 0.0  # per instance: what its replay adds (in compute_s and calls already)
+    overlapped_s: float = 0.0  # per instance: of time_s, the collectives run beside the compute
 
 
 @dataclass

@@ -37,6 +37,7 @@ from memshard.problem.records import (
     DURING_RESHARDS,
     MEGATRON,
     MEMSHARD,
+    OVERLAPPING_FRAMEWORKS,
     TORCH_FRAMEWORKS,
     Choice,
     Conflict,
@@ -105,6 +106,8 @@ class StoragePricing:
             # layout with no axis left to shard: elsewhere ZeRO over a free axis holds less.
             options += [(G, MASTER_ALONE) for G in dict.fromkeys(g_labels) if len(storage_options(G, mesh)) == 1]
         mems = [storage_memory(spec, G, opt, self.draft.graph.precision, mesh) for G, opt in options]
+        # a layer's gathers and reductions beside the compute, where its framework runs them so
+        overlapped = self.draft.framework in OVERLAPPING_FRAMEWORKS and self.draft.graph.ops[i0].layer is not None
         choices = []
         for (G, opt), m in zip(options, mems):
             calls = self.sync_calls(spec, G, opt, self.gathers_per_pass(name, uses))
@@ -112,7 +115,9 @@ class StoragePricing:
                 share = 1 / self.draft.units[name].members
                 calls = tuple(replace(c, share=share) if c.kind != comm.ALL_REDUCE else c for c in calls)
             step = optimizer_step_time(m.optimizer_states, m.gradients, m.parameters, mesh.hardware)
-            choices.append(Choice((G, opt.stage, opt.axes), step, calls, step + self.draft.time(calls)))
+            collectives = self.draft.time(calls)
+            choices.append(Choice((G, opt.stage, opt.axes), step, calls, step + collectives,
+                                  overlapped_s=collectives if overlapped else 0.0))
         gid = self.draft.index[key] = len(self.draft.groups)
         self.draft.groups.append(StorageGroup(name, choices, options, mems))
         self.draft.links.append(Link(gid, tuple(G for G, _ in options), og, tuple(g_labels)))

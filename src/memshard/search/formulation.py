@@ -14,6 +14,8 @@ Variables::
     ρ[e,f] ≥ 0         the reshard-buffer price f of edge e             (reshards.py)
     L_t                live bytes at candidate point t
     M ≥ 0              peak bytes per device
+    E ≥ 0              the collectives run beside the compute that it does not hide
+                       (only where the framework overlaps some: ``Choice.overlapped_s``)
 
 Row families (each row is tagged with its family, see ``model.RowTag``), one method each:
 
@@ -28,8 +30,12 @@ Row families (each row is tagged with its family, see ``model.RowTag``), one met
   live-bytes, memory, copy, held, shared-gradient   L_t chained, L_t + const_t ≤ M
                                                                       add_memory_constraints
   reshard, reshard-price   L_t + Σ_k ρ + S_t(x) + const_t ≤ M          add_reshard_constraints
+  overlap       E ≥ Σ instances·overlapped(x) − Σ_op groups instances·compute(x)
+                                                                      add_overlap_constraints
   budget        T ≤ step-time budget (objective memory), M ≤ memory budget (objective time)
-                with T = Σ instances·time(x) + Σ executions·time(z)   add_budget_constraints
+                with T = Σ instances·(time(x) − overlapped(x)) + E + Σ executions·time(z)
+                (evaluate's step time where E sits at its bound; above it T only grows)
+                                                                      add_budget_constraints
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class Formulation:
         self.keep_columns: dict[int, int] = {}
         self.live: LiveBytes | None = None
         self.reshards: ReshardRows | None = None
+        self.exposed: int | None = None  # E's column
 
     def add_plan_constraints(self, points: list[int], reshard_rows: bool = True) -> None:
         """Every family that makes a solution a plan and prices its peak at ``points`` (the
@@ -76,6 +83,7 @@ class Formulation:
         self.add_link_constraints()
         self.add_conflict_constraints()
         self.add_edge_constraints()
+        self.add_overlap_constraints()
         self.add_memory_constraints(points)
         if reshard_rows:
             self.add_reshard_constraints()
@@ -114,6 +122,23 @@ class Formulation:
             if flow.keep_column is not None:
                 self.keep_columns[e] = flow.keep_column
 
+    def add_overlap_constraints(self) -> None:
+        """E, the overlapped collectives the compute does not hide: E ≥ 0 and
+        E − Σ instances·overlapped(x) + Σ_op groups instances·compute(x) ≥ 0 (none where no
+        choice overlaps: the model is as without)."""
+        groups = self.problem.groups
+        if not any(c.overlapped_s for g in groups for c in g.choices):
+            return
+        self.exposed = int(self.model.columns(1, integer=False, hi=highspy.kHighsInf)[0])
+        cols, vals = [np.array([self.exposed])], [np.array([1.0])]
+        for g, grp in enumerate(groups):
+            window = isinstance(grp, OpGroup)
+            cols.append(self.choice_columns[g])
+            vals.append(np.array([(c.compute_s * window - c.overlapped_s) * grp.instances / self.time_unit
+                                  for c in grp.choices]))
+        self.model.row((np.concatenate(cols), np.concatenate(vals)), 0.0, highspy.kHighsInf,
+                       RowTag("overlap", item="step"))
+
     def add_memory_constraints(self, points: list[int]) -> list[int]:
         """The ``memory`` rows of ``points`` (after add_edge_constraints)."""
         self.live = LiveBytes(self.problem, self.model, self.choice_columns, self.flows, self.peak, self.bytes_unit)
@@ -140,7 +165,10 @@ class Formulation:
         vals = [f.time_values for f in self.flows]
         for g, grp in enumerate(self.problem.groups):
             cols.append(self.choice_columns[g])
-            vals.append(np.array([c.time_s * grp.instances / self.time_unit for c in grp.choices]))
+            vals.append(np.array([(c.time_s - c.overlapped_s) * grp.instances / self.time_unit for c in grp.choices]))
+        if self.exposed is not None:
+            cols.append(np.array([self.exposed]))
+            vals.append(np.array([1.0]))
         unique, inverse = np.unique(np.concatenate(cols), return_inverse=True)
         return unique, np.bincount(inverse, weights=np.concatenate(vals))
 

@@ -16,7 +16,7 @@ from memshard.problem.records import Problem
 class Reference:
     memory_floor_bytes: float  # zero-redundancy bound: no plan's peak is lower (and the scale)
     least_peak_bytes: float  # a tighter plan-independent bound (``bounds.peak_lower_bound``)
-    time_floor_s: float  # every group at its fastest choice, no resharding: no plan is faster
+    time_floor_s: float  # every group at its fastest, no resharding, overlap all hidden: none faster
     time_estimate_s: float  # a typical memory-lean plan's step time (ZeRO-3 where it exists)
     time_scale_s: float  # the slowest choice of every group: an over-estimate, of the right order
 
@@ -34,7 +34,7 @@ class Reference:
 
 
 def reference(problem: Problem) -> Reference:
-    time_floor = sum(g.instances * min(c.time_s for c in g.choices) for g in problem.groups)
+    time_floor = sum(g.instances * min(c.time_s - c.overlapped_s for c in g.choices) for g in problem.groups)
     try:
         time_estimate = step_time(problem, data_parallel(problem, 3))
     except (SplitUnavailable, ValueError):  # no ZeRO-3 here (e.g. a batch smaller than the mesh)
