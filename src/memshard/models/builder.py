@@ -18,6 +18,7 @@ from memshard.core.graph import (
 )
 
 DROPOUT_MASK_BYTES = 1  # torch keeps a bool mask per element
+LSE_BYTES = 4  # the flash-attention logsumexp is fp32
 INDEX_BYTES = 8  # int64 token ids and labels
 
 
@@ -195,20 +196,36 @@ class GraphBuilder:
         )
 
     # -- blocks shared by GPT and BERT ------------------------------------------------------------
-    def attention_block(self, x: str, dropout: bool) -> str:
+    def attention_block(self, x: str, dropout: bool, fused: bool = False) -> str:
         """Megatron-style multi-head attention on ``x[b,s,h]`` (unfused: scores, softmax,
-        dropout, context), up to the output projection and its dropout, before the residual."""
+        dropout, context; or ``fused``: one causal flash-attention kernel), up to the output
+        projection and its dropout, before the residual."""
         bsh, bsnd, btnd, bnst = ("b", "s", "h"), ("b", "s", "n", "d"), ("b", "t", "n", "d"), ("b", "n", "s", "t")
         q = self.linear("attn.q", x, bsh, ("h", "n", "d"), bsnd, bias=True)
         k = self.linear("attn.k", x, bsh, ("h", "n", "d"), bsnd, bias=True)
         v = self.linear("attn.v", x, bsh, ("h", "n", "d"), bsnd, bias=True)
-        scores = self.matmul("attn.scores", (q, bsnd), (k, btnd), bnst)
-        probs = self.softmax("attn.softmax", scores, bnst, "t")
-        if dropout:
-            probs = self.dropout("attn.attn_dropout", probs, bnst)
-        ctx = self.matmul("attn.context", (probs, bnst), (v, btnd), bsnd)
+        if fused:
+            ctx = self.flash_attention("attn.sdpa", q, k, v)
+        else:
+            scores = self.matmul("attn.scores", (q, bsnd), (k, btnd), bnst)
+            probs = self.softmax("attn.softmax", scores, bnst, "t")
+            if dropout:
+                probs = self.dropout("attn.attn_dropout", probs, bnst)
+            ctx = self.matmul("attn.context", (probs, bnst), (v, btnd), bsnd)
         a = self.linear("attn.proj", ctx, bsnd, ("n", "d", "h"), bsh, bias=True)
         return self.dropout("attn.resid_dropout", a, bsh) if dropout else a
+
+    def flash_attention(self, name: str, q: str, k: str, v: str) -> str:
+        """Causal fused attention on ``q[b,s,n,d]``, ``k, v[b,t,n,d]``: saves its inputs, its
+        output and the fp32 logsumexp per query row (flash attention's); the scores are
+        recomputed in backward, never stored."""
+        bsnd, btnd = ("b", "s", "n", "d"), ("b", "t", "n", "d")
+        return self.op(
+            name, "sdpa", [(q, bsnd), (k, btnd), (v, btnd)], (self.activation(f"{name}.out", bsnd), bsnd),
+            reduced_dims=("t",), unsplittable_dims=("t", "d"), saves_inputs=(0, 1, 2), saves_output=True,
+            buffers=(SavedBuffer(f"{self.prefix}{name}.lse", ("b", "n", "s"), LSE_BYTES),),
+            flops_per_point=4.0, backward_flops_ratio=2.5, causal=True,
+        )
 
     def gelu_mlp_block(self, x: str, dropout: bool) -> str:
         """h → f → h with GeLU, and the output dropout, before the residual."""

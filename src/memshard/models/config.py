@@ -83,6 +83,9 @@ class ModelConfig:
     max_positions: int
     kv_heads: int | None = None  # grouped-query attention (LLaMA); None = heads
     dropout: bool = True
+    # GPT: attention as one fused kernel (flash attention: scores never stored, no attention
+    # dropout mask), as Megatron-Core runs it with Transformer Engine; else unfused (the 2021 runs)
+    fused_attention: bool = False
     precision: Precision = MIXED
     default_seq: int = 2048
     published_parameters: float | None = field(default=None, compare=False)
@@ -113,6 +116,9 @@ class ModelConfig:
         if max(*sizes, self.num_kv_heads) > MAX_COUNT:
             raise MemshardError(f"{self.name}: hidden, heads, kv-heads, ffn, vocab and positions must be at most "
                                 f"{MAX_COUNT:,}, got {max(*sizes, self.num_kv_heads):,}")
+        if self.fused_attention not in (True, False) or (self.fused_attention and self.family != "gpt"):
+            raise MemshardError(f"{self.name}: fused_attention is true or false, for GPT models (LLaMA's "
+                                "attention is always fused)")
         if self.family != "llama" and self.num_kv_heads != self.heads:
             raise MemshardError(f"{self.name}: kv-heads (grouped-query attention) apply to LLaMA models only")
 

@@ -1,5 +1,6 @@
 """GPT (GPT-2 / GPT-3 / Megatron-LM) as a graph: pre-LN layers, learned positions, GeLU MLP,
-unfused attention with dropout, tied input/output embeddings, vocab-parallel-able loss.
+unfused attention with dropout (or fused, ``ModelConfig.fused_attention``), tied input/output
+embeddings, vocab-parallel-able loss.
 
 With dropout on and no parallelism one layer saves ``s·b·h·(34 + 5·a·s/h)`` bytes in fp16,
 exactly Korthikanti et al. (2022), eq. 1: every op below says what it keeps.
@@ -37,7 +38,7 @@ def build_gpt(cfg: ModelConfig, batch: int, seq: int):
     for i in range(cfg.num_layers):
         g.begin_layer(i, f"layers.{i}.")
         y = g.norm("ln_1", x, bsh, "h", bias=True)
-        x = g.add("attn.residual", x, g.attention_block(y, cfg.dropout), bsh)
+        x = g.add("attn.residual", x, g.attention_block(y, cfg.dropout, cfg.fused_attention), bsh)
         y = g.norm("ln_2", x, bsh, "h", bias=True)
         x = g.add("mlp.residual", x, g.gelu_mlp_block(y, cfg.dropout), bsh)
 

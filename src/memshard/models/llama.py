@@ -10,8 +10,8 @@ parallelism) and splitting ``g`` keeps keys and values whole on every device.
 
 Attention is ``attn.sdpa``, a fused kernel (FlashAttention / torch SDPA): it never materialises
 the ``[s,t]`` scores, keeps q, k, v, its output and an fp32 logsumexp per query row for backward,
-and cannot split the key sequence or the head dim. Its FLOPs count the full ``s×t`` square
-(4 per point: 2 for QKᵀ, 2 for PV), ignoring that the causal mask skips half of it.
+and cannot split the key sequence or the head dim. Its FLOPs count the ``s×t`` square (4 per
+point: 2 for QKᵀ, 2 for PV); its time, the causal half the kernel computes.
 
 With no parallelism one layer saves, in bf16,
 ``s·b·h·(12 + 4·kv/heads) + 8·s·b·f`` bytes plus ``4·b·heads·s`` bytes of logsumexp.
@@ -20,10 +20,8 @@ With no parallelism one layer saves, in bf16,
 from __future__ import annotations
 
 from memshard.core.graph import Graph, SavedBuffer
-from memshard.models.builder import GraphBuilder
+from memshard.models.builder import LSE_BYTES, GraphBuilder
 from memshard.models.config import ModelConfig
-
-LSE_BYTES = 4  # the flash-attention logsumexp is fp32
 
 
 def build_llama(cfg: ModelConfig, batch: int, seq: int) -> Graph:

@@ -467,9 +467,10 @@ def _rotate(x, cos, sin, sign: float):
 
 
 def sdpa(ctx: OpContext, q, k, v):
-    """Fused causal attention with grouped queries: q ``[b,s,e,g,d]``, k/v ``[b,t,e,d]``."""
-    b, s, e, g, d = q.shape
-    qh = q.reshape(b, s, e * g, d).transpose(1, 2)
+    """Fused causal attention, with grouped queries (q ``[b,s,e,g,d]``, LLaMA) or without
+    (q ``[b,s,n,d]``, GPT's fused attention); k/v ``[b,t,e,d]``."""
+    b, s, *heads, d = q.shape
+    qh = q.reshape(b, s, -1, d).transpose(1, 2)
     kh, vh = k.transpose(1, 2), v.transpose(1, 2)
     s0, _ = ctx.dim_range("s")
     if s0 == 0 and s == k.shape[1]:
@@ -477,7 +478,7 @@ def sdpa(ctx: OpContext, q, k, v):
     else:
         mask = _causal_bias(ctx, "s", "t", q.dtype) == 0
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-    return o.transpose(1, 2).unflatten(2, (e, g))  # a view: the saved output is the output
+    return o.transpose(1, 2).unflatten(2, tuple(heads))  # a view: the saved output is the output
 
 
 KERNELS = KernelTable({  # memshard's own op kinds (the built-in models)
