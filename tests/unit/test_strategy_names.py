@@ -55,6 +55,7 @@ def test_every_name_memshard_writes_reads_back_as_itself(written):
     policies = {parse_strategy(text).recompute for text in written}
     assert policies == set(RECOMPUTATIONS)
     assert {"megatron-tp2-dp8-sp-distopt+full-block1", "torch-tp4-fsdp4-torchtitan+full-every2",
+            "megatron-tp2-dp4-sp-distopt-overlap+selective", "megatron-tp1-dp16-distopt-overlap",
             "zero3-fsdp", "fsdp2-reshard4+selective-op", "ddp-bucket-view+selective-op",
             "torch-tp6-fsdp3-noreshard+full", "fsdp2-prefetch2"} <= set(written)
 
@@ -68,6 +69,8 @@ def test_the_fields_say_what_the_text_does():
         Kind.TORCH_TP, tensor_parallel=4, data_parallel=2, reshard_after_forward=False,
         recompute="selective")
     assert parse_strategy("fsdp2-reshard8").reshard_after_forward == 8
+    assert parse_strategy("megatron-tp1-dp8-distopt-overlap") == StrategyName(
+        Kind.MEGATRON, tensor_parallel=1, data_parallel=8, distributed_optimizer=True, overlap=True)
     assert parse_strategy("zero3-fsdp").zero_stage == 3 and parse_strategy("zero1").zero_stage == 1
     assert parse_strategy("tp8-fsdp") == StrategyName(Kind.TP_FSDP, tensor_parallel=8)
     assert parse_strategy("memshard ≤1.5× fastest").time_slack == 1.5
@@ -186,6 +189,8 @@ def test_a_name_is_text(value):
     ({"kind": Kind.FSDP2, "recompute": "most"}, "unknown recomputation 'most'"),
     ({"kind": Kind.FSDP2, "recompute": "full", "block": 2, "every": 2}, "one of them"),
     ({"kind": Kind.MEMSHARD, "time_slack": float("inf")}, "a time slack is a positive number"),
+    ({"kind": Kind.MEGATRON, "overlap": True}, "with the distributed optimizer: -distopt-overlap"),
+    ({"kind": Kind.FSDP2, "overlap": True}, "fsdp2 strategies have no overlap"),
 ])
 def test_a_record_that_names_no_strategy_is_refused(fields, why):
     with pytest.raises(MemshardError, match=re.escape(why)):

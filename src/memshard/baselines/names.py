@@ -119,6 +119,7 @@ PARTS = (
     Part("zero_stage", "-fsdp", (Kind.ZERO,), flag=3),  # ZeRO-3, FSDP's full shard, is zero3-fsdp
     Part("sequence_parallel", "-sp", (Kind.MEGATRON,)),
     Part("distributed_optimizer", "-distopt", (Kind.MEGATRON,)),
+    Part("overlap", "-overlap", (Kind.MEGATRON,)),
     Part("bucket_view", "-bucket-view", (Kind.DDP,)),
     Part("reshard_after_forward", "-noreshard", (Kind.FSDP2, Kind.TORCH_TP), flag=False),
     Part("reshard_after_forward", "-reshard{}", (Kind.FSDP2,)),
@@ -139,7 +140,8 @@ class StrategyName:
     the sequence); ``data_parallel``: ``-dp<D>`` (Megatron-LM's, None: 1) or ``-fsdp<D>`` (TP ×
     FSDP's), None where the name leaves it out (``fitting.family``: the recipe on any number of
     devices); ``zero_stage``: ``zero<k>``; ``sequence_parallel``, ``distributed_optimizer``:
-    Megatron-LM's ``-sp``, ``-distopt`` (``--use-distributed-optimizer``); ``bucket_view``: DDP's
+    Megatron-LM's ``-sp``, ``-distopt`` (``--use-distributed-optimizer``); ``overlap``: its
+    ``-overlap`` (``--overlap-grad-reduce --overlap-param-gather``); ``bucket_view``: DDP's
     ``gradient_as_bucket_view=True``; ``reshard_after_forward``: ``fully_shard``'s, False
     (``-noreshard``) or a group of devices (``-reshard<N>``); ``prefetch``: the blocks each
     ``fully_shard`` prefetches explicitly each way; ``torchtitan_units``: the embedding and the
@@ -154,6 +156,7 @@ class StrategyName:
     zero_stage: int = 0
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    overlap: bool = False
     bucket_view: bool = False
     reshard_after_forward: bool | int = True
     prefetch: int = 0
@@ -197,6 +200,8 @@ class StrategyName:
             return f"a time slack is a positive number, not {slack!r}"
         if self.recompute not in RECOMPUTATIONS:
             return f"unknown recomputation {self.recompute!r}; known: {', '.join(RECOMPUTATIONS)}"
+        if self.overlap and not self.distributed_optimizer:
+            return "Megatron-LM overlaps its weight gathers with the distributed optimizer: -distopt-overlap"
         if (self.block or self.every) and (self.recompute != "full" or (self.block and self.every)):
             return ("some layers are recomputed in full as +full-block<N> or +full-every<N>, "
                     "one of them")

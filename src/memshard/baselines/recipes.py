@@ -24,11 +24,12 @@ space, no baseline beats memshard's minimal-memory plan by more than the solver'
   more than one node.
 - ``megatron_tp``, priced as Megatron-LM runs it (``framework="megatron"``: its gradient
   buffer, fp32 under bf16, all step): tensor parallelism over the innermost ``tp`` axes (column/row-parallel
-  linears, attention split by heads, vocab-parallel embedding and loss), data parallelism over
-  the others; ``megatron_tp_sp`` also splits the sequence of the ops between (norms,
-  dropouts, residuals) and keeps their outputs split for backward;
-  ``megatron_tp_sp_distributed_optimizer`` adds ZeRO-1 over the data-parallel axes
-  (Megatron's ``--use-distributed-optimizer``).
+  linears, attention split by heads, vocab-parallel embedding and loss; none at TP 1), data
+  parallelism over the others; ``megatron_tp_sp`` also splits the sequence of the ops between
+  (norms, dropouts, residuals) and keeps their outputs split for backward; with
+  ``distributed_optimizer``, ZeRO-1 over the data-parallel axes (Megatron's
+  ``--use-distributed-optimizer``), and ``-overlap`` its collectives beside the compute
+  (``--overlap-grad-reduce --overlap-param-gather``, ``framework="megatron-overlap"``).
 - ``tp_fsdp``: torchtitan's 2D recipe: tensor + sequence parallelism inside, FSDP outside,
   idealised; ``torch_tp_fsdp2``: the same as PyTorch runs it (``parallelize_module`` with
   torchtitan's plan × ``fully_shard``, on a problem built for ``TORCH_TP``; ``…-noreshard``:
@@ -79,6 +80,8 @@ from memshard.problem.records import (
     FSDP2_RESHARD_NODE,
     FSDP2_TORCHTITAN,
     MEGATRON,
+    MEGATRON_FRAMEWORKS,
+    MEGATRON_OVERLAP,
     TORCH_TP,
     TORCH_TP_NO_RESHARD,
     TORCH_TP_TORCHTITAN,
@@ -158,10 +161,6 @@ def zero(problem: Problem, stage: int, replayed: Replayed) -> Selection:
 
 def megatron_tp_sp(problem: Problem, tp_axes: int, replayed: Replayed) -> Selection:
     return megatron_tp(problem, tp_axes, sequence_parallel=True, replayed=replayed)
-
-
-def megatron_tp_sp_distributed_optimizer(problem: Problem, tp_axes: int, replayed: Replayed) -> Selection:
-    return megatron_tp(problem, tp_axes, sequence_parallel=True, distributed_optimizer=True, replayed=replayed)
 
 
 def tp_fsdp(problem: Problem, tp_axes: int, replayed: Replayed) -> Selection:
@@ -276,7 +275,7 @@ def as_run_by(problem: Problem, framework: str) -> Problem:
     if problem.framework == framework:
         return problem
     graph = problem.graph
-    if problem.framework == MEGATRON:  # its fp32 gradient buffer is Megatron-LM's, not the job's
+    if problem.framework in MEGATRON_FRAMEWORKS:  # its fp32 gradient buffer is Megatron-LM's, not the job's
         graph = replace(graph, precision=PRECISIONS[graph.precision.name])
     return build_problem(graph, problem.mesh, problem.shared_layers, problem.micro_batches,
                          problem.zero3_unit, problem.recompute, framework)
@@ -332,23 +331,7 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
     for name, framework in fully_sharded(mesh):
         add(name, lambda p, r: zero(p, 3, r), lambda f=framework: as_run_by(problem, f),
             recipe=TORCH_RECIPE)
-    for on, k, tp in tensor_parallel_layouts(problem):
-        dp = mesh.num_devices // tp
-        megatron = StrategyName(Kind.MEGATRON, tensor_parallel=tp,
-                                data_parallel=dp if dp > 1 else None)
-        as_megatron = functools.cache(lambda on=on: as_run_by(on(), MEGATRON))
-        add(megatron, lambda p, r, k=k: megatron_tp(p, k, replayed=r), as_megatron, MEGATRON_RECIPE)
-        add(replace(megatron, sequence_parallel=True), lambda p, r, k=k: megatron_tp_sp(p, k, r),
-            as_megatron, MEGATRON_RECIPE)
-        if dp > 1:
-            add(replace(megatron, sequence_parallel=True, distributed_optimizer=True),
-                lambda p, r, k=k: megatron_tp_sp_distributed_optimizer(p, k, r), as_megatron,
-                MEGATRON_RECIPE)
-            add(StrategyName(Kind.TP_FSDP, tensor_parallel=tp, data_parallel=dp),
-                lambda p, r, k=k: tp_fsdp(p, k, r), on)
-            for name, framework in torch_tensor_parallel(tp, dp):
-                add(name, lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
-                    lambda on=on, f=framework: as_run_by(on(), f))
+    add_tensor_parallel(problem, add)
     if wanted is not None:  # the layer splits asked for by name (``compare`` finds its own)
         layers = problem.graph.num_layers
         for base in bases:
@@ -394,6 +377,34 @@ def unpriced_under_autocast(name: StrategyName, recipe: str) -> str | None:
         return ("under torch.autocast PyTorch keeps its weights' bf16 copies otherwise than memshard prices them "
                 "(measured 4–9% off; --precision mixed or fp32 are checked)")
     return None
+
+
+def add_tensor_parallel(problem: Problem, add: Callable) -> None:
+    """Give ``add`` (``baselines``' own) every Megatron-LM layout, without tensor parallelism
+    too (its data parallelism, its gradient buffer), and the TP × FSDP recipes."""
+    for on, k, tp in [(lambda: problem, 0, 1)] * (problem.mesh.num_devices > 1) + tensor_parallel_layouts(problem):
+        dp = problem.mesh.num_devices // tp
+        megatron = StrategyName(Kind.MEGATRON, tensor_parallel=tp,
+                                data_parallel=dp if dp > 1 else None)
+        as_megatron = functools.cache(lambda on=on: as_run_by(on(), MEGATRON))
+        add(megatron, lambda p, r, k=k: megatron_tp(p, k, replayed=r), as_megatron, MEGATRON_RECIPE)
+        if tp > 1:
+            add(replace(megatron, sequence_parallel=True), lambda p, r, k=k: megatron_tp_sp(p, k, r),
+                as_megatron, MEGATRON_RECIPE)
+        if dp > 1:
+            distopt = replace(megatron, sequence_parallel=tp > 1, distributed_optimizer=True)
+
+            def sharded_optimizer(p, r, k=k, sp=tp > 1):
+                return megatron_tp(p, k, sequence_parallel=sp, distributed_optimizer=True, replayed=r)
+            add(distopt, sharded_optimizer, as_megatron, MEGATRON_RECIPE)
+            add(replace(distopt, overlap=True), sharded_optimizer,
+                functools.cache(lambda on=on: as_run_by(on(), MEGATRON_OVERLAP)), MEGATRON_RECIPE)
+        if dp > 1 and tp > 1:
+            add(StrategyName(Kind.TP_FSDP, tensor_parallel=tp, data_parallel=dp),
+                lambda p, r, k=k: tp_fsdp(p, k, r), on)
+            for name, framework in torch_tensor_parallel(tp, dp):
+                add(name, lambda p, r, k=k: torch_tp_fsdp2(p, k, r),
+                    lambda on=on, f=framework: as_run_by(on(), f))
 
 
 def tensor_parallel_layouts(problem: Problem) -> list[tuple[Callable[[], Problem], int, int]]:

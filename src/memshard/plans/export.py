@@ -90,12 +90,13 @@ PARALLELIZE = ("run it with memshard.parallelize(model, plan) (README: \"Using a
 
 @dataclass(frozen=True)
 class MegatronLayout:
-    """The layout a ``megatron-tp<T>[-dp<D>][-sp][-distopt]`` baseline's name says."""
+    """The layout a ``megatron-tp<T>[-dp<D>][-sp][-distopt[-overlap]]`` baseline's name says."""
 
     tensor_parallel: int
     data_parallel: int
     sequence_parallel: bool
     distributed_optimizer: bool
+    overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class ExportTarget:
         if name.kind is not Kind.MEGATRON:
             return None
         return MegatronLayout(name.tensor_parallel, name.data_parallel or 1, name.sequence_parallel,
-                              name.distributed_optimizer)
+                              name.distributed_optimizer, name.overlap)
 
     @property
     def option(self) -> str:
@@ -647,6 +648,7 @@ def megatron_arguments(target: ExportTarget, plan: Plan) -> list[str]:
     args = [f"--tensor-model-parallel-size {layout.tensor_parallel}", "--pipeline-model-parallel-size 1"]
     args += ["--sequence-parallel"] * layout.sequence_parallel
     args += ["--use-distributed-optimizer"] * layout.distributed_optimizer
+    args += ["--overlap-grad-reduce", "--overlap-param-gather"] * layout.overlap
     args += [f"--num-layers {cfg.num_layers}", f"--hidden-size {cfg.hidden}",
              f"--num-attention-heads {cfg.heads}", f"--ffn-hidden-size {cfg.ffn}",
              f"--seq-length {job.seq_length}", f"--max-position-embeddings {cfg.max_positions}"]
@@ -680,7 +682,8 @@ def megatron_script(target: ExportTarget, plan: Plan) -> list[str]:
     notes = [f"# Megatron-LM: tensor parallelism {layout.tensor_parallel}"
              + (" with sequence parallelism" if layout.sequence_parallel else "")
              + f", data parallelism {layout.data_parallel}"
-             + (" with the distributed optimizer" if layout.distributed_optimizer else "") + ",",
+             + (" with the distributed optimizer" if layout.distributed_optimizer else "")
+             + (", its collectives overlapped" if layout.overlap else "") + ",",
              "# no pipeline, Adam (Megatron-LM's default optimizer).",
              f"# Add your data, tokenizer (the vocabulary is {job.config.vocab:,} tokens; Megatron-LM pads it to a "
              "multiple of 128 × TP),",

@@ -35,7 +35,7 @@ from memshard.problem.memory import CATEGORIES, StorageOption, param_layout
 from memshard.problem.pricing import build_problem
 from memshard.problem.records import (
     DDP_FRAMEWORKS,
-    MEGATRON,
+    MEGATRON_FRAMEWORKS,
     MEMSHARD,
     TORCH_TP_FRAMEWORKS,
     OpGroup,
@@ -220,7 +220,7 @@ def runnable(plan: Plan) -> Plan:
     them (``fsdp2``, ``ddp``, ``torch-tp*``)."""
     framework = plan.problem.framework
     check_runnable_precision(plan.model.precision)
-    if framework == MEGATRON:
+    if framework in MEGATRON_FRAMEWORKS:
         return build_plan(as_run_by(plan.problem, MEMSHARD), plan.selection, plan.job, strategy=plan.strategy,
                           advice=False)
     if framework != MEMSHARD:

@@ -84,15 +84,18 @@ SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout 
 # ``reshard_after_forward=False``; TORCH_TP_TORCHTITAN: with torchtitan's units, as
 # FSDP2_TORCHTITAN); MEGATRON: Megatron-LM's
 # gradient buffer (``pricing.build_problem``: every local gradient in fp32, all step, reduced in
-# fp32). Not a search option: memshard's runtime executes "memshard" plans only.
+# fp32; MEGATRON_OVERLAP: the same with ``--overlap-grad-reduce --overlap-param-gather``). Not a
+# search option: memshard's runtime executes "memshard" plans only.
 MEMSHARD, FSDP2, DDP, TORCH_TP, MEGATRON = "memshard", "fsdp2", "ddp", "torch-tp", "megatron"
+MEGATRON_OVERLAP = "megatron-overlap"
+MEGATRON_FRAMEWORKS = (MEGATRON, MEGATRON_OVERLAP)
 FSDP2_NO_RESHARD, DDP_BUCKET_VIEW, TORCH_TP_NO_RESHARD = "fsdp2-noreshard", "ddp-bucket-view", "torch-tp-noreshard"
 FSDP2_PREFETCHED = 2  # the layers FSDP2_PREFETCH prefetches each way
 FSDP2_PREFETCH = f"fsdp2-prefetch{FSDP2_PREFETCHED}"
 FSDP2_TORCHTITAN, FSDP2_RESHARD_NODE = "fsdp2-torchtitan", "fsdp2-reshard-node"
 TORCH_TP_TORCHTITAN = "torch-tp-torchtitan"
 FRAMEWORKS = (MEMSHARD, FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, FSDP2_TORCHTITAN, FSDP2_RESHARD_NODE, DDP, DDP_BUCKET_VIEW, TORCH_TP,
-              TORCH_TP_NO_RESHARD, TORCH_TP_TORCHTITAN, MEGATRON)
+              TORCH_TP_NO_RESHARD, TORCH_TP_TORCHTITAN, MEGATRON, MEGATRON_OVERLAP)
 TORCH_TP_FRAMEWORKS = (TORCH_TP, TORCH_TP_NO_RESHARD, TORCH_TP_TORCHTITAN)  # parallelize_module with torchtitan's plan
 NO_RESHARD_FRAMEWORKS = (FSDP2_NO_RESHARD, TORCH_TP_NO_RESHARD)  # fully_shard(reshard_after_forward=False)
 FSDP2_FRAMEWORKS = (FSDP2, FSDP2_NO_RESHARD, FSDP2_PREFETCH, FSDP2_TORCHTITAN, FSDP2_RESHARD_NODE, *TORCH_TP_FRAMEWORKS)  # fully_shard on every layer and the root
@@ -100,11 +103,13 @@ DDP_FRAMEWORKS = (DDP, DDP_BUCKET_VIEW)
 TORCH_FRAMEWORKS = (*FSDP2_FRAMEWORKS, *DDP_FRAMEWORKS)  # run with torch.optim.Adam (foreach)
 # The frameworks that run a layer's data-parallel collectives on a stream of their own, beside the
 # compute: FSDP2 prefetches the next layer's all-gather and reduce-scatters a layer's gradients
-# while the backward goes on; DDP all-reduces its buckets during the backward. The root's (the
+# while the backward goes on; DDP all-reduces its buckets during the backward; Megatron-LM with
+# ``--overlap-grad-reduce --overlap-param-gather`` reduce-scatters its gradient buckets during
+# the backward and gathers the updated weights during the next forward. The root's (the
 # embedding's, the head's) wait: the first all-gather starts the step, the last reduction ends
-# it. Megatron-LM by default (no ``--overlap-grad-reduce``) and memshard's runtime run every
-# collective in line. See ``Choice.overlapped_s`` and ``evaluate.hidden_communication``.
-OVERLAPPING_FRAMEWORKS = TORCH_FRAMEWORKS
+# it. Megatron-LM by default and memshard's runtime run every collective in line. See
+# ``Choice.overlapped_s`` and ``evaluate.hidden_communication``.
+OVERLAPPING_FRAMEWORKS = (*TORCH_FRAMEWORKS, MEGATRON_OVERLAP)
 
 
 def explicit_prefetch(framework: str) -> int:
@@ -119,7 +124,7 @@ def framework_graph(graph: Graph, framework: str) -> Graph:
         graph = as_eager(graph)
     if framework in TORCH_TP_FRAMEWORKS:
         graph = with_input_gathers(with_output_scatters(graph))
-    if framework == MEGATRON:  # bf16 training accumulates and reduces gradients in fp32 (main_grad)
+    if framework in MEGATRON_FRAMEWORKS:  # bf16 training accumulates and reduces gradients in fp32 (main_grad)
         graph = replace(graph, precision=replace(graph.precision, grad_bytes=4))
     if framework in FSDP2_FRAMEWORKS and graph.precision.name == MIXED.name:
         # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathered

@@ -35,7 +35,7 @@ from memshard.problem.records import (
     BEFORE_RESHARDS,
     DDP_BUCKET_VIEW,
     DURING_RESHARDS,
-    MEGATRON,
+    MEGATRON_FRAMEWORKS,
     MEMSHARD,
     OVERLAPPING_FRAMEWORKS,
     TORCH_FRAMEWORKS,
@@ -173,7 +173,7 @@ class StoragePricing:
             whole = np.array([opt.stage < 2 for _, opt in grp.options], float)
             nbytes, red = v["gradients"]
             # Megatron-LM's contiguous gradient buffer holds every gradient all step
-            held_from = 0 if self.draft.framework == MEGATRON else summed_at
+            held_from = 0 if self.draft.framework in MEGATRON_FRAMEWORKS else summed_at
             self.draft.slot(gid, grads_from, held_from - 1, "transients", nbytes * whole, red * whole, grad_bytes)
             self.draft.slot(gid, held_from, reduced_at - 1, "gradients", nbytes * whole, red * whole, grad_bytes)
         unit = self.draft.units.get(name)
