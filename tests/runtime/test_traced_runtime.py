@@ -107,13 +107,19 @@ def test_hf_model_under_its_plan_equals_the_model(family, hf_runs):
 
 @pytest.mark.parametrize("family", sorted(RUNS))
 def test_hf_model_peak_memory_is_the_planned_one(family, hf_runs):
-    """Measured on every rank with ``simulate`` (the same step under the fake process group):
+    """Every rank within 2%, as ``test_runtime.py`` judges it: its real gloo run's peak, or,
+    where that misses, the same step measured with ``simulate`` (the fake process group:
     deterministic, where a real gloo rank's peak moves by a few percent from run to run with
-    the moment gloo's worker thread frees a collective's buffers (see BENCHMARKS.md)."""
-    plans, _ = hf_runs
-    for rank in range(4):
+    the moment gloo's worker thread frees a collective's buffers, see BENCHMARKS.md). Rank 0
+    is simulated in every case, whatever its real peak: each family's step runs under
+    ``simulate`` and must match there too."""
+    plans, runs = hf_runs
+    for real in runs[family]:
+        rank = real["rank"]
+        if rank != 0 and real["measured"]["peak_bytes"] == pytest.approx(real["predicted"]["peak_bytes"], rel=0.02):
+            continue
         r = simulate(plans[family], rank=rank)
-        assert r["measured"]["peak_bytes"] == pytest.approx(r["predicted"]["peak_bytes"], rel=0.02)
+        assert r["measured"]["peak_bytes"] == pytest.approx(r["predicted"]["peak_bytes"], rel=0.02), rank
 
 
 def test_a_traced_llama_at_its_default_length_allocates_what_it_plans():

@@ -382,6 +382,16 @@ def _settle(tensors: list[torch.Tensor], before: list[tuple[int, int]]) -> bool:
         time.sleep(_POLL_S)
 
 
+def _output_tensors(result: Any) -> list[torch.Tensor]:
+    """An op's output tensors in pytree order: a lone tensor, a flat tuple or list read
+    directly, anything else flattened."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if type(result) in (tuple, list) and not any(isinstance(x, (tuple, list, dict)) for x in result):
+        return [x for x in result if isinstance(x, torch.Tensor)]
+    return [x for x in tree_leaves(result) if isinstance(x, torch.Tensor)]
+
+
 class _LoggingMemTracker(MemTracker):
     """MemTracker that logs every change of a storage's tracked bytes, in order, and knows
     which storages are real optimizer state."""
@@ -421,17 +431,37 @@ class _LoggingMemTracker(MemTracker):
             return NotImplemented  # DTensor desugars into local ops first
         self.settle_c10d()
         if func._overloadpacket in self._collectives and _on_gloo(args, kwargs):
-            return self._collective(func, types, args, kwargs)
+            return self._collective(func, args, kwargs)
         if func._overloadpacket is _WAIT_TENSOR:
             held = self._works.pop(id(args[0]), None)
             if held is not None and held.output is not None and held.output() is args[0]:
                 with held.released():
-                    return super().__torch_dispatch__(func, types, args, kwargs)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+                    return self._run_and_track(func, args, kwargs)
+        return self._run_and_track(func, args, kwargs)
 
-    def _collective(self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+    def _run_and_track(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+        """MemTracker's own dispatch for a local op: run it, then track its output tensors,
+        in the order MemTracker visits them. Two things it also does are left out: the
+        update of each module's peak after every op (the meter replays its log instead and
+        reads no MemTracker peak), and the pytree rebuilt around the outputs."""
+        if func is _WAIT_TENSOR.default and active_fake_mode():
+            result = args[0]  # (MemTracker's stand-in for wait_tensor's meta kernel)
+        else:
+            result = func(*args, **(kwargs or {}))
+        if active_fake_mode() is self._fake_mode_on_entry:  # not DTensor's propagation
+            if self._in_opt:
+                reftype = _MemRefType.OPT
+            elif self._mod_tracker.is_bw and not self._in_ac:
+                reftype = _MemRefType.TEMP
+            else:
+                reftype = _MemRefType.ACT
+            for tensor in _output_tensors(result):
+                self._track(reftype, tensor)
+        return result
+
+    def _collective(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
         """Issue the collective and remember its tensors, to settle its Work at its wait."""
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        out = self._run_and_track(func, args, kwargs)
         held = _HeldByWork(self)
         held.tensors = [weakref.ref(t) for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         works = [w for w in tree_leaves(out) if isinstance(w, torch.ScriptObject)]
