@@ -1,29 +1,47 @@
 """The runtime tests' searched plans, saved as JSON: the ranks start without a search.
 
 Each plan is named by a :class:`Search` (what ``memshard.plan`` was asked) and saved under
-``tests/data/plans/``. ``saved(search)`` loads one; ``fresh(search)`` runs its search now.
-``tests/planner/test_runtime_plans.py`` checks every saved plan against a fresh search, so a
-change to the planner that moves one of these plans fails there, with the command to run:
+``tests/data/plans/``, with the fingerprint of its search's input (``fingerprint``) in
+``tests/data/plans/inputs.json``. ``saved(search)`` loads one; ``fresh(search)`` runs its search
+now. ``tests/planner/test_runtime_plans.py`` checks every saved plan against a fresh search
+(against its fingerprint where the search is long, ``LONG``), so a change to the planner that
+moves one of these plans fails there, with the command to run:
 
     python -m tests.runtime_plans        # writes every plan anew
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import enum
 import functools
+import hashlib
+import importlib.metadata
+import json
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 import memshard
+from memshard.api import make_job
+from memshard.planner import SearchOptions, searched_problem
 from memshard.plans.plan import Plan, load_plan
+from memshard.search import highs, passes, reference, solve, stages
+from memshard.search.formulation import Formulation
 
 PLANS = Path(__file__).resolve().parent / "data" / "plans"
+INPUTS = PLANS / "inputs.json"  # search name → the fingerprint of its input when its plan was written
 BATCH = 8
 # every search's limit, far above the time the tests' searches take: the plan is the same on a
 # loaded machine
 SEARCH_LIMIT_S = 60
 REWRITE = "python -m tests.runtime_plans"
+# the modules that run the search on a formulated problem (their code is in each fingerprint)
+SEARCH_STAGES = (solve, passes, highs, stages, reference)
 
 
 @dataclass(frozen=True)
@@ -82,16 +100,131 @@ def fastest(model: str, mesh: str, budget: float, unit: str = "op", precision: s
                   start=start)
 
 
+def job_options(search: Search) -> dict:
+    """``memshard.plan``'s keywords for ``search``, less the objective, budget and start."""
+    return dict(batch=search.batch, seq=search.seq, precision=search.precision, zero3_unit=search.zero3_unit,
+                recompute=search.recompute, mip_gap=search.mip_gap, time_limit_s=search.time_limit_s, gpu=search.gpu)
+
+
+def memory_budget(search: Search, base: Plan) -> int:
+    """A time plan's memory budget: ``budget`` times the peak of ``base`` (its least-memory plan)."""
+    return int(base.peak_bytes * search.budget)
+
+
 @functools.cache
 def fresh(search: Search) -> Plan:
     """The plan ``search`` finds now."""
-    options = dict(batch=search.batch, seq=search.seq, precision=search.precision, zero3_unit=search.zero3_unit,
-                   recompute=search.recompute, mip_gap=search.mip_gap, time_limit_s=search.time_limit_s, gpu=search.gpu)
+    options = job_options(search)
     if search.objective == "memory":
         return memshard.plan(search.model, search.mesh, **options)
     base = fresh(search.least_memory())
-    return memshard.plan(search.model, search.mesh, objective="time", memory_budget=int(base.peak_bytes * search.budget),
+    return memshard.plan(search.model, search.mesh, objective="time", memory_budget=memory_budget(search, base),
                          start=base if search.start else None, **options)
+
+
+def canonical_tokens(value, seen: dict[int, int]):
+    """``value`` as a stream of text tokens, the same for equal records in any process:
+    dataclasses by their compared fields, other objects by their attributes, sets sorted,
+    arrays by dtype, shape and bytes, floats exactly; an object met again by its first
+    token's number (``seen``: the objects met so far)."""
+    if value is None or isinstance(value, (bool, int, str, bytes)):
+        yield repr(value)
+        return
+    if isinstance(value, float):
+        yield value.hex()
+        return
+    if isinstance(value, enum.Enum):
+        yield f"{type(value).__qualname__}.{value.name}"
+        return
+    if isinstance(value, np.generic):
+        yield from canonical_tokens(value.item(), seen)
+        return
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        yield f"callable {value.__module__}.{value.__qualname__}"
+        return
+    if id(value) in seen:
+        yield f"again {seen[id(value)]}"
+        return
+    seen[id(value)] = len(seen)
+    yield f"<{type(value).__qualname__}"
+    if isinstance(value, np.ndarray):
+        yield f"{value.dtype.str} {value.shape}"
+        yield np.ascontiguousarray(value).tobytes().hex() if value.dtype != object else ""
+        if value.dtype == object:
+            for item in value.ravel():
+                yield from canonical_tokens(item, seen)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from canonical_tokens(key, seen)
+            yield from canonical_tokens(item, seen)
+    elif isinstance(value, (set, frozenset)):
+        yield from sorted("".join(canonical_tokens(item, {})) for item in value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from canonical_tokens(item, seen)
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            if f.compare:
+                yield f.name
+                yield from canonical_tokens(getattr(value, f.name), seen)
+    elif hasattr(value, "__dict__"):
+        for name, item in sorted(vars(value).items()):
+            yield name
+            yield from canonical_tokens(item, seen)
+    else:
+        raise TypeError(f"no canonical form for {type(value).__qualname__}")
+    yield ">"
+
+
+def search_code() -> str:
+    """The code of the search's stages (``SEARCH_STAGES``), as Python reads it: comments,
+    docstrings and layout left out."""
+    dumps = []
+    for module in SEARCH_STAGES:
+        tree = ast.parse(Path(module.__file__).read_text())
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                node.body = body[1:] or [ast.Pass()]
+        dumps.append(ast.dump(tree))
+    return "\n".join(dumps)
+
+
+def fingerprint(search: Search) -> str:
+    """A hash of everything ``search``'s search reads, as it stands now: the search as asked,
+    the problem it searches (every group's priced choices, every slot, edge, link, conflict
+    and reshard point of the priced graph, on the mesh searched), that problem's ILP (every
+    column and row of its formulation, with the peak and step-time objectives), the code of
+    the search's stages (``search_code``), HiGHS's version, and for a time plan its memory
+    budget in bytes and its start (from its least-memory plan: the saved one, itself
+    checked, where saved). The search is deterministic (each saved plan not in ``LONG`` is
+    found again by a fresh search, in another process; test_cli's two plans are byte for
+    byte the same): the same fingerprint, the same plan."""
+    job = make_job(search.model, search.mesh, batch=search.batch, seq=search.seq, gpu=search.gpu,
+                   precision=search.precision)
+    options = SearchOptions(search.objective, zero3_unit=search.zero3_unit, time_limit_s=search.time_limit_s,
+                            mip_gap=search.mip_gap, recompute=search.recompute)
+    problem = searched_problem(job, options)
+    formulation = Formulation(problem)
+    formulation.add_plan_constraints(problem.candidate_points)
+    parts: list = [search, options, problem, formulation.model, formulation.peak_expression(),
+                   formulation.time_expression(), search_code(), importlib.metadata.version("highspy")]
+    if search.objective == "time":
+        least = search.least_memory()
+        base = saved(least) if least in SEARCHES else fresh(least)
+        parts += [memory_budget(search, base), base.searched_selection if search.start else None]
+    digest = hashlib.sha256()
+    for token in canonical_tokens(parts, {}):
+        digest.update(token.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def recorded_fingerprints() -> dict[str, str]:
+    """The fingerprints written with the saved plans (``inputs.json``)."""
+    return json.loads(INPUTS.read_text()) if INPUTS.exists() else {}
 
 
 @functools.cache
@@ -119,19 +252,44 @@ SEARCHES = (
     Search("llama3-8b", "4x8", batch=32, seq=2048, mip_gap=0.02),
 )
 
+# The searches that take longest (tiny models: their LP bound is loose, and branch and bound
+# runs on): test_runtime_plans checks their plans against their input's fingerprint instead of
+# a fresh search; the others' fresh searches (meshes of one, two and three axes, a time plan
+# from a start, the two large models) check that the search finds the plans it saved.
+LONG = frozenset({
+    least_memory("tiny-gpt", "2x2"), fastest("tiny-gpt", "2x2", 2.0),
+    least_memory("tiny-llama", "2x2"), least_memory("tiny-llama", "2x2", "layer"),
+    least_memory("tiny-llama", "2x2", precision="mixed"),
+    least_memory("tiny-gpt", "1x4", recompute="auto", seq=128, time_limit_s=120),
+    fastest("tiny-llama", "1x4", 1.02, recompute="auto", start=False),
+    fastest("tiny-llama", "2x2x2", 1.3), fastest("tiny-llama", "1x4", 1.3, precision="mixed"),
+})
 
-def without_timing(plan: Plan) -> dict:
-    """The plan's JSON less the one figure that varies from run to run: the search's time."""
-    data = plan.to_dict()
+
+def without_timing(plan: Plan | dict) -> dict:
+    """The plan's JSON (a plan, or a plan's JSON as read) less the one figure that varies from
+    run to run: the search's time."""
+    data = plan.to_dict() if isinstance(plan, Plan) else {**plan, "solver": dict(plan["solver"])}
     del data["solver"]["time_s"]
     return data
 
 
+def saved_json(search: Search) -> dict:
+    """The saved plan's file as written (``saved`` prices its choices again)."""
+    return json.loads((PLANS / f"{search.name}.json").read_text())
+
+
 def write(searches=SEARCHES) -> None:
+    """Search ``searches`` anew and save their plans, each with its input's fingerprint."""
     PLANS.mkdir(parents=True, exist_ok=True)
+    fingerprints = recorded_fingerprints()
     for search in searches:
         fresh(search).save(str(PLANS / f"{search.name}.json"))
+        saved.cache_clear()  # (a time plan's fingerprint reads its least-memory plan as saved)
+        fingerprints[search.name] = fingerprint(search)
         print("wrote", search.name)
+    names = {s.name for s in SEARCHES}
+    INPUTS.write_text(json.dumps({k: v for k, v in sorted(fingerprints.items()) if k in names}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
