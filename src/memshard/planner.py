@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from memshard.baselines.names import parse_strategy
-from memshard.baselines.recipes import baselines, layer_split, split_baseline
+from memshard.baselines.recipes import as_run_by, baselines, layer_split, split_baseline
 from memshard.core.errors import Infeasible, MemshardError, NoBetterPlan, SolverTimeLimit
 from memshard.core.quantities import check_bytes, format_bytes, format_seconds, parse_bytes
 from memshard.job import Job
@@ -26,7 +26,7 @@ from memshard.plans.plan import Budgets, Plan, build_plan
 from memshard.problem.evaluate import Evaluation, InconsistentPlan, check_plan, evaluate
 from memshard.problem.pricing import build_problem
 from memshard.problem.recompute import RECOMPUTE_POLICIES
-from memshard.problem.records import ZERO3_UNITS, OpGroup, Problem, Selection
+from memshard.problem.records import MEGATRON_OVERLAP, ZERO3_UNITS, OpGroup, Problem, Selection
 from memshard.search.coarsen import lower_selection, merge_groups, merged_mesh, solve_merged
 from memshard.search.highs import SearchLimits, relative_gap
 from memshard.search.reference import Reference, reference
@@ -380,8 +380,26 @@ def baseline_plans(job: Job, problem: Problem, wanted: Callable[[str], bool] | N
     fixed, skipped = baselines(problem, wanted)
     plans = [build_plan(b.problem, b.selection, job, strategy=b.name, advice=False) for b in fixed]
     if wanted is None and layer_splits:
-        plans += [split for plain in plans if (split := _fewest_layers_recomputed(job, problem, plain, plans))]
+        splits: dict[str, Plan] = {}
+        for plain in plans:
+            name = parse_strategy(plain.strategy)
+            if name.overlap:  # (its twin without, listed before it, holds the same memory)
+                twin = splits.get(str(replace(name, overlap=False)))
+                split = twin and _overlapped(twin, job)
+            else:
+                split = _fewest_layers_recomputed(job, problem, plain, plans)
+            if split is not None:
+                splits[plain.strategy] = split
+        plans += splits.values()
     return plans, skipped
+
+
+def _overlapped(split: Plan, job: Job) -> Plan:
+    """A Megatron-LM layer split with ``-overlap``: the same layers recomputed as ``split``'s
+    (the overlap moves no memory), priced with its collectives beside the compute."""
+    name = replace(parse_strategy(split.strategy), overlap=True)
+    return build_plan(as_run_by(split.problem, MEGATRON_OVERLAP), split.selection, job, strategy=str(name),
+                      advice=False)
 
 
 def _fewest_layers_recomputed(job: Job, problem: Problem, plain: Plan, plans: list[Plan]) -> Plan | None:

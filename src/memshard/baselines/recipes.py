@@ -274,6 +274,8 @@ def as_run_by(problem: Problem, framework: str) -> Problem:
     """``problem`` priced as ``framework`` (``problem.FRAMEWORKS``) runs its plans."""
     if problem.framework == framework:
         return problem
+    if {problem.framework, framework} == set(MEGATRON_FRAMEWORKS):  # the same problem, overlapped or not
+        return replace(problem, framework=framework)
     graph = problem.graph
     if problem.framework in MEGATRON_FRAMEWORKS:  # its fp32 gradient buffer is Megatron-LM's, not the job's
         graph = replace(graph, precision=PRECISIONS[graph.precision.name])
@@ -397,8 +399,9 @@ def add_tensor_parallel(problem: Problem, add: Callable) -> None:
             def sharded_optimizer(p, r, k=k, sp=tp > 1):
                 return megatron_tp(p, k, sequence_parallel=sp, distributed_optimizer=True, replayed=r)
             add(distopt, sharded_optimizer, as_megatron, MEGATRON_RECIPE)
-            add(replace(distopt, overlap=True), sharded_optimizer,
-                functools.cache(lambda on=on: as_run_by(on(), MEGATRON_OVERLAP)), MEGATRON_RECIPE)
+            add(replace(distopt, overlap=True), sharded_optimizer,  # (Megatron-LM's problem, relabelled)
+                functools.cache(lambda megatron=as_megatron: as_run_by(megatron(), MEGATRON_OVERLAP)),
+                MEGATRON_RECIPE)
         if dp > 1 and tp > 1:
             add(StrategyName(Kind.TP_FSDP, tensor_parallel=tp, data_parallel=dp),
                 lambda p, r, k=k: tp_fsdp(p, k, r), on)

@@ -100,12 +100,14 @@ def recompute_time(problem: Problem, selection: Selection) -> float:
 
 
 def hidden_communication(problem: Problem, selection: Selection) -> float:
-    """Seconds of collectives the compute hides: those the framework runs beside it
-    (``Choice.overlapped_s``), up to the ops' compute (the optimizer step waits for the reduced
-    gradients)::
+    """Seconds of collectives the compute hides, where the framework runs some beside it
+    (``Problem.overlaps``, ``Choice.overlapped_s``): up to the ops' compute (the optimizer step
+    waits for the reduced gradients)::
 
         hidden = min(Σ instances·overlapped_s, Σ_op groups instances·compute_s)
     """
+    if not problem.overlaps:
+        return 0.0
     overlapped = compute = 0.0
     for group, k in zip(problem.groups, selection.choices):
         overlapped += group.instances * group.choices[k].overlapped_s

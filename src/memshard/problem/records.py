@@ -172,7 +172,9 @@ class Choice:
     calls: tuple[comm.Collective, ...]  # per instance: forward + backward + optimizer
     time_s: float
     replay_s: float = 0.0  # per instance: what its replay adds (in compute_s and calls already)
-    overlapped_s: float = 0.0  # per instance: of time_s, the collectives run beside the compute
+    # per instance: of time_s, the collectives a framework that overlaps (``Problem.overlaps``)
+    # runs beside the compute: a layer's gathers and gradient reductions
+    overlapped_s: float = 0.0
 
 
 @dataclass
@@ -437,6 +439,11 @@ class Problem:
 
     def strategy(self, selection: Selection, group: int) -> Strategy:
         return self.groups[group].strategies[selection.choices[group]]
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether its framework runs the choices' ``overlapped_s`` beside the compute."""
+        return self.framework in OVERLAPPING_FRAMEWORKS
 
     @functools.cached_property
     def checkpoint_peers(self) -> dict[int, tuple[int, ...]]:

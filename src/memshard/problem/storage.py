@@ -37,7 +37,6 @@ from memshard.problem.records import (
     DURING_RESHARDS,
     MEGATRON_FRAMEWORKS,
     MEMSHARD,
-    OVERLAPPING_FRAMEWORKS,
     TORCH_FRAMEWORKS,
     Choice,
     Conflict,
@@ -106,8 +105,8 @@ class StoragePricing:
             # layout with no axis left to shard: elsewhere ZeRO over a free axis holds less.
             options += [(G, MASTER_ALONE) for G in dict.fromkeys(g_labels) if len(storage_options(G, mesh)) == 1]
         mems = [storage_memory(spec, G, opt, self.draft.graph.precision, mesh) for G, opt in options]
-        # a layer's gathers and reductions beside the compute, where its framework runs them so
-        overlapped = self.draft.framework in OVERLAPPING_FRAMEWORKS and self.draft.graph.ops[i0].layer is not None
+        # a layer's gathers and reductions may run beside the compute (the root's may not)
+        overlapped = self.draft.graph.ops[i0].layer is not None
         choices = []
         for (G, opt), m in zip(options, mems):
             calls = self.sync_calls(spec, G, opt, self.gathers_per_pass(name, uses))

@@ -15,7 +15,7 @@ Variables::
     L_t                live bytes at candidate point t
     M ≥ 0              peak bytes per device
     E ≥ 0              the collectives run beside the compute that it does not hide
-                       (only where the framework overlaps some: ``Choice.overlapped_s``)
+                       (only where the framework overlaps some: ``Problem.overlaps``)
 
 Row families (each row is tagged with its family, see ``model.RowTag``), one method each:
 
@@ -127,7 +127,7 @@ class Formulation:
         E − Σ instances·overlapped(x) + Σ_op groups instances·compute(x) ≥ 0 (none where no
         choice overlaps: the model is as without)."""
         groups = self.problem.groups
-        if not any(c.overlapped_s for g in groups for c in g.choices):
+        if not self.problem.overlaps or not any(c.overlapped_s for g in groups for c in g.choices):
             return
         self.exposed = int(self.model.columns(1, integer=False, hi=highspy.kHighsInf)[0])
         cols, vals = [np.array([self.exposed])], [np.array([1.0])]
@@ -163,9 +163,11 @@ class Formulation:
         """T: the step time in model units."""
         cols = [f.time_columns for f in self.flows]
         vals = [f.time_values for f in self.flows]
+        hidden = self.exposed is not None  # the overlapped collectives counted in E instead
         for g, grp in enumerate(self.problem.groups):
             cols.append(self.choice_columns[g])
-            vals.append(np.array([(c.time_s - c.overlapped_s) * grp.instances / self.time_unit for c in grp.choices]))
+            vals.append(np.array([(c.time_s - c.overlapped_s * hidden) * grp.instances / self.time_unit
+                                  for c in grp.choices]))
         if self.exposed is not None:
             cols.append(np.array([self.exposed]))
             vals.append(np.array([1.0]))

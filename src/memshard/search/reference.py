@@ -34,7 +34,8 @@ class Reference:
 
 
 def reference(problem: Problem) -> Reference:
-    time_floor = sum(g.instances * min(c.time_s - c.overlapped_s for c in g.choices) for g in problem.groups)
+    hidden = problem.overlaps
+    time_floor = sum(g.instances * min(c.time_s - c.overlapped_s * hidden for c in g.choices) for g in problem.groups)
     try:
         time_estimate = step_time(problem, data_parallel(problem, 3))
     except (SplitUnavailable, ValueError):  # no ZeRO-3 here (e.g. a batch smaller than the mesh)
