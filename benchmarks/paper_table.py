@@ -39,21 +39,16 @@ def row(model: str, mesh: str) -> str:
     by_time = min(megatron, key=lambda p: (p.step_time_s, p.peak_bytes))
     try:
         timed = memshard.plan(model, mesh, batch=batch, seq=SEQ, max_step_time_s=by_time.step_time_s * 1.1)
+        within = (f"{gib(timed.peak_bytes)} GiB, {timed.step_time_s:.2f} s",
+                  f"{1 - timed.peak_bytes / by_time.peak_bytes:.0%} at {timed.step_time_s / by_time.step_time_s:.2f}×")
     except MemshardError as e:  # no plan within 1.1× Megatron's fastest
-        return (
-            f"| {model} | {mesh} | {by_mem.strategy}: {gib(by_mem.peak_bytes)} GiB, {by_mem.step_time_s:.2f} s "
-            f"| {by_time.strategy}: {gib(by_time.peak_bytes)} GiB, {by_time.step_time_s:.2f} s "
-            f"| {gib(best.peak_bytes)} GiB, {best.step_time_s:.2f} s "
-            f"| none ({str(e).partition(': ')[2]}) "
-            f"| {1 - best.peak_bytes / by_mem.peak_bytes:.0%} / {1 - best.peak_bytes / by_time.peak_bytes:.0%} | - |"
-        )
+        within = (f"none ({str(e).partition(': ')[2]})", "-")
     return (
         f"| {model} | {mesh} | {by_mem.strategy}: {gib(by_mem.peak_bytes)} GiB, {by_mem.step_time_s:.2f} s "
         f"| {by_time.strategy}: {gib(by_time.peak_bytes)} GiB, {by_time.step_time_s:.2f} s "
-        f"| {gib(best.peak_bytes)} GiB, {best.step_time_s:.2f} s "
-        f"| {gib(timed.peak_bytes)} GiB, {timed.step_time_s:.2f} s "
+        f"| {gib(best.peak_bytes)} GiB, {best.step_time_s:.2f} s | {within[0]} "
         f"| {1 - best.peak_bytes / by_mem.peak_bytes:.0%} / {1 - best.peak_bytes / by_time.peak_bytes:.0%} "
-        f"| {1 - timed.peak_bytes / by_time.peak_bytes:.0%} at {timed.step_time_s / by_time.step_time_s:.2f}× |"
+        f"| {within[1]} |"
     )
 
 

@@ -215,15 +215,17 @@ class GraphBuilder:
         a = self.linear("attn.proj", ctx, bsnd, ("n", "d", "h"), bsh, bias=True)
         return self.dropout("attn.resid_dropout", a, bsh) if dropout else a
 
-    def flash_attention(self, name: str, q: str, k: str, v: str) -> str:
-        """Causal fused attention on ``q[b,s,n,d]``, ``k, v[b,t,n,d]``: saves its inputs, its
-        output and the fp32 logsumexp per query row (flash attention's); the scores are
-        recomputed in backward, never stored."""
-        bsnd, btnd = ("b", "s", "n", "d"), ("b", "t", "n", "d")
+    def flash_attention(self, name: str, q: str, k: str, v: str, q_dims: tuple[str, ...] = ("b", "s", "n", "d"),
+                        kv_dims: tuple[str, ...] = ("b", "t", "n", "d")) -> str:
+        """Causal fused attention on ``q[q_dims]``, ``k, v[kv_dims]`` (GPT's heads by default;
+        LLaMA's grouped queries ``[b,s,e,g,d]``): saves its inputs, its output and the fp32
+        logsumexp per query row (flash attention's); the scores are recomputed in backward,
+        never stored."""
+        lse_dims = ("b", *(d for d in q_dims if d not in ("b", "s", "d")), "s")  # one per query row
         return self.op(
-            name, "sdpa", [(q, bsnd), (k, btnd), (v, btnd)], (self.activation(f"{name}.out", bsnd), bsnd),
+            name, "sdpa", [(q, q_dims), (k, kv_dims), (v, kv_dims)], (self.activation(f"{name}.out", q_dims), q_dims),
             reduced_dims=("t",), unsplittable_dims=("t", "d"), saves_inputs=(0, 1, 2), saves_output=True,
-            buffers=(SavedBuffer(f"{self.prefix}{name}.lse", ("b", "n", "s"), LSE_BYTES),),
+            buffers=(SavedBuffer(f"{self.prefix}{name}.lse", lse_dims, LSE_BYTES),),
             flops_per_point=4.0, backward_flops_ratio=2.5, causal=True,
         )
 

@@ -20,7 +20,7 @@ With no parallelism one layer saves, in bf16,
 from __future__ import annotations
 
 from memshard.core.graph import Graph, SavedBuffer
-from memshard.models.builder import LSE_BYTES, GraphBuilder
+from memshard.models.builder import GraphBuilder
 from memshard.models.config import ModelConfig
 
 
@@ -59,20 +59,7 @@ def build_llama(cfg: ModelConfig, batch: int, seq: int) -> Graph:
         v = g.linear("attn.v", y, bsh, ("h", "e", "d"), kv_dims, bias=False)
         q = _rotary(g, "attn.rope_q", q, q_dims)
         k = _rotary(g, "attn.rope_k", k, kv_dims)
-        o = g.op(
-            "attn.sdpa",
-            "sdpa",
-            [(q, q_dims), (k, ("b", "t", "e", "d")), (v, ("b", "t", "e", "d"))],
-            (g.activation("attn.sdpa.out", q_dims), q_dims),
-            reduced_dims=("t",),
-            unsplittable_dims=("t", "d"),
-            saves_inputs=(0, 1, 2),
-            saves_output=True,
-            buffers=(SavedBuffer(g.prefix + "attn.sdpa.lse", ("b", "e", "g", "s"), LSE_BYTES),),
-            flops_per_point=4.0,
-            backward_flops_ratio=2.5,
-            causal=True,
-        )
+        o = g.flash_attention("attn.sdpa", q, k, v, q_dims, ("b", "t", "e", "d"))
         a = g.linear("attn.o", o, q_dims, ("e", "g", "d", "h"), bsh, bias=False)
         x = g.add("attn.residual", x, a, bsh)
         y = g.norm("post_attention_layernorm", x, bsh, "h", bias=False)
