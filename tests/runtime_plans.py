@@ -125,8 +125,8 @@ def fresh(search: Search) -> Plan:
 def canonical_tokens(value, seen: dict[int, int]):
     """``value`` as a stream of text tokens, the same for equal records in any process:
     dataclasses by their compared fields, other objects by their attributes, sets sorted,
-    arrays by dtype, shape and bytes, floats exactly; an object met again by its first
-    token's number (``seen``: the objects met so far)."""
+    arrays by dtype, shape and bytes, floats exactly, tuples by their items; any other object
+    met again by its first token's number (``seen``: the objects met so far)."""
     if value is None or isinstance(value, (bool, int, str, bytes)):
         yield repr(value)
         return
@@ -142,10 +142,12 @@ def canonical_tokens(value, seen: dict[int, int]):
     if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
         yield f"callable {value.__module__}.{value.__qualname__}"
         return
-    if id(value) in seen:
+    by_value = isinstance(value, tuple)  # (a tuple is its items, however many hold it)
+    if not by_value and id(value) in seen:
         yield f"again {seen[id(value)]}"
         return
-    seen[id(value)] = len(seen)
+    if not by_value:
+        seen[id(value)] = len(seen)
     yield f"<{type(value).__qualname__}"
     if isinstance(value, np.ndarray):
         yield f"{value.dtype.str} {value.shape}"
