@@ -48,7 +48,8 @@ SEARCH_STAGES = (solve, passes, highs, stages, reference)
 class Search:
     """One ``memshard.plan`` call. A time plan's memory budget is ``budget`` times the peak of
     the least-memory plan of the same job without recomputation (which is also its start, when
-    ``start`` is set)."""
+    ``start`` is set); it is searched on the mesh as typed (no other view: the runtime's tests
+    are about the mesh they name)."""
 
     model: str
     mesh: str
@@ -119,7 +120,7 @@ def fresh(search: Search) -> Plan:
         return memshard.plan(search.model, search.mesh, **options)
     base = fresh(search.least_memory())
     return memshard.plan(search.model, search.mesh, objective="time", memory_budget=memory_budget(search, base),
-                         start=base if search.start else None, **options)
+                         start=base if search.start else None, mesh_views=False, **options)
 
 
 def canonical_tokens(value, seen: dict[int, int]):
@@ -207,7 +208,7 @@ def fingerprint(search: Search) -> str:
     job = make_job(search.model, search.mesh, batch=search.batch, seq=search.seq, gpu=search.gpu,
                    precision=search.precision)
     options = SearchOptions(search.objective, zero3_unit=search.zero3_unit, time_limit_s=search.time_limit_s,
-                            mip_gap=search.mip_gap, recompute=search.recompute)
+                            mip_gap=search.mip_gap, recompute=search.recompute, mesh_views=False)
     problem = searched_problem(job, options)
     formulation = Formulation(problem)
     formulation.add_plan_constraints(problem.candidate_points)

@@ -67,6 +67,7 @@ def plan(
     zero3_unit: str | None = None,
     top: int = 10,
     recompute: str = "none",
+    mesh_views: bool | None = None,
     **model_overrides,
 ) -> Plan:
     """Find the plan with the least per-device peak memory (``objective="memory"``, optionally
@@ -94,9 +95,12 @@ def plan(
     per op role; see ``recompute.py``). ``mip_gap``: the relative optimality gap the search
     stops at (None: 0.2%, and 3% for the least memory with recomputation, whose bound is the
     peak's LP relaxation; ``SearchOptions.gap``); ``time_limit_s``: where it stops anyway.
+    ``mesh_views``: whether the other ways the devices form mesh axes are searched too (a node
+    of 8 as 2 × 4; ``core.mesh.mesh_views``); None: for the fastest plan (objective time)
+    only. The plan lies on the best view (``Plan.job.mesh``).
     """
     options = SearchOptions(objective, max_step_time_s, memory_budget, exact, full_mesh, zero3_unit, time_limit_s,
-                            mip_gap, top, recompute)
+                            mip_gap, top, recompute, mesh_views=mesh_views)
     job = make_job(model, mesh, example_inputs=example_inputs, batch=batch, seq=seq, micro_batches=micro_batches,
                    **model_overrides)
     return plan_job(job, options, start)

@@ -35,7 +35,7 @@ KNOB_HELP = {
 PLOT_FORMATS = ("png", "pdf", "svg")
 FIT_KNOBS = ("batch", "seq", "layers", "hidden")  # ``fit.KNOBS`` (a test checks they agree)
 SEARCH_DESTS = ("objective", "max_step_time", "memory_budget", "zero3_unit", "recompute", "exact", "full_mesh",
-                "time_limit", "gap")
+                "mesh_views", "time_limit", "gap")
 JOB_DESTS = ("model", "hf_config", "hf_model", "attn_implementation", "mesh", "batch", "seq", "micro_batches",
              "precision", *KNOB_FLAGS, "gpu", "hardware", "axis_names", "bandwidth", "latency", "device_memory", "peak_tflops",
              "efficiency")
@@ -159,6 +159,9 @@ def add_search_arguments(parser: argparse.ArgumentParser, objective: bool) -> No
     s.add_argument("--exact", action="store_true", help="solve without sharing variables across identical layers")
     s.add_argument("--full-mesh", action="store_true",
                    help="on 3+ axis meshes, search every axis separately (slow) instead of merging alike axes")
+    s.add_argument("--mesh-views", choices=("on", "off"),
+                   help="also search the other ways the devices form mesh axes (a node of 8 as 2x4); default: on "
+                        "for --objective time, off for the least memory")
     s.add_argument("--time-limit", type=_seconds, help="solver time limit per plan (default 60s)")
     s.add_argument("--gap", type=float,
                    help="relative optimality gap the solver may stop at (default 0.002 = 0.2%%; the least memory with "
@@ -188,7 +191,8 @@ def options_of(args, gap: float | None = None):
     return SearchOptions(objective=given("objective", "memory"), max_step_time_s=given("max_step_time", None),
                          memory_budget=given("memory_budget", None), exact=args.exact, full_mesh=args.full_mesh,
                          zero3_unit=given("zero3_unit", None), time_limit_s=given("time_limit", 60.0),
-                         mip_gap=given("gap", gap), top=given("top", 10), recompute=given("recompute", "none"))
+                         mip_gap=given("gap", gap), top=given("top", 10), recompute=given("recompute", "none"),
+                         mesh_views=None if getattr(args, "mesh_views", None) is None else args.mesh_views == "on")
 
 
 def _model_of(args):

@@ -413,6 +413,10 @@ def fit_job(job: Job, knob: str = "batch", options: SearchOptions | None = None,
     started = time.perf_counter()
     step = _check(job, knob, step)
     options = options or SearchOptions()
+    # one setting of mesh views for every search of the scan: the fastest plans a slowdown
+    # bound is against lie on the views the least-memory probes search (the mesh as typed
+    # unless views are asked for)
+    options = replace(options, mesh_views=bool(options.mesh_views))
     if options.objective != "memory":
         raise MemshardError("fit searches the least memory at each value; bound the step time with --max-step-time")
     if max_slowdown is not None:

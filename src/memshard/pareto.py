@@ -41,6 +41,8 @@ def frontier(model: Model | Job, mesh: str | Mesh | None = None, points: int = 8
     if isinstance(points, bool) or not isinstance(points, int) or not 2 <= points <= MAX_POINTS:
         raise MemshardError(f"a frontier needs at least 2 points and at most {MAX_POINTS:,}, got {points!r}")
     job, options = job_and_options(model, mesh, arguments)
+    # one setting of mesh views for every point: the fastest end is one the budgets can reach
+    options = replace(options, mesh_views=bool(options.mesh_views))
     problem = searched_problem(job, options)
     least = plan_job(job, options, problem=problem)
     fastest = plan_job(job, replace(options, objective="time", memory_budget=math.inf), problem=problem)

@@ -107,6 +107,8 @@ CLI = {
     "recompute-strategy-needs-auto": (["simulate", *BASE, "--precision", "fp32", "--strategy", "fsdp2+selective-op"],
                                       "--recompute auto"),
     "full-mesh-on-two-axes": (GPT + ["--full-mesh"], "--full-mesh"),
+    "mesh-views-without-views": (["plan", "--model", "tiny-gpt", "--mesh", "2", "--mesh-views", "on"], "--mesh-views on"),
+    "mesh-views-unknown": (GPT + ["--mesh-views", "yes"], "yes"),
     "top-zero": (GPT + ["--top", "0"], "--top"),
     # outputs
     "json-empty": (GPT + ["--json", ""], "empty"),

@@ -176,11 +176,12 @@ def test_search_uses_recomputation():
 
 
 def test_time_objective_recomputes_only_what_the_budget_needs():
-    """Under a memory budget between the two, the fastest plan recomputes some ops, fits the
+    """Under a memory budget below what any plan without recomputation needs (5% under the
+    least-memory plan, proved within 1%), the fastest plan recomputes some ops, fits the
     budget and is no slower than full recomputation's fastest plan."""
-    kw = dict(batch=8, seq=1024, num_layers=2, precision="mixed", mip_gap=0.01, time_limit_s=30)
-    none = memshard.plan("gpt3-1.3b", "8", objective="time", **kw)
-    budget = 0.8 * none.peak_bytes
+    kw = dict(batch=8, seq=1024, num_layers=2, precision="mixed", mip_gap=0.01, time_limit_s=30, mesh_views=False)
+    least = memshard.plan("gpt3-1.3b", "8", **kw)
+    budget = 0.95 * least.peak_bytes
     full = memshard.plan("gpt3-1.3b", "8", objective="time", memory_budget=budget, recompute="full", **kw)
     auto = memshard.plan("gpt3-1.3b", "8", objective="time", memory_budget=budget, recompute="auto", **kw)
     assert auto.peak_bytes <= budget
@@ -241,7 +242,8 @@ def test_plan_json_records_recomputation_and_old_plans_load():
 
 def test_a_job_that_does_not_fit_points_to_recomputation():
     with pytest.raises(MemshardError, match="--recompute auto"):
-        memshard.plan("gpt3-1.3b", "8", batch=8, seq=1024, num_layers=2, objective="time", memory_budget="700MiB")
+        memshard.plan("gpt3-1.3b", "8", batch=8, seq=1024, num_layers=2, objective="time", memory_budget="700MiB",
+                      mesh_views=False)
 
 
 def test_unknown_policy_is_refused():

@@ -22,8 +22,9 @@ STAGES = {"dive", "support search", "reduced-cost fixing", "branch and bound", "
 @pytest.mark.parametrize("model, mesh, job, options", [
     ("tiny-gpt", "4", dict(batch=8, seq=64), dict()),
     ("tiny-llama", "4", dict(batch=8, seq=64), dict(recompute="selective")),
-    ("tiny-llama", "2x2", dict(batch=8, seq=64), dict(objective="time", memory_budget="80GiB")),
-    ("tiny-gpt", "4", dict(batch=8, seq=64), dict(recompute="auto", objective="time", memory_budget="80GiB")),
+    ("tiny-llama", "2x2", dict(batch=8, seq=64), dict(objective="time", memory_budget="80GiB", mesh_views=False)),
+    ("tiny-gpt", "4", dict(batch=8, seq=64), dict(recompute="auto", objective="time", memory_budget="80GiB",
+                                                  mesh_views=False)),
 ])
 def test_the_staged_search_and_the_plain_mip_agree_on_the_optimum_within_the_gap(model, mesh, job, options):
     """The plain search (one HiGHS branch and bound on the whole formulation, the primary

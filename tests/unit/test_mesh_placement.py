@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from memshard.core.errors import MemshardError
-from memshard.core.mesh import make_mesh, parse_mesh
+from memshard.core.mesh import make_mesh, mesh_views, parse_mesh
 from memshard.core.placement import (
     PARTIAL,
     REPLICATE,
@@ -94,6 +94,33 @@ def test_devices_fill_nodes_innermost_first():
     mesh = parse_mesh("2x16", hardware="a100-80gb")
     assert [(a.per_node, a.bandwidth_bytes_per_s) for a in mesh.axes] == [(1, 24e9), (8, 8 * 24e9)]
     assert mesh.axes[1].latency_s == mesh.hardware.inter_node_step_latency_s
+
+
+@pytest.mark.parametrize("text, views", [
+    ("8", ["2x4"]),  # a node: as 2 × 4 (4 × 2 is the same grouping on alike links)
+    ("2x4", ["8"]), ("4x2", ["8"]), ("4", ["2x2"]), ("6", ["2x3"]),
+    ("16", ["2x8", "2x2x4"]),  # two nodes: nodes × a node, then the node as 2 × 4
+    ("4x8", ["4x2x4"]),  # the axis across nodes kept
+    ("2", []), ("1", []), ("7", []),  # no other factors
+    ("8x8x16", []),  # a view would have 4 axes
+])
+def test_mesh_views_group_the_same_devices_otherwise(text, views):
+    mesh = parse_mesh(text)
+    found = mesh_views(mesh)
+    assert [str(v) for v in found] == views
+    assert all(v.num_devices == mesh.num_devices and v.hardware == mesh.hardware for v in found)
+
+
+def test_a_views_axes_have_the_links_of_where_their_devices_sit():
+    """16 devices on nodes of 8 viewed as 2 × 8: the 2 cross nodes (a NIC each), the 8 are a
+    node's NVLink; the typed axis of 16 crossed nodes on 8 NICs per node."""
+    (nodes, _) = mesh_views(parse_mesh("16", hardware="a100-80gb"))
+    assert [(a.per_node, a.bandwidth_bytes_per_s) for a in nodes.axes] == [(1, 24e9), (8, 230e9)]
+
+
+def test_no_view_of_a_mesh_whose_links_were_set_by_hand():
+    assert mesh_views(parse_mesh("8").with_links(bandwidths=(100e9,))) == ()
+    assert mesh_views(parse_mesh("8", device_memory_bytes=40 * 2**30))[0].device_memory_bytes == 40 * 2**30
 
 
 def test_with_links_overrides_per_axis():

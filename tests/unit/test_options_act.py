@@ -45,6 +45,7 @@ PLAN = {
     "--recompute": (["--recompute", "selective"], "json"),
     "--exact": (["--exact"], "json"),
     "--full-mesh": (["--full-mesh"], "refused"),  # nothing to merge on one axis
+    "--mesh-views": (["--mesh-views", "on"], "json"),  # the plan lies on the 2x2 view
     "--time-limit": (["--time-limit", "1ms"], "refused"),  # no plan in a millisecond
     "--gap": (["--gap", "0.5"], "json"),
     "--top": (["--top", "1"], "json"),

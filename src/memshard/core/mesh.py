@@ -126,6 +126,49 @@ def resized(mesh: Mesh, shape: tuple[int, ...]) -> Mesh:
     return replace(fresh, axes=axes)
 
 
+MAX_VIEW_AXES = 3  # a view of more axes multiplies the search; none is made
+
+
+def mesh_views(mesh: Mesh) -> tuple[Mesh, ...]:
+    """The other ways the same devices form mesh axes, where the links allow (docs/search.md,
+    *Mesh views*): an innermost axis that spans nodes split into nodes × the devices of a node;
+    then the axes within a node (the innermost ones whose group stays in a node) as one axis,
+    or as two of every pair of factors. Two axes of the same links in the other order are the
+    same view (the smaller factor outer). Axes that span nodes are kept. A view's axes take
+    the default names and links (``make_mesh``); none is made for a mesh whose links were set
+    by hand, one of merged axes, or where a view would have more than ``MAX_VIEW_AXES``."""
+    if mesh.real is not mesh or mesh != make_mesh(mesh.shape, mesh.axis_names, mesh.device_memory_bytes,
+                                                  hardware=mesh.hardware):
+        return ()
+    shape, node = list(mesh.shape), mesh.hardware.gpus_per_node
+    inner = mesh.axes[-1]
+    if 1 < inner.per_node < inner.size:  # nodes × the devices of a node
+        shape[-1:] = [inner.size // inner.per_node, inner.per_node]
+    within = len(shape)  # the axes within a node: the innermost ones whose devices fit in one
+    while within > 0 and math.prod(shape[within - 1:]) <= node:
+        within -= 1
+    outer, devices = tuple(s for s in shape[:within] if s > 1), math.prod(shape[within:])
+    parts = [(devices,)] + [(a, devices // a) for a in range(2, math.isqrt(devices) + 1) if devices % a == 0]
+    typed = _canonical(mesh.shape, node)
+    views, seen = [], {typed}
+    for part in parts:
+        view = outer + tuple(p for p in part if p > 1)
+        if len(view) <= MAX_VIEW_AXES and _canonical(view, node) not in seen:
+            seen.add(_canonical(view, node))
+            views.append(make_mesh(view, device_memory_bytes=mesh.device_memory_bytes, hardware=mesh.hardware))
+    return tuple(views)
+
+
+def _canonical(shape: tuple[int, ...], node: int) -> tuple[int, ...]:
+    """``shape`` with its axes of size 1 dropped and the axes within a node in size order: the
+    views that group the devices alike."""
+    shape = tuple(s for s in shape if s > 1)
+    within = len(shape)
+    while within > 0 and math.prod(shape[within - 1:]) <= node:
+        within -= 1
+    return shape[:within] + tuple(sorted(shape[within:]))
+
+
 def default_axis_names(ndim: int) -> tuple[str, ...]:
     """``dp``-free neutral names: the innermost axis is ``intra``, outer ones ``inter0``…"""
     if ndim == 1:

@@ -100,6 +100,9 @@ class SolverSummary:
     # each layer's class where layers share variables by class (``Graph.layer_classes``): a
     # recipe recomputing some of its layers; empty where all layers are one class
     layer_classes: tuple[int, ...] = ()
+    # the mesh as typed, where the search laid the plan out on another view of its devices
+    # (``core.mesh.mesh_views``; the job's mesh is that view); empty where it is the same
+    typed_mesh: str = ""
     # the search's stages (``search/stages.py``): shown by ``memshard plan --verbose``, not
     # written to the plan's JSON (a plan read back has none)
     stages: tuple[StageRecord, ...] = field(default=(), compare=False)
@@ -267,7 +270,8 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
         "solver": {"status": s.status, "time_s": s.time_s, "gap": s.gap, "variables": s.variables,
                    "constraints": s.constraints, "shared_layers": s.shared_layers, "zero3_unit": s.zero3_unit,
                    "search_space": s.search_space, "recompute": s.recompute, "framework": s.framework,
-                   **({"layer_classes": list(s.layer_classes)} if s.layer_classes else {})},
+                   **({"layer_classes": list(s.layer_classes)} if s.layer_classes else {}),
+                   **({"typed_mesh": s.typed_mesh} if s.typed_mesh else {})},
         "most_redundant_ops": [{"op": r.op, "redundant_bytes_per_device": r.redundant_bytes}
                                for r in plan.most_redundant_ops],
         "ops": [vars(o) for o in plan.ops],
@@ -305,11 +309,13 @@ def build_plan(
     strategy: str = "memshard",
     top: int = 10,
     advice: bool = True,
+    typed_mesh: Mesh | None = None,
 ) -> Plan:
     """The plan ``selection`` of ``problem`` (the searched problem: its mesh may merge axes),
     priced by ``evaluation`` (evaluated here if not given), found by ``result`` (None: a fixed
     plan) for ``job`` (default: the problem's graph on its mesh); the ``top`` most redundant
-    ops are listed, each with its ``advice``."""
+    ops are listed, each with its ``advice``; ``typed_mesh``: the job's mesh as typed, where
+    the plan lies on another view of its devices."""
     ev = evaluation or (result.evaluation if result is not None else None) or evaluate(problem, selection)
     graph, sched, mesh = problem.graph, problem.schedule, problem.mesh
     return Plan(
@@ -332,7 +338,7 @@ def build_plan(
         recompute_time_s=ev.recompute_time_s,
         hidden_communication_s=ev.hidden_communication_s,
         compute_by_kind=ev.compute_by_kind,
-        solver=_solver_summary(problem, result),
+        solver=_solver_summary(problem, result, typed_mesh),
         most_redundant_ops=advise(problem, selection, ev, top, alternatives=advice),
         ops=_op_choices(problem, selection),
         parameters=_parameter_storage(problem, selection),
@@ -343,15 +349,16 @@ def build_plan(
     )
 
 
-def _solver_summary(problem: Problem, result: SolveResult | None) -> SolverSummary:
+def _solver_summary(problem: Problem, result: SolveResult | None, typed_mesh: Mesh | None) -> SolverSummary:
     classes = problem.graph.layer_classes
     classes = classes if len(set(classes)) > 1 else ()
+    typed = str(typed_mesh) if typed_mesh is not None and typed_mesh != problem.mesh.real else ""
     if result is None:
         return SolverSummary("fixed", 0.0, 0.0, 0, 0, problem.shared_layers, problem.zero3_unit, "fixed plan",
-                             problem.recompute, problem.framework, classes)
+                             problem.recompute, problem.framework, classes, typed)
     return SolverSummary(result.status, result.time_s, result.gap, result.variables, result.constraints,
                          problem.shared_layers, problem.zero3_unit, result.search_space, problem.recompute,
-                         problem.framework, classes, result.stages)
+                         problem.framework, classes, typed, result.stages)
 
 
 def _split(assignment: tuple, mesh: Mesh) -> dict[str, str]:

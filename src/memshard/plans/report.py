@@ -57,6 +57,7 @@ def render_plan(plan: Plan, console: Console, top: int = 10, show_strategy: bool
 
 def _headline(plan: Plan) -> str:
     job, model, mesh = plan.job, plan.model, plan.job.mesh
+    view = f", the best view of mesh {plan.solver.typed_mesh}" if plan.solver.typed_mesh else ""
     extra = ""
     micro = f" in {counted(job.micro_batches, 'micro-batch', 'micro-batches')}"
     if not isinstance(job.model, (Graph, TracedModule)):
@@ -66,7 +67,7 @@ def _headline(plan: Plan) -> str:
     elif isinstance(job.model, TracedModule) and job.micro_batches > 1:
         extra = micro
     return (f"[bold]{model.name}[/] ({model_figures(job, model.num_parameters, model.precision)}{extra}) "
-            f"on mesh [bold]{mesh}[/] ({counted(mesh.num_devices, 'device')}), "
+            f"on mesh [bold]{mesh}[/] ({counted(mesh.num_devices, 'device')}{view}), "
             f"objective [bold]{plan.objective or plan.strategy}[/]")
 
 
