@@ -105,11 +105,14 @@ TORCH_FRAMEWORKS = (*FSDP2_FRAMEWORKS, *DDP_FRAMEWORKS)  # run with torch.optim.
 # compute: FSDP2 prefetches the next layer's all-gather and reduce-scatters a layer's gradients
 # while the backward goes on; DDP all-reduces its buckets during the backward; Megatron-LM with
 # ``--overlap-grad-reduce --overlap-param-gather`` reduce-scatters its gradient buckets during
-# the backward and gathers the updated weights during the next forward. The root's (the
-# embedding's, the head's) wait: the first all-gather starts the step, the last reduction ends
-# it. Megatron-LM by default and memshard's runtime run every collective in line. See
-# ``Choice.overlapped_s`` and ``evaluate.hidden_communication``.
-OVERLAPPING_FRAMEWORKS = (*TORCH_FRAMEWORKS, MEGATRON_OVERLAP)
+# the backward and gathers the updated weights during the next forward; memshard's runtime
+# all-reduces a ZeRO-0 weight's gradient during the backward, as soon as it is final
+# (``runtime/stores.py``; its ZeRO-1/2/3 collectives run in line: run beside, they would hold
+# their buffers longer than the memory model says). The root's (the embedding's, the head's)
+# wait: the first all-gather starts the step, the last reduction ends it. Megatron-LM by
+# default runs every collective in line. See ``Choice.overlapped_s`` and
+# ``evaluate.hidden_communication``.
+OVERLAPPING_FRAMEWORKS = (MEMSHARD, *TORCH_FRAMEWORKS, MEGATRON_OVERLAP)
 
 
 def explicit_prefetch(framework: str) -> int:
@@ -173,7 +176,8 @@ class Choice:
     time_s: float
     replay_s: float = 0.0  # per instance: what its replay adds (in compute_s and calls already)
     # per instance: of time_s, the collectives a framework that overlaps (``Problem.overlaps``)
-    # runs beside the compute: a layer's gathers and gradient reductions
+    # runs beside the compute: a layer's gathers and gradient reductions (memshard's runtime:
+    # a layer's ZeRO-0 gradient all-reduces only)
     overlapped_s: float = 0.0
 
 

@@ -105,8 +105,9 @@ class StoragePricing:
             # layout with no axis left to shard: elsewhere ZeRO over a free axis holds less.
             options += [(G, MASTER_ALONE) for G in dict.fromkeys(g_labels) if len(storage_options(G, mesh)) == 1]
         mems = [storage_memory(spec, G, opt, self.draft.graph.precision, mesh) for G, opt in options]
-        # a layer's gathers and reductions may run beside the compute (the root's may not)
-        overlapped = self.draft.graph.ops[i0].layer is not None
+        # a layer's gathers and reductions may run beside the compute (the root's may not);
+        # memshard's runtime runs only ZeRO-0 gradient all-reduces beside it (``runtime/stores.py``)
+        layered = self.draft.graph.ops[i0].layer is not None
         choices = []
         for (G, opt), m in zip(options, mems):
             calls = self.sync_calls(spec, G, opt, self.gathers_per_pass(name, uses))
@@ -115,6 +116,7 @@ class StoragePricing:
                 calls = tuple(replace(c, share=share) if c.kind != comm.ALL_REDUCE else c for c in calls)
             step = optimizer_step_time(m.optimizer_states, m.gradients, m.parameters, mesh.hardware)
             collectives = self.draft.time(calls)
+            overlapped = layered and (self.draft.framework != MEMSHARD or opt.stage == 0)
             choices.append(Choice((G, opt.stage, opt.axes), step, calls, step + collectives,
                                   overlapped_s=collectives if overlapped else 0.0))
         gid = self.draft.index[key] = len(self.draft.groups)

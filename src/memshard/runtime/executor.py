@@ -25,7 +25,9 @@ table (``ops.KERNELS``, or a traced module's in ``traced.py``), the executor the
   piece and gathers it again when backward needs it (saved-tensor hooks);
 - activations are dropped after their last forward use;
 - the gradient reductions run from the backward (post-accumulate-grad hooks: stage 2 at once,
-  stages 0 and 1 when the backward ends, unless gradient sync is off); an optimizer step hook
+  stages 0 and 1 when the backward ends, unless gradient sync is off; stage 0's all-reduces
+  start as soon as each gradient is final, beside the rest of the backward, and the end of
+  the backward waits for them: ``stores.py``); an optimizer step hook
   gathers the updated stage 1-2 shards into the compute weights (``loop.py``); the forward
   returns the global loss on every rank; ``state_dict`` is by the module's names
   (``checkpoint.py``).
@@ -267,6 +269,9 @@ class ShardedGraphModel(nn.Module):
         self.requires_gradient_sync = True
         self.local_gradients = False  # stage 0-1 gradients not reduced yet
         self.reduction_queued = False
+        # on CUDA, where a gradient's all-reduce over a second axis waits for the first's
+        # (``stores.start_all_reduces``): not the compute stream
+        self.reduction_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.replicate_loss = True  # forward returns the global loss on every rank
         for store in self.stores.values():
             if store.stage <= 1:
@@ -413,19 +418,26 @@ class ShardedGraphModel(nn.Module):
         finally:
             self.requires_gradient_sync = before
 
-    def _local_gradient_arrived(self) -> None:
+    def _local_gradient_arrived(self, store: ParamStore) -> None:
+        """A stage 0-1 store's gradient is final for this backward: with gradient sync on, a
+        stage-0 one starts its all-reduces now, and the end of the backward finishes them all."""
         self.local_gradients = True
-        if self.requires_gradient_sync and not self.reduction_queued:
+        if not self.requires_gradient_sync:
+            return
+        if not self.reduction_queued:
             self.reduction_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if store.stage == 0:
+            store.start_reduction(self.reduction_stream)
 
     def _end_of_backward(self) -> None:
         self.reduction_queued = False
         self.finish_gradients()
 
     def finish_gradients(self) -> None:
-        """Reduce the stage 0-1 gradients now, if some wait. The backward with gradient sync on
-        does this when it ends; a loop that keeps gradient sync off may call it instead."""
+        """Reduce the stage 0-1 gradients now, if some wait (waiting for the all-reduces the
+        backward started). The backward with gradient sync on does this when it ends; a loop
+        that keeps gradient sync off may call it instead."""
         if not self.local_gradients:
             return
         self.local_gradients = False
@@ -433,12 +445,15 @@ class ShardedGraphModel(nn.Module):
             store.finish_gradients()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The shards' gradients, and the stage 0-1 local gradients waiting to be reduced."""
+        """The shards' gradients, and the stage 0-1 local gradients waiting to be reduced
+        (with the all-reduces of a backward that raised before it ended)."""
         super().zero_grad(set_to_none)
         for store in self.stores.values():
             if store.unit is None and store.stage < 3:
                 store.param.grad = None
+                store.drop_started()
         self.local_gradients = False
+        self.reduction_queued = False
 
     def gather_updated(self, held: set[int] = frozenset()) -> None:
         """Gather the shards updated since their last gather into the compute weights (ZeRO

@@ -10,8 +10,10 @@ built over ``sharded.parameters()`` (this rank's shards):
 
 - the gradient reductions run from the backward itself (``stores.ParamStore``): ZeRO-2
   reduce-scatters each gradient as soon as it is complete, ZeRO-3 reduces in the backward of
-  its gather, and stages 0 and 1 reduce their accumulated gradients when the backward of the
-  last micro-batch ends (a callback queued on autograd's engine), unless gradient sync is off;
+  its gather, and stages 0 and 1 reduce their accumulated gradients in the backward of the
+  last micro-batch, unless gradient sync is off: stage 0 starts each all-reduce as soon as
+  the gradient is final, and when the backward ends (a callback queued on autograd's engine)
+  those are waited for and stage 1's run;
 - the updated shards of stages 1 and 2 are gathered into the compute weights by a global
   optimizer step hook (:func:`install_optimizer_hooks`), and the model's step count (its
   dropout masks) moves on; a shard changed in place through its parameter otherwise is

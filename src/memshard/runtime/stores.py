@@ -1,12 +1,31 @@
 """A parameter's storage on one rank, as a plan lays it out: :class:`ParamStore` (one parameter:
 its compute weight, the shard the optimizer updates, its gradient's reduction by ZeRO stage) and
 :class:`GatherUnit` (the weights of a ZeRO-3 layer unit in one flat shard, gathered together, as
-FSDP's unit is). ``executor.ShardedGraphModel`` holds one per parameter or unit."""
+FSDP's unit is). ``executor.ShardedGraphModel`` holds one per parameter or unit.
+
+What runs beside the compute: a ZeRO-0 weight's gradient all-reduces. In the backward that
+syncs gradients (the last micro-batch's), once the gradient is final, they start at once, in
+place on the gradient and asynchronously (:meth:`ParamStore.start_reduction`), as DDP starts a
+bucket's all-reduce; the end of the backward waits for them before the reduced gradient is
+used (:meth:`ParamStore.finish_gradients`). That holds nothing longer than the in-line
+reduction did: the gradient is kept until the end of the backward either way. On NCCL a
+collective issued from the compute stream waits for the gradient's producer and runs on
+NCCL's stream beside the next backward kernels; ``wait`` makes the compute stream wait. On gloo
+it runs on gloo's thread. A gradient partial over several axes is all-reduced axis by axis: one
+chain per parameter, each all-reduce issued once the one before has completed (on CUDA through
+a side stream: neither the caller nor the compute stream waits; on CPU the caller waits for all
+but the last). Every other collective runs in line: run beside the compute, a ZeRO-1/2/3
+reduction or gather would hold its buffers longer than the plan's memory model says.
+``problem/storage.py`` prices this overlap for the layers' weights (the root's, conservatively,
+in line).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -67,6 +86,32 @@ def gather_flat(shard: torch.Tensor, numel: int, mesh: DeviceMesh, axes: tuple[i
     return out
 
 
+def start_all_reduces(flat: torch.Tensor, groups: tuple,
+                      stream: torch.cuda.Stream | None = None) -> dist.Work | None:
+    """Start the all-reduces of ``flat`` in place over ``groups`` in order, each once the one
+    before has completed, and return the last one's handle (a ``dist.Work``; ``None`` for no
+    group) without waiting for it. A later one waits for the one before on ``stream`` (a side
+    CUDA stream) where one is given, else in the caller (gloo's handles)."""
+    work = None
+    for group in groups:
+        if work is not None:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                work.wait()
+                work = dist.all_reduce(flat, group=group, async_op=True)
+        else:
+            work = dist.all_reduce(flat, group=group, async_op=True)
+    return work
+
+
+@dataclass
+class StartedReduction:
+    """A ZeRO-0 gradient whose all-reduces run beside the backward: its flat buffer (reduced in
+    place) and the handle of its last all-reduce (``None``: nothing to reduce)."""
+
+    gradient: torch.Tensor
+    work: dist.Work | None
+
+
 class ParamStore:
     """One parameter under a plan: compute layout, gradient layout, ZeRO stage and axes."""
 
@@ -88,12 +133,18 @@ class ParamStore:
         # the storage axes; the axes splitting the compute shard play no part.
         self.flat_partial = tuple(PARTIAL if isinstance(p, Partial) else REPLICATE for p in grad)
         self.flat_sharded = tuple(Shard(0) if a in axes else REPLICATE for a in range(mesh.ndim))
+        # the process groups of the gradient's all-reduces: the axes where it is a partial sum
+        # and not stored (stage 0: all of them)
+        self.all_reduce_groups = tuple(mesh.get_group(a) for a, p in enumerate(self.flat_partial)
+                                       if isinstance(p, Partial) and (stage == 0 or a not in axes))
         self.pending: torch.Tensor | None = None
         self.outstanding = 0
         self.on_gradient: Callable[[torch.Tensor], None] | None = None  # a memory meter's
-        # stages 0 and 1: the model's, told that a local gradient arrived (it reduces them all
-        # when the backward ends)
-        self.on_local_gradient: Callable[[], None] | None = None
+        # stages 0 and 1: the model's, told that this store's local gradient arrived (stage 0
+        # starts its all-reduces then if gradient sync is on; the model finishes the
+        # reductions when the backward ends)
+        self.on_local_gradient: Callable[[ParamStore], None] | None = None
+        self.started: StartedReduction | None = None  # stage 0: all-reduces running
         # The optimizer's parameter (``opt``) is this rank's flat shard as a 1-D DTensor of the
         # parameter's size: ``Shard(0)`` over the axes that split the compute weight or store
         # it, ``Replicate`` over the rest. The element order is the plan's, not ``torch.chunk``'s,
@@ -144,9 +195,8 @@ class ParamStore:
     # over the storage axes (``problem/storage.py``'s sync_calls prices exactly this).
     def _reduce(self, local_grad: torch.Tensor) -> torch.Tensor:
         flat = local_grad.reshape(-1)
-        for a, p in enumerate(self.flat_partial):
-            if isinstance(p, Partial) and (self.stage == 0 or a not in self.axes):
-                dist.all_reduce(flat, group=self.mesh.get_group(a))  # in place: no second copy
+        for group in self.all_reduce_groups:
+            dist.all_reduce(flat, group=group)  # in place: no second copy
         if self.stage == 0:
             return flat
         src = tuple(p if a in self.axes else REPLICATE for a, p in enumerate(self.flat_partial))
@@ -179,11 +229,31 @@ class ParamStore:
         if self.stage == 2:
             self._reduce_now()
         elif self.on_local_gradient is not None:
-            self.on_local_gradient()
+            self.on_local_gradient(self)
+
+    def start_reduction(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Stage 0, its gradient final in a backward that syncs gradients: start its all-reduces
+        in place, beside the rest of the backward (``start_all_reduces``; ``stream``: the side
+        stream that chains them on CUDA). :meth:`finish_gradients` waits for them."""
+        g = self.param.grad
+        flat = (g.to_local() if isinstance(g, DTensor) else g).reshape(-1)
+        self.started = StartedReduction(flat, start_all_reduces(flat, self.all_reduce_groups, stream))
+
+    def drop_started(self) -> None:
+        """Forget the all-reduces a backward started and did not finish (it raised): their
+        collectives go on and free their buffers when done."""
+        self.started = None
 
     def finish_gradients(self) -> None:
-        """After the last micro-batch's backward (stages 0 and 1)."""
-        if self.stage <= 1:
+        """After the last micro-batch's backward (stages 0 and 1): wait for the all-reduces
+        it started, or reduce now; the reduced gradient goes to the shard's."""
+        started, self.started = self.started, None
+        if started is not None:
+            if started.work is not None:
+                started.work.wait()
+            self.param.grad = None
+            self.accumulate(started.gradient)
+        elif self.stage <= 1:
             self._reduce_now()
 
     def is_updated(self) -> bool:
