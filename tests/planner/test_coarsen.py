@@ -16,7 +16,7 @@ from memshard.models import build_graph
 from memshard.problem.evaluate import evaluate
 from memshard.problem.pricing import build_problem
 from memshard.search.coarsen import lift_selection, lower_selection, merge_groups, merged_mesh
-from memshard.search.solve import SearchRequest, solve
+from memshard.search.solve import SearchRequest, solve, solve_fixed
 from tests.unit.test_ilp_pricing import random_plan
 
 # GPT-2's own widths (a tiny model's loose LP bound made these searches 20–40 s, this one's ~1 s)
@@ -88,8 +88,8 @@ def test_merged_mesh_prices_a_plan_as_the_real_mesh_runs_it(model, shape):
         lifted = lift_selection(coarse, fine, sel, groups)
         assert lower_selection(coarse, fine, lifted, groups) == sel
         _evaluations_agree(evaluate(coarse, sel), evaluate(fine, lifted))
-    for sel in randoms:  # and the ILP, every choice pinned, prices them so too
-        forced = solve(SearchRequest(coarse, "memory", fixed=sel, mip_gap=0.0))
+    # and the ILP, every choice pinned (one formulation, pinned to each in turn), prices them so too
+    for sel, forced in zip(randoms, solve_fixed(SearchRequest(coarse, "memory", mip_gap=0.0), randoms), strict=True):
         assert forced.ilp_peak_bytes == pytest.approx(evaluate(fine, lift_selection(coarse, fine, sel, groups)).peak_bytes,
                                                       rel=1e-6)
 

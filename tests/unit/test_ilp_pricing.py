@@ -17,7 +17,7 @@ from memshard.models import build_graph
 from memshard.problem.evaluate import evaluate
 from memshard.problem.pricing import build_problem
 from memshard.problem.records import OpGroup, Selection
-from memshard.search.solve import SearchRequest, solve
+from memshard.search.solve import SearchRequest, solve, solve_fixed
 
 
 @functools.cache
@@ -53,3 +53,20 @@ def test_ilp_prices_random_plans_as_the_evaluator(model, mesh, shared, seed):
     forced = solve(SearchRequest(problem, "memory", fixed=plan, mip_gap=0.0))
     assert forced.selection == plan
     assert forced.ilp_peak_bytes == pytest.approx(evaluate(problem, plan).peak_bytes, rel=1e-6)
+
+
+@pytest.mark.parametrize("objective", ["memory", "time"])
+def test_plans_pinned_in_turn_on_one_formulation_price_as_each_alone(objective):
+    """``solve_fixed`` (one formulation, pinned to each plan in turn) returns what ``solve``
+    returns for each plan alone: the same plan, ILP peak, bound and model size."""
+    problem = _problem("tiny-gpt", "2x2", True)
+    rng = random.Random(1)
+    plans = [random_plan(problem, rng) for _ in range(3)]
+    assert len(set(plans)) == 3
+    request = SearchRequest(problem, objective, mip_gap=0.0, memory_budget_bytes=float("inf"))
+    for plan, together in zip(plans, solve_fixed(request, plans), strict=True):
+        alone = solve(SearchRequest(problem, objective, fixed=plan, mip_gap=0.0, memory_budget_bytes=float("inf")))
+        assert together.selection == alone.selection == plan
+        assert (together.status, together.ilp_peak_bytes, together.bound) == (alone.status, alone.ilp_peak_bytes,
+                                                                              alone.bound)
+        assert (together.variables, together.constraints) == (alone.variables, alone.constraints)

@@ -82,6 +82,7 @@ from memshard.problem.records import (
     MEGATRON,
     MEGATRON_FRAMEWORKS,
     MEGATRON_OVERLAP,
+    MEMSHARD,
     TORCH_TP,
     TORCH_TP_NO_RESHARD,
     TORCH_TP_TORCHTITAN,
@@ -256,10 +257,27 @@ def split_baseline(problem: Problem, name: str, count: int) -> Baseline | None:
         return None
     classes = split.classes(graph.num_layers, count)
     on = build_problem(graph.with_layer_classes(classes), problem.mesh, problem.shared_layers,
-                       problem.micro_batches, problem.zero3_unit, problem.recompute, problem.framework)
+                       problem.micro_batches, problem.zero3_unit, problem.recompute, split_framework(named, problem))
     full = str(replace(named, recompute="full"))
     found, _ = baselines(on, lambda n: n == full)
     return next((replace(b, name=str(split.named(named, count))) for b in found), None)
+
+
+def split_framework(name: StrategyName, problem: Problem) -> str:
+    """The framework a layer split of recipe ``name`` on ``problem`` is built for: the one
+    ``baselines`` prices the recipe as run by, Megatron-LM's or a PyTorch ``fully_shard``'s,
+    where that problem built straight from memshard's graph is the one ``as_run_by`` would
+    build from memshard's problem (one build, not two); else ``problem``'s own. (Not TP ×
+    FSDP2: its finer layouts are built from the problem's graph; nor under autocast, which
+    refuses some recipes by the graph's precision.)"""
+    if problem.framework != MEMSHARD or problem.graph.precision == AUTOCAST:
+        return problem.framework
+    if name.kind is Kind.MEGATRON:
+        return MEGATRON  # (its -overlap twin relabels Megatron-LM's problem)
+    if name.kind is Kind.FSDP2:
+        return next((framework for listed, framework in fully_sharded(problem.mesh) if listed == name),
+                    problem.framework)
+    return problem.framework
 
 
 def split_innermost(mesh: Mesh, tp: int) -> Mesh:

@@ -15,6 +15,8 @@ search, the objectives, and the pricing of a plan and its lazy rows. Each stage 
 search's :class:`~memshard.search.stages.StageLog`; the result keeps it
 (``SolveResult.stages``). ``search="plain"`` is the reference those stages are checked
 against: one HiGHS branch and bound on the whole formulation (:func:`solve_plain`).
+:func:`solve_fixed` prices several complete plans of one problem through the ILP, as
+``fixed`` does one, on one formulation pinned to each in turn.
 
 The reshard rows are lazy (without a memory budget): most plans' peak is not at a reshard,
 and without those rows (and their ρ columns) each HiGHS solve is smaller. The first pass runs
@@ -229,6 +231,7 @@ class Solver:
         formulation.add_plan_constraints(problem.candidate_points, reshard_rows=not self.lazy)
         time_expr = formulation.time_expression()
         formulation.add_budget_constraints(objective, time_expr, max_step_time_s, memory_budget_bytes)
+        self.free_bounds = (list(formulation.model.lower), list(formulation.model.upper))  # (before any pin)
         if fixed is not None:
             formulation.fix(fixed)
         self.search = HighsSearch(formulation.model, deadline, None if plain else formulation.disjunctions(),
@@ -242,6 +245,15 @@ class Solver:
         self.relaxed_peak: RelaxationBeside | None = None  # its bound there (``start_relaxation_beside``)
         self.cutoff = math.inf  # the primary objective (model units) another plan reaches
         self.last_priced: tuple[np.ndarray, Evaluation, set[int]] | None = None
+
+    def pin(self, selection: Selection, deadline: float) -> None:
+        """Price ``selection`` next, as a request with it ``fixed`` would: the formulation's
+        bounds as built, every choice and keep flag pinned to it, on a fresh HiGHS search."""
+        model = self.formulation.model
+        model.lower[:], model.upper[:] = self.free_bounds
+        self.formulation.fix(selection)
+        self.search = HighsSearch(model, deadline, self.formulation.disjunctions(), self.request.limits)
+        self.stages = self.search.stages
 
     def set_objectives(self, objective: str, time_expr: Expression, max_step_time_s: float | None) -> None:
         """The primary and secondary objectives, their floor and scales, the cap on the
@@ -561,10 +573,8 @@ def solve(request: SearchRequest) -> SolveResult:
         solver.cutoff = request.cutoff / unit
     if request.on_formulated is not None:
         request.on_formulated()
-    if request.fixed is not None:  # the one plan the rows allow: its objective, no search around it
-        found = solver.search.minimise(solver.primary, TIE_RESOLUTION, kind=objective)
-        return solver.result(Outcome(found.values, found.objective, 0.0, found.timed_out, True, found.objective),
-                             started)
+    if request.fixed is not None:
+        return fixed_result(solver, started)
     fallback = f.selection_start(request.start) if request.start is not None else solver.fallback_start()
     solver.start_relaxation_beside()
     state: object = FirstPassInput(fallback, request.start)
@@ -577,6 +587,32 @@ def solve(request: SearchRequest) -> SolveResult:
         if solver.relaxed_peak is not None:
             solver.relaxed_peak.stop()
     return solver.result(state, started)
+
+
+def fixed_result(solver: Solver, started: float) -> SolveResult:
+    """The result of a solver whose plan is pinned: the one plan the rows allow, its objective,
+    no search around it."""
+    found = solver.search.minimise(solver.primary, TIE_RESOLUTION, kind=solver.objective)
+    return solver.result(Outcome(found.values, found.objective, 0.0, found.timed_out, True, found.objective), started)
+
+
+def solve_fixed(request: SearchRequest, selections: list[Selection]) -> list[SolveResult]:
+    """What :func:`solve` returns for ``request`` with each of ``selections`` as its ``fixed``
+    plan, from one formulation: built once, then pinned to each plan in turn (the same model
+    HiGHS is given for each, so the same results). ``request`` gives no ``fixed``, ``start``,
+    ``cutoff`` nor callbacks."""
+    if request.objective not in OBJECTIVES:
+        raise MemshardError(f"unknown objective {request.objective!r}; use memory or time")
+    figures = request.figures if request.figures is not None else reference(request.problem)
+    results, solver = [], None
+    for selection in selections:
+        started = time.perf_counter()
+        if solver is None:
+            solver = Solver(replace(request, fixed=selection), figures, started + request.time_limit_s)
+        else:
+            solver.pin(selection, started + request.time_limit_s)
+        results.append(fixed_result(solver, started))
+    return results
 
 
 def solve_plain(request: SearchRequest, figures: Reference | None = None) -> SolveResult:
