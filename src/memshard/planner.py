@@ -45,7 +45,7 @@ from memshard.search.stages import MEMORY, TIME, StageRecord, TimeOut, in_scope
 MAX_FINITE = sys.float_info.max
 DEFAULT_GAP = 2e-3  # the relative optimality gap a search stops at, unless one is given
 RECOMPUTE_MEMORY_GAP = 0.03  # and the least-memory search with recomputation (``SearchOptions.gap``)
-UNIT_SEARCH = "unit's search"  # the stage of a ZeRO-3 unit's search that found no plan
+UNIT_SEARCH = "unit's search"  # the stage of a candidate's search (a ZeRO-3 unit, a view) that found no plan
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class SearchOptions:
     the search, and under a step-time budget would make the answer depend on the budget's
     presence. ``time_out``: a test knob (``search.stages.TimeOut``): the stage run at which time runs
     out, in each search (``SearchLimits.time_out``), or, for the stage "unit's search", at
-    the start or end of the search of the ZeRO-3 unit of that index in ``zero3_units``."""
+    the start or end of the search of that index in ``candidates`` (each view, each ZeRO-3
+    unit)."""
 
     objective: str = "memory"
     max_step_time_s: float | None = None
