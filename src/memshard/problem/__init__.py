@@ -10,5 +10,7 @@ their choices and costs.
   time, a reshard's transient buffers;
 - ``pricing.py``, ``storage.py``: a job priced into a :class:`records.Problem` (ops, then
   parameters' storage);
-- ``evaluate.py``, ``bounds.py``: one complete plan priced, and plan-independent lower bounds.
+- ``evaluate.py``, ``bounds.py``: one complete plan priced, and plan-independent lower bounds;
+- ``pipeline.py``: pipeline schedules as each rank's action list, the micro-batches each
+  stage holds, and the step's timeline.
 """
