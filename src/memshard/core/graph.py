@@ -11,6 +11,12 @@ same ``role`` and their ``layer`` index; the solver gives all copies of a role o
 variables unless asked to solve exactly. Layers may be split into classes (``layer_class``,
 ``Graph.with_layer_classes``): then the copies of a role share variables within a class (the
 first N layers recomputed and the others not: Megatron-LM's block recomputation).
+
+A pipeline stage runs a slice of the layers (``Graph.pipeline_stage``): the first stage also
+the ops before the layers (the embedding), the last the ops after them (final norm, head,
+loss). Its graph is a graph like any other. A tensor it reads that another stage makes is one
+of its inputs (``Graph.received``); what it makes for a later stage is ``Graph.sent``, and its
+last op's output is the graph's output (``Graph.loss``) where it is not the last stage.
 """
 
 from __future__ import annotations
@@ -196,6 +202,11 @@ class Graph:
     # A traced module: its ``memshard.trace.TracedProgram`` (the exported program and each
     # op's ATen call), which the runtime runs; None for a built graph.
     traced: Any = field(default=None, compare=False, hash=False, repr=False)
+    # A pipeline stage (``pipeline_stage``): the inputs it receives from the stage before (made
+    # there) and the tensors it sends on. Not compared: the tensors and ops say the stage already,
+    # and a whole graph is the record it was.
+    received: frozenset[str] = field(default=frozenset(), compare=False, hash=False)
+    sent: frozenset[str] = field(default=frozenset(), compare=False, hash=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -222,11 +233,14 @@ class Graph:
     def loaded_inputs(self) -> dict[str, tuple[int, int]]:
         """The inputs a data loader gives each rank its share of — those one op reads (token
         ids, labels) — → that op (op index, input index). Those several ops read (a traced
-        model's rotary tables) are made whole on every rank, and so are ``made_inputs``."""
+        model's rotary tables) are made whole on every rank, and so are ``made_inputs``. A
+        pipeline stage receives its share of what the stage before made (``received``) as a
+        loader hands it the batch: in its first reader's layout, however many read it."""
         out = {}
         for name, spec in self.tensors.items():
             uses = self.consumers.get(name, ())
-            if spec.kind is TensorKind.INPUT and len(uses) == 1 and name not in self.made_inputs:
+            if spec.kind is TensorKind.INPUT and name not in self.made_inputs and (
+                    len(uses) == 1 or (uses and name in self.received)):
                 out[name] = uses[0]
         return out
 
@@ -277,6 +291,62 @@ class Graph:
         ops = tuple(op if op.layer is None else replace(op, layer_class=classes[op.layer]) for op in self.ops)
         return replace(self, ops=ops)
 
+    # -- pipeline stages --------------------------------------------------------------------
+    def stage_of_ops(self, ends: tuple[int, ...]) -> tuple[int, ...]:
+        """Each op's pipeline stage, the stages ending after layers ``ends`` (increasing, the
+        last ``num_layers``): a layer's ops run on its stage; an op outside the layers on the
+        stage of the next layer's ops (the embedding on the first), or the last after them."""
+        if not ends or ends[-1] != self.num_layers or any(a >= b for a, b in zip((0, *ends), ends)):
+            raise MemshardError(f"graph {self.name}: stages ending after layers {ends} do not split "
+                                f"its {self.num_layers} layers")
+        stage_of_layer = [next(k for k, end in enumerate(ends) if layer < end) for layer in range(self.num_layers)]
+        out, following = [0] * len(self.ops), len(ends) - 1
+        for i in reversed(range(len(self.ops))):
+            layer = self.ops[i].layer
+            if layer is not None:
+                following = stage_of_layer[layer]
+            out[i] = following
+        return tuple(out)
+
+    def pipeline_stage(self, first_layer: int, end_layer: int) -> Graph:
+        """The graph a pipeline stage runs: the ops of layers [first_layer, end_layer), with
+        those before the layers on the first stage and those after them on the last
+        (``stage_of_ops``); layers numbered from 0 within the stage. The whole range is the
+        graph itself.
+
+        A tensor the stage reads and another stage makes is an input (``TensorKind.INPUT``,
+        its dtype and shape kept, listed in ``received``): no op of the stage makes it, so it is
+        no activation of the stage; the rank receives its share before its forward, as a data
+        loader hands it the batch (``loaded_inputs``), keeps it until its backward, and sends
+        its gradient back. A parameter read on two stages (a tied embedding and head) is on
+        both, as Megatron-LM duplicates it. What the stage makes for a later stage is ``sent``;
+        where the stage is not the last, its last op's output is the graph's output (``loss``)."""
+        if not 0 <= first_layer < end_layer <= self.num_layers:
+            raise MemshardError(f"graph {self.name}: no stage of layers [{first_layer}, {end_layer}) "
+                                f"among its {self.num_layers}")
+        if (first_layer, end_layer) == (0, self.num_layers):
+            return self
+        ends = tuple(sorted({first_layer, end_layer, self.num_layers} - {0}))
+        stage = ends.index(end_layer)
+        of_op = self.stage_of_ops(ends)
+        mine = [i for i, k in enumerate(of_op) if k == stage]
+        ops = tuple(op if op.layer is None else replace(op, layer=op.layer - first_layer)
+                    for op in (self.ops[i] for i in mine))
+        produced = {op.output.tensor for op in ops}
+        tensors, received = {}, set()
+        for op in ops:
+            for operand in op.operands:
+                spec = self.tensors[operand.tensor]
+                if spec.kind is TensorKind.ACTIVATION and operand.tensor not in produced:
+                    spec = replace(spec, kind=TensorKind.INPUT)
+                    received.add(operand.tensor)
+                tensors[operand.tensor] = spec
+        sent = frozenset(t for t in produced if any(of_op[c] != stage for c, _ in self.consumers.get(t, ())))
+        last = end_layer == self.num_layers
+        return replace(self, name=f"{self.name}[{first_layer}:{end_layer}]", tensors=tensors, ops=ops,
+                       loss=self.loss if last else ops[-1].output.tensor, num_layers=end_layer - first_layer,
+                       made_inputs=self.made_inputs & set(tensors), received=frozenset(received), sent=sent)
+
     # -- checks -----------------------------------------------------------------------------
     def validate(self) -> None:
         names = set()
@@ -311,3 +381,7 @@ class Graph:
             produced.add(op.output.tensor)
         if self.loss not in produced:
             raise MemshardError(f"graph {self.name}: loss tensor {self.loss} is not produced")
+        if not self.sent <= produced or any(self.tensors.get(t) is None or self.tensors[t].kind is not TensorKind.INPUT
+                                            for t in self.received):
+            raise MemshardError(f"graph {self.name}: a stage sends a tensor it does not make or receives one "
+                                f"that is not an input")

@@ -7,6 +7,13 @@ the collectives its framework runs beside it, plus the collectives that run in l
 
 The evaluator reads the same :class:`~memshard.problem.records.Problem` the ILP is built from, but
 sums it directly (no linearisation), so it is the reference the solver is tested against.
+
+A pipeline stage's rank also holds k − 1 other micro-batches, each waiting for its backward
+with what one micro-batch holds at the boundary (``Problem.waiting_micro_batches``)::
+
+    live'(t) = live(t) + (k − 1)·S      S = the activations live at ``Schedule.boundary``
+
+filed as activations at every point, their redundant part alike.
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ class Evaluation:
     recompute_time_s: float = 0.0  # what replays add (in the step time already)
     compute_by_kind: dict[str, float] = field(default_factory=dict)  # COMPUTE_KINDS → seconds
     hidden_communication_s: float = 0.0  # of communication_time_s, under the compute
+    # S: the activations one micro-batch holds between its forward and its backward (at
+    # ``Schedule.boundary``), held k − 1 times more at every point by a pipeline stage's rank
+    boundary_activation_bytes: float = 0.0
 
     def breakdown_at(self, point: int) -> dict[str, float]:
         """Live bytes per category at schedule point ``point``."""
@@ -130,6 +140,7 @@ class _Ledger:
         self.num_points = num_points
         self.live = np.zeros((len(CATEGORIES), num_points + 1))
         self.redundant = np.zeros(num_points + 1)
+        self.redundant_activations = np.zeros(num_points + 1)  # of ``redundant``
 
     def add(self, start: int, end: int, category: str, nbytes: float, redundant: float) -> None:
         k = CATEGORY_INDEX[category]
@@ -137,9 +148,13 @@ class _Ledger:
         self.live[k, end + 1] -= nbytes
         self.redundant[start] += redundant
         self.redundant[end + 1] -= redundant
+        if k == ACTIVATIONS:
+            self.redundant_activations[start] += redundant
+            self.redundant_activations[end + 1] -= redundant
 
 
 CATEGORY_INDEX = {c: k for k, c in enumerate(CATEGORIES)}
+ACTIVATIONS = CATEGORY_INDEX["activations"]
 
 
 def check_plan(problem: Problem, selection: Selection) -> None:
@@ -257,6 +272,12 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
     _add_held(problem, selection, ledger)
     _add_reshards(problem, selection, ledger, swap)
     live = np.cumsum(ledger.live, axis=1)[:, :n_points]
+    redundant = np.cumsum(ledger.redundant)[:n_points]
+    boundary = float(live[ACTIVATIONS, problem.schedule.boundary])
+    if problem.waiting_micro_batches:
+        live[ACTIVATIONS] += problem.waiting_micro_batches * boundary
+        redundant = redundant + problem.waiting_micro_batches * float(
+            np.cumsum(ledger.redundant_activations)[problem.schedule.boundary])
     total = live.sum(axis=0)
     peak_point = int(np.argmax(total))
     bound = zero_redundancy_bound(problem)
@@ -267,7 +288,7 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
         peak_bytes=float(total[peak_point]),
         peak_point=peak_point,
         breakdown={c: float(live[k, peak_point]) for k, c in enumerate(CATEGORIES)},
-        redundant_bytes=float(np.cumsum(ledger.redundant)[peak_point]),
+        redundant_bytes=float(redundant[peak_point]),
         lower_bound_bytes=float(bound[bound_point]),
         lower_bound_point=bound_point,
         step_time_s=compute + communication - hidden,
@@ -280,4 +301,5 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
         recompute_time_s=recompute_time(problem, selection),
         compute_by_kind=compute_by_kind(problem, selection),
         hidden_communication_s=hidden,
+        boundary_activation_bytes=boundary,
     )

@@ -63,6 +63,7 @@ from memshard.problem.records import (
     HeldTensor,
     Holder,
     OpGroup,
+    PipelineStage,
     Problem,
     ReshardPoint,
     SharedGradient,
@@ -153,14 +154,16 @@ class _Builder(ProblemDraft):
             if op.kind == "cross_entropy":
                 self.loss_slots(i, gid)
             out = self.graph.tensors[op.output.tensor]
-            if op.output.tensor in self.last_consumer:
+            if op.output.tensor in self.last_consumer or op.output.tensor in self.graph.sent:
                 # The gradient of the output in our layout, from its last consumer's reshard of
-                # it (the consumers' own layouts before: their input-gradient slots) to ours.
+                # it (the consumers' own layouts before: their input-gradient slots) to ours;
+                # sent to the next pipeline stage, from the backward's first point, received.
                 prices = self.cached((gid, "output_grad"), lambda out=out, strategies=strategies: self.layout_prices(
                     out, [without_partial(s.output_layout) for s in strategies]))
-                self.slot(gid, S.reshard_out(self.last_consumer[op.output.tensor]), S.backward(i),
-                          "transients", *prices, out.nbytes)
-            for j in activation_inputs(self.graph, op):
+                start = (S.boundary if op.output.tensor in self.graph.sent
+                         else S.reshard_out(self.last_consumer[op.output.tensor]))
+                self.slot(gid, start, S.backward(i), "transients", *prices, out.nbytes)
+            for j in (*activation_inputs(self.graph, op), *self.received_inputs(op)):
                 t = op.inputs[j].tensor
                 if passes_gradient(op, j, self.graph.tensors[t], out):
                     continue  # its gradient is the output's, priced above
@@ -176,6 +179,26 @@ class _Builder(ProblemDraft):
                     grp = self.groups[gid]
                     net = wider - (np.array(grp.replays, float) if grp.may_replay else 0.0)
                     self.slot(gid, S.backward(i), S.backward(i), "transients", *(x * net for x in prices), 0.0)
+
+    def received_inputs(self, op: Op) -> tuple[int, ...]:
+        """The inputs of ``op`` its pipeline stage received (``Graph.received``): it makes their
+        gradients as it makes an activation input's, and the stage sends them back."""
+        return tuple(j for j, x in enumerate(op.inputs) if x.tensor in self.graph.received)
+
+    def received_gradients(self, op_group: list[int]) -> None:
+        """The gradient of each input a pipeline stage received, sent back when the stage's
+        backward ends: from its last reader's input-gradient reshards (its readers' own
+        gradients before: their input-gradient slots) to the backward's last point, in that
+        reader's input-gradient layout. (Where that reader is an add, the other input's
+        producer may hold the same tensor meanwhile: counted twice, unlike
+        ``SharedGradient``'s two activations.)"""
+        S = self.sched
+        for t in sorted(self.graph.received):
+            i, j = self.graph.consumers[t][-1]
+            gid, spec = op_group[i], self.graph.tensors[t]
+            prices = self.cached((gid, "input_grad", j), lambda spec=spec, gid=gid, j=j: self.layout_prices(
+                spec, [without_partial(L) for L in self.groups[gid].input_grads[j]]))
+            self.slot(gid, S.reshard_out(i), S.optimizer - 1, "transients", *prices, spec.nbytes)
 
     def loss_slots(self, i: int, gid: int) -> None:
         """The loss's working set besides its saved logits and their gradient. memshard's and
@@ -354,7 +377,9 @@ class _Builder(ProblemDraft):
             spec = self.graph.tensors[t]
             pg = op_group[p]
             forward_end = S.forward(self.last_consumer.get(t, p))
-            end = S.backward(p) if op.saves_output else forward_end
+            # (a tensor sent to the next pipeline stage is kept until its backward, as
+            # torch's PipelineStage keeps its outputs)
+            end = S.backward(p) if op.saves_output or t in self.graph.sent else forward_end
             edges = tuple(sorted({e for kind, e, _, _ in edge_holders.get(t, []) if kind != PRODUCER}))
 
             def prices(pg=pg, edges=edges, spec=spec):
@@ -430,10 +455,17 @@ class _Builder(ProblemDraft):
 
 
 def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_batches: int = 1,
-                  zero3_unit: str = "op", recompute: str = "none", framework: str = MEMSHARD) -> Problem:
+                  zero3_unit: str = "op", recompute: str = "none", framework: str = MEMSHARD,
+                  stage: PipelineStage | None = None) -> Problem:
     """``graph`` describes one micro-batch; a step runs ``micro_batches`` of them (gradient
     accumulation) and one optimizer update. ``zero3_unit``: see :class:`LayerUnit`;
-    ``recompute``: which ops may be replayed (``recompute.RECOMPUTE_POLICIES``)."""
+    ``recompute``: which ops may be replayed (``recompute.RECOMPUTE_POLICIES``); ``stage``: the
+    problem of that pipeline stage's rank (its graph, and the micro-batches it holds)."""
+    if stage is not None:
+        if not 1 <= stage.held_micro_batches <= micro_batches:
+            raise MemshardError(f"a pipeline stage holds 1 to {micro_batches} micro-batches (the step's), "
+                                f"not {stage.held_micro_batches}")
+        graph = graph.pipeline_stage(stage.first_layer, stage.end_layer)
     if zero3_unit not in ZERO3_UNITS:
         raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, got {zero3_unit!r}")
     if framework not in FRAMEWORKS:
@@ -444,6 +476,7 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
     b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute, framework)
     op_group = b.add_ops()
     b.op_slots(op_group)
+    b.received_gradients(op_group)
     edge_of_input = b.add_edges(op_group)
     for edge in b.edges:
         edge.executions = edge.instances * micro_batches
@@ -458,5 +491,5 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
         op_group=op_group, micro_batches=micro_batches, edge_of_input=edge_of_input,
         storage_group=storage_group, reshard_points=b.add_reshard_points(edge_of_input),
         zero3_unit=zero3_unit, recompute=recompute, conflicts=b.conflicts, framework=framework,
-        shared_gradients=b.shared_gradients(op_group, edge_of_input),
+        shared_gradients=b.shared_gradients(op_group, edge_of_input), stage=stage,
     )

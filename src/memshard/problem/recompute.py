@@ -12,8 +12,9 @@ The replay reads each input from the replayed producer, from the replayed op's o
 replay (the checkpoint's region inputs; priced as a holder of its own, ``problem.SOURCE``).
 
 An op can be replayed when it belongs to a layer and every op that saves its output belongs
-to the same layer (a saved copy is made again by the replay of its consumer's layer). The
-policies:
+to the same layer (a saved copy is made again by the replay of its consumer's layer), and a
+pipeline stage does not send its output on (``Graph.sent``: kept for the next stage's
+gradient, as a layer keeps its output for the next layer). The policies:
 
 - ``none``: nothing is replayed (the problem is the one without recomputation);
 - ``selective``: Megatron-LM's core-attention recomputation — the attention scores, their
@@ -35,10 +36,11 @@ RECOMPUTE_POLICIES = ("none", "selective", "full", "auto")
 
 
 def replayable_ops(graph: Graph) -> set[int]:
-    """The ops that can be replayed: in a layer, their output saved only by ops of it."""
+    """The ops that can be replayed: in a layer, their output saved only by ops of it and not
+    sent to another pipeline stage."""
     out = set()
     for i, op in enumerate(graph.ops):
-        if op.layer is None:
+        if op.layer is None or op.output.tensor in graph.sent:
             continue
         savers = [graph.ops[c] for c, j in graph.consumers.get(op.output.tensor, ()) if j in graph.ops[c].saves_inputs]
         if all(c.layer == op.layer for c in savers):

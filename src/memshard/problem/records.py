@@ -38,6 +38,9 @@ and a mesh. A plan is a :class:`Selection`: one choice per group, a keep flag pe
   buffers its collectives allocate (``cost.reshard_memory``), priced per edge from the pair
   (producer layout, consumer layout) by ``reshard_price``; ``reshard_terms`` says which prices
   are live while each reshard of a point runs, the point's transient is the largest sum.
+- **pipeline stage** (``PipelineStage``): the problem of one stage's rank, whose other
+  micro-batches in flight each hold what one holds between its forward and its backward
+  (``Problem.waiting_micro_batches``).
 """
 
 from __future__ import annotations
@@ -164,6 +167,9 @@ REPLAYED_AHEAD = "replayed_ahead"  # a ticket the producer's replay makes for a 
 REPLAY_OUT = "replay_out"
 REPLAY_READ = "replay_read"
 REPLAY_INPUT = "replay_input"
+# Holders of a tensor made for the backward (transients; with a replayed producer's own holder
+# from its replay on, which starts after ``Schedule.boundary``: ``Problem.made_in_backward``)
+MADE_FOR_BACKWARD = (REGATHER, REPLAYED, REPLAYED_AHEAD, REPLAY_OUT, REPLAY_READ, REPLAY_INPUT)
 OWN_KINDS = (PRODUCER, RETAINED, CACHED, SOURCE, REPLAY_OUT, REPLAY_READ)  # holders of the producer's own tensor
 GROUP_KINDS = (PRODUCER, RETAINED, CACHED, REPLAY_OUT)  # holders whose source is the producer's op group
 
@@ -413,6 +419,20 @@ class Selection:
     keeps: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class PipelineStage:
+    """One pipeline stage as a rank runs it: the layers [first_layer, end_layer) of the graph
+    (``Graph.pipeline_stage``: the first stage also runs the embedding, the last the head and
+    the loss) and k, the micro-batches whose activations it holds at its peak: the one
+    running and k − 1 that have run their forward and wait for their backward (1F1B's stage i
+    of p: k = min(p − i, m)). Those k − 1 share the weights, gradients and optimizer states;
+    each holds the activations one micro-batch holds at the boundary (``Schedule.boundary``)."""
+
+    first_layer: int
+    end_layer: int
+    held_micro_batches: int = 1
+
+
 @dataclass
 class Problem:
     graph: Graph
@@ -437,12 +457,20 @@ class Problem:
     recompute: str = "none"  # one of recompute.RECOMPUTE_POLICIES
     conflicts: list[Conflict] = field(default_factory=list)
     shared_gradients: list[SharedGradient] = field(default_factory=list)
+    # The pipeline stage it is the problem of (None: the whole graph on every rank). Not
+    # compared: a whole graph's problem is the record it was; a stage's graph and rows say it.
+    stage: PipelineStage | None = field(default=None, compare=False)
     # ``edge_layouts`` of the selection last asked about (pricing a plan asks ~10 times per edge)
     _layouts_seen: tuple[Selection | None, dict[int, EdgeLayouts]] = field(
         default=(None, {}), init=False, repr=False, compare=False)
 
     def strategy(self, selection: Selection, group: int) -> Strategy:
         return self.groups[group].strategies[selection.choices[group]]
+
+    @property
+    def waiting_micro_batches(self) -> int:
+        """k − 1: the other micro-batches the rank holds at the boundary (0 off a pipeline)."""
+        return self.stage.held_micro_batches - 1 if self.stage is not None else 0
 
     @property
     def overlaps(self) -> bool:
@@ -537,7 +565,7 @@ class Problem:
     def made_in_backward(self, selection: Selection, h: Holder) -> bool:
         """Whether ``h`` holds a tensor made for the backward (a re-gathered copy, what a replay
         makes): a transient, as PyTorch's memory tracker files it."""
-        if h.kind in (REGATHER, REPLAYED, REPLAYED_AHEAD, REPLAY_OUT, REPLAY_READ, REPLAY_INPUT):
+        if h.kind in MADE_FOR_BACKWARD:
             return True
         return h.kind == PRODUCER and h.start >= 2 * self.schedule.num_ops and self.replayed(selection, h.source)
 

@@ -17,6 +17,11 @@ forward order, between RB(s + 1) and B(s) — RR(k), its inputs resharded again,
 forward run again: the replay is a forward pass of its own, and what it makes lives from the
 moment it is made. Every later point moves on by the replay points before it.
 
+The *boundary* between the forward and the backward is point 2n, the backward's first: B(n−1),
+or the first RR of a replay that runs before it. Nothing of the backward is made there yet
+(re-gathered copies are transients), so the activations live there are what one micro-batch
+holds between its forward and its backward; recomputation makes them fewer, not the point.
+
 Every memory item is live on a closed interval of points; an item spanning a reshard point
 is live during it (what is held while the reshard runs), and the reshard's own buffers are
 priced at its point. The peak is the largest sum of live bytes over the points, never the
@@ -74,6 +79,12 @@ class Schedule:
         """The first point of op i's backward: its layer's replay if one runs before it."""
         ops = dict(self.replays).get(i, ())
         return self.replay_reshard(ops[0]) if ops else self._backward[i]
+
+    @property
+    def boundary(self) -> int:
+        """The backward's first point: what one micro-batch holds between its forward and its
+        backward (see the module docstring)."""
+        return 2 * self.num_ops
 
     @property
     def optimizer(self) -> int:

@@ -13,6 +13,8 @@ Variables::
     s[a,L] ∈ [0,1]     an add's gradient in layout L, received by both its producers (memory.py)
     ρ[e,f] ≥ 0         the reshard-buffer price f of edge e             (reshards.py)
     L_t                live bytes at candidate point t
+    A ≥ 0              the activations one micro-batch holds at the forward/backward boundary,
+                       where a pipeline stage's rank holds k − 1 more (memory.py)
     M ≥ 0              peak bytes per device
     E ≥ 0              the collectives run beside the compute that it does not hide
                        (only where the framework overlaps some: ``Problem.overlaps``)
@@ -27,8 +29,8 @@ Row families (each row is tagged with its family, see ``model.RowTag``), one met
                 op under ZeRO-3)                                      add_conflict_constraints
   edge-flow, keep, replay   Alpa's edge linearisation factored by mesh axis, a kept copy,
                 recomputation's copies                                add_edge_constraints
-  live-bytes, memory, copy, held, shared-gradient   L_t chained, L_t + const_t ≤ M
-                                                                      add_memory_constraints
+  live-bytes, memory, copy, held, shared-gradient, in-flight   L_t chained (L_0 with
+                (k − 1)·A), L_t + const_t ≤ M                         add_memory_constraints
   reshard, reshard-price   L_t + Σ_k ρ + S_t(x) + const_t ≤ M          add_reshard_constraints
   overlap       E ≥ Σ instances·overlapped(x) − Σ_op groups instances·compute(x)
                                                                       add_overlap_constraints

@@ -35,6 +35,19 @@ takes one output-gradient slot back where both receive the tensor itself, per la
 
 Tensors of shared layers have the same producer group and holders, so a (tensor kind, live
 holders) signature is one expression, counted once per tensor that has it.
+
+A pipeline stage's rank holds k − 1 other micro-batches (``Problem.waiting_micro_batches``),
+each with what one holds at the boundary between its forward and its backward (t_b =
+``Schedule.boundary``): the activations live there, as the evaluator files them (the slots and
+constants of that category; the held tensors less the holders of what is made for the
+backward, re-gathered copies, which are transients)::
+
+  A = Σ_{activation slots at t_b} bytes·x + Σ_{held at t_b} (…) + const_b   (family ``in-flight``)
+  L_0 = Δ_0 + (k − 1)·A
+
+A ≥ 0 is one column and one row. It enters the chain's first point, so every L_t holds it, and
+so every ``memory`` row (L_t + const_t ≤ M) and every reshard row. With k = 1 there is no A: the
+model is the one without pipelining.
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ from memshard.problem.records import (
     DURING_RESHARDS,
     GROUP_KINDS,
     INPUT_COPY,
+    MADE_FOR_BACKWARD,
     OWN_KINDS,
     PRODUCER,
     READ_BY_REPLAY,
@@ -96,6 +110,7 @@ class LiveBytes:
         self.checkpointed: dict[tuple[int, ...], int] = {}  # a layer's replaying groups → u
         self.expressions: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.shared_expressions: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self.in_flight_column: int | None = None  # A, where the rank holds other micro-batches
 
     # -- "holder h holds its tensor in layout L" ---------------------------------------------
     def indicator(self, h: Holder, layout: Layout, part: str = "all") -> dict[int, float]:
@@ -250,9 +265,34 @@ class LiveBytes:
                 signatures.append((signature, count))
             const = sum(c.nbytes for c in self.problem.constants if c.start <= t <= c.end) / self.bytes_unit
             terms.append((live_slots, signatures, const, shared))
+        if self.problem.waiting_micro_batches:
+            self.in_flight_column = self.in_flight(holders)
         rows = self.chain_rows(points, terms, slot_keys, slot_vectors)
         self.constants_at = {t: terms[k][2] for k, t in enumerate(points)}
         return rows
+
+    def in_flight(self, holders: _HolderIndex) -> int:
+        """A, the activations one micro-batch holds at the boundary (family ``in-flight``):
+        A − Σ(its expression) = its constant bytes. Returns A's column."""
+        problem, t = self.problem, self.problem.schedule.boundary
+        cols: list[np.ndarray] = []
+        vals: list[np.ndarray] = []
+        for s in problem.slots:
+            if s.category == "activations" and s.phase != DURING_RESHARDS and s.start <= t <= s.end:
+                cols.append(self.choice_columns[s.group])
+                vals.append(-s.nbytes / self.bytes_unit)
+        for signature, tensor, count in holders.live_at(t, forward_only=True):
+            if signature not in self.expressions:
+                self.expressions[signature] = self.expression(holders, *signature, tensor)
+            c, v = self.expressions[signature]
+            cols.append(c)
+            vals.append(-v * count)
+        const = sum(c.nbytes for c in problem.constants
+                    if c.category == "activations" and c.start <= t <= c.end) / self.bytes_unit
+        column = int(self.model.columns(1, integer=False, hi=highspy.kHighsInf)[0])
+        cols, vals = summed(np.concatenate([*cols, [column]]).astype(np.int64), np.concatenate([*vals, [1.0]]))
+        self.model.row((cols, vals), const, const, RowTag("in-flight", t))
+        return column
 
     def merged_slots(self):
         """Slots of one group and interval merged (e.g. the layers' weights): their keys, price
@@ -298,13 +338,21 @@ class LiveBytes:
             dense[cols] += diff
             changed = np.abs(diff) > 1e-12 * max(1.0, float(np.abs(dense).max()))
             cols, diff = cols[changed], diff[changed]
-            model.row((np.concatenate([cols, [live[k]], [live[k - 1]] if k else []]).astype(np.int64),
-                       np.concatenate([diff, [-1.0], [1.0] if k else []])), 0.0, 0.0, RowTag("live-bytes", points[k]))
+            before, weight = ([live[k - 1]], [1.0]) if k else self.first_point_extra()
+            model.row((np.concatenate([cols, [live[k]], before]).astype(np.int64),
+                       np.concatenate([diff, [-1.0], weight])), 0.0, 0.0, RowTag("live-bytes", points[k]))
             rows.append(model.row({int(live[k]): 1.0, self.peak: -1.0}, -highspy.kHighsInf, -const,
                                   RowTag("memory", points[k])))
             self.live_column[points[k]] = int(live[k])
             slots_before, shared_before, counts_before = slots, shared, counts
         return rows
+
+    def first_point_extra(self) -> tuple[list[int], list[float]]:
+        """What the chain's first point holds besides its terms: (k − 1)·A, the other
+        micro-batches in flight (none off a pipeline). Every L_t holds it through the chain."""
+        if self.in_flight_column is None:
+            return [], []
+        return [self.in_flight_column], [float(self.problem.waiting_micro_batches)]
 
     def expression(self, holders: _HolderIndex, key: int, mask: int, tensor: int) -> tuple[np.ndarray, np.ndarray]:
         """Bytes held of ``tensor`` (and every tensor of its kind) while the holders in ``mask`` live."""
@@ -462,15 +510,18 @@ class _HolderIndex:
         self.start = np.array([h.start for h in problem.holders])
         self.end = np.array([h.end for h in problem.holders])
         self.tensor = np.array([h.tensor for h in problem.holders])
+        self.for_backward = np.array([h.kind in MADE_FOR_BACKWARD for h in problem.holders], dtype=bool)
         self.bit = np.left_shift(1, np.array(position, dtype=np.int64))
         kinds: dict[tuple, int] = {}
         self.kind = np.array([kinds.setdefault((held.key, tuple((h.kind, h.source) for h in self.by_tensor[t])),
                                                len(kinds)) for t, held in enumerate(problem.held)], dtype=np.int64)
         self.num_tensors = len(problem.held)
 
-    def live_at(self, t: int) -> list[tuple[tuple[int, int], int, int]]:
-        """(signature, a tensor that has it, how many have it) of the tensors held at ``t``."""
-        act = np.nonzero((self.start <= t) & (t <= self.end))[0]
+    def live_at(self, t: int, forward_only: bool = False) -> list[tuple[tuple[int, int], int, int]]:
+        """(signature, a tensor that has it, how many have it) of the tensors held at ``t``;
+        ``forward_only``: less the holders of what is made for the backward (transients)."""
+        live = (self.start <= t) & (t <= self.end)
+        act = np.nonzero(live & ~self.for_backward if forward_only else live)[0]
         masks = np.zeros(self.num_tensors, dtype=np.int64)
         np.bitwise_or.at(masks, self.tensor[act], self.bit[act])
         tensors = np.nonzero(masks)[0]
