@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Plan": ("memshard.plans.plan", "Plan"),
+    "PipelinedPlan": ("memshard.plans.pipelined", "PipelinedPlan"),
     "Mesh": ("memshard.core.mesh", "Mesh"),
     "parse_mesh": ("memshard.core.mesh", "parse_mesh"),
     "make_mesh": ("memshard.core.mesh", "make_mesh"),

@@ -19,6 +19,7 @@ from memshard.core.quantities import check_factor
 from memshard.fitting import FitResult, fit_job
 from memshard.job import HFModel, Job, TracedModule, as_mesh, is_module
 from memshard.models import ModelConfig
+from memshard.pipelining import PipelineOptions, plan_auto, plan_pipelined
 from memshard.planner import (
     SearchOptions,
     baseline_plans,
@@ -27,6 +28,7 @@ from memshard.planner import (
     searched_problem,
 )
 from memshard.plans.export import check_exportable, export_target, render
+from memshard.plans.pipelined import PipelinedPlan
 from memshard.plans.plan import Plan, build_plan, runnable
 from memshard.problem.pricing import build_problem
 
@@ -68,8 +70,10 @@ def plan(
     top: int = 10,
     recompute: str = "none",
     mesh_views: bool | None = None,
+    pipeline: int | str | None = None,
+    schedule: str = "1f1b",
     **model_overrides,
-) -> Plan:
+) -> Plan | PipelinedPlan:
     """Find the plan with the least per-device peak memory (``objective="memory"``, optionally
     under ``max_step_time_s``) or the fastest plan under ``memory_budget`` (``"time"``).
 
@@ -97,12 +101,23 @@ def plan(
     peak's LP relaxation; ``SearchOptions.gap``); ``time_limit_s``: where it stops anyway.
     ``mesh_views``: whether the other ways the devices form mesh axes are searched too (a node
     of 8 as 2 × 4; ``core.mesh.mesh_views``); None: for the fastest plan (objective time)
-    only. The plan lies on the best view (``Plan.job.mesh``).
+    only. The plan lies on the best view (``Plan.job.mesh``). ``pipeline``: that many
+    pipeline stages along the outermost mesh axis, run by ``schedule`` (``1f1b`` or
+    ``gpipe``; docs/pipelining.md): a :class:`PipelinedPlan`, each stage searched for the
+    objective; ``"auto"``: the best of no pipeline and every number of stages.
     """
     options = SearchOptions(objective, max_step_time_s, memory_budget, exact, full_mesh, zero3_unit, time_limit_s,
                             mip_gap, top, recompute, mesh_views=mesh_views)
     job = make_job(model, mesh, example_inputs=example_inputs, batch=batch, seq=seq, micro_batches=micro_batches,
                    **model_overrides)
+    if pipeline not in (None, "none"):
+        if start is not None:
+            raise MemshardError("a pipelined plan is searched stage by stage: give no start plan")
+        if pipeline == "auto":
+            return plan_auto(job, options, schedule)
+        return plan_pipelined(job, options, PipelineOptions(pipeline, schedule))
+    if schedule != "1f1b":
+        raise MemshardError(f"schedule {schedule!r} orders a pipeline's stages: give pipeline too")
     return plan_job(job, options, start)
 
 

@@ -86,6 +86,14 @@ def _size(text: str) -> int:
 
 
 _positive_int = _option_type(parse_count)  # a count from 1 to MAX_COUNT
+
+
+def _stages(text: str) -> int | str:
+    """``--pipeline``: ``auto``, ``none`` or a number of stages."""
+    return text if text in ("auto", "none") else parse_count(text)
+
+
+_pipeline = _option_type(_stages)
 _seconds = _option_type(parse_seconds)  # a duration, positive and at most MAX_SECONDS
 _bytes = _option_type(_size)
 
@@ -278,15 +286,28 @@ def _write_json(path: str, data) -> None:
 # -- commands --------------------------------------------------------------------------------------
 def _cmd_plan(args, console) -> None:
     from memshard.planner import plan_job
-    from memshard.plans.report import render_plan
+    from memshard.plans.plan import Plan
+    from memshard.plans.report import render_pipelined, render_plan
 
     _check_json_path(args.json)
+    if args.schedule is not None and args.pipeline in (None, "none"):
+        raise MemshardError("--schedule orders a pipeline's stages: give --pipeline too")
     job, options = job_of(args), options_of(args)
     with console.status("solving…"):
-        result = plan_job(job, options)
+        if args.pipeline == "auto":
+            from memshard.pipelining import plan_auto
+
+            result = plan_auto(job, options, args.schedule or "1f1b")
+        elif args.pipeline not in (None, "none"):
+            from memshard.pipelining import PipelineOptions, plan_pipelined
+
+            result = plan_pipelined(job, options, PipelineOptions(args.pipeline, args.schedule or "1f1b"))
+        else:
+            result = plan_job(job, options)
     if args.json is not None:
         _write_json(args.json, result.to_dict())
-    render_plan(result, console, top=args.top, show_strategy=not args.brief, show_stages=args.verbose)
+    render = render_plan if isinstance(result, Plan) else render_pipelined
+    render(result, console, top=args.top, show_strategy=not args.brief, show_stages=args.verbose)
     if args.json is not None:
         console.print(f"plan written to {args.json}")
 
@@ -458,6 +479,10 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--brief", action="store_true", help="omit the per-op strategy tables")
     p.add_argument("--verbose", action="store_true",
                    help="also list the search's stages: what each found and proved, its time, why it stopped")
+    p.add_argument("--pipeline", type=_pipeline, metavar="N|auto|none",
+                   help="split the layers into N pipeline stages along the outermost mesh axis, or search every "
+                        "N and none for the best (auto); default none (docs/pipelining.md)")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), help="the pipeline's schedule (default 1f1b)")
 
 
 def build_parser() -> argparse.ArgumentParser:

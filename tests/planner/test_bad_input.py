@@ -25,9 +25,26 @@ SMALL = ["--layers", "1", "--batch", "4", "--seq", "64"]
 GPT = ["plan", *BASE, *SMALL]
 LLAMA = ["plan", "--model", "llama3-8b", "--mesh", "2x2", *SMALL]
 
+PIPELINED = ["plan", "--model", "tiny-gpt", "--mesh", "2x2", "--batch", "8", "--micro-batches", "4"]
 # id → (command line, a word the error must contain); {tmp}, {dir}, {bin}, {foreign},
 # {truncated}, {hf:<name>} are filled in by the test.
 CLI = {
+    # pipelines
+    "pipeline-one-stage": (PIPELINED + ["--pipeline", "1"], "at least 2 stages"),
+    "pipeline-not-dividing": (PIPELINED + ["--pipeline", "3"], "do not divide"),
+    "pipeline-one-device-per-stage": (["plan", "--model", "tiny-gpt", "--mesh", "2", "--batch", "8",
+                                       "--micro-batches", "4", "--pipeline", "2"], "one device per stage"),
+    "pipeline-more-stages-than-layers": (["plan", "--model", "tiny-gpt", "--mesh", "4x2", "--batch", "8",
+                                          "--micro-batches", "4", "--pipeline", "4"], "as many layers"),
+    "pipeline-too-few-micro-batches": (PIPELINED[:-2] + ["--micro-batches", "1", "--pipeline", "2"], "1F1B"),
+    "pipeline-step-time-budget": (PIPELINED + ["--pipeline", "2", "--max-step-time", "1s"], "--max-step-time"),
+    "pipeline-mesh-views": (PIPELINED + ["--pipeline", "2", "--objective", "time", "--mesh-views", "on"],
+                            "mesh views"),
+    "schedule-without-pipeline": (PIPELINED + ["--schedule", "gpipe"], "--pipeline"),
+    "schedule-with-no-pipeline": (PIPELINED + ["--pipeline", "none", "--schedule", "gpipe"], "--pipeline"),
+    "pipeline-word": (PIPELINED + ["--pipeline", "many"], "many"),
+    "pipeline-auto-step-time-budget": (PIPELINED + ["--pipeline", "auto", "--max-step-time", "1s"], "budget"),
+    "schedule-unknown": (PIPELINED + ["--pipeline", "2", "--schedule", "zbv"], "zbv"),
     # meshes
     "mesh-zero-axis": (["plan", "--model", "gpt2", "--mesh", "2x0"], "2x0"),
     "mesh-letters": (["plan", "--model", "gpt2", "--mesh", "abc"], "abc"),
@@ -239,6 +256,7 @@ NUMERIC = {
                       ("-1", "2.5", "nan", "inf", "1e400", "99999999999999999999")),
     "export-batch": (EXPORT, "--batch", "--batch", COUNTS),
     "export-hidden": (EXPORT, "--hidden", "--hidden", COUNTS),
+    "pipeline": (GPT, "--pipeline", "--pipeline", COUNTS),
 }
 NUMERIC_CASES = {f"{case}={value}": (args + [option, value], expect)
                  for case, (args, option, expect, values) in NUMERIC.items() for value in values}
@@ -367,6 +385,12 @@ API = {
     "unknown-keyword": (lambda: memshard.plan("gpt2", "2", layers=2), "layers"),
     "precision": (lambda: memshard.plan("gpt2", "2", precision="int8"), "int8"),
     "objective": (lambda: memshard.plan("gpt2", "2", objective="speed"), "speed"),
+    "pipeline-stages-bool": (lambda: memshard.plan("tiny-gpt", "4", pipeline=True), "True"),
+    "pipeline-schedule": (lambda: memshard.plan("tiny-gpt", "4", pipeline=2, schedule="dualpipe"), "dualpipe"),
+    "pipeline-schedule-alone": (lambda: memshard.plan("tiny-gpt", "4", schedule="gpipe"), "pipeline"),
+    "pipeline-word": (lambda: memshard.plan("tiny-gpt", "4", pipeline="many"), "many"),
+    "pipeline-start": (lambda: memshard.plan("tiny-gpt", "4", batch=8, micro_batches=4, pipeline=2,
+                                             start=memshard.plan("tiny-gpt", "4")), "start"),
     "memory-budget-words": (lambda: memshard.plan("gpt2", "2", objective="time", memory_budget="lots"), "lots"),
     "memory-budget-negative": (lambda: memshard.plan("gpt2", "2", objective="time", memory_budget=-1), "-1"),
     "memory-budget-with-memory": (lambda: memshard.plan("gpt2", "2", memory_budget="80GiB"), "memory budget"),

@@ -25,7 +25,7 @@ LAYERS = [
     ("memshard.search",),
     ("memshard.plans",),
     ("memshard.planner", "memshard.runtime"),
-    ("memshard.api", "memshard.pareto", "memshard.fitting"),
+    ("memshard.api", "memshard.pareto", "memshard.fitting", "memshard.pipelining"),
     ("memshard.cli",),
     ("memshard",),  # the package's lazy entry points
 ]

@@ -49,6 +49,7 @@ from memshard.search.stages import StageRecord
 
 SCHEMA = "memshard.plan/3"
 READABLE_SCHEMAS = ("memshard.plan/1", "memshard.plan/2", SCHEMA)
+PIPELINE_SCHEMA = "memshard.pipeline/1"  # a pipelined plan's (``plans.pipelined``)
 
 
 @dataclass(frozen=True)
@@ -456,6 +457,9 @@ def load_plan(path: str) -> Plan:
 def plan_from_dict(data: dict) -> Plan:
     """A plan from its JSON: the job is rebuilt from the recorded model, mesh and batch, and
     every op, parameter and edge takes the recorded choice."""
+    if isinstance(data, dict) and data.get("schema") == PIPELINE_SCHEMA:
+        raise MemshardError("a pipelined plan: memshard plans pipelines and prices them, its runtime does not run "
+                            "them yet (docs/pipelining.md)")
     if not isinstance(data, dict) or data.get("schema") not in READABLE_SCHEMAS:
         raise MemshardError(f"not a memshard plan (expected schema {SCHEMA!r})")
     try:

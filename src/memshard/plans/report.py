@@ -20,6 +20,7 @@ from memshard.plans.advice import (
     NoFurtherSplit,
     RedundantOp,
 )
+from memshard.plans.pipelined import PipelinedPlan
 from memshard.plans.plan import Plan
 
 CATEGORY_LABELS = {
@@ -53,6 +54,35 @@ def render_plan(plan: Plan, console: Console, top: int = 10, show_strategy: bool
         console.print(_storage_table(plan))
     if plan.model.unknown_ops is not None and (show_strategy or red):
         console.print(_dims_table(plan))
+
+
+def render_pipelined(plan: PipelinedPlan, console: Console, top: int = 10, show_strategy: bool = True,
+                     show_stages: bool = False) -> None:
+    """The pipeline (its stages, the step the schedule makes of them), then the plan of the
+    stage whose ranks hold the most, as ``render_plan`` shows a plan."""
+    job, mesh = plan.job, plan.mesh
+    name = job.model if isinstance(job.model, str) else plan.stages[0].plan.model.name
+    console.print(f"[bold]{name}[/] (batch {job.global_batch}, seq {job.seq_length} in "
+                  f"{counted(job.micro_batches, 'micro-batch', 'micro-batches')}) on mesh [bold]{job.mesh}[/] "
+                  f"({counted(mesh.num_devices, 'device')}), objective [bold]{plan.objective}[/]: "
+                  f"{len(plan.stages)} pipeline stages, {plan.schedule.upper()}, each on mesh {plan.stage_mesh}")
+    t = _table("Pipeline stages", ("stage", "layers", "micro-batches held", "peak memory", "forward / backward",
+                                   "send", "idle"))
+    for i, stage in enumerate(plan.stages):
+        layers = str(stage.first_layer) if stage.num_layers == 1 else f"{stage.first_layer}–{stage.end_layer - 1}"
+        t.add_row(str(i), layers, str(stage.held_micro_batches),
+                  format_bytes(stage.plan.peak_bytes),
+                  f"{format_seconds(stage.forward_s)} / {format_seconds(stage.backward_s)}",
+                  format_seconds(stage.transfer_s) if i + 1 < len(plan.stages) else "-", format_seconds(stage.idle_s))
+    console.print(t)
+    fits = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
+    console.print(f"estimated step time {format_seconds(plan.step_time_s)}: the schedule "
+                  f"{format_seconds(plan.makespan_s)} (bubble {format_seconds(plan.bubble_s)}), then the optimizer "
+                  f"step {format_seconds(plan.optimizer_s)}; peak {format_bytes(plan.peak_bytes)} per device, "
+                  f"{format_bytes(plan.mesh.device_memory_bytes)} each: {fits}")
+    peak = plan.peak_stage
+    console.print(f"\n[bold]Stage {plan.stages.index(peak)}[/] (the largest peak), its plan on mesh {plan.stage_mesh}:")
+    render_plan(peak.plan, console, top=top, show_strategy=show_strategy, show_stages=show_stages)
 
 
 def _headline(plan: Plan) -> str:

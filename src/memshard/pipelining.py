@@ -1,0 +1,205 @@
+"""Pipelined plans: the layers split into contiguous stages along a pipeline axis, each stage
+planned by the search, the step priced by the schedule.
+
+The pipeline axis is the outermost mesh axis, or a factor of it: ``8x8`` pipelined over 4
+stages is a pipeline axis of 4 and a stage mesh of ``2x8`` (on one axis of 16 devices, 4
+stages of 4). Nodes fill innermost axis first, so the pipeline runs across nodes and each
+stage keeps its nodes' links.
+
+Layers go to stages evenly; where they do not divide, the stages after the first take one
+more (the first holds the most micro-batches, the last the head). The first stage also runs
+the embedding, the last the final norm, the head and the loss (``Graph.pipeline_stage``).
+
+Each stage is its own problem (``problem.records.PipelineStage``): its graph, and k, the
+micro-batches its ranks hold at their peak, counted from the schedule's action list
+(``problem.pipeline``: 1F1B's stage i of p holds min(p − i, m), GPipe's all m). The stages
+share no decision, so the search of each for the objective gives the pipelined plan of the
+objective for that split: the least memory is the largest of the stages' least peaks, and the
+step time grows with each stage's time.
+
+The step: each stage's time for one micro-batch is its planned step (``micro_batches`` of
+them, the search's own figure) less its optimizer step, over the micro-batches; the forward
+takes a third of it, less what replays add, which the backward runs. The schedule's
+timeline (``problem.pipeline.simulate``) runs them, a micro-batch's activations crossing to
+the next stage over the pipeline axis's link; the slowest stage's optimizer step follows.
+Collectives a stage runs once per step (its data-parallel reductions under accumulation) are
+spread over its micro-batches there: the fill and drain see a share of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from memshard.core.errors import MemshardError
+from memshard.core.graph import Graph
+from memshard.core.mesh import Mesh, make_mesh
+from memshard.job import Job, TracedModule
+from memshard.planner import SearchOptions, plan_job
+from memshard.plans.pipelined import PipelinedPlan, StagePlan
+from memshard.plans.plan import Plan
+from memshard.problem.memory import tensor_bytes
+from memshard.problem.pipeline import StageTimes, build_schedule, peak_held_counts, simulate
+from memshard.problem.pricing import build_problem
+from memshard.problem.records import PipelineStage, without_partial
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")  # one stage per rank; the interleaved ones hold several
+FORWARD_SHARE = 1 / 3  # of a micro-batch's compute: a GEMM's backward is two of its size
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """``stages`` pipeline ranks (at least 2) running ``schedule``."""
+
+    stages: int
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
+            raise MemshardError(f"a pipeline has at least 2 stages, got {self.stages!r}")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise MemshardError(f"the pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
+                                f"got {self.schedule!r}")
+
+
+def pipeline_meshes(mesh: Mesh, stages: int) -> tuple[Mesh, Mesh]:
+    """(the mesh with its outermost axis split into the pipeline axis and the rest, the mesh
+    one stage runs on: that rest and the inner axes)."""
+    outer = mesh.shape[0]
+    if outer % stages:
+        raise MemshardError(f"{stages} pipeline stages do not divide the outermost axis of mesh {mesh} ({outer} "
+                            "devices): the pipeline runs along it")
+    if mesh.real is not mesh:
+        raise MemshardError("a pipeline splits the mesh as typed, not merged axes")
+    rest = outer // stages
+    shape = (stages, rest, *mesh.shape[1:]) if rest > 1 else (stages, *mesh.shape[1:])
+    names = ("pipeline", *mesh.axis_names) if rest > 1 else ("pipeline", *mesh.axis_names[1:])
+    if len(set(names)) < len(names):
+        raise MemshardError(f"mesh {mesh} already has an axis named 'pipeline'")
+    full = make_mesh(shape, names, device_memory_bytes=mesh.device_memory_bytes, hardware=mesh.hardware)
+    if full.ndim == 1:
+        raise MemshardError(f"{stages} pipeline stages of mesh {mesh} leave one device per stage: use fewer "
+                            "stages or more devices")
+    inner = full.axes[1:]
+    if rest == 1:  # the inner axes as typed (their links, where set by hand)
+        inner = mesh.axes[1:]
+    return full, replace(full, axes=inner)
+
+
+def stage_layers(num_layers: int, stages: int) -> tuple[tuple[int, int], ...]:
+    """Each stage's layers [first, end): ⌊L/p⌋ each, one more for the stages after the first
+    while L does not divide."""
+    if num_layers < stages:
+        raise MemshardError(f"{stages} pipeline stages need at least as many layers; the model has {num_layers}")
+    base, extra = divmod(num_layers, stages)
+    sizes = [base + (1 if 1 <= i <= extra else 0) for i in range(stages)]
+    ends = [sum(sizes[:i + 1]) for i in range(stages)]
+    return tuple(zip([0, *ends[:-1]], ends))
+
+
+def held_micro_batches(schedule: str, stages: int, micro_batches: int) -> tuple[int, ...]:
+    """Per stage, the micro-batches its rank holds at its peak, from the schedule's actions."""
+    plan = build_schedule(schedule, stages, micro_batches, 1)
+    return tuple(peak_held_counts(actions)[0] for actions in plan.actions)
+
+
+def plan_pipelined(job: Job, options: SearchOptions, pipeline: PipelineOptions) -> PipelinedPlan:
+    """The plan ``options`` ask for with ``pipeline``'s stages: each stage searched on its own."""
+    if options.max_step_time_s is not None:
+        raise MemshardError("a step-time budget (--max-step-time) does not yet bound a pipelined plan: its step "
+                            "is the schedule's, not a stage's")
+    if options.mesh_views:
+        raise MemshardError("mesh views (--mesh-views on) are not yet searched with a pipeline")
+    if isinstance(job.model, TracedModule):
+        raise MemshardError("a traced nn.Module is planned whole: pipeline stages split built-in and Hugging Face "
+                            "models")
+    mesh, stage_mesh = pipeline_meshes(job.mesh, pipeline.stages)
+    m = job.micro_batches
+    if pipeline.schedule == "1f1b" and m < pipeline.stages:
+        raise MemshardError(f"1F1B over {pipeline.stages} stages needs at least {pipeline.stages} micro-batches "
+                            f"(--micro-batches), got {m}")
+    graph = job.graph
+    held = held_micro_batches(pipeline.schedule, pipeline.stages, m)
+    stage_job = replace(job, mesh=stage_mesh, batch=job.batch if job.batch is not None or isinstance(job.model, Graph)
+                        else job.global_batch)
+    # one ZeRO-3 unit: a second would be searched on the whole model (``planner.candidates``)
+    stage_options = replace(options, mesh_views=False, zero3_unit=options.zero3_units[0])
+    plans = []
+    for (first, end), k in zip(stage_layers(graph.num_layers, pipeline.stages), held):
+        stage = PipelineStage(first, end, k)
+        problem = build_problem(graph, stage_mesh, shared_layers=not options.exact, micro_batches=m,
+                                zero3_unit=stage_options.zero3_unit, recompute=options.recompute, stage=stage)
+        try:
+            plans.append((stage, plan_job(stage_job, stage_options, problem=problem)))
+        except MemshardError as e:
+            raise MemshardError(f"pipeline stage {len(plans)} (layers {first}–{end - 1}): {e}") from None
+    return _priced(job, options, pipeline, mesh, stage_mesh, plans)
+
+
+def pipeline_degrees(job: Job, schedule: str = "1f1b") -> tuple[int, ...]:
+    """The pipeline degrees ``plan_auto`` tries on ``job``: each divisor p ≥ 2 of the outermost
+    mesh axis that leaves a stage more than one device, at most one layer per stage, and, for
+    1F1B, no more stages than micro-batches."""
+    mesh, layers = job.mesh, job.graph.num_layers
+    return tuple(p for p in range(2, mesh.shape[0] + 1)
+                 if mesh.shape[0] % p == 0 and mesh.num_devices // p > 1 and p <= layers
+                 and (schedule != "1f1b" or p <= job.micro_batches))
+
+
+def plan_auto(job: Job, options: SearchOptions, schedule: str = "1f1b") -> Plan | PipelinedPlan:
+    """The best of the plan without a pipeline and the pipelined plans of every degree
+    ``pipeline_degrees`` gives: the least peak, or the fastest step (within the memory budget,
+    where a degree has no stage plan within it, it is left out). Ties go to fewer stages."""
+    if isinstance(job.model, TracedModule) or options.max_step_time_s is not None:
+        raise MemshardError("--pipeline auto searches built-in and Hugging Face models for the least memory or the "
+                            "fastest step; give no step-time budget")
+    best: Plan | PipelinedPlan = plan_job(job, options)
+    objective = (lambda plan: plan.peak_bytes) if options.objective == "memory" else (lambda plan: plan.step_time_s)
+    for degree in pipeline_degrees(job, schedule):
+        try:
+            pipelined = plan_pipelined(job, replace(options, mesh_views=None), PipelineOptions(degree, schedule))
+        except MemshardError:  # under a memory budget: some stage has no plan within it
+            continue
+        if objective(pipelined) < objective(best):
+            best = pipelined
+    return best
+
+
+def _priced(job: Job, options: SearchOptions, pipeline: PipelineOptions, mesh: Mesh, stage_mesh: Mesh,
+            plans: list[tuple[PipelineStage, Plan]]) -> PipelinedPlan:
+    """The stages' plans run by the schedule: each stage's micro-batch times, the timeline."""
+    m = job.micro_batches
+    times, optimizer = [], 0.0
+    for _, plan in plans:
+        optimizer_s = plan.compute_by_kind.get("optimizer step", 0.0)
+        per_micro_batch = (plan.step_time_s - optimizer_s) / m
+        forward = max(0.0, (per_micro_batch - plan.recompute_time_s / m) * FORWARD_SHARE)
+        times.append(StageTimes(forward, per_micro_batch - forward, 0.0))
+        optimizer = max(optimizer, optimizer_s)
+    transfers = [_transfer_s(plan, mesh) for _, plan in plans[:-1]]
+    schedule = build_schedule(pipeline.schedule, pipeline.stages, m, 1)
+    timeline = simulate(schedule.actions, times, max(transfers))
+    stages = tuple(StagePlan(stage.first_layer, stage.end_layer, stage.held_micro_batches, plan,
+                             float(t.forward_s), float(t.backward_input_s), float(transfer), float(idle))
+                   for (stage, plan), t, transfer, idle in zip(plans, times, [*transfers, 0.0], timeline.idle_s))
+    return PipelinedPlan(job, options.objective, pipeline.schedule, mesh, stage_mesh, stages,
+                         float(timeline.makespan_s), float(optimizer))
+
+
+def _transfer_s(plan: Plan, mesh: Mesh) -> float:
+    """One micro-batch's activations from a stage to the next: what each device holds of the
+    tensors the stage sends, in the layouts its plan makes them, over one link of the pipeline
+    axis (a device's own NIC where the axis crosses nodes)."""
+    problem, selection = plan.problem, plan.selection
+    graph = problem.graph
+    nbytes = 0.0
+    for i, op in enumerate(graph.ops):
+        if op.output.tensor in graph.sent:
+            group = problem.groups[problem.op_group[i]]
+            layout = group.strategies[selection.choices[problem.op_group[i]]].output_layout
+            nbytes += tensor_bytes(graph.tensors[op.output.tensor], without_partial(layout), problem.mesh)
+    axis, hardware = mesh.axes[0], mesh.hardware
+    crosses_nodes = axis.per_node < axis.size
+    bandwidth = hardware.inter_node_bandwidth if crosses_nodes else hardware.intra_node_bandwidth
+    latency = hardware.inter_node_step_latency_s if crosses_nodes else hardware.intra_node_step_latency_s
+    return hardware.collective_latency_s + latency + nbytes / bandwidth if math.isfinite(bandwidth) else 0.0

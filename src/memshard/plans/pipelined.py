@@ -1,0 +1,99 @@
+"""A pipelined plan, as data: the job's layers in contiguous stages over a pipeline axis, each
+stage's own plan on its rank's share of the devices, and the step the schedule makes of them
+(``plan.PIPELINE_SCHEMA`` JSON: sizes in bytes per device, times in seconds).
+
+A stage's plan is an ordinary :class:`~memshard.plans.plan.Plan` of that stage's problem (its
+layers, the micro-batches it holds at its peak); the pipelined plan adds what the stages do
+together: the step's timeline (``problem.pipeline.simulate``), its bubble and transfers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from memshard.core.files import write_text_atomically
+from memshard.core.mesh import Mesh
+from memshard.job import Job, mesh_to_dict
+from memshard.plans.plan import PIPELINE_SCHEMA, Plan
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: layers [first_layer, end_layer) of the model (the first stage also runs the
+    embedding, the last the head and the loss), the micro-batches its ranks hold at their peak,
+    its plan, and the times the schedule is priced with: one micro-batch's forward and backward
+    on it, and sending that micro-batch's activations to the next stage (0 on the last)."""
+
+    first_layer: int
+    end_layer: int
+    held_micro_batches: int
+    plan: Plan
+    forward_s: float
+    backward_s: float
+    transfer_s: float
+    idle_s: float  # its ranks' time waiting in the step (the bubble, as they see it)
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.first_layer
+
+
+@dataclass(frozen=True)
+class PipelinedPlan:
+    """``job`` on ``mesh`` (the job's mesh with its outermost axis split into the pipeline
+    axis and the rest): ``stages`` ranks along the pipeline axis run ``schedule``, each on
+    ``stage_mesh``. The step is the schedule's makespan plus the slowest optimizer step."""
+
+    job: Job
+    objective: str
+    schedule: str
+    mesh: Mesh
+    stage_mesh: Mesh
+    stages: tuple[StagePlan, ...]
+    makespan_s: float  # the micro-batches' forwards, backwards and transfers, as scheduled
+    optimizer_s: float  # the slowest stage's optimizer step, after the last backward
+
+    @property
+    def step_time_s(self) -> float:
+        return self.makespan_s + self.optimizer_s
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(stage.plan.peak_bytes for stage in self.stages)
+
+    @property
+    def peak_stage(self) -> StagePlan:
+        """The stage whose ranks hold the most (the first of equals)."""
+        return max(self.stages, key=lambda stage: stage.plan.peak_bytes)
+
+    @property
+    def bubble_s(self) -> float:
+        """The least time a stage's ranks wait in the step: the fill and drain no rank avoids."""
+        return min(stage.idle_s for stage in self.stages)
+
+    @property
+    def fits(self) -> bool:
+        return all(stage.plan.memory.fits for stage in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": PIPELINE_SCHEMA,
+            "objective": self.objective,
+            "pipeline": {"stages": len(self.stages), "schedule": self.schedule,
+                         "micro_batches": self.job.micro_batches, "mesh": mesh_to_dict(self.mesh),
+                         "stage_mesh": mesh_to_dict(self.stage_mesh)},
+            "step_time_s": self.step_time_s, "makespan_s": self.makespan_s, "optimizer_s": self.optimizer_s,
+            "bubble_s": self.bubble_s, "peak_bytes_per_device": self.peak_bytes, "fits": self.fits,
+            "stages": [{"layers": [stage.first_layer, stage.end_layer],
+                        "held_micro_batches": stage.held_micro_batches, "forward_s": stage.forward_s,
+                        "backward_s": stage.backward_s, "transfer_s": stage.transfer_s, "idle_s": stage.idle_s,
+                        "plan": stage.plan.to_dict()} for stage in self.stages],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, path: str) -> None:
+        write_text_atomically(path, self.to_json())

@@ -1,0 +1,180 @@
+"""Pipelined plans (``memshard.pipelining``): the pipeline axis, the stages' layers and held
+micro-batches, each stage searched on its own problem, the step the schedule makes of them,
+the report, the JSON and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import memshard
+from memshard.cli import main
+from memshard.core.mesh import parse_mesh
+from memshard.job import Job
+from memshard.pipelining import (
+    PipelineOptions,
+    held_micro_batches,
+    pipeline_degrees,
+    pipeline_meshes,
+    plan_auto,
+    plan_pipelined,
+    stage_layers,
+)
+from memshard.planner import SearchOptions, plan_job
+from memshard.plans.pipelined import PipelinedPlan
+from memshard.plans.plan import PIPELINE_SCHEMA, SCHEMA
+from memshard.plans.report import render_pipelined
+from memshard.problem.evaluate import evaluate
+from memshard.problem.pricing import build_problem
+from memshard.problem.records import PipelineStage
+
+TINY = Job("tiny-gpt", "4", batch=8, micro_batches=4)
+
+
+@pytest.fixture(scope="module")
+def least():
+    return plan_pipelined(TINY, SearchOptions(), PipelineOptions(2))
+
+
+def test_the_pipeline_runs_along_the_outermost_axis_across_nodes():
+    full, stage = pipeline_meshes(parse_mesh("8x8"), 4)
+    assert full.shape == (4, 2, 8) and stage.shape == (2, 8)
+    typed = parse_mesh("8x8")
+    assert stage.axes[-1] == typed.axes[-1]  # each stage keeps its node's links
+    assert full.axes[0].per_node < full.axes[0].size  # the pipeline crosses nodes
+    full, stage = pipeline_meshes(parse_mesh("16"), 4)
+    assert full.shape == (4, 4) and stage.shape == (4,)
+    full, stage = pipeline_meshes(parse_mesh("4x8"), 4)
+    assert full.shape == (4, 8) and stage.axes == parse_mesh("4x8").axes[1:]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 96), st.integers(2, 16))
+def test_stages_split_the_layers_evenly_the_first_never_larger(layers, stages):
+    if stages > layers:
+        with pytest.raises(memshard.MemshardError):
+            stage_layers(layers, stages)
+        return
+    split = stage_layers(layers, stages)
+    assert split[0][0] == 0 and split[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(split, split[1:]))
+    sizes = [end - first for first, end in split]
+    assert max(sizes) - min(sizes) <= 1 and sizes[0] == min(sizes)
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 4), (4, 9), (8, 16)])
+def test_held_micro_batches_are_torchs_1f1b_warm_up_and_gpipes_all(stages, micro_batches):
+    assert held_micro_batches("1f1b", stages, micro_batches) == tuple(
+        min(stages - i, micro_batches) for i in range(stages))
+    assert held_micro_batches("gpipe", stages, micro_batches) == (micro_batches,) * stages
+
+
+def test_each_stage_is_the_least_memory_plan_of_its_own_problem(least):
+    assert [(s.first_layer, s.end_layer, s.held_micro_batches) for s in least.stages] == [(0, 1, 2), (1, 2, 1)]
+    for s in least.stages:
+        problem = s.plan.problem
+        assert problem.stage == PipelineStage(s.first_layer, s.end_layer, s.held_micro_batches)
+        assert problem.mesh.shape == (2,) and problem.micro_batches == 4
+        # the peak the evaluator gives the plan, waiting micro-batches included
+        assert evaluate(problem, s.plan.selection).peak_bytes == pytest.approx(s.plan.peak_bytes)
+        # no plan of the stage's problem is leaner: the same problem searched to optimality
+        exact = plan_job(s.plan.job, SearchOptions(mip_gap=0.0), problem=problem)
+        assert s.plan.peak_bytes <= exact.peak_bytes * (1 + SearchOptions().gap) + 1
+    assert least.peak_bytes == max(s.plan.peak_bytes for s in least.stages)
+    assert least.peak_stage is least.stages[0]
+
+
+def test_the_first_stage_holds_what_its_second_micro_batch_adds():
+    """Stage 0 of two holds two micro-batches under 1F1B: its peak is above that of the same
+    stage holding one, by at most one micro-batch's activations at the boundary."""
+    graph, mesh = TINY.graph, parse_mesh("2")
+    one, two = (build_problem(graph, mesh, micro_batches=4, stage=PipelineStage(0, 1, k)) for k in (1, 2))
+    plan_one = plan_job(Job("tiny-gpt", "2", batch=8, micro_batches=4), SearchOptions(), problem=one)
+    on_two = evaluate(two, plan_one.selection)
+    boundary = evaluate(one, plan_one.selection).boundary_activation_bytes
+    assert boundary > 0
+    assert on_two.peak_bytes == pytest.approx(plan_one.peak_bytes + boundary)
+
+
+def test_the_step_is_the_schedules_makespan_then_the_slowest_optimizer_step(least):
+    m, p = TINY.micro_batches, len(least.stages)
+    slowest = max(s.forward_s + s.backward_s for s in least.stages)
+    transfer = max(s.transfer_s for s in least.stages)
+    assert m * slowest <= least.makespan_s <= (m + p - 1) * slowest + 2 * (p - 1) * transfer + 1e-12
+    optimizer = max(s.plan.compute_by_kind["optimizer step"] for s in least.stages)
+    assert least.step_time_s == pytest.approx(least.makespan_s + optimizer)
+    for s in least.stages:  # a stage's micro-batches and optimizer step are its planned step
+        assert m * (s.forward_s + s.backward_s) + s.plan.compute_by_kind["optimizer step"] == pytest.approx(
+            s.plan.step_time_s)
+        assert s.idle_s >= least.bubble_s > 0
+    assert least.stages[0].transfer_s > 0 and least.stages[-1].transfer_s == 0
+
+
+def test_gpipe_holds_every_micro_batch_and_the_fastest_is_no_slower():
+    gpipe = plan_pipelined(TINY, SearchOptions(), PipelineOptions(2, "gpipe"))
+    one_f_one_b = plan_pipelined(TINY, SearchOptions(), PipelineOptions(2))
+    assert [s.held_micro_batches for s in gpipe.stages] == [4, 4]
+    assert gpipe.peak_bytes > one_f_one_b.peak_bytes
+    fastest = plan_pipelined(TINY, SearchOptions(objective="time"), PipelineOptions(2))
+    assert fastest.step_time_s <= one_f_one_b.step_time_s * (1 + 1e-9)
+    assert fastest.peak_bytes >= one_f_one_b.peak_bytes * (1 - SearchOptions().gap)
+
+
+def test_the_json_carries_every_stage_and_the_runtime_refuses_it(least, tmp_path):
+    data = json.loads(json.dumps(least.to_dict()))
+    assert data["schema"] == PIPELINE_SCHEMA
+    assert data["pipeline"] == {**data["pipeline"], "stages": 2, "schedule": "1f1b", "micro_batches": 4}
+    assert [s["layers"] for s in data["stages"]] == [[0, 1], [1, 2]]
+    assert all(s["plan"]["schema"] == SCHEMA for s in data["stages"])
+    assert data["step_time_s"] == least.step_time_s and data["peak_bytes_per_device"] == least.peak_bytes
+    least.save(str(tmp_path / "p.json"))
+    with pytest.raises(memshard.MemshardError, match="pipelined plan"):
+        memshard.load_plan(str(tmp_path / "p.json"))
+
+
+def test_the_cli_plans_a_pipeline_and_writes_it(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    argv = ["plan", "--model", "tiny-gpt", "--mesh", "4", "--batch", "8", "--micro-batches", "4",
+            "--pipeline", "2", "--schedule", "gpipe", "--brief", "--json", str(path)]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (the console wraps its lines)
+    assert "2 pipeline stages, GPIPE, each on mesh 2" in out and "(the largest peak)" in out
+    data = json.loads(path.read_text())
+    assert data["pipeline"]["schedule"] == "gpipe" and len(data["stages"]) == 2
+    api = memshard.plan("tiny-gpt", "4", batch=8, micro_batches=4, pipeline=2, schedule="gpipe")
+    assert api.step_time_s == pytest.approx(data["step_time_s"])
+
+
+def test_the_report_names_each_stage(least):
+    import io
+
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    render_pipelined(least, Console(file=buffer, width=160, color_system=None), show_strategy=False)
+    text = buffer.getvalue()
+    assert "Pipeline stages" in text and "estimated step time" in text
+    rows = [line for line in text.splitlines() if line.startswith("│ 0") or line.startswith("│ 1")]
+    assert len(rows) >= 2
+
+
+def test_auto_tries_every_degree_the_mesh_layers_and_micro_batches_allow():
+    assert pipeline_degrees(Job("gpt3-1.3b", "8x8", micro_batches=8)) == (2, 4, 8)
+    assert pipeline_degrees(Job("gpt3-1.3b", "8x8", micro_batches=4)) == (2, 4)
+    assert pipeline_degrees(Job("gpt3-1.3b", "8x8", micro_batches=4), "gpipe") == (2, 4, 8)
+    assert pipeline_degrees(Job("tiny-gpt", "8", batch=8, micro_batches=8)) == (2,)  # two layers
+    assert pipeline_degrees(TINY) == (2,)  # four devices: four stages would leave one each
+
+
+@pytest.mark.parametrize("objective", ["memory", "time"])
+def test_auto_keeps_the_better_of_no_pipeline_and_each_degree(objective, least):
+    options = SearchOptions(objective=objective)
+    flat = plan_job(TINY, options)
+    pipelined = least if objective == "memory" else plan_pipelined(TINY, options, PipelineOptions(2))
+    best = plan_auto(TINY, options)
+    figure = (lambda p: p.peak_bytes) if objective == "memory" else (lambda p: p.step_time_s)
+    assert figure(best) == pytest.approx(min(figure(flat), figure(pipelined)))
+    assert isinstance(best, PipelinedPlan) == (figure(pipelined) < figure(flat))
