@@ -178,3 +178,20 @@ def test_auto_keeps_the_better_of_no_pipeline_and_each_degree(objective, least):
     figure = (lambda p: p.peak_bytes) if objective == "memory" else (lambda p: p.step_time_s)
     assert figure(best) == pytest.approx(min(figure(flat), figure(pipelined)))
     assert isinstance(best, PipelinedPlan) == (figure(pipelined) < figure(flat))
+
+
+def test_a_recipe_on_a_stage_keeps_the_stage_and_what_it_holds():
+    """A baseline priced on a stage's problem is rebuilt for its framework on that stage's
+    graph, holding the same micro-batches (not cut again, not the whole model)."""
+    from memshard.baselines.recipes import baselines
+
+    stage = PipelineStage(0, 1, 2)
+    problem = build_problem(TINY.graph, parse_mesh("2"), micro_batches=4, stage=stage)
+    fixed, _ = baselines(problem, lambda name: name.startswith("megatron-tp2"))
+    assert fixed
+    for b in fixed:
+        assert b.problem.stage == stage and b.problem.graph.num_layers == 1
+        one = build_problem(TINY.graph, parse_mesh("2"), micro_batches=4, stage=PipelineStage(0, 1, 1),
+                            framework=b.problem.framework)
+        held, alone = evaluate(b.problem, b.selection), evaluate(one, b.selection)
+        assert held.peak_bytes == pytest.approx(alone.peak_bytes + alone.boundary_activation_bytes)

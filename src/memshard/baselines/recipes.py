@@ -257,7 +257,8 @@ def split_baseline(problem: Problem, name: str, count: int) -> Baseline | None:
         return None
     classes = split.classes(graph.num_layers, count)
     on = build_problem(graph.with_layer_classes(classes), problem.mesh, problem.shared_layers,
-                       problem.micro_batches, problem.zero3_unit, problem.recompute, split_framework(named, problem))
+                       problem.micro_batches, problem.zero3_unit, problem.recompute, split_framework(named, problem),
+                       problem.stage)
     full = str(replace(named, recompute="full"))
     found, _ = baselines(on, lambda n: n == full)
     return next((replace(b, name=str(split.named(named, count))) for b in found), None)
@@ -298,7 +299,7 @@ def as_run_by(problem: Problem, framework: str) -> Problem:
     if problem.framework in MEGATRON_FRAMEWORKS:  # its fp32 gradient buffer is Megatron-LM's, not the job's
         graph = replace(graph, precision=PRECISIONS[graph.precision.name])
     return build_problem(graph, problem.mesh, problem.shared_layers, problem.micro_batches,
-                         problem.zero3_unit, problem.recompute, framework)
+                         problem.zero3_unit, problem.recompute, framework, problem.stage)
 
 
 def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
@@ -438,7 +439,7 @@ def tensor_parallel_layouts(problem: Problem) -> list[tuple[Callable[[], Problem
         if node % tp == 0:
             finer = functools.cache(lambda tp=tp: build_problem(
                 problem.graph, split_innermost(mesh, tp), problem.shared_layers, problem.micro_batches,
-                problem.zero3_unit, problem.recompute, problem.framework))
+                problem.zero3_unit, problem.recompute, problem.framework, problem.stage))
             layouts.append((finer, 1, tp))
     for k in range(1, mesh.ndim + 1):
         tp = math.prod(mesh.shape[mesh.ndim - k:])

@@ -190,7 +190,7 @@ class Plan:
             return self.searched
         s = self.searched
         return build_problem(s.graph, mesh.real, s.shared_layers, s.micro_batches, s.zero3_unit, s.recompute,
-                             s.framework)
+                             s.framework, s.stage)
 
     @cached_property
     def selection(self) -> Selection:

@@ -460,12 +460,14 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
     """``graph`` describes one micro-batch; a step runs ``micro_batches`` of them (gradient
     accumulation) and one optimizer update. ``zero3_unit``: see :class:`LayerUnit`;
     ``recompute``: which ops may be replayed (``recompute.RECOMPUTE_POLICIES``); ``stage``: the
-    problem of that pipeline stage's rank (its graph, and the micro-batches it holds)."""
+    problem of that pipeline stage's rank (its graph, cut from ``graph`` unless ``graph`` is a
+    stage's already, and the micro-batches it holds)."""
     if stage is not None:
         if not 1 <= stage.held_micro_batches <= micro_batches:
             raise MemshardError(f"a pipeline stage holds 1 to {micro_batches} micro-batches (the step's), "
                                 f"not {stage.held_micro_batches}")
-        graph = graph.pipeline_stage(stage.first_layer, stage.end_layer)
+        if not (graph.received or graph.sent):  # (a stage's graph, rebuilt for a framework, is cut already)
+            graph = graph.pipeline_stage(stage.first_layer, stage.end_layer)
     if zero3_unit not in ZERO3_UNITS:
         raise MemshardError(f"the ZeRO-3 gather unit must be one of {', '.join(ZERO3_UNITS)}, got {zero3_unit!r}")
     if framework not in FRAMEWORKS:
