@@ -164,7 +164,8 @@ def python_blocks() -> dict[tuple[str, int], str]:
 
 
 PYTHON = python_blocks()
-RUN = {("README.md", 0), ("docs/guide.md", 0), ("docs/guide.md", 1), ("docs/models.md", 0)}
+RUN = {("README.md", 0), ("docs/guide.md", 0), ("docs/guide.md", 1), ("docs/models.md", 0),
+       ("docs/pipelining.md", 0)}
 COMPILED_ONLY = {
     ("README.md", 1): "needs torchrun's ranks and a plan.json of them (tests/runtime runs parallelize)",
     ("docs/runtime.md", 0): "needs a process group of 4 ranks (tests/runtime/test_traced_runtime.py runs one)",
@@ -233,3 +234,11 @@ def test_the_traced_llama_block_runs(capsys):
     """LLaMA-3 8B's shapes traced on the meta device and planned on 8x8 (seconds)."""
     _exec([("docs/models.md", 0)], {})
     assert "Dims (names the trace gave" in capsys.readouterr().out
+
+
+def test_the_pipeline_schedule_block_prints_what_the_page_shows(capsys):
+    """docs/pipelining.md's schedule example, and the text block after it."""
+    page = next(p for p in pages() if page_name(p) == "docs/pipelining.md")
+    shown = next(b.body for b in blocks(page) if b.lang == "text")
+    _exec([("docs/pipelining.md", 0)], {})
+    assert capsys.readouterr().out.strip() == shown.strip()
