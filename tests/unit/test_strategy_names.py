@@ -93,7 +93,8 @@ def records(draw) -> StrategyName:
         fields["zero_stage"] = draw(st.integers(1, 3))
     if kind is Kind.MEGATRON:
         fields |= {"sequence_parallel": draw(st.booleans()),
-                   "distributed_optimizer": draw(st.booleans())}
+                   "distributed_optimizer": draw(st.booleans()),
+                   "pipeline_parallel": draw(DEGREE)}
     if kind is Kind.DDP:
         fields["bucket_view"] = draw(st.booleans())
     if kind in (Kind.FSDP2, Kind.TORCH_TP):
@@ -145,8 +146,13 @@ def test_a_text_is_a_name_memshard_writes_or_one_error(text):
     ("zero4", "ZeRO's stages are 1, 2 and 3"),
     ("megatron-tp0", "a strategy name starts"),
     ("megatron-tp04-sp", "a strategy name starts"),
-    ("megatron-tp4-dp02", "after megatron-tp<N> a name takes -dp<N>, -sp, -distopt"),
+    ("megatron-tp4-dp02", "after megatron-tp<N> a name takes -pp<N>, -dp<N>, -sp, -distopt"),
     ("megatron-tp4-sp-dp2", "each optional, in that order"),
+    ("megatron-tp4-dp2-pp2", "after megatron-tp<N> a name takes -pp<N>, -dp<N>, -sp"),
+    ("megatron-tp4-pp1-dp2", "memshard writes it 'megatron-tp4-dp2'"),
+    ("megatron-tp4-pp0-dp2", "after megatron-tp<N>"),
+    ("fsdp2-pp2", "after fsdp2"),
+    ("tp4-pp2-fsdp2", "a strategy name starts"),
     ("fsdp2-foo", "after fsdp2 a name takes -noreshard, -reshard<N>, -prefetch<N>, -torchtitan, "
                   "+<recompute>, -block<N>, -every<N>, each optional, in that order"),
     ("fsdp2+full-block0", "after fsdp2"),
@@ -190,11 +196,28 @@ def test_a_name_is_text(value):
     ({"kind": Kind.FSDP2, "recompute": "full", "block": 2, "every": 2}, "one of them"),
     ({"kind": Kind.MEMSHARD, "time_slack": float("inf")}, "a time slack is a positive number"),
     ({"kind": Kind.MEGATRON, "overlap": True}, "with the distributed optimizer: -distopt-overlap"),
+    ({"kind": Kind.MEGATRON, "pipeline_parallel": 0}, "pipeline_parallel is a whole number of at least 1"),
+    ({"kind": Kind.FSDP2, "pipeline_parallel": 2}, "fsdp2 strategies have no pipeline_parallel"),
+    ({"kind": Kind.TORCH_TP, "pipeline_parallel": 2}, "torch-tp strategies have no pipeline_parallel"),
     ({"kind": Kind.FSDP2, "overlap": True}, "fsdp2 strategies have no overlap"),
 ])
 def test_a_record_that_names_no_strategy_is_refused(fields, why):
     with pytest.raises(MemshardError, match=re.escape(why)):
         StrategyName(**fields)
+
+
+def test_a_pipeline_degree_is_a_field_and_the_rest_is_each_stages_recipe():
+    text = "megatron-tp8-pp8-dp16-sp-distopt+selective"
+    name = parse_strategy(text)
+    assert name == StrategyName(Kind.MEGATRON, tensor_parallel=8, pipeline_parallel=8,
+                                data_parallel=16, sequence_parallel=True,
+                                distributed_optimizer=True, recompute="selective")
+    assert str(name) == text
+    assert str(name.stage_recipe) == "megatron-tp8-dp16-sp-distopt+selective"
+    assert parse_strategy("megatron-tp2-dp4").pipeline_parallel == 1  # absent: no pipeline
+    assert str(parse_strategy("megatron-tp1-pp4-distopt-overlap+full-block3").plain) == (
+        "megatron-tp1-pp4-distopt-overlap")
+    assert family("megatron-tp2-pp2-dp2-sp") == "megatron-tp2-pp2-sp"
 
 
 def test_a_kind_may_be_given_as_its_text():
@@ -210,3 +233,10 @@ def test_the_command_line_says_a_bad_name_in_one_error_line(tmp_path, capsys, te
     assert err.startswith(f"memshard: error: {text} cannot be exported: "
                           f"unknown strategy {text!r}: ")
     assert not (tmp_path / "x.py").exists()
+
+
+def test_a_pipelined_megatron_name_is_not_exported_as_one_stage():
+    from memshard.plans.export import export_target
+
+    with pytest.raises(MemshardError, match="export megatron-tp2-dp2 for one stage"):
+        export_target("megatron-tp2-pp2-dp2")

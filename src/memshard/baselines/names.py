@@ -1,7 +1,7 @@
 """Strategy names as one typed record: memshard's own plan (``memshard``) and each baseline
 (``dp``, ``ddp-bucket-view``, ``zero3-fsdp``, ``fsdp2-noreshard``, ``megatron-tp4-dp2-sp-distopt``,
-``tp4-fsdp2``, ``torch-tp4-fsdp2-torchtitan``…, with a recomputation such as ``+full``,
-``+selective-op`` or ``+full-block12``).
+``megatron-tp8-pp8-dp16-sp-distopt`` (pipelined), ``tp4-fsdp2``, ``torch-tp4-fsdp2-torchtitan``…,
+with a recomputation such as ``+full``, ``+selective-op`` or ``+full-block12``).
 
 This module owns the names' grammar. :func:`parse_strategy` reads a name once into a
 :class:`StrategyName`, whose fields the other modules read; ``str`` writes it back
@@ -114,6 +114,7 @@ class Part:
 # In the order a name writes them; two parts of one field write its different values.
 PARTS = (
     Part("time_slack", " ≤{}× fastest", (Kind.MEMSHARD,), FLOAT, float, "g"),
+    Part("pipeline_parallel", "-pp{}", (Kind.MEGATRON,)),
     Part("data_parallel", "-dp{}", (Kind.MEGATRON,)),
     Part("data_parallel", "{}", (Kind.TP_FSDP, Kind.TORCH_TP)),
     Part("zero_stage", "-fsdp", (Kind.ZERO,), flag=3),  # ZeRO-3, FSDP's full shard, is zero3-fsdp
@@ -137,7 +138,10 @@ class StrategyName:
     """A strategy's name, field by field (each field's default: not in the name).
 
     ``tensor_parallel``: ``tp<T>`` (Megatron-LM's, and the TP × FSDP recipes', which also split
-    the sequence); ``data_parallel``: ``-dp<D>`` (Megatron-LM's, None: 1) or ``-fsdp<D>`` (TP ×
+    the sequence); ``pipeline_parallel``: Megatron-LM's ``-pp<P>``
+    (``--pipeline-model-parallel-size``: P stages along the outermost mesh axis, the rest of the
+    name each stage's recipe; 1: no pipeline); ``data_parallel``: ``-dp<D>`` (Megatron-LM's,
+    within a stage; None: 1) or ``-fsdp<D>`` (TP ×
     FSDP's), None where the name leaves it out (``fitting.family``: the recipe on any number of
     devices); ``zero_stage``: ``zero<k>``; ``sequence_parallel``, ``distributed_optimizer``:
     Megatron-LM's ``-sp``, ``-distopt`` (``--use-distributed-optimizer``); ``overlap``: its
@@ -152,6 +156,7 @@ class StrategyName:
 
     kind: Kind
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
     data_parallel: int | None = None
     zero_stage: int = 0
     sequence_parallel: bool = False
@@ -185,7 +190,8 @@ class StrategyName:
                  if f.name not in taken and getattr(self, f.name) != f.default]
         if extra:
             return f"{self.kind.value} strategies have no {' or '.join(extra)}"
-        least = {"tensor_parallel": 1, "data_parallel": 1, "prefetch": 0, "block": 0, "every": 0}
+        least = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "prefetch": 0, "block": 0,
+                 "every": 0}
         for field, low in least.items():
             value = getattr(self, field)
             if not (value is None and field == "data_parallel") and not whole(value, low):
@@ -218,6 +224,11 @@ class StrategyName:
     def plain(self) -> StrategyName:
         """The same strategy without recomputation."""
         return replace(self, recompute="none", block=0, every=0)
+
+    @property
+    def stage_recipe(self) -> StrategyName:
+        """What each pipeline stage runs: the same strategy without its pipeline degree."""
+        return replace(self, pipeline_parallel=1)
 
 
 def whole(value: Any, least: int) -> bool:

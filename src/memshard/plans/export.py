@@ -197,6 +197,9 @@ def export_target(strategy: str) -> ExportTarget:
     if target.split and (name.kind is Kind.MEGATRON) != (target.split == "block"):
         raise MemshardError(f"{strategy} cannot be exported: Megatron-LM recomputes some layers by block "
                             "(+full-blockN), torchtitan's recipes every N-th layer (+full-everyN)")
+    if name.kind is Kind.MEGATRON and name.pipeline_parallel > 1:
+        raise MemshardError(f"{strategy} cannot be exported: memshard writes Megatron-LM's arguments without a "
+                            f"pipeline; export {name.stage_recipe} for one stage's layout")
     if name.kind is Kind.MEGATRON:
         return target
     if name.kind in TORCH_STRATEGIES:
