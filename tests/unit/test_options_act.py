@@ -51,6 +51,9 @@ PLAN = {
     "--top": (["--top", "1"], "json"),
     "--brief": (["--brief"], "text"),
     "--verbose": (["--verbose"], "text"),  # the search's stages: the JSON unchanged
+    # a one-layer model has no two stages (tests/planner/test_pipelined.py plans pipelines)
+    "--pipeline": (["--pipeline", "2"], "refused"),
+    "--schedule": (["--schedule", "gpipe"], "refused"),  # it orders a pipeline's stages
 }
 JOB_SOURCES = {"--model", "--hf-config", "--hf-model", "--json", "--help"}
 
