@@ -19,7 +19,7 @@ from memshard.core.quantities import check_factor
 from memshard.fitting import FitResult, fit_job
 from memshard.job import HFModel, Job, TracedModule, as_mesh, is_module
 from memshard.models import ModelConfig
-from memshard.pipelining import PipelineOptions, plan_auto, plan_pipelined
+from memshard.pipelining import PipelineOptions, pipelined_baseline, plan_auto, plan_pipelined
 from memshard.planner import (
     SearchOptions,
     baseline_plans,
@@ -190,7 +190,7 @@ def _compare_row(p: Plan, best: Plan) -> dict:
 
 
 def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: str | None = None, *,
-                  zero3_unit: str = "op", recompute: str = "none", **job_arguments) -> Plan:
+                  zero3_unit: str = "op", recompute: str = "none", **job_arguments) -> Plan | PipelinedPlan:
     """The fixed plan of a named baseline (``dp``, ``ddp``, ``zero3-fsdp``, ``fsdp2``, ``megatron-tp4-sp``…;
     ``memshard compare`` lists them) of ``model`` on ``mesh`` (keywords as :func:`plan`'s) or
     of a :class:`Job`, priced like memshard's own. With ``recompute`` other than ``none``
@@ -198,8 +198,13 @@ def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: 
     recomputation (``megatron-tp4-sp+full``…; FSDP2 and DDP also with torchtitan's per-op
     policy, ``fsdp2+selective-op``), or with some of its layers recomputed as its recipe picks
     them (``megatron-tp4-sp+full-block12``: the first 12, Megatron-LM's block method;
-    ``fsdp2+full-every2``: every second, torchtitan's)."""
+    ``fsdp2+full-every2``: every second, torchtitan's). A pipelined Megatron-LM name
+    (``megatron-tp2-pp2-dp2``: 2 stages along the outermost mesh axis, each running
+    ``megatron-tp2-dp2``) gives a :class:`PipelinedPlan` priced stage by stage
+    (``pipelining.pipelined_baseline``)."""
     job, _ = job_and_options(model, mesh, job_arguments)
+    if _pipelined(strategy):
+        return pipelined_baseline(job, strategy, zero3_unit, recompute)
     problem = build_problem(job.graph, job.mesh, micro_batches=job.micro_batches, zero3_unit=zero3_unit,
                             recompute=recompute)
     fixed, skipped = baselines(problem, lambda name: name == strategy)
@@ -217,6 +222,14 @@ def strategy_plan(model: Model | Job, mesh: str | Mesh | None = None, strategy: 
     if recomputes and recompute != "auto":  # the recomputing names are built under auto
         hint = " (every recomputing baseline is named with recompute auto: --recompute auto)"
     raise MemshardError(f"unknown strategy {strategy!r} for this mesh{hint}; known: {known}")
+
+
+def _pipelined(strategy: str | None) -> bool:
+    """Whether ``strategy`` names a pipelined baseline (a text that is no name is not)."""
+    try:
+        return parse_strategy(strategy).pipeline_parallel > 1
+    except MemshardError:
+        return False
 
 
 def export(model: Model | Job, mesh: str | Mesh = "2x4", strategy: str = "memshard", **job_arguments) -> str:
@@ -262,5 +275,8 @@ def runtime_plan(job: Job, strategy: str = "memshard", options: SearchOptions | 
     options = options or SearchOptions(mip_gap=0.02)
     if strategy == "memshard":
         return plan_job(job, options)
+    if _pipelined(strategy):
+        raise MemshardError(f"{strategy} is a pipelined plan: memshard plans pipelines and prices them, its runtime "
+                            "does not run them")
     plan = strategy_plan(job, strategy=strategy, zero3_unit=options.priced_unit, recompute=options.recompute)
     return runnable(plan)

@@ -31,13 +31,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from memshard.baselines.names import Kind, parse_strategy
+from memshard.baselines.recipes import baselines
 from memshard.core.errors import MemshardError
 from memshard.core.graph import Graph
 from memshard.core.mesh import Mesh, make_mesh
 from memshard.job import Job, TracedModule
 from memshard.planner import SearchOptions, plan_job
 from memshard.plans.pipelined import PipelinedPlan, StagePlan
-from memshard.plans.plan import Plan
+from memshard.plans.plan import Plan, build_plan
 from memshard.problem.memory import tensor_bytes
 from memshard.problem.pipeline import StageTimes, build_schedule, peak_held_counts, simulate
 from memshard.problem.pricing import build_problem
@@ -110,30 +112,84 @@ def plan_pipelined(job: Job, options: SearchOptions, pipeline: PipelineOptions) 
                             "is the schedule's, not a stage's")
     if options.mesh_views:
         raise MemshardError("mesh views (--mesh-views on) are not yet searched with a pipeline")
-    if isinstance(job.model, TracedModule):
-        raise MemshardError("a traced nn.Module is planned whole: pipeline stages split built-in and Hugging Face "
-                            "models")
-    mesh, stage_mesh = pipeline_meshes(job.mesh, pipeline.stages)
-    m = job.micro_batches
-    if pipeline.schedule == "1f1b" and m < pipeline.stages:
-        raise MemshardError(f"1F1B over {pipeline.stages} stages needs at least {pipeline.stages} micro-batches "
-                            f"(--micro-batches), got {m}")
-    graph = job.graph
-    held = held_micro_batches(pipeline.schedule, pipeline.stages, m)
-    stage_job = replace(job, mesh=stage_mesh, batch=job.batch if job.batch is not None or isinstance(job.model, Graph)
-                        else job.global_batch)
+    mesh, stage_mesh = _pipeline_of(job, pipeline)
+    stage_job = _stage_job(job, stage_mesh)
     # one ZeRO-3 unit: a second would be searched on the whole model (``planner.candidates``)
     stage_options = replace(options, mesh_views=False, zero3_unit=options.zero3_units[0])
     plans = []
-    for (first, end), k in zip(stage_layers(graph.num_layers, pipeline.stages), held):
-        stage = PipelineStage(first, end, k)
-        problem = build_problem(graph, stage_mesh, shared_layers=not options.exact, micro_batches=m,
+    for stage in _stages(job, pipeline, held_micro_batches(pipeline.schedule, pipeline.stages, job.micro_batches)):
+        problem = build_problem(job.graph, stage_mesh, shared_layers=not options.exact, micro_batches=job.micro_batches,
                                 zero3_unit=stage_options.zero3_unit, recompute=options.recompute, stage=stage)
         try:
             plans.append((stage, plan_job(stage_job, stage_options, problem=problem)))
         except MemshardError as e:
-            raise MemshardError(f"pipeline stage {len(plans)} (layers {first}–{end - 1}): {e}") from None
-    return _priced(job, options, pipeline, mesh, stage_mesh, plans)
+            raise MemshardError(f"pipeline stage {len(plans)} (layers {stage.first_layer}–{stage.end_layer - 1}): "
+                                f"{e}") from None
+    return _priced(job, options.objective, pipeline.schedule, mesh, stage_mesh, plans)
+
+
+def megatron_held_micro_batches(stages: int, micro_batches: int) -> tuple[int, ...]:
+    """Per stage, the micro-batches Megatron-LM's non-interleaved 1F1B
+    (``forward_backward_pipelining_without_interleaving``) has its ranks hold at their peak: the
+    warm-up's forwards, min(p − i − 1, m), then one more forward before the first backward
+    where micro-batches remain. (It is torch's ``Schedule1F1B``'s min(p − i, m).)"""
+    held = []
+    for i in range(stages):
+        warm_up = min(stages - i - 1, micro_batches)
+        held.append(warm_up + (1 if micro_batches > warm_up else 0))
+    return tuple(held)
+
+
+def pipelined_baseline(job: Job, strategy: str, zero3_unit: str = "op", recompute: str = "none",
+                       exact: bool = False) -> PipelinedPlan:
+    """A pipelined Megatron-LM configuration (``megatron-tp2-pp2-dp2-sp``…) of ``job``, priced
+    stage by stage: ``-pp<P>`` stages along the outermost mesh axis (``pipeline_meshes``), the
+    layers split as ``stage_layers`` splits them, each stage holding the micro-batches
+    Megatron-LM's 1F1B makes it hold; on each stage's problem the rest of the name, laid out
+    on the stage mesh as ``baselines`` lays it out on a flat mesh; the step as memshard's own
+    pipelined plans are priced (``_priced``)."""
+    name = parse_strategy(strategy)
+    if name.kind is not Kind.MEGATRON or name.pipeline_parallel == 1:
+        raise MemshardError(f"{strategy} is not a pipelined Megatron-LM configuration (megatron-tp<T>-pp<P>…)")
+    pipeline = PipelineOptions(name.pipeline_parallel)
+    mesh, stage_mesh = _pipeline_of(job, pipeline)
+    stage_job, recipe = _stage_job(job, stage_mesh), str(name.stage_recipe)
+    plans = []
+    for stage in _stages(job, pipeline, megatron_held_micro_batches(pipeline.stages, job.micro_batches)):
+        problem = build_problem(job.graph, stage_mesh, shared_layers=not exact, micro_batches=job.micro_batches,
+                                zero3_unit=zero3_unit, recompute=recompute, stage=stage)
+        fixed, skipped = baselines(problem, lambda text: text == recipe)
+        if not fixed:
+            why = dict(skipped).get(recipe) or (f"each stage runs {recipe}, which its mesh {stage_mesh} does not lay "
+                                                f"out (memshard compare --pipeline {pipeline.stages} lists those it does)")
+            raise MemshardError(f"strategy {strategy} does not fit {job.graph.name} on {job.mesh}: {why}")
+        plans.append((stage, build_plan(fixed[0].problem, fixed[0].selection, stage_job, strategy=strategy,
+                                        advice=False)))
+    return _priced(job, None, pipeline.schedule, mesh, stage_mesh, plans, strategy)
+
+
+def _pipeline_of(job: Job, pipeline: PipelineOptions) -> tuple[Mesh, Mesh]:
+    """(the job's mesh with its pipeline axis, a stage's mesh), or why the job is not pipelined so."""
+    if isinstance(job.model, TracedModule):
+        raise MemshardError("a traced nn.Module is planned whole: pipeline stages split built-in and Hugging Face "
+                            "models")
+    meshes = pipeline_meshes(job.mesh, pipeline.stages)
+    if pipeline.schedule == "1f1b" and job.micro_batches < pipeline.stages:
+        raise MemshardError(f"1F1B over {pipeline.stages} stages needs at least {pipeline.stages} micro-batches "
+                            f"(--micro-batches), got {job.micro_batches}")
+    return meshes
+
+
+def _stage_job(job: Job, stage_mesh: Mesh) -> Job:
+    """The job one stage's plan is of: the job on the stage's mesh, the same global batch."""
+    return replace(job, mesh=stage_mesh, batch=job.batch if job.batch is not None or isinstance(job.model, Graph)
+                   else job.global_batch)
+
+
+def _stages(job: Job, pipeline: PipelineOptions, held: tuple[int, ...]) -> list[PipelineStage]:
+    """Each stage's layers and the micro-batches ``held`` says its ranks hold."""
+    return [PipelineStage(first, end, k)
+            for (first, end), k in zip(stage_layers(job.graph.num_layers, pipeline.stages), held)]
 
 
 def pipeline_degrees(job: Job, schedule: str = "1f1b") -> tuple[int, ...]:
@@ -165,9 +221,10 @@ def plan_auto(job: Job, options: SearchOptions, schedule: str = "1f1b") -> Plan 
     return best
 
 
-def _priced(job: Job, options: SearchOptions, pipeline: PipelineOptions, mesh: Mesh, stage_mesh: Mesh,
-            plans: list[tuple[PipelineStage, Plan]]) -> PipelinedPlan:
-    """The stages' plans run by the schedule: each stage's micro-batch times, the timeline."""
+def _priced(job: Job, objective: str | None, schedule_name: str, mesh: Mesh, stage_mesh: Mesh,
+            plans: list[tuple[PipelineStage, Plan]], strategy: str = "memshard") -> PipelinedPlan:
+    """The stages' plans (searched for ``objective``, or a baseline's: ``strategy``) run by the
+    schedule: each stage's micro-batch times, the timeline."""
     m = job.micro_batches
     times, optimizer = [], 0.0
     for _, plan in plans:
@@ -177,13 +234,13 @@ def _priced(job: Job, options: SearchOptions, pipeline: PipelineOptions, mesh: M
         times.append(StageTimes(forward, per_micro_batch - forward, 0.0))
         optimizer = max(optimizer, optimizer_s)
     transfers = [_transfer_s(plan, mesh) for _, plan in plans[:-1]]
-    schedule = build_schedule(pipeline.schedule, pipeline.stages, m, 1)
+    schedule = build_schedule(schedule_name, len(plans), m, 1)
     timeline = simulate(schedule.actions, times, max(transfers))
     stages = tuple(StagePlan(stage.first_layer, stage.end_layer, stage.held_micro_batches, plan,
                              float(t.forward_s), float(t.backward_input_s), float(transfer), float(idle))
                    for (stage, plan), t, transfer, idle in zip(plans, times, [*transfers, 0.0], timeline.idle_s))
-    return PipelinedPlan(job, options.objective, pipeline.schedule, mesh, stage_mesh, stages,
-                         float(timeline.makespan_s), float(optimizer))
+    return PipelinedPlan(job, objective, schedule_name, mesh, stage_mesh, stages, float(timeline.makespan_s),
+                         float(optimizer), strategy)
 
 
 def _transfer_s(plan: Plan, mesh: Mesh) -> float:

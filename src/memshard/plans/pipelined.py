@@ -44,16 +44,19 @@ class StagePlan:
 class PipelinedPlan:
     """``job`` on ``mesh`` (the job's mesh with its outermost axis split into the pipeline
     axis and the rest): ``stages`` ranks along the pipeline axis run ``schedule``, each on
-    ``stage_mesh``. The step is the schedule's makespan plus the slowest optimizer step."""
+    ``stage_mesh``. The step is the schedule's makespan plus the slowest optimizer step.
+    ``strategy``: ``memshard`` (each stage searched for ``objective``) or a pipelined baseline's
+    name (``megatron-tp2-pp2-dp2``…, objective None), each stage's plan that recipe's."""
 
     job: Job
-    objective: str
+    objective: str | None
     schedule: str
     mesh: Mesh
     stage_mesh: Mesh
     stages: tuple[StagePlan, ...]
     makespan_s: float  # the micro-batches' forwards, backwards and transfers, as scheduled
     optimizer_s: float  # the slowest stage's optimizer step, after the last backward
+    strategy: str = "memshard"
 
     @property
     def step_time_s(self) -> float:
@@ -80,6 +83,7 @@ class PipelinedPlan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": PIPELINE_SCHEMA,
+            "strategy": self.strategy,
             "objective": self.objective,
             "pipeline": {"stages": len(self.stages), "schedule": self.schedule,
                          "micro_batches": self.job.micro_batches, "mesh": mesh_to_dict(self.mesh),

@@ -64,7 +64,8 @@ def render_pipelined(plan: PipelinedPlan, console: Console, top: int = 10, show_
     name = job.model if isinstance(job.model, str) else plan.stages[0].plan.model.name
     console.print(f"[bold]{name}[/] (batch {job.global_batch}, seq {job.seq_length} in "
                   f"{counted(job.micro_batches, 'micro-batch', 'micro-batches')}) on mesh [bold]{job.mesh}[/] "
-                  f"({counted(mesh.num_devices, 'device')}), objective [bold]{plan.objective}[/]: "
+                  f"({counted(mesh.num_devices, 'device')}), "
+                  f"{'objective' if plan.objective else 'strategy'} [bold]{plan.objective or plan.strategy}[/]: "
                   f"{len(plan.stages)} pipeline stages, {plan.schedule.upper()}, each on mesh {plan.stage_mesh}")
     t = _table("Pipeline stages", ("stage", "layers", "micro-batches held", "peak memory", "forward / backward",
                                    "send", "idle"))

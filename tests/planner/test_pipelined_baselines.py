@@ -1,0 +1,169 @@
+"""Pipelined Megatron-LM baselines (``pipelining.pipelined_baseline``): each stage runs the
+recipe the rest of the name says, on that stage's problem, holding the micro-batches
+Megatron-LM's 1F1B makes it hold; its stage 0 checked against Megatron-LM's
+``theoretical_memory_usage.py``."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import memshard
+from memshard.api import runtime_plan
+from memshard.baselines.recipes import baselines
+from memshard.job import Job
+from memshard.pipelining import (
+    PipelineOptions,
+    held_micro_batches,
+    megatron_held_micro_batches,
+    pipelined_baseline,
+    plan_pipelined,
+)
+from memshard.planner import SearchOptions
+from memshard.plans.pipelined import PipelinedPlan
+from memshard.problem.evaluate import evaluate
+from memshard.problem.pricing import build_problem
+from memshard.problem.records import PipelineStage
+
+# tiny-gpt with 4 layers in bf16 (Megatron-LM's precision): h 128, ffn 512, V 512, 128 positions, s 32
+JOB = Job("tiny-gpt", "2x4", batch=16, micro_batches=4, overrides={"num_layers": 4}, precision="mixed")
+H, FFN, V, POSITIONS, S, LAYERS = 128, 512, 512, 128, 32, 4
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(2, 16), st.integers(1, 40))
+def test_megatrons_warm_up_plus_one_in_flight_is_torchs_1f1b(stages, micro_batches):
+    """Megatron-LM's ``num_warmup = min(p − i − 1, m)``, one more forward in the steady state,
+    is what torch's ``Schedule1F1B`` action list holds: min(p − i, m)."""
+    assert megatron_held_micro_batches(stages, micro_batches) == tuple(
+        min(stages - i, micro_batches) for i in range(stages))
+    if micro_batches >= stages:  # (torch's 1F1B refuses fewer micro-batches than stages)
+        assert megatron_held_micro_batches(stages, micro_batches) == held_micro_batches(
+            "1f1b", stages, micro_batches)
+
+
+@pytest.fixture(scope="module")
+def distopt() -> PipelinedPlan:
+    return memshard.strategy_plan(JOB, strategy="megatron-tp2-pp2-dp2-sp-distopt")
+
+
+def test_each_stage_is_the_recipe_on_its_own_problem_holding_what_1f1b_makes_it(distopt):
+    assert isinstance(distopt, PipelinedPlan) and distopt.strategy == "megatron-tp2-pp2-dp2-sp-distopt"
+    assert distopt.objective is None and distopt.schedule == "1f1b"
+    assert distopt.mesh.shape == (2, 4) and distopt.stage_mesh.shape == (4,)
+    for s, held in zip(distopt.stages, (2, 1)):
+        problem = s.plan.problem
+        assert problem.framework == "megatron"
+        assert problem.stage == PipelineStage(s.first_layer, s.end_layer, held)
+        assert s.plan.strategy == distopt.strategy
+        # the recipe as ``baselines`` lays it out on the stage's own problem
+        stage_problem = build_problem(JOB.graph, distopt.stage_mesh, micro_batches=4, stage=problem.stage)
+        recipe, _ = baselines(stage_problem, lambda name: name == "megatron-tp2-dp2-sp-distopt")
+        assert recipe[0].selection == s.plan.selection
+        assert evaluate(problem, s.plan.selection).peak_bytes == pytest.approx(s.plan.peak_bytes)
+    assert [(s.first_layer, s.end_layer) for s in distopt.stages] == [(0, 2), (2, 4)]
+
+
+def test_stage_0s_peak_holds_its_waiting_micro_batch(distopt):
+    first = distopt.stages[0].plan
+    alone = build_problem(JOB.graph, first.problem.mesh, micro_batches=4, stage=PipelineStage(0, 2, 1),
+                          framework="megatron")
+    one = evaluate(alone, first.selection)
+    assert one.boundary_activation_bytes > 0
+    assert first.peak_bytes == pytest.approx(one.peak_bytes + one.boundary_activation_bytes)
+
+
+def megatron_weight_and_optimizer_bytes(tp: int, pp: int, dp: int) -> float:
+    """``compute_weight_and_optimizer_memory`` of Megatron-LM's theoretical_memory_usage.py for
+    a GPT (LayerNorm, no GQA, no SwiGLU, tied embeddings) with --use-distributed-optimizer."""
+    norm_size = 2
+    self_attn_term = 2 * H * H * ((1 + 1) * 1)
+    layer = 2 * H * (FFN + norm_size) + self_attn_term
+    block = layer * LAYERS + norm_size * H  # (the final layernorm)
+    most_loaded = (block / pp + H * V) / tp
+    return most_loaded * (6 + 12 / dp)
+
+
+@pytest.mark.parametrize("tp, dp", [(1, 4), (2, 2)])
+def test_stage_0s_weights_and_optimizer_are_megatrons_term_where_the_terms_agree(tp, dp):
+    """Megatron-LM's term: (the block's parameters / p + the embedding) / TP × (6 + 12/DP) bytes
+    (bf16 weight, fp32 gradient buffer, fp32 master weight and Adam states sharded over DP).
+    memshard prices the same bytes per parameter on stage 0's real parameters; the terms
+    differ where the formula leaves parameters out or divides them all by TP: the linears'
+    biases (9h a layer), the learned positions (positions × h), the final layernorm (on the
+    last stage, not 2h/p on each), and under TP the parameters every TP rank keeps whole (the
+    layernorms, 4h, and the row-parallel linears' biases, 2h, of each layer; the positions)."""
+    name = f"megatron-tp{tp}-pp2" + (f"-dp{dp}" if dp > 1 else "") + ("-sp" if tp > 1 else "") + "-distopt"
+    plan = memshard.strategy_plan(JOB, strategy=name)
+    breakdown = plan.stages[0].plan.memory.breakdown
+    states = breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_states"]
+    per_parameter = 6 + 12 / dp
+    layers = LAYERS // 2
+    omitted = 9 * H * layers + POSITIONS * H - 2 * H / 2  # biases, positions, less the final norm's share
+    whole = (6 * H * layers + POSITIONS * H) * (1 - 1 / tp)  # kept whole by every TP rank
+    assert states == megatron_weight_and_optimizer_bytes(tp, 2, dp) + (omitted / tp + whole) * per_parameter
+
+
+def megatron_activation_bytes(tp: int, pp: int, micro_batch: int, micro_batches: int) -> float:
+    """``compute_activation_memory`` of theoretical_memory_usage.py (sequence parallelism with
+    selective recomputation; the first stage, the non-interleaved schedule)."""
+    sbh = S * micro_batch * H
+    activations = sbh * (18 + 4 * FFN / H) * LAYERS  # L/p layers × p micro-batches in flight
+    activations += 8 * S * micro_batch * pp + sbh * pp  # the embedding's input and its dropout
+    activations *= min(1, micro_batches / pp)
+    return activations / tp
+
+
+def test_stage_0s_activations_are_megatrons_first_stage_term_term_by_term():
+    """Under sequence parallelism with selective recomputation each held micro-batch keeps, on
+    stage 0, what the formula counts (34sbh/t a layer, Korthikanti et al. Table 2; the
+    embedding's dropout mask sbh/t) and two terms it does not: the token ids whole on every TP
+    rank (8sb, the formula 8sb/t) and the activations sent to the next stage (2sbh/t bytes of
+    bf16), which memshard keeps until their backward as torch's pipelining does, while
+    Megatron-LM frees them once sent (``deallocate_pipeline_outputs``). At the peak (in the
+    backward) the total is within 2% of the formula's."""
+    plan = memshard.strategy_plan(JOB, strategy="megatron-tp2-pp2-dp2-sp-distopt+selective", recompute="selective")
+    first = plan.stages[0].plan
+    tp, micro_batch = 2, JOB.global_batch // (JOB.micro_batches * 2)
+    sbh = S * micro_batch * H
+    held = evaluate(first.problem, first.selection).boundary_activation_bytes
+    counted = 34 * sbh / tp * (LAYERS // 2) + sbh / tp
+    assert held == counted + 8 * S * micro_batch + 2 * sbh / tp
+    formula = megatron_activation_bytes(tp, 2, micro_batch, JOB.micro_batches)
+    assert formula == pytest.approx(2 * (counted + 8 * S * micro_batch / tp))
+    assert first.memory.breakdown["activations"] == pytest.approx(formula, rel=0.02)
+
+
+def test_the_step_is_priced_as_memshards_pipelined_plans(distopt):
+    """The same schedule and pricing as memshard's own pipelined plans: the step is the
+    makespan and the slowest optimizer step; memshard's fastest pipelined plan of the same
+    degree, each stage searched, is no slower (the recipe is one point of its search)."""
+    m, p = JOB.micro_batches, 2
+    slowest = max(s.forward_s + s.backward_s for s in distopt.stages)
+    transfer = max(s.transfer_s for s in distopt.stages)
+    assert m * slowest <= distopt.makespan_s <= (m + p - 1) * slowest + 2 * (p - 1) * transfer + 1e-12
+    for s in distopt.stages:
+        assert m * (s.forward_s + s.backward_s) + s.plan.compute_by_kind.get("optimizer step", 0.0) == (
+            pytest.approx(s.plan.step_time_s))
+    assert distopt.step_time_s == pytest.approx(distopt.makespan_s + distopt.optimizer_s)
+    fastest = plan_pipelined(JOB, SearchOptions(objective="time", memory_budget=float("inf")), PipelineOptions(2))
+    assert fastest.step_time_s <= distopt.step_time_s * (1 + SearchOptions().gap)
+
+
+@pytest.mark.parametrize("strategy, why", [
+    ("megatron-tp2-dp4", "not a pipelined Megatron-LM configuration"),
+    ("megatron-tp4-pp2-sp-distopt", "each stage runs megatron-tp4-sp-distopt, which its mesh 4 does not lay out"),
+    ("megatron-tp2-pp4-sp", "4 pipeline stages do not divide the outermost axis"),
+])
+def test_a_configuration_the_job_does_not_lay_out_is_one_line(strategy, why):
+    with pytest.raises(memshard.MemshardError, match=why) as raised:
+        pipelined_baseline(JOB, strategy)
+    assert "\n" not in str(raised.value)
+
+
+def test_too_few_micro_batches_and_the_runtime_are_one_line():
+    with pytest.raises(memshard.MemshardError, match="needs at least 2 micro-batches"):
+        memshard.strategy_plan(Job("tiny-gpt", "2x4", batch=16), strategy="megatron-tp2-pp2-dp2")
+    with pytest.raises(memshard.MemshardError, match="its runtime does not run them"):
+        runtime_plan(JOB, "megatron-tp2-pp2-dp2")
