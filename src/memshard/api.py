@@ -17,9 +17,15 @@ from memshard.core.hardware import Hardware
 from memshard.core.mesh import Mesh
 from memshard.core.quantities import check_factor
 from memshard.fitting import FitResult, fit_job
-from memshard.job import HFModel, Job, TracedModule, as_mesh, is_module
+from memshard.job import HFModel, Job, TracedModule, as_mesh, is_module, mesh_to_dict
 from memshard.models import ModelConfig
-from memshard.pipelining import PipelineOptions, pipelined_baseline, plan_auto, plan_pipelined
+from memshard.pipelining import (
+    PipelineOptions,
+    pipelined_baseline,
+    pipelined_baselines,
+    plan_auto,
+    plan_pipelined,
+)
 from memshard.planner import (
     SearchOptions,
     baseline_plans,
@@ -132,17 +138,27 @@ def job_and_options(model: Model | Job, mesh: str | Mesh, arguments: dict) -> tu
     return make_job(model, mesh, **arguments), SearchOptions(**search)
 
 
-def compare(model: Model | Job, mesh: str | Mesh = "2x4", *, time_slack: float = 1.1, **arguments) -> dict:
+def compare(model: Model | Job, mesh: str | Mesh = "2x4", *, time_slack: float | None = None,
+            pipeline: int | None = None, **arguments) -> dict:
     """memshard's plans against the hand-made strategies (``baselines/recipes.py``), all priced by the
     same model: memshard's least-memory plan, memshard's least-memory plan within
-    ``time_slack`` × the fastest baseline's step time, then every baseline by peak memory.
+    ``time_slack`` (None: 1.1) × the fastest baseline's step time, then every baseline by peak memory.
     ``model`` and the keyword ``arguments`` are what :func:`plan` takes (or a :class:`Job`);
-    the objective is memory's, so no objective or budget may be given."""
+    the objective is memory's, so no objective or budget may be given. With ``pipeline``
+    stages (1F1B): memshard's pipelined plans of the least memory and the fastest within the
+    device memory, then every pipelined Megatron-LM configuration of that degree the stage
+    mesh lays out (``pipelining.pipelined_baselines``), by peak memory."""
+    if pipeline is not None and time_slack is not None:
+        raise MemshardError("compare with a pipeline lists memshard's least-memory and fastest pipelined plans: give "
+                            "no time slack")
+    time_slack = 1.1 if time_slack is None else time_slack
     check_factor(time_slack, "the time slack")
     given = sorted(set(arguments) & {"objective", "max_step_time_s", "memory_budget", "start"})
     if given:
         raise MemshardError(f"compare plans for the least memory and within the time slack: give no {', '.join(given)}")
     job, options = job_and_options(model, mesh, arguments)
+    if pipeline is not None:
+        return _compare_pipelined(job, options, PipelineOptions(pipeline))
     problem = searched_problem(job, options)
     best = plan_job(job, options, problem=problem)
     base_plans, skipped = baseline_plans(job, baseline_problem(job, options, best))
@@ -176,16 +192,48 @@ def _compare_notes(job: Job, rows: list[Plan]) -> list[str]:
     return []
 
 
-def _compare_row(p: Plan, best: Plan) -> dict:
+def _compare_row(p: Plan | PipelinedPlan, best: Plan | PipelinedPlan) -> dict:
+    """A row of ``compare``; of a pipelined plan, its figures but the step those of the stage
+    whose ranks hold the most."""
+    figures = p.peak_stage.plan if isinstance(p, PipelinedPlan) else p
     return {
         "strategy": p.strategy,
         "peak_bytes_per_device": p.peak_bytes,
-        "breakdown": dict(p.memory.breakdown),
-        "redundant_bytes_per_device": p.redundant_bytes,
-        "communication_bytes_per_step_per_device": p.communication.bytes_per_step,
+        "breakdown": dict(figures.memory.breakdown),
+        "redundant_bytes_per_device": figures.redundant_bytes,
+        "communication_bytes_per_step_per_device": figures.communication.bytes_per_step,
         "estimated_step_time_s": p.step_time_s,
         "memshard_saving": 1 - best.peak_bytes / p.peak_bytes if p.peak_bytes else 0.0,
-        "fits": p.memory.fits,
+        "fits": p.fits if isinstance(p, PipelinedPlan) else p.memory.fits,
+    }
+
+
+def _compare_pipelined(job: Job, options: SearchOptions, pipeline: PipelineOptions) -> dict:
+    """``compare`` with ``pipeline``: memshard's pipelined plans (the least memory, the fastest
+    within the device memory), then the pipelined Megatron-LM configurations of that degree."""
+    best = plan_pipelined(job, options, pipeline)
+    rows: list[PipelinedPlan] = [best]
+    missing = []
+    fastest_name = str(StrategyName(Kind.MEMSHARD, fastest=True))
+    try:
+        fastest = plan_pipelined(job, replace(options, objective="time"), pipeline)
+        rows.append(replace(fastest, strategy=fastest_name))
+    except MemshardError as e:  # some stage has no plan within the device memory
+        missing.append(f"{fastest_name}: none, {e}")
+    found, skipped = pipelined_baselines(job, pipeline.stages, zero3_unit=options.priced_unit,
+                                         recompute=options.recompute, exact=options.exact)
+    rows += sorted(found, key=lambda p: (p.peak_bytes, p.step_time_s))
+    graph = job.graph
+    return {
+        "schema": "memshard.compare/1",
+        "model": {"name": graph.name, "num_parameters": graph.num_parameters, "num_layers": graph.num_layers,
+                  "precision": graph.precision.name, **job.to_dict()["model"]},
+        "mesh": mesh_to_dict(job.mesh),
+        "pipeline": {"stages": pipeline.stages, "schedule": pipeline.schedule, "micro_batches": job.micro_batches,
+                     "stage_mesh": mesh_to_dict(best.stage_mesh)},
+        "rows": [_compare_row(p, best) for p in rows],
+        "skipped": [{"strategy": n, "reason": r} for n, r in skipped],
+        "notes": missing,
     }
 
 

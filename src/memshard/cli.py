@@ -319,7 +319,7 @@ def _cmd_compare(args, console) -> None:
     _check_json_path(args.json)
     job, options = job_of(args), options_of(args)
     with console.status("solving…"):
-        result = compare(job, time_slack=args.time_slack, **_search_keywords(options))
+        result = compare(job, time_slack=args.time_slack, pipeline=args.pipeline, **_search_keywords(options))
     if args.json is not None:
         _write_json(args.json, result)
     render_comparison(result, console, job)
@@ -494,9 +494,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="memshard's plans against DDP, ZeRO, Megatron TP/SP and TP×FSDP")
     add_job_arguments(c, required=True)
     add_search_arguments(c, objective=False)
-    c.add_argument("--time-slack", type=float, default=1.1,
-                   help="memshard's second row: least memory within this × the fastest baseline's time")
+    c.add_argument("--time-slack", type=float,
+                   help="memshard's second row: least memory within this × the fastest baseline's time (default 1.1)")
     c.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    c.add_argument("--pipeline", type=_positive_int, metavar="N",
+                   help="N pipeline stages (1F1B) along the outermost mesh axis: memshard's pipelined plans against "
+                        "every Megatron-LM configuration with N stages (megatron-tp<T>-pp<N>…)")
 
     f = sub.add_parser("pareto", help="memshard's memory–time frontier with the baselines, as a PNG and a table")
     add_job_arguments(f, required=True)

@@ -29,6 +29,7 @@ spread over its micro-batches there: the fill and drain see a share of them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from memshard.baselines.names import Kind, parse_strategy
@@ -143,29 +144,57 @@ def megatron_held_micro_batches(stages: int, micro_batches: int) -> tuple[int, .
 def pipelined_baseline(job: Job, strategy: str, zero3_unit: str = "op", recompute: str = "none",
                        exact: bool = False) -> PipelinedPlan:
     """A pipelined Megatron-LM configuration (``megatron-tp2-pp2-dp2-sp``…) of ``job``, priced
-    stage by stage: ``-pp<P>`` stages along the outermost mesh axis (``pipeline_meshes``), the
-    layers split as ``stage_layers`` splits them, each stage holding the micro-batches
-    Megatron-LM's 1F1B makes it hold; on each stage's problem the rest of the name, laid out
-    on the stage mesh as ``baselines`` lays it out on a flat mesh; the step as memshard's own
-    pipelined plans are priced (``_priced``)."""
+    stage by stage (``pipelined_baselines``), or one MemshardError line saying why not."""
     name = parse_strategy(strategy)
     if name.kind is not Kind.MEGATRON or name.pipeline_parallel == 1:
         raise MemshardError(f"{strategy} is not a pipelined Megatron-LM configuration (megatron-tp<T>-pp<P>…)")
-    pipeline = PipelineOptions(name.pipeline_parallel)
+    found, skipped = pipelined_baselines(job, name.pipeline_parallel, lambda text: text == strategy, zero3_unit,
+                                         recompute, exact)
+    if found:
+        return found[0]
+    degree, recipe = name.pipeline_parallel, str(name.stage_recipe)
+    why = dict(skipped).get(strategy) or (f"each stage runs {recipe}, which its mesh does not lay out (memshard "
+                                          f"compare --pipeline {degree} lists those it does)")
+    raise MemshardError(f"strategy {strategy} does not fit {job.graph.name} on {job.mesh}: {why}")
+
+
+def pipelined_baselines(job: Job, degree: int, wanted: Callable[[str], bool] | None = None, zero3_unit: str = "op",
+                        recompute: str = "none", exact: bool = False
+                        ) -> tuple[list[PipelinedPlan], list[tuple[str, str]]]:
+    """Every Megatron-LM configuration of pipeline degree ``degree`` (``-pp<degree>``) of ``job``
+    that the stage mesh lays out (``wanted``: those whose names it accepts; the layer splits,
+    ``+full-block<N>``, only by name), and (name, reason) for those it refuses. ``degree``
+    stages along the outermost mesh axis (``pipeline_meshes``), the layers split as
+    ``stage_layers`` splits them, each stage holding the micro-batches Megatron-LM's 1F1B makes
+    it hold; on each stage's problem the rest of the name, laid out on the stage mesh as
+    ``baselines`` lays it out on a flat mesh; the step as memshard's own pipelined plans are
+    priced (``_priced``)."""
+    pipeline = PipelineOptions(degree)
     mesh, stage_mesh = _pipeline_of(job, pipeline)
-    stage_job, recipe = _stage_job(job, stage_mesh), str(name.stage_recipe)
-    plans = []
-    for stage in _stages(job, pipeline, megatron_held_micro_batches(pipeline.stages, job.micro_batches)):
+    stage_job = _stage_job(job, stage_mesh)
+
+    def pipelined(recipe: str) -> str:
+        return str(replace(parse_strategy(recipe), pipeline_parallel=degree))
+
+    def accepted(recipe: str) -> bool:
+        name = parse_strategy(recipe)
+        if name.kind is not Kind.MEGATRON:
+            return False
+        return wanted(pipelined(recipe)) if wanted is not None else not (name.block or name.every)
+
+    stages: dict[str, list[tuple[PipelineStage, Plan]]] = {}
+    skipped: dict[str, str] = {}
+    for stage in _stages(job, pipeline, megatron_held_micro_batches(degree, job.micro_batches)):
         problem = build_problem(job.graph, stage_mesh, shared_layers=not exact, micro_batches=job.micro_batches,
                                 zero3_unit=zero3_unit, recompute=recompute, stage=stage)
-        fixed, skipped = baselines(problem, lambda text: text == recipe)
-        if not fixed:
-            why = dict(skipped).get(recipe) or (f"each stage runs {recipe}, which its mesh {stage_mesh} does not lay "
-                                                f"out (memshard compare --pipeline {pipeline.stages} lists those it does)")
-            raise MemshardError(f"strategy {strategy} does not fit {job.graph.name} on {job.mesh}: {why}")
-        plans.append((stage, build_plan(fixed[0].problem, fixed[0].selection, stage_job, strategy=strategy,
-                                        advice=False)))
-    return _priced(job, None, pipeline.schedule, mesh, stage_mesh, plans, strategy)
+        fixed, refused = baselines(problem, accepted)
+        skipped.update((pipelined(name), why) for name, why in refused)
+        for b in fixed:
+            stages.setdefault(pipelined(b.name), []).append(
+                (stage, build_plan(b.problem, b.selection, stage_job, strategy=pipelined(b.name), advice=False)))
+    plans = [_priced(job, None, pipeline.schedule, mesh, stage_mesh, plans, name)
+             for name, plans in stages.items() if name not in skipped and len(plans) == degree]
+    return plans, list(skipped.items())
 
 
 def _pipeline_of(job: Job, pipeline: PipelineOptions) -> tuple[Mesh, Mesh]:

@@ -153,7 +153,7 @@ def test_the_step_is_priced_as_memshards_pipelined_plans(distopt):
 
 @pytest.mark.parametrize("strategy, why", [
     ("megatron-tp2-dp4", "not a pipelined Megatron-LM configuration"),
-    ("megatron-tp4-pp2-sp-distopt", "each stage runs megatron-tp4-sp-distopt, which its mesh 4 does not lay out"),
+    ("megatron-tp4-pp2-sp-distopt", "each stage runs megatron-tp4-sp-distopt, which its mesh does not lay out"),
     ("megatron-tp2-pp4-sp", "4 pipeline stages do not divide the outermost axis"),
 ])
 def test_a_configuration_the_job_does_not_lay_out_is_one_line(strategy, why):
@@ -167,3 +167,41 @@ def test_too_few_micro_batches_and_the_runtime_are_one_line():
         memshard.strategy_plan(Job("tiny-gpt", "2x4", batch=16), strategy="megatron-tp2-pp2-dp2")
     with pytest.raises(memshard.MemshardError, match="its runtime does not run them"):
         runtime_plan(JOB, "megatron-tp2-pp2-dp2")
+
+
+def test_compare_with_a_pipeline_lists_memshards_plans_and_every_megatron_configuration(tmp_path, capsys):
+    """``memshard compare --pipeline 2``: memshard's least-memory and fastest pipelined plans,
+    then every Megatron-LM configuration with 2 stages that the stage mesh lays out, each the
+    plan ``strategy_plan`` gives by its name."""
+    import json
+
+    from memshard.baselines.names import Kind, parse_strategy
+    from memshard.cli import main
+
+    path = tmp_path / "compare.json"
+    argv = ["compare", "--model", "tiny-gpt", "--mesh", "2x4", "--layers", "4", "--precision", "mixed",
+            "--batch", "16", "--micro-batches", "4", "--pipeline", "2", "--json", str(path)]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "in 2 pipeline stages (1F1B, 4 micro-batches), each on mesh 4" in out
+    result = json.loads(path.read_text())
+    names = [row["strategy"] for row in result["rows"]]
+    assert names[:2] == ["memshard", "memshard fastest"]
+    assert result["pipeline"]["stages"] == 2 and result["pipeline"]["stage_mesh"]["shape"] == [4]
+    megatron = [parse_strategy(name) for name in names[2:]]
+    assert all(n.kind is Kind.MEGATRON and n.pipeline_parallel == 2 for n in megatron)
+    # every Megatron-LM layout of a stage mesh of 4: TP 1, 2, 4 (-sp), with -distopt(-overlap) where DP > 1
+    assert set(names[2:]) == {"megatron-tp1-pp2-dp4", "megatron-tp1-pp2-dp4-distopt",
+                              "megatron-tp1-pp2-dp4-distopt-overlap", "megatron-tp2-pp2-dp2",
+                              "megatron-tp2-pp2-dp2-sp", "megatron-tp2-pp2-dp2-sp-distopt",
+                              "megatron-tp2-pp2-dp2-sp-distopt-overlap", "megatron-tp4-pp2", "megatron-tp4-pp2-sp"}
+    peaks = [row["peak_bytes_per_device"] for row in result["rows"][2:]]
+    assert peaks == sorted(peaks)
+    memory, fastest = result["rows"][:2]
+    assert memory["peak_bytes_per_device"] <= min(peaks) * (1 + SearchOptions().gap)
+    assert fastest["estimated_step_time_s"] <= min(r["estimated_step_time_s"] for r in result["rows"][2:]) * (
+        1 + SearchOptions().gap)
+    for row in result["rows"][2:4]:
+        plan = memshard.strategy_plan(JOB, strategy=row["strategy"])
+        assert row["peak_bytes_per_device"] == pytest.approx(plan.peak_bytes)
+        assert row["estimated_step_time_s"] == pytest.approx(plan.step_time_s)

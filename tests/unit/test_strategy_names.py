@@ -74,6 +74,7 @@ def test_the_fields_say_what_the_text_does():
     assert parse_strategy("zero3-fsdp").zero_stage == 3 and parse_strategy("zero1").zero_stage == 1
     assert parse_strategy("tp8-fsdp") == StrategyName(Kind.TP_FSDP, tensor_parallel=8)
     assert parse_strategy("memshard ≤1.5× fastest").time_slack == 1.5
+    assert parse_strategy("memshard fastest") == StrategyName(Kind.MEMSHARD, fastest=True)
     assert layer_split(parse_strategy("megatron-tp2-sp")).method == "block"
     assert layer_split(parse_strategy("fsdp2-noreshard")).method == "every"
     assert layer_split(parse_strategy("zero3-fsdp")) is None
@@ -105,6 +106,7 @@ def records(draw) -> StrategyName:
         fields["prefetch"] = draw(st.integers(0, 16))
     if kind is Kind.MEMSHARD:  # as the ``g`` format writes it
         fields["time_slack"] = draw(st.none() | st.floats(1, 1e6).map(lambda x: float(f"{x:g}")))
+        fields["fastest"] = fields["time_slack"] is None and draw(st.booleans())
     if kind in BASELINES:
         fields["recompute"] = draw(st.sampled_from(RECOMPUTATIONS))
         if fields["recompute"] == "full":
@@ -196,6 +198,8 @@ def test_a_name_is_text(value):
     ({"kind": Kind.FSDP2, "recompute": "full", "block": 2, "every": 2}, "one of them"),
     ({"kind": Kind.MEMSHARD, "time_slack": float("inf")}, "a time slack is a positive number"),
     ({"kind": Kind.MEGATRON, "overlap": True}, "with the distributed optimizer: -distopt-overlap"),
+    ({"kind": Kind.MEMSHARD, "fastest": True, "time_slack": 1.1}, "not both"),
+    ({"kind": Kind.FSDP2, "fastest": True}, "fsdp2 strategies have no fastest"),
     ({"kind": Kind.MEGATRON, "pipeline_parallel": 0}, "pipeline_parallel is a whole number of at least 1"),
     ({"kind": Kind.FSDP2, "pipeline_parallel": 2}, "fsdp2 strategies have no pipeline_parallel"),
     ({"kind": Kind.TORCH_TP, "pipeline_parallel": 2}, "torch-tp strategies have no pipeline_parallel"),

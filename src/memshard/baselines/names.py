@@ -114,6 +114,7 @@ class Part:
 # In the order a name writes them; two parts of one field write its different values.
 PARTS = (
     Part("time_slack", " ≤{}× fastest", (Kind.MEMSHARD,), FLOAT, float, "g"),
+    Part("fastest", " fastest", (Kind.MEMSHARD,)),
     Part("pipeline_parallel", "-pp{}", (Kind.MEGATRON,)),
     Part("data_parallel", "-dp{}", (Kind.MEGATRON,)),
     Part("data_parallel", "{}", (Kind.TP_FSDP, Kind.TORCH_TP)),
@@ -150,7 +151,8 @@ class StrategyName:
     (``-noreshard``) or a group of devices (``-reshard<N>``); ``prefetch``: the blocks each
     ``fully_shard`` prefetches explicitly each way; ``torchtitan_units``: the embedding and the
     output layers wrapped as torchtitan does; ``time_slack``: memshard's plan within that × the
-    fastest baseline's step time (``memshard ≤1.1× fastest``); ``recompute``: the policy
+    fastest baseline's step time (``memshard ≤1.1× fastest``); ``fastest``: memshard's
+    fastest plan within the device memory (``memshard fastest``); ``recompute``: the policy
     (``RECOMPUTATIONS``); ``block``/``every``: full recomputation of the first N layers
     (Megatron-LM's block method) or of every N-th (torchtitan's)."""
 
@@ -167,6 +169,7 @@ class StrategyName:
     prefetch: int = 0
     torchtitan_units: bool = False
     time_slack: float | None = None
+    fastest: bool = False
     recompute: str = "none"
     block: int = 0
     every: int = 0
@@ -206,6 +209,8 @@ class StrategyName:
             return f"a time slack is a positive number, not {slack!r}"
         if self.recompute not in RECOMPUTATIONS:
             return f"unknown recomputation {self.recompute!r}; known: {', '.join(RECOMPUTATIONS)}"
+        if self.fastest and slack is not None:
+            return "memshard's plan is the fastest or the least memory within a time slack, not both"
         if self.overlap and not self.distributed_optimizer:
             return "Megatron-LM overlaps its weight gathers with the distributed optimizer: -distopt-overlap"
         if (self.block or self.every) and (self.recompute != "full" or (self.block and self.every)):

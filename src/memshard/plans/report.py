@@ -345,7 +345,12 @@ def render_comparison(result: dict, console: Console, job: Job | None = None) ->
     figures = ""
     if job is not None and job.overridden_sizes():
         figures = f" ({model_figures(job, model['num_parameters'], model['precision'])})"
-    console.print(f"[bold]{model['name']}[/]{figures} on mesh [bold]{'x'.join(map(str, mesh['shape']))}[/]: "
+    pipeline, stages = result.get("pipeline"), ""
+    if pipeline:
+        stage_mesh = "x".join(map(str, pipeline["stage_mesh"]["shape"]))
+        stages = (f" in {pipeline['stages']} pipeline stages ({pipeline['schedule'].upper()}, "
+                  f"{pipeline['micro_batches']} micro-batches), each on mesh {stage_mesh}")
+    console.print(f"[bold]{model['name']}[/]{figures} on mesh [bold]{'x'.join(map(str, mesh['shape']))}[/]{stages}: "
                   "every strategy priced by the same memory and communication model")
     t = Table(title_justify="left")
     for col in ("strategy", "peak", "params+grads+opt", "activations", "transients", "redundant",
