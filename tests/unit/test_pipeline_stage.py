@@ -101,19 +101,21 @@ def test_a_stages_output_is_never_recomputed():
 ])
 def test_a_middle_stage_holds_megatrons_activations_per_layer_and_its_output(policy, per_layer):
     """Between its forward and its backward a middle stage of two GPT layers (16-bit, one
-    device) holds each layer's activations as Korthikanti et al. (2022) count them, the first
-    layer's input being the tensor it received, and its output (2sbh): torch's PipelineStage
-    keeps a stage's outputs for its backward (``fwd_cache``). The output's gradient, received
-    as the backward begins, is the one transient there; the received input's gradient, sent
-    back as it ends, the one at the backward's last point."""
+    device) holds each layer's activations as Korthikanti et al. (2022) count them, and its
+    output (2sbh): torch's PipelineStage keeps a stage's outputs for its backward
+    (``fwd_cache``). The first layer's input (2sbh of the first layer's count) is the tensor it
+    received, held in torch's receive buffer: a buffer per micro-batch of the step, not one
+    micro-batch's activations; so is the output's gradient. Those two buffers are the
+    transients there; the received input's gradient, sent back as the backward ends, is one
+    more at the backward's last point."""
     s, b, h, a = 256, 2, 256, 8
     graph = build_graph("gpt3-1.3b", batch=b, seq=s, hidden=h, heads=a, ffn=4 * h, num_layers=4, precision="mixed")
     problem = build_problem(graph, parse_mesh("1"), recompute=policy, stage=PipelineStage(1, 3))
     plan = complete_selection(problem, {g: 0 for g, grp in enumerate(problem.groups) if isinstance(grp, OpGroup)})
     ev = evaluate(problem, plan)
-    assert ev.boundary_activation_bytes == pytest.approx(2 * per_layer(s, b, h, a) + 2 * s * b * h)
-    assert ev.category_bytes[TRANSIENTS, problem.schedule.boundary] == 2 * s * b * h
-    assert ev.category_bytes[TRANSIENTS, problem.schedule.optimizer - 1] == 2 * s * b * h
+    assert ev.boundary_activation_bytes == pytest.approx(2 * per_layer(s, b, h, a) - 2 * s * b * h + 2 * s * b * h)
+    assert ev.category_bytes[TRANSIENTS, problem.schedule.boundary] == 2 * (2 * s * b * h)
+    assert ev.category_bytes[TRANSIENTS, problem.schedule.optimizer - 1] == 3 * (2 * s * b * h)
 
 
 @functools.cache
@@ -154,19 +156,37 @@ def test_ilp_prices_a_stage_holding_micro_batches_as_the_evaluator(model, mesh, 
 
 @pytest.mark.parametrize("recompute", ["none", "auto"])
 def test_each_micro_batch_held_adds_the_activations_at_the_boundary_at_every_point(recompute):
-    """k micro-batches held: the live bytes of one plus k − 1 times S at every point, filed as
-    activations; S the activations at the boundary, the same whatever k."""
+    """k micro-batches held (fewer than the step's 4): the live bytes of one plus k − 1 times S
+    at every point of the forward and the backward, filed as activations; S the activations at
+    the boundary, the same whatever k. The optimizer step holds none: every micro-batch has run
+    its backward."""
     one = _problem("tiny-gpt", "2x2", recompute, 1)
     plan = _plan(one, 3)
     base = evaluate(one, plan)
     assert base.boundary_activation_bytes > 0
-    for held in (2, 4):
+    step = one.schedule.optimizer
+    for held in (2, 3):
         ev = evaluate(_problem("tiny-gpt", "2x2", recompute, held), plan)
         assert ev.boundary_activation_bytes == base.boundary_activation_bytes
-        assert np.allclose(ev.live_bytes, base.live_bytes + (held - 1) * base.boundary_activation_bytes, rtol=0)
+        assert np.allclose(ev.live_bytes[:step], base.live_bytes[:step] + (held - 1) * base.boundary_activation_bytes,
+                           rtol=0)
+        assert ev.live_bytes[step] == base.live_bytes[step]
         others = [k for k in range(len(CATEGORIES)) if k != ACTIVATIONS]
         assert np.array_equal(ev.category_bytes[others], base.category_bytes[others])
         assert ev.redundant_bytes >= base.redundant_bytes
+
+
+def test_a_stage_holding_every_micro_batch_has_no_gradient_while_they_wait():
+    """Holding all of the step's micro-batches (GPipe), the rank runs every forward before the
+    first backward: no gradient is accumulated while they wait, and the gradients are the
+    same from the first backward on (a stage holding fewer has them all step)."""
+    fewer, every = (_problem("tiny-gpt", "4", "none", held) for held in (3, 4))
+    plan = _plan(fewer, 5)
+    a, b = evaluate(fewer, plan), evaluate(every, plan)
+    gradients, boundary = CATEGORIES.index("gradients"), fewer.schedule.boundary
+    assert a.category_bytes[gradients, :boundary].min() > 0
+    assert not b.category_bytes[gradients, :boundary].any()
+    assert b.category_bytes[gradients, fewer.schedule.optimizer] == a.category_bytes[gradients, fewer.schedule.optimizer]
 
 
 def _model(problem):

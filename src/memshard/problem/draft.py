@@ -24,6 +24,7 @@ from memshard.problem.recompute import replay_flags, replay_starts, replayable_o
 from memshard.problem.records import (
     ALWAYS,
     FSDP2_FRAMEWORKS,
+    MEGATRON_FRAMEWORKS,
     MEMSHARD,
     TORCH_FRAMEWORKS,
     Conflict,
@@ -43,12 +44,21 @@ class ProblemDraft:
     """The context and the records of a problem being priced (see the module docstring)."""
 
     def __init__(self, graph: Graph, mesh: Mesh, shared: bool, micro_batches: int, zero3_unit: str = "op",
-                 recompute: str = "none", framework: str = MEMSHARD):
+                 recompute: str = "none", framework: str = MEMSHARD, held_micro_batches: int = 1):
         self.graph = graph
         self.mesh = mesh
         self.shared = shared
         self.micro_batches = micro_batches
+        # A pipeline stage's rank holds ``held_micro_batches`` at its peak; holding all of the
+        # step's (GPipe), it runs every forward before the first backward: while they wait,
+        # no gradient has been accumulated yet.
+        self.held_micro_batches = held_micro_batches
+        self.forwards_first = 1 < micro_batches == held_micro_batches
         self.framework = framework
+        # A stage run by torch.distributed.pipelining (``PipelineStage``): its receive buffers,
+        # its outputs kept until its backward ends. Megatron-LM's schedule receives into a
+        # tensor per micro-batch in flight and frees what it sent.
+        self.torch_pipeline = framework not in MEGATRON_FRAMEWORKS
         self.replay_flags = replay_flags(graph, recompute)
         # Where each layer's replay runs: PyTorch's checkpoint at its first unpack.
         starts = replay_starts(graph, on_first_unpack=framework in TORCH_FRAMEWORKS)

@@ -13,7 +13,8 @@ with what one micro-batch holds at the boundary (``Problem.waiting_micro_batches
 
     live'(t) = live(t) + (k − 1)·S      S = the activations live at ``Schedule.boundary``
 
-filed as activations at every point, their redundant part alike.
+filed as activations at every point of the forward and the backward, their redundant part
+alike; the optimizer step holds none (every micro-batch has run its backward by then).
 """
 
 from __future__ import annotations
@@ -274,9 +275,10 @@ def evaluate(problem: Problem, selection: Selection) -> Evaluation:
     live = np.cumsum(ledger.live, axis=1)[:, :n_points]
     redundant = np.cumsum(ledger.redundant)[:n_points]
     boundary = float(live[ACTIVATIONS, problem.schedule.boundary])
-    if problem.waiting_micro_batches:
-        live[ACTIVATIONS] += problem.waiting_micro_batches * boundary
-        redundant = redundant + problem.waiting_micro_batches * float(
+    if problem.waiting_micro_batches:  # (at the forward's and backward's points: none waits for the optimizer)
+        step = problem.schedule.optimizer
+        live[ACTIVATIONS, :step] += problem.waiting_micro_batches * boundary
+        redundant[:step] += problem.waiting_micro_batches * float(
             np.cumsum(ledger.redundant_activations)[problem.schedule.boundary])
     total = live.sum(axis=0)
     peak_point = int(np.argmax(total))

@@ -153,16 +153,20 @@ class _Builder(ProblemDraft):
             self.buffer_slots(i, gid, buffers)
             if op.kind == "cross_entropy":
                 self.loss_slots(i, gid)
+                self.kept_stage_output(i, gid)
             out = self.graph.tensors[op.output.tensor]
             if op.output.tensor in self.last_consumer or op.output.tensor in self.graph.sent:
                 # The gradient of the output in our layout, from its last consumer's reshard of
-                # it (the consumers' own layouts before: their input-gradient slots) to ours;
-                # sent to the next pipeline stage, from the backward's first point, received.
+                # it (the consumers' own layouts before: their input-gradient slots) to ours.
                 prices = self.cached((gid, "output_grad"), lambda out=out, strategies=strategies: self.layout_prices(
                     out, [without_partial(s.output_layout) for s in strategies]))
-                start = (S.boundary if op.output.tensor in self.graph.sent
-                         else S.reshard_out(self.last_consumer[op.output.tensor]))
-                self.slot(gid, start, S.backward(i), "transients", *prices, out.nbytes)
+                if op.output.tensor in self.graph.sent and self.torch_pipeline:
+                    self.receive_buffers(gid, prices, out.nbytes)
+                elif op.output.tensor in self.graph.sent:  # received as the backward begins
+                    self.slot(gid, S.boundary, S.backward(i), "transients", *prices, out.nbytes)
+                else:
+                    self.slot(gid, S.reshard_out(self.last_consumer[op.output.tensor]), S.backward(i), "transients",
+                              *prices, out.nbytes)
             for j in (*activation_inputs(self.graph, op), *self.received_inputs(op)):
                 t = op.inputs[j].tensor
                 if passes_gradient(op, j, self.graph.tensors[t], out):
@@ -193,12 +197,39 @@ class _Builder(ProblemDraft):
         producer may hold the same tensor meanwhile: counted twice, unlike
         ``SharedGradient``'s two activations.)"""
         S = self.sched
+        # Holding fewer micro-batches than the step's (1F1B), the rank runs a forward and a
+        # backward while the gradient it sent back for the micro-batch before is still held:
+        # torch's schedule keeps that send's tensors until the next backward's sends replace them.
+        pending = self.micro_batches > 1 and not self.forwards_first and self.torch_pipeline
         for t in sorted(self.graph.received):
             i, j = self.graph.consumers[t][-1]
             gid, spec = op_group[i], self.graph.tensors[t]
             prices = self.cached((gid, "input_grad", j), lambda spec=spec, gid=gid, j=j: self.layout_prices(
                 spec, [without_partial(L) for L in self.groups[gid].input_grads[j]]))
             self.slot(gid, S.reshard_out(i), S.optimizer - 1, "transients", *prices, spec.nbytes)
+            if pending:
+                self.slot(gid, 0, S.optimizer - 1, "transients", *prices)
+
+    def receive_buffers(self, gid: int, prices: tuple[np.ndarray, np.ndarray], nbytes: float) -> None:
+        """What a pipeline stage receives (an input, or the gradient of what it sends), into
+        torch's receive buffers (``PipelineStage``): one per micro-batch of the step, made once
+        and kept, buffers rather than one micro-batch's activations."""
+        m = self.micro_batches
+        self.slot(gid, 0, self.sched.optimizer, "transients", *(x * m for x in prices), nbytes * m)
+
+    def kept_stage_output(self, i: int, gid: int) -> None:
+        """The last pipeline stage's output, the logits its loss reads: torch's
+        ``PipelineStage`` keeps it until the stage's backward ends. Under PyTorch's loss the
+        tensor the loss saves is its log-probabilities, so the logits are one tensor more
+        from the loss's forward on; a loss that saves the logits keeps them itself until its
+        backward."""
+        if not self.graph.received or self.graph.sent or not self.torch_pipeline:
+            return
+        S, logits = self.sched, self.graph.tensors[self.graph.ops[i].inputs[0].tensor]
+        prices = self.cached((gid, "kept output"), lambda: self.layout_prices(
+            logits, [s.input_layouts[0] for s in self.groups[gid].strategies]))
+        start = S.forward(i) + 1 if self.framework in TORCH_FRAMEWORKS else S.backward(i) + 1
+        self.slot(gid, start, S.optimizer - 1, "activations", *prices, logits.nbytes)
 
     def loss_slots(self, i: int, gid: int) -> None:
         """The loss's working set besides its saved logits and their gradient. memshard's and
@@ -377,9 +408,10 @@ class _Builder(ProblemDraft):
             spec = self.graph.tensors[t]
             pg = op_group[p]
             forward_end = S.forward(self.last_consumer.get(t, p))
-            # (a tensor sent to the next pipeline stage is kept until its backward, as
-            # torch's PipelineStage keeps its outputs)
-            end = S.backward(p) if op.saves_output or t in self.graph.sent else forward_end
+            # (a tensor sent to the next pipeline stage is kept until the stage's backward
+            # ends, as torch's PipelineStage keeps its outputs)
+            kept_to = S.optimizer - 1 if self.torch_pipeline else S.backward(p)
+            end = kept_to if t in self.graph.sent else S.backward(p) if op.saves_output else forward_end
             edges = tuple(sorted({e for kind, e, _, _ in edge_holders.get(t, []) if kind != PRODUCER}))
 
             def prices(pg=pg, edges=edges, spec=spec):
@@ -433,7 +465,10 @@ class _Builder(ProblemDraft):
             gid = op_group[i]
             prices = self.cached((gid, "loaded", j), lambda spec=spec, gid=gid, j=j: self.layout_prices(
                 spec, [s.input_layouts[j] for s in self.groups[gid].strategies]))
-            self.slot(gid, 0, self.sched.optimizer, "activations", *prices, spec.nbytes)
+            if name in self.graph.received and self.torch_pipeline:
+                self.receive_buffers(gid, prices, spec.nbytes)
+            else:
+                self.slot(gid, 0, self.sched.optimizer, "activations", *prices, spec.nbytes)
 
     def made_span(self, name: str) -> tuple[int, int]:
         """Where a made input lives: from its first reader's forward to its last reader's
@@ -475,7 +510,8 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
     if recompute not in RECOMPUTE_POLICIES:
         raise MemshardError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {recompute!r}")
     graph = framework_graph(graph, framework)
-    b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute, framework)
+    b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute, framework,
+                 1 if stage is None else stage.held_micro_batches)
     op_group = b.add_ops()
     b.op_slots(op_group)
     b.received_gradients(op_group)

@@ -148,13 +148,15 @@ class StoragePricing:
                                     for _, opt in grp.options], float)
             self.draft.slot(gid, S.optimizer, S.optimizer, "transients", *(x * ADAM_SQRT_BYTES / per_element
                                                                      for x in (states, red)))
-        # With several micro-batches the gradients accumulate across them: live all step.
+        # With several micro-batches the gradients accumulate across them: live all step
+        # (a pipeline stage running every forward first: from the first backward on).
         # Stored sharded (ZeRO-2/3), the gradient exists once every use's contribution is
         # reduce-scattered, after the first use's backward (the last one to run); until
         # then the whole local gradient waits, from the last use's backward on.
         first, last = uses[-1][0], uses[0][0]
-        grads_from = S.backward(first) if self.draft.micro_batches == 1 else 0
-        reduced_at = S.reshard_out(last) if self.draft.micro_batches == 1 else 0
+        accumulated = S.backward(first) if self.draft.forwards_first else 0
+        grads_from = S.backward(first) if self.draft.micro_batches == 1 else accumulated
+        reduced_at = S.reshard_out(last) if self.draft.micro_batches == 1 else accumulated
         # A tied weight's gradient waits in autograd's input buffer, not yet the
         # parameter's .grad, until its last contribution (the first use's backward):
         # a transient until then (as MemTracker files it).
@@ -214,8 +216,9 @@ class StoragePricing:
         # FSDP2 frees the gradients once they are copied into its flat buffer, before the
         # reduce-scatter's output exists (``foreach_reduce``); memshard's runtime holds all three.
         fsdp2 = unit.scatter_buffer is not None
-        self.reduced_gradient(gid, v, stages, in_unit, unit.reduce_point if self.draft.micro_batches == 1 else 0, 0.0,
-                              before_reshards=False, after_copy_in=fsdp2)
+        accumulated = first_backward if self.draft.forwards_first else 0
+        self.reduced_gradient(gid, v, stages, in_unit, unit.reduce_point if self.draft.micro_batches == 1 else accumulated,
+                              0.0, before_reshards=False, after_copy_in=fsdp2)
         self.draft.slot(gid, first_backward, unit.reduce_point, "transients", unsharded * in_unit, red * in_unit,
                   phase=BEFORE_RESHARDS if fsdp2 else ALWAYS)
         # the unit's gradients copied into one flat buffer (in the reduce dtype) to be reduced

@@ -439,6 +439,16 @@ class _LoggingMemTracker(MemTracker):
                     return self._run_and_track(func, args, kwargs)
         return self._run_and_track(func, args, kwargs)
 
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        """A root module called again in forward is a new call, as a pipeline stage runs
+        each micro-batch: its module stats start again (MemTracker refuses the call; the
+        meter reads no module stats)."""
+        tracker = self._mod_tracker
+        name = tracker.get_known_fqn(module)
+        if module in self.memory_tracking and not tracker.is_bw and set(tracker.parents) - {name} == {"Global"}:
+            del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
     def _run_and_track(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
         """MemTracker's own dispatch for a local op: run it, then track its output tensors,
         in the order MemTracker visits them. Two things it also does are left out: the

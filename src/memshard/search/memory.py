@@ -46,8 +46,9 @@ backward, re-gathered copies, which are transients)::
   L_0 = Δ_0 + (k − 1)·A
 
 A ≥ 0 is one column and one row. It enters the chain's first point, so every L_t holds it, and
-so every ``memory`` row (L_t + const_t ≤ M) and every reshard row. With k = 1 there is no A: the
-model is the one without pipelining.
+so every ``memory`` row (L_t + const_t ≤ M) and every reshard row, but the optimizer step's: the
+chain takes it back there (every micro-batch has run its backward by then). With k = 1 there
+is no A: the model is the one without pipelining.
 """
 
 from __future__ import annotations
@@ -317,6 +318,7 @@ class LiveBytes:
         shared_before: set[int] = set()
         counts_before: dict[tuple, int] = {}
         rows = []
+        optimizer = self.problem.schedule.optimizer
         for k, (live_slots, signatures, const, live_shared) in enumerate(terms):
             slots = set(live_slots.tolist())
             shared = set(live_shared.tolist())
@@ -333,12 +335,14 @@ class LiveBytes:
                 if change:
                     cols, vals = self.expressions[signature]
                     parts.append((cols, vals * change))
+            if k and points[k] == optimizer and self.in_flight_column is not None:
+                parts.append(self.first_point_extra(-1.0))  # the micro-batches in flight are done by the step
             cols, diff = summed(np.concatenate([c for c, _ in parts] or [np.zeros(0, np.int64)]),
                                 np.concatenate([v for _, v in parts] or [np.zeros(0)]))
             dense[cols] += diff
             changed = np.abs(diff) > 1e-12 * max(1.0, float(np.abs(dense).max()))
             cols, diff = cols[changed], diff[changed]
-            before, weight = ([live[k - 1]], [1.0]) if k else self.first_point_extra()
+            before, weight = ([live[k - 1]], [1.0]) if k else self.first_point_extra(float(points[k] < optimizer))
             model.row((np.concatenate([cols, [live[k]], before]).astype(np.int64),
                        np.concatenate([diff, [-1.0], weight])), 0.0, 0.0, RowTag("live-bytes", points[k]))
             rows.append(model.row({int(live[k]): 1.0, self.peak: -1.0}, -highspy.kHighsInf, -const,
@@ -347,12 +351,13 @@ class LiveBytes:
             slots_before, shared_before, counts_before = slots, shared, counts
         return rows
 
-    def first_point_extra(self) -> tuple[list[int], list[float]]:
+    def first_point_extra(self, sign: float = 1.0) -> tuple[list[int], list[float]]:
         """What the chain's first point holds besides its terms: (k − 1)·A, the other
-        micro-batches in flight (none off a pipeline). Every L_t holds it through the chain."""
+        micro-batches in flight (none off a pipeline). Every L_t holds it through the chain
+        but the optimizer step's, where ``sign`` −1 takes it back."""
         if self.in_flight_column is None:
             return [], []
-        return [self.in_flight_column], [float(self.problem.waiting_micro_batches)]
+        return [self.in_flight_column], [sign * self.problem.waiting_micro_batches]
 
     def expression(self, holders: _HolderIndex, key: int, mask: int, tensor: int) -> tuple[np.ndarray, np.ndarray]:
         """Bytes held of ``tensor`` (and every tensor of its kind) while the holders in ``mask`` live."""
