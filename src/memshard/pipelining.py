@@ -19,7 +19,8 @@ step time grows with each stage's time.
 
 The step: each stage's time for one micro-batch is its planned step (``micro_batches`` of
 them, the search's own figure) less its optimizer step, over the micro-batches; the forward
-takes a third of it, less what replays add, which the backward runs. The schedule's
+takes its kernels' share of the stage's compute (``forward_share``), the backward the rest,
+replays included. The schedule's
 timeline (``problem.pipeline.simulate``) runs them, a micro-batch's activations crossing to
 the next stage over the pipeline axis's link; the slowest stage's optimizer step follows.
 Collectives a stage runs once per step (its data-parallel reductions under accumulation) are
@@ -41,13 +42,13 @@ from memshard.job import Job, TracedModule
 from memshard.planner import SearchOptions, plan_job
 from memshard.plans.pipelined import PipelinedPlan, StagePlan
 from memshard.plans.plan import Plan, build_plan
+from memshard.problem.kernels import op_time
 from memshard.problem.memory import tensor_bytes
 from memshard.problem.pipeline import StageTimes, build_schedule, peak_held_counts, simulate
 from memshard.problem.pricing import build_problem
-from memshard.problem.records import PipelineStage, without_partial
+from memshard.problem.records import OpGroup, PipelineStage, without_partial
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")  # one stage per rank; the interleaved ones hold several
-FORWARD_SHARE = 1 / 3  # of a micro-batch's compute: a GEMM's backward is two of its size
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ def _priced(job: Job, objective: str | None, schedule_name: str, mesh: Mesh, sta
     for _, plan in plans:
         optimizer_s = plan.compute_by_kind.get("optimizer step", 0.0)
         per_micro_batch = (plan.step_time_s - optimizer_s) / m
-        forward = max(0.0, (per_micro_batch - plan.recompute_time_s / m) * FORWARD_SHARE)
+        forward = per_micro_batch * forward_share(plan)
         times.append(StageTimes(forward, per_micro_batch - forward, 0.0))
         optimizer = max(optimizer, optimizer_s)
     transfers = [_transfer_s(plan, mesh) for _, plan in plans[:-1]]
@@ -270,6 +271,20 @@ def _priced(job: Job, objective: str | None, schedule_name: str, mesh: Mesh, sta
                    for (stage, plan), t, transfer, idle in zip(plans, times, [*transfers, 0.0], timeline.idle_s))
     return PipelinedPlan(job, objective, schedule_name, mesh, stage_mesh, stages, float(timeline.makespan_s),
                          float(optimizer), strategy)
+
+
+def forward_share(plan: Plan) -> float:
+    """The forward's share of a stage's compute: its ops' forward kernels (``kernels.op_time``)
+    over all they compute, backwards and replays included (replays run in the backward)."""
+    problem, selection = plan.problem, plan.selection
+    forward = every = 0.0
+    for group, k in zip(problem.groups, selection.choices):
+        if isinstance(group, OpGroup):
+            op = problem.graph.ops[group.ops[0]]
+            kernels = op_time(op, problem.graph, group.strategies[k].local_sizes, problem.mesh.hardware)
+            forward += group.instances * kernels.forward_s
+            every += group.instances * group.choices[k].compute_s / problem.micro_batches
+    return forward / every if every > 0 else 0.0
 
 
 def _transfer_s(plan: Plan, mesh: Mesh) -> float:

@@ -195,3 +195,19 @@ def test_a_recipe_on_a_stage_keeps_the_stage_and_what_it_holds():
                             framework=b.problem.framework)
         held, alone = evaluate(b.problem, b.selection), evaluate(one, b.selection)
         assert held.peak_bytes == pytest.approx(alone.peak_bytes + alone.boundary_activation_bytes)
+
+
+def test_the_forward_takes_its_kernels_share_about_a_third_of_a_layers_gemms():
+    """A GEMM's backward computes two GEMMs of its size: a stage of matmul-bound layers runs
+    about a third of its compute forward (a little more: element-wise ops' backwards are less
+    than twice their forwards); recomputation moves a forward into the backward."""
+    from memshard.pipelining import forward_share
+
+    job = Job("gpt3-1.3b", "2x8", batch=16, seq=2048, micro_batches=4)
+    plain = plan_pipelined(job, SearchOptions(objective="time"), PipelineOptions(2))
+    share = forward_share(plain.stages[1].plan)
+    assert 1 / 3 < share < 0.4
+    full = plan_pipelined(job, SearchOptions(objective="time", recompute="full"), PipelineOptions(2))
+    assert forward_share(full.stages[1].plan) < share
+    for s in plain.stages:
+        assert s.forward_s == pytest.approx((s.forward_s + s.backward_s) * forward_share(s.plan))
