@@ -23,8 +23,8 @@ from memshard.pipelining import (
     PipelineOptions,
     pipelined_baseline,
     pipelined_baselines,
-    plan_auto,
     plan_pipelined,
+    plan_with_pipeline,
 )
 from memshard.planner import (
     SearchOptions,
@@ -77,7 +77,7 @@ def plan(
     recompute: str = "none",
     mesh_views: bool | None = None,
     pipeline: int | str | None = None,
-    schedule: str = "1f1b",
+    schedule: str | None = None,
     **model_overrides,
 ) -> Plan | PipelinedPlan:
     """Find the plan with the least per-device peak memory (``objective="memory"``, optionally
@@ -108,23 +108,15 @@ def plan(
     ``mesh_views``: whether the other ways the devices form mesh axes are searched too (a node
     of 8 as 2 × 4; ``core.mesh.mesh_views``); None: for the fastest plan (objective time)
     only. The plan lies on the best view (``Plan.job.mesh``). ``pipeline``: that many
-    pipeline stages along the outermost mesh axis, run by ``schedule`` (``1f1b`` or
-    ``gpipe``; docs/pipelining.md): a :class:`PipelinedPlan`, each stage searched for the
+    pipeline stages along the outermost mesh axis, run by ``schedule`` (``1f1b``, the default,
+    or ``gpipe``; docs/pipelining.md): a :class:`PipelinedPlan`, each stage searched for the
     objective; ``"auto"``: the best of no pipeline and every number of stages.
     """
     options = SearchOptions(objective, max_step_time_s, memory_budget, exact, full_mesh, zero3_unit, time_limit_s,
                             mip_gap, top, recompute, mesh_views=mesh_views)
     job = make_job(model, mesh, example_inputs=example_inputs, batch=batch, seq=seq, micro_batches=micro_batches,
                    **model_overrides)
-    if pipeline not in (None, "none"):
-        if start is not None:
-            raise MemshardError("a pipelined plan is searched stage by stage: give no start plan")
-        if pipeline == "auto":
-            return plan_auto(job, options, schedule)
-        return plan_pipelined(job, options, PipelineOptions(pipeline, schedule))
-    if schedule != "1f1b":
-        raise MemshardError(f"schedule {schedule!r} orders a pipeline's stages: give pipeline too")
-    return plan_job(job, options, start)
+    return plan_with_pipeline(job, options, pipeline, schedule, start)
 
 
 def job_and_options(model: Model | Job, mesh: str | Mesh, arguments: dict) -> tuple[Job, SearchOptions]:

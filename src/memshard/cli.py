@@ -285,25 +285,14 @@ def _write_json(path: str, data) -> None:
 
 # -- commands --------------------------------------------------------------------------------------
 def _cmd_plan(args, console) -> None:
-    from memshard.planner import plan_job
+    from memshard.pipelining import plan_with_pipeline
     from memshard.plans.plan import Plan
     from memshard.plans.report import render_pipelined, render_plan
 
     _check_json_path(args.json)
-    if args.schedule is not None and args.pipeline in (None, "none"):
-        raise MemshardError("--schedule orders a pipeline's stages: give --pipeline too")
     job, options = job_of(args), options_of(args)
     with console.status("solving…"):
-        if args.pipeline == "auto":
-            from memshard.pipelining import plan_auto
-
-            result = plan_auto(job, options, args.schedule or "1f1b")
-        elif args.pipeline not in (None, "none"):
-            from memshard.pipelining import PipelineOptions, plan_pipelined
-
-            result = plan_pipelined(job, options, PipelineOptions(args.pipeline, args.schedule or "1f1b"))
-        else:
-            result = plan_job(job, options)
+        result = plan_with_pipeline(job, options, args.pipeline, args.schedule)
     if args.json is not None:
         _write_json(args.json, result.to_dict())
     render = render_plan if isinstance(result, Plan) else render_pipelined

@@ -232,6 +232,22 @@ def pipeline_degrees(job: Job, schedule: str = "1f1b") -> tuple[int, ...]:
                  and (schedule != "1f1b" or p <= job.micro_batches))
 
 
+def plan_with_pipeline(job: Job, options: SearchOptions, pipeline: int | str | None, schedule: str | None,
+                       start: Plan | None = None) -> Plan | PipelinedPlan:
+    """The plan ``memshard plan`` and ``memshard.plan`` make: without a pipeline (``pipeline``
+    None or ``"none"``; ``start``: a plan the search starts from), with ``pipeline`` stages run
+    by ``schedule`` (None: 1F1B), or the best of both (``"auto"``)."""
+    if pipeline in (None, "none"):
+        if schedule is not None:
+            raise MemshardError("a schedule (--schedule) orders a pipeline's stages: give --pipeline too")
+        return plan_job(job, options, start)
+    if start is not None:
+        raise MemshardError("a pipelined plan is searched stage by stage: give no start plan")
+    if pipeline == "auto":
+        return plan_auto(job, options, schedule or "1f1b")
+    return plan_pipelined(job, options, PipelineOptions(pipeline, schedule or "1f1b"))
+
+
 def plan_auto(job: Job, options: SearchOptions, schedule: str = "1f1b") -> Plan | PipelinedPlan:
     """The best of the plan without a pipeline and the pipelined plans of every degree
     ``pipeline_degrees`` gives: the least peak, or the fastest step (within the memory budget,
