@@ -361,23 +361,41 @@ def _title(args, job) -> str:
 
 
 def _runtime_plan(args):
-    """The plan ``run`` and ``simulate`` execute: ``--plan``, or the job's."""
+    """The plan ``run`` and ``simulate`` execute: ``--plan``, or the job's (pipelined with
+    ``--pipeline N``)."""
     from memshard.api import runtime_plan
 
     if args.plan is not None:
-        given = [f"--{d.replace('_', '-')}" for d in (*JOB_DESTS, *SEARCH_DESTS, "strategy")
+        given = [f"--{d.replace('_', '-')}" for d in (*JOB_DESTS, *SEARCH_DESTS, "strategy", "pipeline", "schedule")
                  if getattr(args, d, None) not in (None, False)]
         if given:
             raise MemshardError(f"--plan replaces the job, its search and its strategy: give no {', '.join(given)}")
-        from memshard.plans.plan import load_plan, runnable
+        from memshard.plans.pipelined import PipelinedPlan, load_any_plan
+        from memshard.plans.plan import runnable
 
-        return runnable(load_plan(args.plan))
+        plan = load_any_plan(args.plan)
+        return plan if isinstance(plan, PipelinedPlan) else runnable(plan)
     if (args.model, args.hf_config, args.hf_model) == (None, None, None) or args.mesh is None:
         raise MemshardError("give --plan, or a model (--model, --hf-config or --hf-model) and --mesh")
     from memshard.plans.plan import check_runnable_precision
 
     check_runnable_precision(args.precision)  # before any planning
+    if args.pipeline is not None:
+        if args.strategy not in (None, "memshard"):
+            raise MemshardError("--pipeline runs memshard's pipelined plan: give no --strategy")
+        from memshard.pipelining import plan_with_pipeline
+
+        return plan_with_pipeline(job_of(args), options_of(args, gap=0.02), args.pipeline, args.schedule)
+    if args.schedule is not None:
+        raise MemshardError("a schedule (--schedule) orders a pipeline's stages: give --pipeline too")
     return runtime_plan(job_of(args), args.strategy or "memshard", options_of(args, gap=0.02))
+
+
+def _devices(plan) -> int:
+    """The devices a plan (pipelined or not) runs on."""
+    from memshard.plans.pipelined import PipelinedPlan
+
+    return (plan.mesh if isinstance(plan, PipelinedPlan) else plan.job.mesh).num_devices
 
 
 def _cmd_run(args, console) -> None:
@@ -390,7 +408,7 @@ def _cmd_run(args, console) -> None:
         raise MemshardError("--steps must be at least 2: the last step is measured with optimizer states in place")
     with console.status("planning…"):
         result = _runtime_plan(args)
-    n = result.job.mesh.num_devices
+    n = _devices(result)
     with private_tempdir("memshard-run-") as tmp:  # removed even if a signal stops the run
         path = os.path.join(tmp, "plan.json")
         result.save(path)
@@ -411,6 +429,12 @@ def _cmd_simulate(args, console) -> None:
         raise MemshardError(f"--rank must be 0 or more, got {args.rank}")
     with console.status("planning…"):
         result = _runtime_plan(args)
+    from memshard.plans.pipelined import PipelinedPlan
+
+    if isinstance(result, PipelinedPlan):
+        raise MemshardError("simulate runs ordinary plans: torch's pipeline stages move their tensors by "
+                            "point-to-point, which the fake process group does not; run a pipelined plan with "
+                            "`memshard run` (docs/pipelining.md)")
     n = result.job.mesh.num_devices
     if not 0 <= args.rank < n:
         raise MemshardError(f"--rank must be in [0, {n})")
@@ -474,6 +498,31 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), help="the pipeline's schedule (default 1f1b)")
 
 
+def _add_runtime_parsers(sub) -> None:
+    """``memshard run`` and ``memshard simulate``."""
+    for name, help_text in (("run", "plan (or load a plan), launch the ranks on this machine, train, and compare "
+                                    "measured memory and communication with the prediction"),
+                            ("simulate", "measure one rank of a large job in one process "
+                                         "(fake process group, no memory allocated)")):
+        r = sub.add_parser(name, help=help_text)
+        r.add_argument("--plan", help="a plan JSON written by `memshard plan --json` (replaces the job options)")
+        add_job_arguments(r, required=False)
+        add_search_arguments(r, objective=True)
+        r.add_argument("--strategy",
+                       help="memshard (default) or a baseline: dp, zero1, zero3-fsdp, megatron-tp4-sp… "
+                            "(`memshard compare` lists them)")
+        r.add_argument("--json", metavar="PATH", help="write the per-rank reports as JSON")
+        r.add_argument("--pipeline", type=_positive_int, metavar="N",
+                       help="N pipeline stages along the outermost mesh axis (memshard's pipelined plan; "
+                            "docs/pipelining.md)")
+        r.add_argument("--schedule", choices=("1f1b", "gpipe"), help="the pipeline's schedule (default 1f1b)")
+        if name == "run":
+            r.add_argument("--steps", type=_positive_int, default=3, help="optimizer steps (≥ 2; the last is measured)")
+            r.add_argument("--timeout", type=_seconds, default=600.0, help="stop every rank after this long")
+        else:
+            r.add_argument("--rank", type=int, default=0, help="the rank to play (default 0)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="memshard", description="Find the parallelism strategy with the least per-device memory.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -519,23 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", metavar="PATH", help="write every strategy's answer and probes, and memshard's plan")
     t.add_argument("--plot", metavar="PATH", help="draw the knob against the peak of every strategy (.png/.pdf/.svg)")
 
-    for name, help_text in (("run", "plan (or load a plan), launch the ranks on this machine, train, and compare "
-                                    "measured memory and communication with the prediction"),
-                            ("simulate", "measure one rank of a large job in one process "
-                                         "(fake process group, no memory allocated)")):
-        r = sub.add_parser(name, help=help_text)
-        r.add_argument("--plan", help="a plan JSON written by `memshard plan --json` (replaces the job options)")
-        add_job_arguments(r, required=False)
-        add_search_arguments(r, objective=True)
-        r.add_argument("--strategy",
-                       help="memshard (default) or a baseline: dp, zero1, zero3-fsdp, megatron-tp4-sp… "
-                            "(`memshard compare` lists them)")
-        r.add_argument("--json", metavar="PATH", help="write the per-rank reports as JSON")
-        if name == "run":
-            r.add_argument("--steps", type=_positive_int, default=3, help="optimizer steps (≥ 2; the last is measured)")
-            r.add_argument("--timeout", type=_seconds, default=600.0, help="stop every rank after this long")
-        else:
-            r.add_argument("--rank", type=int, default=0, help="the rank to play (default 0)")
+    _add_runtime_parsers(sub)
 
     e = sub.add_parser("export", help="write a baseline for the framework it is named after: PyTorch code "
                                       "(fsdp2, ddp, torch-tp…) or Megatron-LM's arguments (megatron-…)")

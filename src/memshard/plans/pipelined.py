@@ -5,18 +5,25 @@ stage's own plan on its rank's share of the devices, and the step the schedule m
 A stage's plan is an ordinary :class:`~memshard.plans.plan.Plan` of that stage's problem (its
 layers, the micro-batches it holds at its peak); the pipelined plan adds what the stages do
 together: the step's timeline (``problem.pipeline.simulate``), its bubble and transfers.
+
+``PipelinedPlan.from_dict`` reads the JSON back: each stage's plan rebuilt on its stage's
+problem with its recorded choices; ``load_any_plan`` reads either kind of plan file (what
+``memshard run`` and the torchrun worker accept).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from memshard.core.files import write_text_atomically
+from memshard.core.errors import MemshardError
+from memshard.core.files import read_json, write_text_atomically
 from memshard.core.mesh import Mesh
-from memshard.job import Job, mesh_to_dict
-from memshard.plans.plan import PIPELINE_SCHEMA, Plan
+from memshard.job import Job, mesh_from_dict, mesh_to_dict
+from memshard.plans.plan import PIPELINE_SCHEMA, Plan, plan_from_dict
+from memshard.problem.records import PipelineStage
 
 
 @dataclass(frozen=True)
@@ -81,10 +88,12 @@ class PipelinedPlan:
         return all(stage.plan.memory.fits for stage in self.stages)
 
     def to_dict(self) -> dict[str, Any]:
+        job = self.job.to_dict()
         return {
             "schema": PIPELINE_SCHEMA,
             "strategy": self.strategy,
             "objective": self.objective,
+            "model": {"name": self.job.graph.name, **job["model"]}, "job_mesh": job["mesh"],
             "pipeline": {"stages": len(self.stages), "schedule": self.schedule,
                          "micro_batches": self.job.micro_batches, "mesh": mesh_to_dict(self.mesh),
                          "stage_mesh": mesh_to_dict(self.stage_mesh)},
@@ -101,3 +110,42 @@ class PipelinedPlan:
 
     def save(self, path: str) -> None:
         write_text_atomically(path, self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PipelinedPlan:
+        """The plan :meth:`to_dict` wrote: each stage's plan rebuilt with its recorded choices
+        (``plan_from_dict``). A file without the job's model and mesh (written before they were
+        recorded) takes them from its first stage's plan, on the pipelined mesh."""
+        if not isinstance(data, dict) or data.get("schema") != PIPELINE_SCHEMA:
+            raise MemshardError(f"not a pipelined memshard plan (expected schema {PIPELINE_SCHEMA!r})")
+        try:
+            return _read(data)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise MemshardError(f"the pipelined plan does not match memshard's model of this job: {e!r}") from None
+
+
+def _read(data: dict[str, Any]) -> PipelinedPlan:
+    pipeline, entries = data["pipeline"], data["stages"]
+    mesh = mesh_from_dict(pipeline["mesh"])
+    whole = data.get("model") or {**entries[0]["plan"]["model"],
+                                  "name": re.sub(r"\[\d+:\d+\]$", "", entries[0]["plan"]["model"]["name"])}
+    job = Job.from_dict({"model": whole, "mesh": data.get("job_mesh") or pipeline["mesh"]})
+    stages = []
+    for entry in entries:
+        first, end = entry["layers"]
+        held = int(entry["held_micro_batches"])
+        plan = plan_from_dict({**entry["plan"], "model": {**entry["plan"]["model"], "name": whole["name"]}},
+                              stage=PipelineStage(first, end, held))
+        stages.append(StagePlan(first, end, held, plan, float(entry["forward_s"]), float(entry["backward_s"]),
+                                float(entry["transfer_s"]), float(entry["idle_s"])))
+    return PipelinedPlan(job, data.get("objective"), pipeline["schedule"], mesh, mesh_from_dict(pipeline["stage_mesh"]),
+                         tuple(stages), float(data["makespan_s"]), float(data["optimizer_s"]),
+                         data.get("strategy", "memshard"))
+
+
+def load_any_plan(path: str) -> Plan | PipelinedPlan:
+    """The plan saved at ``path``: a pipelined plan (``PIPELINE_SCHEMA``) or an ordinary one."""
+    data = read_json(path, "plan")
+    if isinstance(data, dict) and data.get("schema") == PIPELINE_SCHEMA:
+        return PipelinedPlan.from_dict(data)
+    return plan_from_dict(data)

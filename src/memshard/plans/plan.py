@@ -39,6 +39,7 @@ from memshard.problem.records import (
     MEMSHARD,
     TORCH_TP_FRAMEWORKS,
     OpGroup,
+    PipelineStage,
     Problem,
     Selection,
     StorageGroup,
@@ -454,28 +455,31 @@ def load_plan(path: str) -> Plan:
     return plan_from_dict(read_json(path, "plan"))
 
 
-def plan_from_dict(data: dict) -> Plan:
+def plan_from_dict(data: dict, stage: PipelineStage | None = None) -> Plan:
     """A plan from its JSON: the job is rebuilt from the recorded model, mesh and batch, and
-    every op, parameter and edge takes the recorded choice."""
+    every op, parameter and edge takes the recorded choice. ``stage``: the pipeline stage the
+    plan is of (a stage's plan within a pipelined plan, which ``plans.pipelined`` reads)."""
     if isinstance(data, dict) and data.get("schema") == PIPELINE_SCHEMA:
-        raise MemshardError("a pipelined plan: memshard plans pipelines and prices them, its runtime does not run "
-                            "them yet (docs/pipelining.md)")
+        raise MemshardError("a pipelined plan: read it with memshard.plans.pipelined.load_any_plan "
+                            "(docs/pipelining.md)")
     if not isinstance(data, dict) or data.get("schema") not in READABLE_SCHEMAS:
         raise MemshardError(f"not a memshard plan (expected schema {SCHEMA!r})")
     try:
-        return _rebuild(data)
+        return _rebuild(data, stage)
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise MemshardError(f"the plan does not match memshard's model of this job: {e!r}") from None
 
 
-def _rebuild(data: dict) -> Plan:
+def _rebuild(data: dict, stage: PipelineStage | None) -> Plan:
     job = Job.from_dict(data)
     solver = dict(data["solver"])
     solver["layer_classes"] = tuple(solver.get("layer_classes", ()))
-    graph = job.graph.with_layer_classes(solver["layer_classes"]) if solver["layer_classes"] else job.graph
+    graph = job.graph if stage is None else job.graph.pipeline_stage(stage.first_layer, stage.end_layer)
+    graph = graph.with_layer_classes(solver["layer_classes"]) if solver["layer_classes"] else graph
     problem = build_problem(graph, job.mesh, shared_layers=solver["shared_layers"],
                             micro_batches=job.micro_batches, zero3_unit=solver.get("zero3_unit", "op"),
-                            recompute=solver.get("recompute", "none"), framework=solver.get("framework", MEMSHARD))
+                            recompute=solver.get("recompute", "none"), framework=solver.get("framework", MEMSHARD),
+                            stage=stage)
     rebuilt = build_plan(problem, _recorded_selection(problem, data), job,
                          budgets=Budgets(**data["constraints"]) if data.get("constraints") else None,
                          strategy=data.get("strategy", "memshard"), advice=False)

@@ -58,6 +58,9 @@ OUT_DIR_ENV = "MEMSHARD_OUT_DIR"
 COLLECTIVE_TIMEOUT_ENV = "MEMSHARD_COLLECTIVE_TIMEOUT_S"
 #: The launcher's PID, as each rank should see it as its parent (see :func:`rank_command`).
 LAUNCHER_PID_ENV = "MEMSHARD_LAUNCHER_PID"
+#: "rank:step": that rank kills itself (SIGKILL) in the middle of that step (the fault tests;
+#: :func:`die_if_asked`).
+KILL_ENV = "MEMSHARD_TEST_KILL"
 #: The file in a :func:`private_tempdir` folder that names and locks its owner.
 OWNER_FILE = ".owner"
 TEMPDIR_PREFIX = "memshard-"
@@ -84,6 +87,16 @@ runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
 def is_under_torchrun() -> bool:
     """Whether this process is one rank of a launched job (by torchrun or ``launch``)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def die_if_asked(rank: int, step: int) -> None:
+    """Kill this process (SIGKILL, no clean-up) if ``KILL_ENV`` names this rank and step: a
+    rank that dies mid-step, for the tests of what its peers and the launcher then do."""
+    spec = os.environ.get(KILL_ENV)
+    if spec:
+        victim, at = (int(x) for x in spec.split(":"))
+        if rank == victim and step == at:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def rank_command(module: str, args: Sequence[str]) -> list[str]:

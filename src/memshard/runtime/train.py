@@ -10,7 +10,8 @@ sent per collective kind (``CommCounter``), and the step time. The same code run
     torchrun --nproc-per-node 8 -m memshard.runtime.train --plan plan.json
 
 Every rank writes its report to ``$MEMSHARD_OUT_DIR/rank<r>.json`` when that is set (the
-launcher reads them), or prints rank 0's comparison table.
+launcher reads them), or prints rank 0's comparison table. A pipelined plan's ranks run
+:func:`memshard.runtime.pipelined.train_pipelined` (same command, same report).
 """
 
 from __future__ import annotations
@@ -31,33 +32,16 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from memshard.core.errors import MemshardError
 from memshard.core.files import write_text_atomically
-from memshard.plans.plan import load_plan, runnable
-from memshard.problem.comm import KINDS
-from memshard.problem.memory import CATEGORIES
+from memshard.plans.pipelined import PipelinedPlan, load_any_plan
+from memshard.plans.plan import runnable
+from memshard.runtime.launch import KILL_ENV, die_if_asked
 from memshard.runtime.measure import CommCounter, MemoryMeter
 from memshard.runtime.optim import LeanAdam
 from memshard.runtime.parallel import sharded_model
+from memshard.runtime.pipelined import train_pipelined
+from memshard.runtime.report import measured_figures, predicted_figures
 
-KILL_ENV = "MEMSHARD_TEST_KILL"  # "rank:step": that rank dies mid-step (the fault test)
-
-
-def predicted(plan) -> dict:
-    """The plan's figures for one device, in the shape of :func:`train`'s measurement."""
-    mem, comm = plan.memory, plan.communication
-    return {
-        "peak_bytes": mem.peak_bytes,
-        "breakdown": dict(mem.breakdown),
-        "communication_bytes": comm.bytes_per_step,
-        "communication_by_kind": {k: comm.by_kind.get(k, {}).get("wire_bytes", 0.0) for k in KINDS},
-    }
-
-
-def _maybe_die(step: int) -> None:
-    spec = os.environ.get(KILL_ENV)
-    if spec:
-        rank, at = (int(x) for x in spec.split(":"))
-        if dist.get_rank() == rank and step == at:
-            os.kill(os.getpid(), 9)
+__all__ = ["KILL_ENV", "main", "train"]
 
 
 def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, inspect=None, module=None) -> dict:
@@ -102,8 +86,8 @@ def train(plan, device_mesh, steps: int = 2, seed: int = 0, lr: float = 1e-3, in
         "strategy": plan.strategy,
         "losses": losses,
         "step_times_s": times,
-        "predicted": predicted(plan),
-        "measured": _measured(meter, counter),
+        "predicted": predicted_figures(plan),
+        "measured": measured_figures(meter, counter),
     }
 
 
@@ -116,23 +100,11 @@ def _forward_backward(model, batches: list[tuple[tuple, dict]], counter: CommCou
         loss = model(*args, **kwargs)
         loss.backward()
         if i == len(batches) // 2:
-            _maybe_die(step)
+            die_if_asked(dist.get_rank(), step)
         with counter.paused():
             total += model.loss_value(loss)
         del loss
     return total
-
-
-def _measured(meter: MemoryMeter, counter: CommCounter) -> dict:
-    """The last step's measurement, in the shape of :func:`predicted`."""
-    return {
-        "peak_bytes": meter.peak_bytes,
-        "breakdown": {c: meter.breakdown.get(c, 0) for c in CATEGORIES},
-        "communication_bytes": counter.total_wire_bytes,
-        "communication_by_kind": {kind: counter.wire_bytes_by_kind.get(kind, 0.0) for kind in KINDS},
-        "collective_calls": counter.calls_by_kind,
-        "cuda_peak_bytes": meter.cuda_peak_bytes,
-    }
 
 
 # -- the worker command ---------------------------------------------------------------------
@@ -150,19 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        plan = runnable(load_plan(args.plan))
-        backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        timeout = float(os.environ.get("MEMSHARD_COLLECTIVE_TIMEOUT_S", "300"))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-        world = dist.get_world_size()
-        shape = plan.problem.mesh.shape
-        if world != plan.problem.mesh.num_devices:
-            raise MemshardError(f"the plan is for {plan.problem.mesh.num_devices} devices, {world} ranks run")
-        device = "cuda" if backend == "nccl" else "cpu"
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        mesh = init_device_mesh(device, shape, mesh_dim_names=plan.problem.mesh.axis_names)
-        report = train(plan, mesh, steps=args.steps, seed=args.seed, lr=args.lr)
+        plan = load_any_plan(args.plan)
+        if not isinstance(plan, PipelinedPlan):
+            plan = runnable(plan)
+        mesh_spec = plan.mesh if isinstance(plan, PipelinedPlan) else plan.problem.mesh
+        mesh = _world_mesh(mesh_spec, args.backend)
+        run = train_pipelined if isinstance(plan, PipelinedPlan) else train
+        report = run(plan, mesh, steps=args.steps, seed=args.seed, lr=args.lr)
         out = os.environ.get("MEMSHARD_OUT_DIR")
         if out:
             write_text_atomically(os.path.join(out, f"rank{report['rank']}.json"), json.dumps(report))
@@ -185,6 +151,21 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+
+
+def _world_mesh(spec, backend: str | None):
+    """The process group (``backend``; default nccl with CUDA, else gloo) and the DeviceMesh of
+    mesh ``spec`` over it, checked against the ranks started."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = float(os.environ.get("MEMSHARD_COLLECTIVE_TIMEOUT_S", "300"))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    world = dist.get_world_size()
+    if world != spec.num_devices:
+        raise MemshardError(f"the plan is for {spec.num_devices} devices, {world} ranks run")
+    device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return init_device_mesh(device, spec.shape, mesh_dim_names=spec.axis_names)
 
 
 if __name__ == "__main__":
