@@ -1,0 +1,219 @@
+"""Pipelined plans run on real gloo ranks: torch's ``PipelineStage`` and ``Schedule1F1B`` /
+``ScheduleGPipe``, each stage by memshard's executor (``runtime/pipelined.py``).
+
+Each case plans a tiny model (8 sequences of 32 tokens, fp32) in 2 stages of 1 or 2 ranks and
+runs 3 steps on forked ranks; every rank's report is compared with
+
+- the single process: the whole graph's reference model (``GraphModel``, the same seed) and
+  ``torch.optim.Adam`` over the same micro-batches (their gradients summed, as memshard's loop
+  sums them), its loss per step the mean of its micro-batches': every rank's losses equal it
+  (rtol 1e-5, as ``test_runtime.py``);
+- the rank's stage plan: the collectives' bytes per kind within 1%; the bytes it sends by
+  point-to-point within 1% of its activations (forward) and their gradients (backward) in
+  its plan's layouts, times the micro-batches; its measured peak within 2%.
+
+A plan that reads the tensor its stage receives in several layouts is refused in one line (the
+memory model hands each reader its own layout for free: docs/pipelining.md). A rank killed in
+the middle of the schedule ends ``python -m memshard.runtime.train`` on a pipelined plan within
+seconds, with one error naming it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import memshard
+from memshard.api import make_job
+from memshard.pipelining import plan_with_pipeline
+from memshard.planner import SearchOptions
+from memshard.plans.pipelined import PipelinedPlan, load_any_plan
+from memshard.problem.memory import param_layout, tensor_bytes
+from memshard.runtime.executor import GraphModel, make_batch
+from memshard.runtime.launch import KILL_ENV, launch
+from memshard.runtime.report import P2P, error
+from tests.runtime_harness import forked_world
+
+STEPS = 3
+BATCH, SEQ = 8, 32
+# id → (model, mesh, schedule, micro-batches, objective)
+CASES = {
+    "llama-2x1-1f1b-2": ("tiny-llama", "2x1", "1f1b", 2, "memory"),
+    "llama-2x1-gpipe-2": ("tiny-llama", "2x1", "gpipe", 2, "memory"),
+    "gpt-2x1-1f1b-2": ("tiny-gpt", "2x1", "1f1b", 2, "memory"),  # a tied embedding and head
+    "llama-2x2-1f1b-4": ("tiny-llama", "2x2", "1f1b", 4, "time"),
+    "llama-2x2-gpipe-4": ("tiny-llama", "2x2", "gpipe", 4, "memory"),  # hidden split on the boundary
+    "gpt-2x2-1f1b-4": ("tiny-gpt", "2x2", "1f1b", 4, "memory"),  # layouts differ across the boundary
+}
+# Ranks whose measured peak misses the stage plan's by more than 2% (pipeline stage → why):
+# docs/pipelining.md "Running a pipelined plan" says what the model does not count there.
+PEAK_MISSES = {
+    "llama-2x1-gpipe-2": {1: "under: the last stage of GPipe holds less than its plan says"},
+    "llama-2x2-1f1b-4": {0: "over", 1: "over: transients in the last stage's steady state"},
+    "llama-2x2-gpipe-4": {0: "over"},
+    "gpt-2x2-1f1b-4": {0: "over: the boundary's re-layout pieces", 1: "over: the boundary's re-layout pieces"},
+}
+
+
+@functools.cache
+def _plan(case: str) -> PipelinedPlan:
+    model, mesh, schedule, m, objective = CASES[case]
+    job = make_job(model, mesh, batch=BATCH, seq=SEQ, micro_batches=m, precision="fp32")
+    return plan_with_pipeline(job, SearchOptions(mip_gap=0.02, objective=objective), 2, schedule)
+
+
+def _worker(rank: int, world: int, port: int, out: str, cases: tuple[str, ...]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memshard.runtime.pipelined import train_pipelined
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    reports = {}
+    for case in cases:
+        plan = _plan(case)
+        mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.axis_names)
+        reports[case] = train_pipelined(plan, mesh, steps=STEPS)
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(reports, f)
+    dist.destroy_process_group()
+
+
+@functools.cache
+def _results(tmp_root: str) -> dict[str, list[dict]]:
+    """Every case's reports (rank order): one forked world per world size."""
+    out: dict[str, list[dict]] = {}
+    for world in (2, 4):
+        cases = tuple(c for c in CASES if _plan(c).mesh.num_devices == world)
+        for c in cases:
+            _plan(c)  # planned before the fork
+        folder = f"{tmp_root}/world{world}"
+        os.makedirs(folder, exist_ok=True)
+        ranks = forked_world(lambda r, w, p, o, cases=cases: _worker(r, w, p, o, cases), world, folder)
+        out.update({c: [r[c] for r in ranks] for c in cases})
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, list[dict]]:
+    return _results(str(tmp_path_factory.mktemp("pipelined")))
+
+
+@functools.cache
+def _reference(case: str) -> list[float]:
+    """The single process: each step's loss, the mean over its micro-batches."""
+    model, _, _, m, _ = CASES[case]
+    graph = _plan(case).job.graph
+    reference = GraphModel(graph, seed=0)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    losses = []
+    for step in range(STEPS):
+        reference.step = step
+        total = 0.0
+        for batch in make_batch(graph, m, step):
+            loss = reference(batch)
+            loss.backward()
+            total += loss.item()
+        losses.append(total / m)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_losses_equal_the_single_process_run(results, case):
+    expected = torch.tensor(_reference(case))
+    for r in results[case]:
+        torch.testing.assert_close(torch.tensor(r["losses"]), expected, rtol=1e-5, atol=0)
+
+
+def _tied_bytes(case: str, stage: int) -> float:
+    """The bytes a rank's all-reduce of a tied weight's gradient with the other stage sends (the
+    buffer once, over 2 ranks), which the stage plans do not price: where both stages store it
+    alike (ZeRO-0 here); stored in other layouts, the runtime exchanges its parts by
+    point-to-point instead (not a collective)."""
+    plans = [s.plan for s in _plan(case).stages]
+    mine, other = plans[stage], plans[1 - stage]
+    out = 0.0
+    for name in mine.problem.graph.parameters:
+        if name not in other.problem.graph.parameters:
+            continue
+        (layout, zero), (theirs, their_zero) = (_storage(p, name) for p in (mine, other))
+        assert zero == their_zero == 0
+        if layout == theirs:
+            out += tensor_bytes(mine.problem.graph.tensors[name], layout, mine.problem.mesh)
+    return out
+
+
+def _storage(plan, name: str):
+    problem = plan.problem
+    gid = problem.storage_group[name]
+    grad, option = problem.groups[gid].options[plan.selection.choices[gid]]
+    return param_layout(grad), option.stage
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_collective_and_point_to_point_bytes_match_the_prediction(results, case):
+    for r in results[case]:
+        p, m = r["predicted"], r["measured"]
+        assert m[P2P] == pytest.approx(p[P2P], rel=0.01), (case, r["rank"])
+        assert p[P2P] > 0
+        extra = _tied_bytes(case, r["stage"])
+        assert m["communication_bytes"] == pytest.approx(p["communication_bytes"] + extra, rel=0.01, abs=1)
+        for kind, predicted in p["communication_by_kind"].items():
+            added = extra if kind == "all_reduce" else 0.0
+            assert m["communication_by_kind"][kind] == pytest.approx(predicted + added, rel=0.01, abs=1), kind
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_peak_memory_matches_the_prediction(results, case):
+    """Every rank within 2%, but the ranks ``PEAK_MISSES`` names (each must still miss: the
+    list is what is left to model, not a tolerance)."""
+    for r in results[case]:
+        e = error(r["measured"]["peak_bytes"], r["predicted"]["peak_bytes"])
+        known = PEAK_MISSES.get(case, {}).get(r["stage"])
+        if known is None:
+            assert abs(e) <= 0.02, f"{case} rank {r['rank']}: measured peak {e:+.2%} off the prediction"
+        else:
+            assert abs(e) > 0.02, f"{case} rank {r['rank']} now within 2% ({e:+.2%}): drop it from PEAK_MISSES"
+
+
+def test_a_pipelined_plan_round_trips_through_its_json(tmp_path):
+    plan = _plan("gpt-2x2-1f1b-4")
+    path = tmp_path / "pp.json"
+    plan.save(str(path))
+    loaded = load_any_plan(str(path))
+    assert isinstance(loaded, PipelinedPlan)
+    assert loaded.to_dict() == json.loads(path.read_text())
+    assert [s.plan.selection for s in loaded.stages] == [s.plan.selection for s in plan.stages]
+
+
+def test_a_plan_reading_its_input_in_two_layouts_is_refused_in_one_line():
+    from memshard.runtime.pipelined import stage_ends
+
+    job = make_job("tiny-llama", "2x2", batch=8, seq=32, micro_batches=4, precision="fp32")
+    plan = plan_with_pipeline(job, SearchOptions(mip_gap=0.02), 2, "1f1b")
+    with pytest.raises(memshard.MemshardError, match="several layouts") as raised:
+        stage_ends(plan.stages[1].plan)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_rank_killed_mid_schedule_stops_the_run_with_one_error(tmp_path):
+    """Rank 1 (the last stage) dies in its second step, between its micro-batches, while rank 0
+    waits on it for a gradient."""
+    path = tmp_path / "pp.json"
+    _plan("llama-2x1-1f1b-2").save(str(path))
+    start = time.monotonic()
+    with pytest.raises(memshard.MemshardError) as raised:
+        launch("memshard.runtime.train", ["--plan", str(path), "--steps", "3"], 2, env={KILL_ENV: "1:1"},
+               timeout_s=120, fail_fast_s=20)
+    assert time.monotonic() - start < 60
+    assert "rank 1 of 2 was killed by SIGKILL" in str(raised.value)
