@@ -351,6 +351,28 @@ def test_checkpointing_every_nth_block_is_exported_and_allocates_what_is_predict
     assert peak == pytest.approx(predicted, rel=0.02)
 
 
+def test_a_pipelined_megatron_configuration_exports_its_stages(capsys):
+    """``-pp2``: Megatron-LM's pipeline size, the micro-batch size over data parallelism and the
+    micro-batches, the largest stage's predicted peak in the header, whose command writes the
+    same text; layers Megatron-LM cannot split evenly refused in one line."""
+    name = "megatron-tp4-pp2-dp4-sp-distopt"
+    job = dict(batch=32, seq=2048, micro_batches=8)
+    text = memshard.export("gpt3-6.7b", "4x8", strategy=name, **job)
+    args = megatron_arguments(text)
+    assert (args["--tensor-model-parallel-size"], args["--pipeline-model-parallel-size"]) == ("4", "2")
+    assert args["--micro-batch-size"] == "1" and args["--global-batch-size"] == "32"  # 32 / (4 replicas × 8)
+    assert "--sequence-parallel" in args and "--use-distributed-optimizer" in args and "--bf16" in args
+    plan = memshard.strategy_plan("gpt3-6.7b", "4x8", name, **job)
+    assert len(plan.stages) == 2 and plan.peak_bytes == max(s.plan.peak_bytes for s in plan.stages)
+    assert f"({round(plan.peak_bytes):,} bytes), stage 0 of 2 (layers 0-15)" in text
+    assert "2 pipeline stages of 16 layers under 1F1B" in text
+    assert text.rstrip().endswith('torchrun --nnodes 4 --nproc-per-node 8 pretrain_gpt.py "${MEGATRON_ARGS[@]}"')
+    command = re.search(r"^# Made by: (.*)$", text, re.M).group(1)
+    assert main(command.split()[1:]) == 0 and capsys.readouterr().out == text
+    with pytest.raises(MemshardError, match="splits the 31 layers evenly over 2 pipeline stages"):
+        memshard.export("gpt3-6.7b", "4x8", strategy="megatron-tp4-pp2-dp4", num_layers=31, **job)
+
+
 def test_megatron_needs_a_batch_its_replicas_split_evenly():
     with pytest.raises(MemshardError, match=r"global batch \(6\) to be a multiple of .* \(4\)"):
         memshard.export("tiny-gpt", "1x8", strategy="megatron-tp2-dp4", batch=6)

@@ -239,8 +239,8 @@ def test_the_command_line_says_a_bad_name_in_one_error_line(tmp_path, capsys, te
     assert not (tmp_path / "x.py").exists()
 
 
-def test_a_pipelined_megatron_name_is_not_exported_as_one_stage():
+def test_a_pipelined_megatron_name_exports_its_pipeline_degree():
     from memshard.plans.export import export_target
 
-    with pytest.raises(MemshardError, match="export megatron-tp2-dp2 for one stage"):
-        export_target("megatron-tp2-pp2-dp2")
+    assert export_target("megatron-tp2-pp2-dp2").megatron.pipeline_parallel == 2
+    assert export_target("megatron-tp2-dp2").megatron.pipeline_parallel == 1

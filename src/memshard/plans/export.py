@@ -45,6 +45,7 @@ from memshard.core.errors import MemshardError
 from memshard.core.graph import Graph, Origin, TensorKind
 from memshard.core.quantities import counted, format_bytes
 from memshard.job import HFModel, Job, TracedModule
+from memshard.plans.pipelined import PipelinedPlan
 from memshard.plans.plan import Plan
 from memshard.plans.report import model_figures
 from memshard.problem.gathers import end_weights
@@ -90,13 +91,14 @@ PARALLELIZE = ("run it with memshard.parallelize(model, plan) (README: \"Using a
 
 @dataclass(frozen=True)
 class MegatronLayout:
-    """The layout a ``megatron-tp<T>[-dp<D>][-sp][-distopt[-overlap]]`` baseline's name says."""
+    """The layout a ``megatron-tp<T>[-pp<P>][-dp<D>][-sp][-distopt[-overlap]]`` baseline's name says."""
 
     tensor_parallel: int
     data_parallel: int
     sequence_parallel: bool
     distributed_optimizer: bool
     overlap: bool = False
+    pipeline_parallel: int = 1
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ class ExportTarget:
         if name.kind is not Kind.MEGATRON:
             return None
         return MegatronLayout(name.tensor_parallel, name.data_parallel or 1, name.sequence_parallel,
-                              name.distributed_optimizer, name.overlap)
+                              name.distributed_optimizer, name.overlap, name.pipeline_parallel)
 
     @property
     def option(self) -> str:
@@ -197,9 +199,6 @@ def export_target(strategy: str) -> ExportTarget:
     if target.split and (name.kind is Kind.MEGATRON) != (target.split == "block"):
         raise MemshardError(f"{strategy} cannot be exported: Megatron-LM recomputes some layers by block "
                             "(+full-blockN), torchtitan's recipes every N-th layer (+full-everyN)")
-    if name.kind is Kind.MEGATRON and name.pipeline_parallel > 1:
-        raise MemshardError(f"{strategy} cannot be exported: memshard writes Megatron-LM's arguments without a "
-                            f"pipeline; export {name.stage_recipe} for one stage's layout")
     if name.kind is Kind.MEGATRON:
         return target
     if name.kind in TORCH_STRATEGIES:
@@ -250,12 +249,15 @@ def check_exportable(target: ExportTarget, job: Job) -> None:
         raise MemshardError(f"{target.strategy}: Megatron-LM arguments are written for GPT and LLaMA presets, "
                             f"not {job.config.family}")
     layout, n = target.megatron, job.mesh.num_devices
-    if layout.tensor_parallel * layout.data_parallel == n:
+    stages = layout.pipeline_parallel
+    if stages > 1 and job.config.num_layers % stages:
+        raise MemshardError(f"{target.strategy}: Megatron-LM splits the {job.config.num_layers} layers evenly over "
+                            f"{stages} pipeline stages; give a layer count that {stages} divides")
+    if layout.tensor_parallel * layout.data_parallel * stages == n:
         per_step = layout.data_parallel * job.micro_batches
         if job.global_batch % per_step:
             raise MemshardError(f"{target.strategy}: Megatron-LM needs the global batch ({job.global_batch}) to be a "
                                 f"multiple of data-parallel size × micro-batches ({per_step})")
-
 
 def block_containers(graph: Graph) -> tuple[BlockContainer, ...]:
     """The modules holding the graph's repeated blocks, from its layer ops' names
@@ -272,27 +274,36 @@ def block_containers(graph: Graph) -> tuple[BlockContainer, ...]:
     return tuple(BlockContainer(path, len(layers)) for path, layers in found.items())
 
 
-def render(target: ExportTarget, plan: Plan) -> str:
-    """The exported text of ``plan``, the target's baseline: a header, then the code or arguments."""
+def render(target: ExportTarget, plan: Plan | PipelinedPlan) -> str:
+    """The exported text of ``plan``, the target's baseline (a pipelined one for Megatron-LM's
+    ``-pp<P>``): a header, then the code or arguments."""
     body = {"fsdp2": fsdp2_code, "ddp": ddp_code, "torch-tp": torch_tp_code,
             "megatron": megatron_script}[target.kind](target, plan)
     return "\n".join([*header(plan), *body]) + "\n"
 
 
-def header(plan: Plan) -> list[str]:
-    """Comment lines: the strategy, the job, the predicted peak, the command that made it."""
-    job, model = plan.job, plan.model
+def header(plan: Plan | PipelinedPlan) -> list[str]:
+    """Comment lines: the strategy, the job, the predicted peak, the command that made it (of a
+    pipelined plan, the whole model and its largest stage's peak)."""
+    job = plan.job
     shape = ""
     if not isinstance(job.model, (Graph, TracedModule)):
         shape = f", global batch {job.global_batch} × {job.seq_length} tokens"
         if job.micro_batches > 1:
             shape += f" in {job.micro_batches} micro-batches"
+    if isinstance(plan, PipelinedPlan):
+        stage = plan.peak_stage
+        name, num_parameters, precision = job.graph.name, job.graph.num_parameters, stage.plan.model.precision
+        peak_at = (f"stage {plan.stages.index(stage)} of {len(plan.stages)} (layers {stage.first_layer}-"
+                   f"{stage.end_layer - 1}), at {stage.plan.memory.peak_at}")
+    else:
+        name, num_parameters, precision = plan.model.name, plan.model.num_parameters, plan.model.precision
+        peak_at = f"at {plan.memory.peak_at}"
     return [
         f"# memshard export: {plan.strategy}",
-        f"# Job: {model.name} ({model_figures(job, model.num_parameters, model.precision)}){shape}, "
+        f"# Job: {name} ({model_figures(job, num_parameters, precision)}){shape}, "
         f"on mesh {job.mesh} ({counted(job.mesh.num_devices, 'device')})",
-        f"# Predicted peak per device: {format_bytes(plan.peak_bytes)} ({round(plan.peak_bytes):,} bytes), "
-        f"at {plan.memory.peak_at}",
+        f"# Predicted peak per device: {format_bytes(plan.peak_bytes)} ({round(plan.peak_bytes):,} bytes), {peak_at}",
         f"# Made by: {command_of(job, plan.strategy)}",
         "#",
     ]
@@ -644,11 +655,12 @@ def torch_tp_code(target: ExportTarget, plan: Plan) -> list[str]:
 
 
 # -- Megatron-LM --------------------------------------------------------------------------------------
-def megatron_arguments(target: ExportTarget, plan: Plan) -> list[str]:
+def megatron_arguments(target: ExportTarget, plan: Plan | PipelinedPlan) -> list[str]:
     """Megatron-LM's arguments (``megatron/training/arguments.py``) for the layout and the model."""
     layout, job = target.megatron, plan.job
     cfg = job.config
-    args = [f"--tensor-model-parallel-size {layout.tensor_parallel}", "--pipeline-model-parallel-size 1"]
+    args = [f"--tensor-model-parallel-size {layout.tensor_parallel}",
+            f"--pipeline-model-parallel-size {layout.pipeline_parallel}"]
     args += ["--sequence-parallel"] * layout.sequence_parallel
     args += ["--use-distributed-optimizer"] * layout.distributed_optimizer
     args += ["--overlap-grad-reduce", "--overlap-param-gather"] * layout.overlap
@@ -673,12 +685,16 @@ def megatron_arguments(target: ExportTarget, plan: Plan) -> list[str]:
         args += ["--recompute-granularity full", "--recompute-method block", f"--recompute-num-layers {target.count}"]
     elif target.recompute == "full":  # every layer keeps its input
         args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
-    if plan.model.precision == "mixed":
+    if _precision(plan) == "mixed":
         args += ["--bf16"]
     return args
 
 
-def megatron_script(target: ExportTarget, plan: Plan) -> list[str]:
+def _precision(plan: Plan | PipelinedPlan) -> str:
+    return (plan.stages[0].plan if isinstance(plan, PipelinedPlan) else plan).model.precision
+
+
+def megatron_script(target: ExportTarget, plan: Plan | PipelinedPlan) -> list[str]:
     """A bash fragment: the arguments as an array and the launch with ``torchrun``."""
     job, layout = plan.job, target.megatron
     per_node = job.mesh.shape[-1]
@@ -687,11 +703,13 @@ def megatron_script(target: ExportTarget, plan: Plan) -> list[str]:
              + f", data parallelism {layout.data_parallel}"
              + (" with the distributed optimizer" if layout.distributed_optimizer else "")
              + (", its collectives overlapped" if layout.overlap else "") + ",",
-             "# no pipeline, Adam (Megatron-LM's default optimizer).",
+             (f"# {layout.pipeline_parallel} pipeline stages of {plan.job.config.num_layers // layout.pipeline_parallel} layers "
+              "under 1F1B (no virtual stages)" if layout.pipeline_parallel > 1 else "# no pipeline")
+             + ", Adam (Megatron-LM's default optimizer).",
              f"# Add your data, tokenizer (the vocabulary is {job.config.vocab:,} tokens; Megatron-LM pads it to a "
              "multiple of 128 × TP),",
              "# learning-rate schedule and checkpointing arguments."]
-    if plan.model.precision == "mixed":
+    if _precision(plan) == "mixed":
         notes += ["# memshard prices Megatron-LM's gradient buffer: with --bf16 it accumulates and reduces",
                   "# gradients in fp32 (4 bytes per parameter, all step)."]
     return [*notes,
