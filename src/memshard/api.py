@@ -295,15 +295,17 @@ def export(model: Model | Job, mesh: str | Mesh = "2x4", strategy: str = "memsha
 
 
 def fit(model: Model | Job, mesh: str | Mesh = "2x4", *, knob: str = "batch", step: int | None = None,
-        baselines: bool = True, max_slowdown: float | None = None, **arguments) -> FitResult:
+        baselines: bool = True, max_slowdown: float | None = None, pipeline: int | None = None,
+        **arguments) -> FitResult:
     """The largest value of ``knob`` (``"batch"``, ``"seq"``, ``"layers"``, ``"hidden"``) whose
     peak fits the mesh's device memory, for memshard and (``baselines``) every baseline, each
     with its plan and the proof about the next value (``fitting.py``). ``model`` and the keyword
     ``arguments`` are what :func:`plan` takes (the job at its own value is where the search
     starts); ``max_step_time_s`` bounds every strategy's step, or ``max_slowdown`` to that many
-    times memshard's fastest plan that fits at each value; the objective is least memory."""
+    times memshard's fastest plan that fits at each value; the objective is least memory.
+    ``pipeline``: that many 1F1B stages, memshard's and pipelined Megatron-LM's."""
     job, options = job_and_options(model, mesh, arguments)
-    return fit_job(job, knob, options, step=step, baselines=baselines, max_slowdown=max_slowdown)
+    return fit_job(job, knob, options, step=step, baselines=baselines, max_slowdown=max_slowdown, pipeline=pipeline)
 
 
 def runtime_plan(job: Job, strategy: str = "memshard", options: SearchOptions | None = None) -> Plan:

@@ -343,7 +343,7 @@ def _cmd_fit(args, console) -> None:
     job, options = job_of(args), options_of(args)
     with console.status(f"fitting the {args.knob}…"):
         result = fit_job(job, args.knob, options, step=args.step, baselines=not args.no_baselines,
-                         max_slowdown=args.max_slowdown)
+                         max_slowdown=args.max_slowdown, pipeline=args.pipeline)
     if args.json is not None:
         _write_json(args.json, result.to_dict())
     if args.plot is not None:
@@ -564,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--max-slowdown", type=float,
                         help="every strategy's step within this × memshard's fastest plan that fits at the same "
                              "value, e.g. 1.1")
+    t.add_argument("--pipeline", type=_positive_int, metavar="N",
+                   help="N pipeline stages (1F1B) along the outermost mesh axis: memshard's pipelined plans against "
+                        "the pipelined Megatron-LM configurations of that degree (docs/pipelining.md)")
     t.add_argument("--no-baselines", action="store_true", help="memshard only (the baselines take most of the time)")
     t.add_argument("--json", metavar="PATH", help="write every strategy's answer and probes, and memshard's plan")
     t.add_argument("--plot", metavar="PATH", help="draw the knob against the peak of every strategy (.png/.pdf/.svg)")

@@ -40,6 +40,12 @@ from memshard.core.quantities import MAX_COUNT, check_factor, format_bytes
 from memshard.job import HFModel, Job
 from memshard.models import ModelConfig
 from memshard.models.config import MAX_LAYERS, follow_hidden
+from memshard.pipelining import (
+    PipelineOptions,
+    pipeline_meshes,
+    pipelined_baselines,
+    plan_pipelined,
+)
 from memshard.planner import (
     SearchOptions,
     baseline_plans,
@@ -47,6 +53,7 @@ from memshard.planner import (
     plan_job,
     searched_problem,
 )
+from memshard.plans.pipelined import PipelinedPlan
 from memshard.plans.plan import Plan
 from memshard.problem.bounds import peak_lower_bound
 
@@ -90,6 +97,7 @@ class FitResult:
     time_s: float
     limit: int = MAX_COUNT  # the largest value the model takes (``knob_limit``)
     max_slowdown: float | None = None  # every step within this × memshard's fastest fitting plan
+    pipeline: int | None = None  # every plan's pipeline stages (1F1B), None: no pipeline
 
     def to_dict(self) -> dict:
         def probe(p: Probe | None):
@@ -99,7 +107,7 @@ class FitResult:
 
         return {"schema": "memshard.fit/1", "knob": self.knob, "step": self.step, "limit": self.limit,
                 "device_memory_bytes": self.device_memory_bytes, "max_step_time_s": self.max_step_time_s,
-                "max_slowdown": self.max_slowdown,
+                "max_slowdown": self.max_slowdown, "pipeline": self.pipeline,
                 "time_s": self.time_s,
                 "answers": [{"strategy": a.strategy, "value": a.value,
                              "peak_bytes": a.plan.peak_bytes if a.plan else None,
@@ -303,19 +311,23 @@ def _round(value: float, step: int) -> int:
 
 
 # -- probes ------------------------------------------------------------------------------------------
-def _model_states(plan: Plan) -> float:
-    b = plan.memory.breakdown
+def _model_states(plan: Plan | PipelinedPlan) -> float:
+    b = (plan.peak_stage.plan if isinstance(plan, PipelinedPlan) else plan).memory.breakdown
     return b["parameters"] + b["gradients"] + b["optimizer_states"]
 
 
 class Prober:
     """The probes of one job's knob: memshard's least-memory search and every baseline's plan
-    at a value, each job built once."""
+    at a value, each job built once. With ``pipeline``: memshard's pipelined plan of that many
+    stages and the pipelined Megatron-LM configurations of that degree instead."""
 
-    def __init__(self, job: Job, knob: str, options: SearchOptions, memory: float, slowdown: float | None = None):
+    def __init__(self, job: Job, knob: str, options: SearchOptions, memory: float, slowdown: float | None = None,
+                 pipeline: PipelineOptions | None = None):
         self.job, self.knob, self.options, self.memory, self.slowdown = job, knob, options, memory, slowdown
+        self.pipeline = pipeline
         self.jobs: dict[int, tuple[Job, object]] = {}  # value → (job, its problem on the real mesh)
         self.baselines: dict[tuple[int, str], Plan | None] = {}
+        self.pipelined: dict[int, dict[str, PipelinedPlan]] = {}  # value → the pipelined baselines' plans
         self.fastest: dict[int, float] = {}  # value → memshard's fastest step within the memory
 
     def step_budget(self, value: int) -> float | None:
@@ -332,8 +344,10 @@ class Prober:
                 self.fastest[value] = math.inf
         return self.fastest[value]
 
-    def memshard(self, value: int) -> tuple[Probe, Plan | None]:
+    def memshard(self, value: int) -> tuple[Probe, Plan | PipelinedPlan | None]:
         job = job_at(self.job, self.knob, value)
+        if self.pipeline is not None:
+            return self.memshard_pipelined(job, value)
         problem = searched_problem(job, self.options)
         bound = peak_lower_bound(problem)
         if bound > self.memory:
@@ -350,6 +364,28 @@ class Prober:
             return Probe(value, math.inf, bound, False, note=str(e)), None
         proved = max(bound, plan.peak_bytes * (1 - plan.solver.gap))
         return Probe(value, plan.peak_bytes, proved, plan.peak_bytes <= self.memory, plan.step_time_s), plan
+
+    def memshard_pipelined(self, job: Job, value: int) -> tuple[Probe, PipelinedPlan | None]:
+        """memshard's pipelined plan of the least memory at ``value``; its bound: the largest of
+        the stages' proved bounds (each stage searched to its gap)."""
+        if self.knob == "layers" and value < self.pipeline.stages:
+            return Probe(value, math.inf, math.inf, False, note=f"fewer layers than {self.pipeline.stages} stages",
+                         laid_out=False), None
+        plan = plan_pipelined(job, self.options, self.pipeline)
+        proved = max(stage.plan.peak_bytes * (1 - stage.plan.solver.gap) for stage in plan.stages)
+        return Probe(value, plan.peak_bytes, proved, plan.peak_bytes <= self.memory, plan.step_time_s), plan
+
+    def pipelined_plans(self, value: int) -> dict[str, PipelinedPlan]:
+        """The pipelined Megatron-LM configurations of the job at ``value``, priced once (each
+        taken out by the probe that reads it)."""
+        if value not in self.pipelined:
+            found = []
+            if self.knob != "layers" or value >= self.pipeline.stages:
+                found, _ = pipelined_baselines(job_at(self.job, self.knob, value), self.pipeline.stages,
+                                               zero3_unit=self.options.priced_unit, recompute=self.options.recompute,
+                                               exact=self.options.exact)
+            self.pipelined[value] = {plan.strategy: plan for plan in found}
+        return self.pipelined[value]
 
     def job_and_problem(self, value: int):
         """The job at ``value`` and its problem on the real mesh, built once."""
@@ -381,8 +417,10 @@ class Prober:
             self.baselines.setdefault((value, name), None)
         return next((p for p in cached if p is not None), None)
 
-    def baseline(self, name: str, value: int) -> tuple[Probe, Plan | None]:
-        if self.knob == DEVICES:  # the data-parallel degree follows the devices
+    def baseline(self, name: str, value: int) -> tuple[Probe, Plan | PipelinedPlan | None]:
+        if self.pipeline is not None:  # (its search keeps what it needs)
+            plan = self.pipelined_plans(value).pop(name, None)
+        elif self.knob == DEVICES:  # the data-parallel degree follows the devices
             plan = self.family_plan(name, value)
         else:
             plan = self.baseline_plans(value, {name}).get(name)
@@ -404,12 +442,13 @@ def family(name: str) -> str:
 
 
 def fit_job(job: Job, knob: str = "batch", options: SearchOptions | None = None, step: int | None = None,
-            baselines: bool = True, max_slowdown: float | None = None) -> FitResult:
+            baselines: bool = True, max_slowdown: float | None = None, pipeline: int | None = None) -> FitResult:
     """The largest value of ``knob`` (``KNOBS``; the fewest ``devices``) that fits ``job``'s
     device memory, for memshard and (``baselines``) every baseline; ``options``: memshard's
     search (its ``max_step_time_s`` bounds every strategy's step time; the objective is least
     memory); ``max_slowdown``: instead, every strategy's step within that many times memshard's
-    fastest plan that fits at the same value."""
+    fastest plan that fits at the same value. ``pipeline``: that many 1F1B stages along the
+    outermost mesh axis, for memshard's plans and the baselines (pipelined Megatron-LM)."""
     started = time.perf_counter()
     step = _check(job, knob, step)
     options = options or SearchOptions()
@@ -423,8 +462,9 @@ def fit_job(job: Job, knob: str = "batch", options: SearchOptions | None = None,
         check_factor(max_slowdown, "the slowdown bound")
         if options.max_step_time_s is not None:
             raise MemshardError("give a step-time budget or a slowdown bound, not both")
+    stages = _pipeline(job, knob, options, max_slowdown, pipeline)
     memory = job.mesh.device_memory_bytes
-    prober = Prober(job, knob, options, memory, max_slowdown)
+    prober = Prober(job, knob, options, memory, max_slowdown, stages)
     fixed = _model_states if knob in ("batch", "seq") else None
     start, limit, rising = knob_value(job, knob), knob_limit(job, knob), knob != DEVICES
     answers = [KnobSearch("memshard", prober.memshard, memory, step, fixed, limit, rising).run(start)]
@@ -434,14 +474,35 @@ def fit_job(job: Job, knob: str = "batch", options: SearchOptions | None = None,
         raise MemshardError(f"no {what} in {format_bytes(memory)} per device: {knob} {p.value:,} needs "
                             f"{format_bytes(p.bound_bytes)} at least" + (f" ({p.note})" if p.note else ""))
     if baselines:
-        names = dict.fromkeys((family(n) if knob == DEVICES else n)
-                              for n in prober.baseline_plans(min(_round(start, step), limit)))
+        first = min(_round(start, step), limit)
+        if stages is not None:
+            names = dict.fromkeys(sorted(prober.pipelined_plans(first)))
+        else:
+            names = dict.fromkeys((family(n) if knob == DEVICES else n) for n in prober.baseline_plans(first))
         found = [KnobSearch(name, lambda v, n=name: prober.baseline(n, v), memory, step, fixed, limit,
                             rising).run(start) for name in names]
         answers += sorted(found, key=lambda a: (a.value is None, -(a.value or 0) if rising else a.value or 0,
                                                 a.strategy))
     return FitResult(knob, step, memory, options.max_step_time_s, tuple(answers), time.perf_counter() - started,
-                     limit, max_slowdown)
+                     limit, max_slowdown, pipeline)
+
+
+def _pipeline(job: Job, knob: str, options: SearchOptions, max_slowdown: float | None,
+              stages: int | None) -> PipelineOptions | None:
+    """``stages`` as the pipeline every probe runs, or one MemshardError saying why not."""
+    if stages is None:
+        return None
+    pipeline = PipelineOptions(stages)
+    if knob == DEVICES:
+        raise MemshardError("fit --min devices resizes the outermost mesh axis, which a pipeline runs along: "
+                            "give --max batch, seq, layers or hidden with --pipeline")
+    if max_slowdown is not None or options.max_step_time_s is not None:
+        raise MemshardError("a step-time budget or slowdown bound does not yet bound a pipelined plan: its step is "
+                            "the schedule's, not a stage's")
+    if options.mesh_views:
+        raise MemshardError("mesh views (--mesh-views on) are not yet searched with a pipeline")
+    pipeline_meshes(job.mesh, stages)  # (the mesh splits into that many stages)
+    return pipeline
 
 
 def draw_fit(result: FitResult, title: str, path: str) -> None:

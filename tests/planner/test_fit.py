@@ -227,3 +227,38 @@ def test_the_cli_and_the_module_list_the_same_knobs():
     from memshard.cli import FIT_KNOBS
 
     assert FIT_KNOBS == KNOBS
+
+
+# -- with a pipeline ---------------------------------------------------------------------------------
+def test_a_pipelined_fit_is_the_boundary_of_pipelined_plans_for_memshard_and_megatron():
+    """``pipeline=2``: memshard's pipelined least-memory plan and each pipelined Megatron-LM
+    configuration at its largest batch fits, and the next batch, planned again, does not."""
+    from memshard.pipelining import PipelineOptions, pipelined_baseline, plan_pipelined
+
+    mesh = memshard.parse_mesh("2x2", device_memory_bytes=6 * MIB)
+    job = Job("tiny-gpt", mesh, batch=8, micro_batches=4, precision="fp32")
+    result = fit_job(job, "batch", pipeline=2)
+    assert result.pipeline == 2 and result.to_dict()["pipeline"] == 2
+    names = [a.strategy for a in result.answers]
+    assert names[0] == "memshard" and len(names) > 2
+    assert all("-pp2" in name for name in names[1:])
+    for answer in result.answers:
+        assert answer.value is not None and len(answer.plan.stages) == 2, answer.strategy
+        assert answer.plan.peak_bytes <= 6 * MIB and answer.plan.job.global_batch == answer.value
+        nxt = answer.next_probe.value
+        assert nxt == answer.value + 4 and not answer.next_probe.fits, answer.strategy
+        again = job_at(job, "batch", nxt)
+        peak = (plan_pipelined(again, SearchOptions(), PipelineOptions(2)) if answer.strategy == "memshard"
+                else pipelined_baseline(again, answer.strategy)).peak_bytes
+        assert peak > 6 * MIB, answer.strategy
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(knob="devices"), "resizes the outermost mesh axis, which a pipeline runs along"),
+    (dict(max_slowdown=1.5), "does not yet bound a pipelined plan"),
+    (dict(pipeline=3), "3 pipeline stages do not divide the outermost axis"),
+])
+def test_a_pipelined_fit_refuses_what_it_cannot_do_in_one_line(arguments, message):
+    job = Job("tiny-gpt", memshard.parse_mesh("2x2", device_memory_bytes=6 * MIB), batch=8, micro_batches=4)
+    with pytest.raises(MemshardError, match=message):
+        fit_job(job, **{"knob": "batch", "pipeline": 2, **arguments})

@@ -379,7 +379,8 @@ def render_fit(result, console: Console) -> None:
     budget = (f" and a step within {format_seconds(result.max_step_time_s)}" if result.max_step_time_s else
               f" and a step within {result.max_slowdown:g}× memshard's fastest" if result.max_slowdown else "")
     most = "fewest" if knob == "devices" else "largest"
-    console.print(f"the {most} {knob} (in steps of {result.step:,}) that fits in {memory} per device{budget}, "
+    stages = f", {result.pipeline} pipeline stages (1F1B)" if result.pipeline else ""
+    console.print(f"the {most} {knob} (in steps of {result.step:,}) that fits in {memory} per device{budget}{stages}, "
                   f"found in {format_seconds(result.time_s)}")
     t = Table(title_justify="left")
     for col in ("strategy", f"{most} {knob}", "peak", "step time", f"next {knob}", "needs at least", "probes"):
@@ -401,4 +402,7 @@ def render_fit(result, console: Console) -> None:
     best = result.answers[0]
     if best.plan is not None:
         console.print(f"memshard's plan at {knob} {best.value:,}:")
-        render_plan(best.plan, console, top=3, show_strategy=False)
+        if result.pipeline:
+            render_pipelined(best.plan, console, top=3, show_strategy=False)
+        else:
+            render_plan(best.plan, console, top=3, show_strategy=False)
