@@ -38,6 +38,7 @@ from memshard.baselines.recipes import baselines
 from memshard.core.errors import MemshardError
 from memshard.core.graph import Graph
 from memshard.core.mesh import Mesh, make_mesh
+from memshard.core.placement import Layout
 from memshard.job import Job, TracedModule
 from memshard.planner import SearchOptions, plan_job
 from memshard.plans.pipelined import PipelinedPlan, StagePlan
@@ -45,8 +46,8 @@ from memshard.plans.plan import Plan, build_plan
 from memshard.problem.kernels import op_time
 from memshard.problem.memory import tensor_bytes
 from memshard.problem.pipeline import StageTimes, build_schedule, peak_held_counts, simulate
-from memshard.problem.pricing import build_problem
-from memshard.problem.records import OpGroup, PipelineStage, without_partial
+from memshard.problem.pricing import build_problem, receive_time
+from memshard.problem.records import OpGroup, PipelineStage, Problem, without_partial
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")  # one stage per rank; the interleaved ones hold several
 
@@ -118,16 +119,42 @@ def plan_pipelined(job: Job, options: SearchOptions, pipeline: PipelineOptions) 
     stage_job = _stage_job(job, stage_mesh)
     # one ZeRO-3 unit: a second would be searched on the whole model (``planner.candidates``)
     stage_options = replace(options, mesh_views=False, zero3_unit=options.zero3_units[0])
-    plans = []
+    plans: list[tuple[PipelineStage, Plan]] = []
     for stage in _stages(job, pipeline, held_micro_batches(pipeline.schedule, pipeline.stages, job.micro_batches)):
-        problem = build_problem(job.graph, stage_mesh, shared_layers=not options.exact, micro_batches=job.micro_batches,
-                                zero3_unit=stage_options.zero3_unit, recompute=options.recompute, stage=stage)
-        try:
-            plans.append((stage, plan_job(stage_job, stage_options, problem=problem)))
+        def problem_of(received: dict[str, Layout] | None, stage: PipelineStage = stage) -> Problem:
+            return build_problem(job.graph, stage_mesh, shared_layers=not options.exact, micro_batches=job.micro_batches,
+                                 zero3_unit=stage_options.zero3_unit, recompute=options.recompute, stage=stage,
+                                 received_layouts=received)
+        try:  # each tensor received as the stage before sends it
+            if not plans:
+                plans.append((stage, plan_job(stage_job, stage_options, problem=problem_of(None))))
+                continue
+            searched = plan_job(stage_job, stage_options, problem=problem_of(sent_layouts(plans[-1][1])))
+            plans.append((stage, on_problem(searched, problem_of(None))))
         except MemshardError as e:
             raise MemshardError(f"pipeline stage {len(plans)} (layers {stage.first_layer}–{stage.end_layer - 1}): "
                                 f"{e}") from None
     return _priced(job, options.objective, pipeline.schedule, mesh, stage_mesh, plans)
+
+
+def on_problem(plan: Plan, problem: Problem) -> Plan:
+    """``plan`` (of a stage's problem whose received layouts were fixed) as a plan of
+    ``problem``, the stage's problem with every strategy (as a saved plan is read back): the
+    same strategies, priced alike."""
+    choices = list(plan.searched_selection.choices)
+    for gid, group in enumerate(plan.searched.groups):
+        if isinstance(group, OpGroup) and len(group.strategies) != len(problem.groups[gid].strategies):
+            strategy = group.strategies[choices[gid]]
+            choices[gid] = problem.groups[gid].choice_of(strategy.assignment, group.replayed(choices[gid]))
+    return replace(plan, searched=problem, searched_selection=replace(plan.searched_selection, choices=tuple(choices)))
+
+
+def sent_layouts(plan: Plan) -> dict[str, Layout]:
+    """Each tensor a stage's plan sends on → the layout it sends it in: its producer's output
+    layout, partial sums summed (the runtime sums them before it sends)."""
+    problem, graph = plan.problem, plan.problem.graph
+    return {t: without_partial(problem.strategy(plan.selection, problem.op_group[graph.producer[t]]).output_layout)
+            for t in sorted(graph.sent)}
 
 
 def megatron_held_micro_batches(stages: int, micro_batches: int) -> tuple[int, ...]:
@@ -297,7 +324,8 @@ def forward_share(plan: Plan) -> float:
     for group, k in zip(problem.groups, selection.choices):
         if isinstance(group, OpGroup):
             op = problem.graph.ops[group.ops[0]]
-            kernels = op_time(op, problem.graph, group.strategies[k].local_sizes, problem.mesh.hardware)
+            kernels = receive_time(op) or op_time(op, problem.graph, group.strategies[k].local_sizes,
+                                                  problem.mesh.hardware)
             forward += group.instances * kernels.forward_s
             every += group.instances * group.choices[k].compute_s / problem.micro_batches
     return forward / every if every > 0 else 0.0
@@ -307,14 +335,9 @@ def _transfer_s(plan: Plan, mesh: Mesh) -> float:
     """One micro-batch's activations from a stage to the next: what each device holds of the
     tensors the stage sends, in the layouts its plan makes them, over one link of the pipeline
     axis (a device's own NIC where the axis crosses nodes)."""
-    problem, selection = plan.problem, plan.selection
+    problem = plan.problem
     graph = problem.graph
-    nbytes = 0.0
-    for i, op in enumerate(graph.ops):
-        if op.output.tensor in graph.sent:
-            group = problem.groups[problem.op_group[i]]
-            layout = group.strategies[selection.choices[problem.op_group[i]]].output_layout
-            nbytes += tensor_bytes(graph.tensors[op.output.tensor], without_partial(layout), problem.mesh)
+    nbytes = sum(tensor_bytes(graph.tensors[t], layout, problem.mesh) for t, layout in sent_layouts(plan).items())
     axis, hardware = mesh.axes[0], mesh.hardware
     crosses_nodes = axis.per_node < axis.size
     bandwidth = hardware.inter_node_bandwidth if crosses_nodes else hardware.intra_node_bandwidth

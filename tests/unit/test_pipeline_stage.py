@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memshard.core.errors import MemshardError
-from memshard.core.graph import TensorKind
+from memshard.core.graph import RECEIVE, TensorKind, received_name
 from memshard.core.mesh import parse_mesh
 from memshard.models import build_graph
 from memshard.problem.evaluate import InconsistentPlan, check_plan, evaluate
@@ -53,9 +53,9 @@ def test_stages_partition_the_ops(model, layers, cuts):
     receives is what the stages before it sent, an input of the same dtype and shape."""
     graph = build_graph(model, batch=2, seq=16, num_layers=layers)
     stages = [graph.pipeline_stage(a, b) for a, b in _split(layers, cuts)]
-    names = [op.name for s in stages for op in s.ops]
+    names = [op.name for s in stages for op in s.ops if op.kind != RECEIVE]
     assert sorted(names) == sorted(op.name for op in graph.ops) and len(set(names)) == len(names)
-    assert math.fsum(s.flops(op) for s in stages for op in s.ops) == pytest.approx(
+    assert math.fsum(s.flops(op) for s in stages for op in s.ops if op.kind != RECEIVE) == pytest.approx(
         math.fsum(graph.flops(op) for op in graph.ops), rel=1e-12)
     sent: set[str] = set()
     for s in stages:
@@ -65,6 +65,11 @@ def test_stages_partition_the_ops(model, layers, cuts):
         assert s.received <= sent and all(s.tensors[t].kind is TensorKind.INPUT for t in s.received)
         for t in s.received:
             assert (s.tensors[t].shape, s.tensors[t].dtype_bytes) == (graph.tensors[t].shape, graph.tensors[t].dtype_bytes)
+            # read by its RECEIVE op alone, whose output the stage's readers read where the graph's read it
+            ((i, _),) = s.consumers[t]
+            assert s.ops[i].kind == RECEIVE and s.ops[i].output.tensor == received_name(t)
+            readers = {s.ops[k].name for k, _ in s.consumers[received_name(t)]}
+            assert readers == {graph.ops[k].name for k, _ in graph.consumers[t]} & {op.name for op in s.ops}
         sent |= s.sent
     assert stages[-1].loss == graph.loss and not stages[-1].sent and not stages[0].received
     if model == "tiny-gpt" and len(stages) > 1:
@@ -74,11 +79,12 @@ def test_stages_partition_the_ops(model, layers, cuts):
 def test_a_stage_is_numbered_from_its_first_layer_and_sends_its_last_ops_output():
     graph = _graph("tiny-gpt", 4)
     stage = graph.pipeline_stage(1, 3)
-    assert stage.num_layers == 2 and {op.layer for op in stage.ops} == {0, 1}
-    assert stage.ops[0].name == "layers.1.ln_1" and stage.ops[-1].name == "layers.2.mlp.residual"
+    assert stage.num_layers == 2 and {op.layer for op in stage.ops} == {None, 0, 1}  # (None: its RECEIVE op)
+    assert stage.ops[1].name == "layers.1.ln_1" and stage.ops[-1].name == "layers.2.mlp.residual"
     assert stage.sent == {stage.loss} == {"layers.2.mlp.residual.out"}
     assert stage.received == {"layers.0.mlp.residual.out"}
-    # received by each rank as its share, in its first reader's layout (as a loader's batch)
+    # received by each rank as its share, in its RECEIVE op's layout (as a loader's batch)
+    assert stage.ops[0].name == "receive:layers.0.mlp.residual.out" and stage.ops[0].kind == RECEIVE
     assert stage.loaded_inputs == {"layers.0.mlp.residual.out": (0, 0)}
     assert graph.pipeline_stage(0, 4) is graph
     for first, end in ((2, 2), (-1, 2), (3, 5)):
@@ -88,10 +94,12 @@ def test_a_stage_is_numbered_from_its_first_layer_and_sends_its_last_ops_output(
 
 def test_a_stages_output_is_never_recomputed():
     """It is kept for the next stage's gradient, as a layer's output is kept for the next
-    layer: a one-layer stage recomputes every op of its layer but its last."""
+    layer: a one-layer stage recomputes every op of its layer but its last (and its RECEIVE op,
+    in no layer: the piece torch received)."""
     stage = _graph("tiny-gpt", 4).pipeline_stage(1, 2)
     flags = replay_flags(stage, "full")
-    assert [op.name for op, f in zip(stage.ops, flags) if f == (False,)] == ["layers.1.mlp.residual"]
+    assert [op.name for op, f in zip(stage.ops, flags) if f == (False,)] == [
+        "receive:layers.0.mlp.residual.out", "layers.1.mlp.residual"]
 
 
 @pytest.mark.parametrize("policy, per_layer", [

@@ -17,6 +17,9 @@ the ops before the layers (the embedding), the last the ops after them (final no
 loss). Its graph is a graph like any other. A tensor it reads that another stage makes is one
 of its inputs (``Graph.received``); what it makes for a later stage is ``Graph.sent``, and its
 last op's output is the graph's output (``Graph.loss``) where it is not the last stage.
+A received tensor has one reader, a :data:`RECEIVE` op: the rank receives one piece of it, in
+the layout that op's strategy gives it, and the stage's readers read that op's output (the
+piece itself, no copy), each resharding it as it reshards any activation.
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ ACTIVATION_FLOPS_PER_POINT = {"gelu": 8.0, "silu": 8.0}
 # order) where eager PyTorch has a view of a kernel's output (the transposed output of a fused
 # attention); priced as a view for the frameworks that run the eager module (``pricing``).
 LAYOUT_COPY = "layout_copy"
+# Op kind: what a pipeline stage receives, as the stage's readers read it (``Graph.pipeline_stage``):
+# the received piece itself, in the layout its strategy gives it, no copy and no kernel.
+RECEIVE = "receive"
 
 
 @dataclass(frozen=True)
@@ -235,7 +241,7 @@ class Graph:
         ids, labels) — → that op (op index, input index). Those several ops read (a traced
         model's rotary tables) are made whole on every rank, and so are ``made_inputs``. A
         pipeline stage receives its share of what the stage before made (``received``) as a
-        loader hands it the batch: in its first reader's layout, however many read it."""
+        loader hands it the batch: in the layout of its one reader, its :data:`RECEIVE` op."""
         out = {}
         for name, spec in self.tensors.items():
             uses = self.consumers.get(name, ())
@@ -318,7 +324,9 @@ class Graph:
         its dtype and shape kept, listed in ``received``): no op of the stage makes it, so it is
         no activation of the stage; the rank receives its share before its forward, as a data
         loader hands it the batch (``loaded_inputs``), keeps it until its backward, and sends
-        its gradient back. A parameter read on two stages (a tied embedding and head) is on
+        its gradient back. Its one reader is a :data:`RECEIVE` op (``receive:<tensor>``, first):
+        the share is that op's layout, and the stage's readers read that op's output
+        (``received_name``), as they read any activation. A parameter read on two stages (a tied embedding and head) is on
         both, as Megatron-LM duplicates it. What the stage makes for a later stage is ``sent``;
         where the stage is not the last, its last op's output is the graph's output (``loss``)."""
         if not 0 <= first_layer < end_layer <= self.num_layers:
@@ -333,19 +341,16 @@ class Graph:
         ops = tuple(op if op.layer is None else replace(op, layer=op.layer - first_layer)
                     for op in (self.ops[i] for i in mine))
         produced = {op.output.tensor for op in ops}
-        tensors, received = {}, set()
-        for op in ops:
-            for operand in op.operands:
-                spec = self.tensors[operand.tensor]
-                if spec.kind is TensorKind.ACTIVATION and operand.tensor not in produced:
-                    spec = replace(spec, kind=TensorKind.INPUT)
-                    received.add(operand.tensor)
-                tensors[operand.tensor] = spec
         sent = frozenset(t for t in produced if any(of_op[c] != stage for c, _ in self.consumers.get(t, ())))
+        ops = _with_receive_ops(ops, produced, self.tensors)
+        received = frozenset(op.inputs[0].tensor for op in ops if op.kind == RECEIVE)
+        specs = {**self.tensors, **{t: replace(self.tensors[t], kind=TensorKind.INPUT) for t in received},
+                 **{received_name(t): replace(self.tensors[t], name=received_name(t)) for t in received}}
+        tensors = {operand.tensor: specs[operand.tensor] for op in ops for operand in op.operands}
         last = end_layer == self.num_layers
         return replace(self, name=f"{self.name}[{first_layer}:{end_layer}]", tensors=tensors, ops=ops,
                        loss=self.loss if last else ops[-1].output.tensor, num_layers=end_layer - first_layer,
-                       made_inputs=self.made_inputs & set(tensors), received=frozenset(received), sent=sent)
+                       made_inputs=self.made_inputs & set(tensors), received=received, sent=sent)
 
     # -- checks -----------------------------------------------------------------------------
     def validate(self) -> None:
@@ -385,3 +390,25 @@ class Graph:
                                             for t in self.received):
             raise MemshardError(f"graph {self.name}: a stage sends a tensor it does not make or receives one "
                                 f"that is not an input")
+
+
+def received_name(tensor: str) -> str:
+    """The name of the output of the :data:`RECEIVE` op of ``tensor``: what its readers read."""
+    return f"{tensor}:received"
+
+
+def _with_receive_ops(ops: tuple[Op, ...], produced: set[str], specs: dict[str, TensorSpec]) -> tuple[Op, ...]:
+    """``ops`` after a :data:`RECEIVE` op per activation they read and do not make (in its
+    first reader's dims, named ``receive:<tensor>``), their reads of it rewritten to read that
+    op's output (:func:`received_name`)."""
+    first: dict[str, Operand] = {}
+    for op in ops:
+        for x in op.inputs:
+            if specs[x.tensor].kind is TensorKind.ACTIVATION and x.tensor not in produced:
+                first.setdefault(x.tensor, x)
+
+    def read(x: Operand) -> Operand:
+        return replace(x, tensor=received_name(x.tensor)) if x.tensor in first else x
+
+    receives = tuple(Op(f"receive:{t}", RECEIVE, (x,), replace(x, tensor=received_name(t))) for t, x in first.items())
+    return (*receives, *(replace(op, inputs=tuple(read(x) for x in op.inputs)) for op in ops))

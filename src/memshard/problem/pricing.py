@@ -7,6 +7,13 @@ its edges and holders, for every parameter its storage options (weight, gradient
 states, the ZeRO-3 gathers and the gradients' reductions, alone or by layer unit:
 ``problem/storage.py``), the reshard points, and the adds whose gradient two producers share.
 The records are described in ``records.py``.
+
+A pipeline stage's received tensor (``Graph.pipeline_stage``) is read by its ``RECEIVE`` op
+alone: torch's receive buffers hold that op's layout (``receive_buffers``), and its output is
+the received piece itself, no copy and no kernel. The stage's readers reshard it as any
+activation, copies and collectives priced by the edges. ``build_problem``'s
+``received_layouts`` fixes the layout a stage receives a tensor in (the layout the stage
+before sends it in): that op's strategies are then those of that layout alone.
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ import math
 import numpy as np
 
 from memshard.core.errors import MemshardError
-from memshard.core.graph import Graph, Op, TensorKind
+from memshard.core.graph import RECEIVE, Graph, Op, TensorKind
 from memshard.core.mesh import Mesh
+from memshard.core.placement import Layout, format_layout
 from memshard.problem import comm
 from memshard.problem.draft import ProblemDraft
-from memshard.problem.kernels import op_time
+from memshard.problem.kernels import KernelTime, op_time
 from memshard.problem.memory import (
     STATS_BYTES,
     STATS_IN_BACKWARD,
@@ -90,7 +98,21 @@ class _Builder(ProblemDraft):
     """The ops' half of the builder: op groups and their slots, edges, holders, inputs and
     the frameworks' buffers (the parameters' half: :class:`StoragePricing`)."""
 
+    received_layouts: dict[str, Layout] = {}  # (``build_problem``'s, set per builder)
+
     # -- ops ---------------------------------------------------------------------------------
+
+    def received_strategies(self, op: Op, strategies: list[Strategy]) -> list[Strategy]:
+        """``strategies`` of a ``RECEIVE`` op whose tensor is received in a fixed layout
+        (``received_layouts``): those that lay it out so; every other op's as they are."""
+        wanted = self.received_layouts.get(op.inputs[0].tensor) if op.kind == RECEIVE else None
+        if wanted is None:
+            return strategies
+        kept = [s for s in strategies if without_partial(s.output_layout) == without_partial(wanted)]
+        if not kept:
+            raise MemshardError(f"stage {self.graph.name} cannot receive {op.inputs[0].tensor} in layout "
+                                f"{format_layout(wanted)}: no strategy of {op.name} lays it out so")
+        return kept
 
     def op_choices(self, op: Op, strategies: list[Strategy], replayed: bool = False) -> list[Choice]:
         """Each strategy's compute (``kernels.py``) and statistics all-reduces per step; a
@@ -98,7 +120,7 @@ class _Builder(ProblemDraft):
         out = []
         for s in strategies:
             local = s.local_sizes
-            kernels = op_time(op, self.graph, local, self.mesh.hardware)
+            kernels = receive_time(op) or op_time(op, self.graph, local, self.mesh.hardware)
             calls: tuple[comm.Collective, ...] = ()
             stats: tuple[comm.Collective, ...] = ()
             if op.stats_per_row:
@@ -115,8 +137,9 @@ class _Builder(ProblemDraft):
         return out
 
     def op_group(self, op: Op, flags: tuple[bool, ...]) -> OpGroup:
-        """The group of ``op``'s role: every strategy, once per recompute flag allowed."""
-        strategies = list(enumerate_strategies(self.graph, op, self.mesh))
+        """The group of ``op``'s role: every strategy, once per recompute flag allowed (a
+        ``RECEIVE`` op's of its fixed layout alone: ``received_strategies``)."""
+        strategies = self.received_strategies(op, list(enumerate_strategies(self.graph, op, self.mesh)))
         choices, every, replays = [], [], []
         for replayed in flags:
             choices += self.op_choices(op, strategies, replayed)
@@ -169,7 +192,7 @@ class _Builder(ProblemDraft):
                               *prices, out.nbytes)
             for j in (*activation_inputs(self.graph, op), *self.received_inputs(op)):
                 t = op.inputs[j].tensor
-                if passes_gradient(op, j, self.graph.tensors[t], out):
+                if passes_gradient(op, j, self.graph.tensors[t], out) or op.kind == RECEIVE:
                     continue  # its gradient is the output's, priced above
                 prices = self.cached((gid, "input_grad", j), lambda t=t, gid=gid, j=j: self.layout_prices(
                     self.graph.tensors[t], [without_partial(L) for L in self.groups[gid].input_grads[j]]))
@@ -411,7 +434,8 @@ class _Builder(ProblemDraft):
             # (a tensor sent to the next pipeline stage is kept until the stage's backward
             # ends, as torch's PipelineStage keeps its outputs)
             kept_to = S.optimizer - 1 if self.torch_pipeline else S.backward(p)
-            end = kept_to if t in self.graph.sent else S.backward(p) if op.saves_output else forward_end
+            end = kept_to if t in self.graph.sent else S.backward(p) if op.saves_output or op.kind == RECEIVE \
+                else forward_end
             edges = tuple(sorted({e for kind, e, _, _ in edge_holders.get(t, []) if kind != PRODUCER}))
 
             def prices(pg=pg, edges=edges, spec=spec):
@@ -441,8 +465,19 @@ class _Builder(ProblemDraft):
                 self.holders.append(Holder(hid, PRODUCER, pg, S.forward(p), end))
                 if p in self.cached_ops and not self.groups[pg].always_replays:
                     self.holders.append(Holder(hid, CACHED, pg, forward_end + 1, S.replay(p)))
+            if op.kind == RECEIVE:
+                self.received_piece(p, pg, spec, end)
             for kind, source, start, stop in edge_holders.get(t, []):
                 self.holders.append(Holder(hid, kind, source, start, stop))
+
+    def received_piece(self, p: int, pg: int, spec, end: int) -> None:
+        """A ``RECEIVE`` op's output is the received piece, which ``add_inputs`` prices (torch's
+        receive buffer): its own tensor is taken back where it is held, from the op's forward to
+        its backward (``add_holders`` holds it so, and every reader that reads it in its layout
+        or keeps a copy in it reads it within), and no other holder's copy is."""
+        nbytes, redundant = self.cached((pg, "received piece"), lambda: self.layout_prices(
+            spec, [without_partial(s.output_layout) for s in self.groups[pg].strategies]))
+        self.slot(pg, self.sched.forward(p), end, "activations", -nbytes, -redundant, -float(spec.nbytes))
 
     def add_inputs(self, op_group: list[int]) -> None:
         """The model's inputs, held all step: a data loader's share of the batch in the layout
@@ -489,14 +524,20 @@ class _Builder(ProblemDraft):
         self.constants.append(Constant(0, self.sched.optimizer, "gradients", buckets, buckets * (1 - 1 / n), buckets))
 
 
+def receive_time(op: Op) -> KernelTime | None:
+    """A ``RECEIVE`` op's seconds: none (the piece torch received, as it is); None for another op."""
+    return KernelTime(0.0, 0.0) if op.kind == RECEIVE else None
+
+
 def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_batches: int = 1,
                   zero3_unit: str = "op", recompute: str = "none", framework: str = MEMSHARD,
-                  stage: PipelineStage | None = None) -> Problem:
+                  stage: PipelineStage | None = None, received_layouts: dict[str, Layout] | None = None) -> Problem:
     """``graph`` describes one micro-batch; a step runs ``micro_batches`` of them (gradient
     accumulation) and one optimizer update. ``zero3_unit``: see :class:`LayerUnit`;
     ``recompute``: which ops may be replayed (``recompute.RECOMPUTE_POLICIES``); ``stage``: the
     problem of that pipeline stage's rank (its graph, cut from ``graph`` unless ``graph`` is a
-    stage's already, and the micro-batches it holds)."""
+    stage's already, and the micro-batches it holds); ``received_layouts``: the layout the stage
+    receives each of these tensors in (``Graph.received``), the others chosen by the search."""
     if stage is not None:
         if not 1 <= stage.held_micro_batches <= micro_batches:
             raise MemshardError(f"a pipeline stage holds 1 to {micro_batches} micro-batches (the step's), "
@@ -512,6 +553,7 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
     graph = framework_graph(graph, framework)
     b = _Builder(graph, mesh, shared_layers, micro_batches, zero3_unit, recompute, framework,
                  1 if stage is None else stage.held_micro_batches)
+    b.received_layouts = dict(received_layouts or {})
     op_group = b.add_ops()
     b.op_slots(op_group)
     b.received_gradients(op_group)

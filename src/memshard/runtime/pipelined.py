@@ -19,12 +19,12 @@ each piece is the one the plan's model describes:
   The stage's shapes are given to torch (static metadata): torch's shape inference would run a
   forward and a backward through the executor, accumulating gradients and reducing them.
 - **The boundary.** A stage sends the tensor its last op makes, in that op's layout on the
-  stage mesh; the next stage's readers read it in their own layout. Each rank sends each rank
-  of the next stage the part of its piece that rank reads (:func:`routes`): one message to
-  the rank at the same stage coordinate where the layouts agree (torch's own send), several
-  pieces where they differ, so no stage runs a collective for the boundary. The gradient goes
-  back the same way (where the readers' gradient is a partial sum, it is all-reduced over the
-  stage's axes first). The received piece is the readers' input itself, not a copy.
+  stage mesh (partial sums summed first); the next stage receives it in the layout of its
+  ``RECEIVE`` op (``Graph.pipeline_stage``), which the planner fixes to the sent one
+  (``pipelining.plan_pipelined``). So each rank sends its piece to the rank at the same stage
+  coordinate, torch's own send and receive, and the gradient comes back the same way; a plan
+  whose layouts differ there is refused in one line. The received piece (torch's buffer) is the
+  ``RECEIVE`` op's output itself; the stage's readers reshard it as the plan says.
 - **The loss.** The graph computes its own loss (its cross-entropy op reads the labels, a model
   input, in the layout its plan gives it), so the labels reach the last stage as a model input:
   a keyword argument of the schedule's ``step``, cut into micro-batches as torch cuts any
@@ -61,14 +61,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from memshard.core.errors import MemshardError
-from memshard.core.graph import Origin, TensorKind
-from memshard.core.placement import Layout, Partial, Shard
+from memshard.core.graph import RECEIVE, Origin, TensorKind
+from memshard.core.placement import Layout, Shard, format_layout
 from memshard.plans.plan import runnable
 from memshard.problem.memory import param_layout, tensor_bytes
-from memshard.problem.strategies import input_grad_layout
 from memshard.runtime.executor import GraphModel, ShardedGraphModel, Shares, make_batch
 from memshard.runtime.launch import die_if_asked
 from memshard.runtime.measure import CommCounter, MemoryMeter
+from memshard.runtime.ops import KERNELS, KernelTable
 from memshard.runtime.optim import LeanAdam
 from memshard.runtime.parallel import parallelize
 from memshard.runtime.report import P2P, measured_figures, predicted_figures
@@ -76,6 +76,8 @@ from memshard.runtime.reshard import without_partial
 from memshard.runtime.stores import compute_dtype
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+# memshard's kernels and a stage's RECEIVE op: its output is the received piece itself
+STAGE_KERNELS = KernelTable({**KERNELS.kernels, RECEIVE: lambda ctx, x: x})
 
 Box = tuple[tuple[int, int], ...]  # per dim of a tensor: (start, length)
 
@@ -83,22 +85,19 @@ Box = tuple[tuple[int, int], ...]  # per dim of a tensor: (start, length)
 # -- what crosses a stage boundary ------------------------------------------------------------
 @dataclass(frozen=True)
 class StageEnds:
-    """How a stage meets its neighbours: the tensor it receives (None on the first stage), the
-    layout its readers read it in and the layout of the gradient they make (without partial
-    sums, and the axes where it is one); the tensor it sends (None on the last) and its layout."""
+    """How a stage meets its neighbours: the tensor it receives (None on the first stage) and
+    its ``RECEIVE`` op's layout, which its gradient goes back in too; the tensor it sends (None
+    on the last) and its layout, partial sums summed."""
 
     received: str | None
     received_layout: Layout | None
-    received_gradient: Layout | None
-    gradient_partial_axes: tuple[int, ...]
     sent: str | None
     sent_layout: Layout | None
 
 
 def stage_ends(plan) -> StageEnds:
     """A stage plan's :class:`StageEnds`, or one MemshardError line where the runtime cannot
-    run the stage: several tensors in or out, or readers that read the received one in
-    different layouts (the executor hands every reader the one piece it received)."""
+    run the stage: several tensors in or out."""
     problem, selection = plan.problem, plan.selection
     graph = problem.graph
     if len(graph.received) > 1 or len(graph.sent) > 1:
@@ -107,23 +106,27 @@ def stage_ends(plan) -> StageEnds:
     sent = next(iter(graph.sent), None)
     if sent is not None and sent != graph.loss:
         raise MemshardError(f"stage {graph.name} sends a tensor other than its last op's output")
-    received, layout, gradient, partial = next(iter(graph.received), None), None, None, ()
+    received, layout = next(iter(graph.received), None), None
     if received is not None:
-        readers = graph.consumers[received]
-        pairs = {(problem.strategy(selection, problem.op_group[i]).input_layouts[j],
-                  input_grad_layout(problem.strategy(selection, problem.op_group[i]), graph.ops[i], j))
-                 for i, j in readers}
-        if len(pairs) > 1:
-            raise MemshardError(f"stage {graph.name}'s plan reads its input {received} in several layouts: the "
-                                "runtime hands every reader the piece it received")
-        layout, with_partial = pairs.pop()
-        gradient = without_partial(with_partial)
-        partial = tuple(a for a, p in enumerate(with_partial) if isinstance(p, Partial))
+        ((i, j),) = graph.consumers[received]  # its RECEIVE op (``Graph.pipeline_stage``)
+        layout = problem.strategy(selection, problem.op_group[i]).input_layouts[j]
     sent_layout = None
     if sent is not None:
         producer = graph.producer[sent]
         sent_layout = without_partial(problem.strategy(selection, problem.op_group[producer]).output_layout)
-    return StageEnds(received, layout, gradient, partial, sent, sent_layout)
+    return StageEnds(received, layout, sent, sent_layout)
+
+
+def check_boundaries(ends: list[StageEnds]) -> None:
+    """One MemshardError line where a stage does not receive what the stage before sends, in
+    the layout it sends it in (the runtime passes each rank's piece as it is)."""
+    for k, (a, b) in enumerate(zip(ends, ends[1:])):
+        if a.sent != b.received:
+            raise MemshardError(f"stage {k} sends {a.sent} and stage {k + 1} receives {b.received}")
+        if a.sent_layout != b.received_layout:
+            raise MemshardError(f"stage {k} sends {a.sent} in layout {format_layout(a.sent_layout)} and stage {k + 1} "
+                                f"receives it in {format_layout(b.received_layout)}: the runtime passes each piece as "
+                                "it is (plan it again: memshard plan receives as the stage before sends)")
 
 
 def box(shape: tuple[int, ...], layout: Layout, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> Box:
@@ -215,77 +218,27 @@ class StageModule(nn.Module):
 
 
 class Stage(PipelineStage):
-    """Torch's ``PipelineStage`` with memshard's boundary (:func:`routes`: every message over
-    the default process group), gradient sync on for the last backward only, its sent bytes
-    counted (``sent_bytes``), and the fault tests' mid-schedule death (``launch.die_if_asked``)."""
+    """Torch's ``PipelineStage`` (its own send and receive over the pipeline axis's group) with
+    gradient sync on for the last backward only, its sent bytes counted (``sent_bytes``), and
+    the fault tests' mid-schedule death (``launch.die_if_asked``)."""
 
     def __init__(self, module: StageModule, index: int, stages: int, device: torch.device, group,
-                 shapes: tuple[torch.Tensor, torch.Tensor], links: dict[str, tuple[Link, ...]],
-                 partial_groups: tuple, micro_batches: int):
+                 shapes: tuple[torch.Tensor, torch.Tensor], micro_batches: int):
         super().__init__(module, index, stages, device, input_args=shapes[0], output_args=shapes[1], group=group)
-        self.model, self.links, self.partial_groups = module.model, links, partial_groups
+        self.model = module.model
         self.micro_batches = micro_batches
-        self.pieces: dict[tuple[str, int], list[tuple[tuple[slice, ...], torch.Tensor]]] = {}
         self.sent_bytes = 0
         self.step_index = 0
 
-    # receiving: in place where one message brings the whole piece, else in parts
-    def _receive(self, key: tuple[str, int], buffer: torch.Tensor, links: tuple[Link, ...]) -> list[dist.P2POp]:
-        if len(links) == 1 and links[0].whole:
-            return [dist.P2POp(dist.irecv, buffer, links[0].peer)]
-        parts = [(link.part, buffer.new_empty(buffer[link.part].shape)) for link in links]
-        self.pieces[key] = parts
-        return [dist.P2POp(dist.irecv, t, link.peer) for link, (_, t) in zip(links, parts)]
-
-    def _assemble(self, key: tuple[str, int], buffer: torch.Tensor) -> None:
-        with torch.no_grad():
-            for part, t in self.pieces.pop(key, ()):
-                buffer[part].copy_(t)
-
-    def _send(self, tensor: torch.Tensor, links: tuple[Link, ...]) -> list[dist.P2POp]:
-        ops = []
-        for link in links:
-            piece = tensor if link.whole else tensor[link.part].contiguous()
-            self.sent_bytes += piece.numel() * piece.element_size()
-            ops.append(dist.P2POp(dist.isend, piece, link.peer))
+    def _counted(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        self.sent_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
         return ops
 
-    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        if self.is_first:
-            return []
-        return self._receive(("forward", fwd_chunk_id), self.args_recv_info[fwd_chunk_id][0].buffer,
-                             self.links["forward_in"])
-
-    def _retrieve_recv_activations(self, fwd_chunk_id: int):
-        self._assemble(("forward", fwd_chunk_id), self.args_recv_info[fwd_chunk_id][0].buffer)
-        return super()._retrieve_recv_activations(fwd_chunk_id)
-
-    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        if not self.has_backward or self.is_last:
-            return []
-        return self._receive(("backward", bwd_chunk_id), self.grad_recv_info[bwd_chunk_id][0].buffer,
-                             self.links["backward_in"])
-
-    def _retrieve_recv_grads(self, bwd_chunk_id: int):
-        self._assemble(("backward", bwd_chunk_id), self.grad_recv_info[bwd_chunk_id][0].buffer)
-        return super()._retrieve_recv_grads(bwd_chunk_id)
-
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        if self.is_last:
-            return []
-        (output,) = self.fwd_cache[fwd_chunk_id][0]
-        return self._send(output.detach(), self.links["forward_out"])
+        return self._counted(super().get_fwd_send_ops(fwd_chunk_id))
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        if not self.has_backward or self.is_first:
-            return []
-        self._check_chunk_id(bwd_chunk_id)
-        (gradient, *_) = self.bwd_cache.pop(bwd_chunk_id)
-        if gradient is None:
-            gradient = torch.zeros_like(self.args_recv_info[bwd_chunk_id][0].buffer)
-        for group in self.partial_groups:  # the readers' gradient, a partial sum over these axes
-            dist.all_reduce(gradient, group=group)
-        return self._send(gradient, self.links["backward_out"])
+        return self._counted(super().get_bwd_send_ops(bwd_chunk_id))
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         self.model.set_requires_gradient_sync(last_backward)
@@ -347,15 +300,15 @@ def build_rank(plan, world: DeviceMesh, seed: int) -> RankStage:
         raise MemshardError(f"device mesh {tuple(world.shape)} ≠ the pipelined plan's mesh {plan.mesh.shape}")
     plans = [runnable(stage.plan) for stage in plan.stages]
     ends = [stage_ends(p) for p in plans]
-    for a, b in zip(ends, ends[1:]):
-        if a.sent != b.received:
-            raise MemshardError(f"a stage sends {a.sent} and the next receives {b.received}")
+    check_boundaries(ends)
     coords = tuple(world.get_coordinate())
     index, me = coords[0], coords[1:]
     names = world.mesh_dim_names
     stage_mesh = world[names[1]] if len(names) == 2 else world[tuple(names[1:])]
     mine, graph = plans[index], plans[index].problem.graph
-    model = parallelize(GraphModel(graph, seed), mine, stage_mesh)
+    reference = GraphModel(graph, seed)
+    reference.kernels = STAGE_KERNELS
+    model = parallelize(reference, mine, stage_mesh)
     model.replicate_loss = index < len(plans) - 1  # a partial output is summed before it is sent
     data = tuple(n for n, t in graph.tensors.items() if t.kind is TensorKind.INPUT and n not in graph.received)
     module = StageModule(model, ends[index], data)
@@ -363,37 +316,13 @@ def build_rank(plan, world: DeviceMesh, seed: int) -> RankStage:
     def rank_of(stage: int) -> Callable[[tuple[int, ...]], int]:
         return lambda c: int(world.mesh[(stage, *c)].item())
 
-    links = _stage_links(plans, ends, index, me, rank_of)
     device = torch.device(world.device_type, torch.cuda.current_device()) if world.device_type == "cuda" \
         else torch.device(world.device_type)
     stage = Stage(module, index, len(plans), device, world.get_group(0), _shapes(mine, ends[index], data, me),
-                  links, tuple(stage_mesh.get_group(a) for a in ends[index].gradient_partial_axes),
                   plan.job.micro_batches)
     schedule = SCHEDULES[plan.schedule](stage, plan.job.micro_batches, loss_fn=_stage_loss, scale_grads=False)
     return RankStage(index, mine, ends[index], module, stage, schedule, data, me, world.get_group(0),
                      _ties(plans, index, me, rank_of, world.get_group(0)))
-
-
-def _stage_links(plans, ends: list[StageEnds], index: int, me: tuple[int, ...],
-                 rank_of) -> dict[str, tuple[Link, ...]]:
-    """The messages of this rank's boundaries: activations out and in, gradients out and in."""
-    mesh_shape = plans[index].problem.mesh.shape
-    mine, out = ends[index], {}
-    if index + 1 < len(plans):
-        after = ends[index + 1]
-        shape = plans[index].problem.graph.tensors[mine.sent].shape
-        out["forward_out"] = _links(shape, mine.sent_layout, after.received_layout, mesh_shape, me, True,
-                                    rank_of(index + 1))
-        out["backward_in"] = _links(shape, after.received_gradient, mine.sent_layout, mesh_shape, me, False,
-                                    rank_of(index + 1))
-    if index > 0:
-        before = ends[index - 1]
-        shape = plans[index].problem.graph.tensors[mine.received].shape
-        out["forward_in"] = _links(shape, before.sent_layout, mine.received_layout, mesh_shape, me, False,
-                                   rank_of(index - 1))
-        out["backward_out"] = _links(shape, mine.received_gradient, before.sent_layout, mesh_shape, me, True,
-                                     rank_of(index - 1))
-    return out
 
 
 def _meta(shape: tuple[int, ...], layout: Layout, mesh_shape, me, dtype, grad: bool = False) -> torch.Tensor:
@@ -569,5 +498,5 @@ def predicted_sends(plan, ends: StageEnds, micro_batches: int) -> float:
     if ends.sent is not None:
         out += tensor_bytes(graph.tensors[ends.sent], ends.sent_layout, mesh)
     if ends.received is not None:
-        out += tensor_bytes(graph.tensors[ends.received], ends.received_gradient, mesh)
+        out += tensor_bytes(graph.tensors[ends.received], ends.received_layout, mesh)
     return out * micro_batches
