@@ -13,9 +13,12 @@ the embedding, the last the final norm, the head and the loss (``Graph.pipeline_
 Each stage is its own problem (``problem.records.PipelineStage``): its graph, and k, the
 micro-batches its ranks hold at their peak, counted from the schedule's action list
 (``problem.pipeline``: 1F1B's stage i of p holds min(p − i, m), GPipe's all m). The stages
-share no decision, so the search of each for the objective gives the pipelined plan of the
-objective for that split: the least memory is the largest of the stages' least peaks, and the
-step time grows with each stage's time.
+are searched in order, each receiving its input in the layout the stage before sends it
+(``build_problem``'s ``received_layouts``: its ``RECEIVE`` op's strategies of that layout
+alone), so the runtime passes each rank's piece to one rank. Each stage's plan is optimal for
+the objective given the layout it receives, not jointly: the first stage chooses its output
+layout alone. The least memory is the largest of the stages' peaks, and the step time grows
+with each stage's time.
 
 The step: each stage's time for one micro-batch is its planned step (``micro_batches`` of
 them, the search's own figure) less its optimizer step, over the micro-batches; the forward
