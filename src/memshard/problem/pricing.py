@@ -86,6 +86,7 @@ from memshard.problem.strategies import (
     activation_inputs,
     enumerate_strategies,
     input_grad_layout,
+    parameter_inputs,
 )
 from memshard.problem.tensor_parallel import REDISTRIBUTIONS, redistribute_grad_layout
 
@@ -240,14 +241,38 @@ class _Builder(ProblemDraft):
         m = self.micro_batches
         self.slot(gid, 0, self.sched.optimizer, "transients", *(x * m for x in prices), nbytes * m)
 
+    def accumulated_contributions(self, storage_group: dict[str, int]) -> None:
+        """A pipeline stage's weight gradient while the step's micro-batches accumulate into it,
+        under memshard's runtime: stored whole (ZeRO-0/1), the gradient autograd makes in a
+        backward is a tensor of its own beside the ``.grad`` it is added to, at the backward
+        of the weight's first use (where its uses' contributions are summed). Priced where
+        every backward but the first holds as many micro-batches as the first (1F1B holding
+        fewer than the step's): a GPipe rank's later backwards hold fewer, and the model
+        prices its first (docs/pipelining.md)."""
+        if self.framework != MEMSHARD or not (self.graph.received or self.graph.sent) or self.forwards_first \
+                or self.micro_batches == 1:
+            return
+        first_use: dict[str, int] = {}
+        for i, op in enumerate(self.graph.ops):
+            for j in parameter_inputs(self.graph, op):
+                first_use.setdefault(op.inputs[j].tensor, i)
+        storage = StoragePricing(self)
+        for name, gid in storage_group.items():
+            grp = self.groups[gid]
+            nbytes, red = self.cached((gid, "storage"), lambda grp=grp: storage.storage_prices(grp))["gradients"]
+            whole = np.array([opt.stage < 2 for _, opt in grp.options], float)
+            point = self.sched.backward(first_use[name])
+            self.slot(gid, point, point, "transients", nbytes * whole, red * whole)
+
     def kept_stage_output(self, i: int, gid: int) -> None:
         """The last pipeline stage's output, the logits its loss reads: torch's
         ``PipelineStage`` keeps it until the stage's backward ends. Under PyTorch's loss the
         tensor the loss saves is its log-probabilities, so the logits are one tensor more
         from the loss's forward on; a loss that saves the logits keeps them itself until its
-        backward."""
-        if not self.graph.received or self.graph.sent or not self.torch_pipeline:
-            return
+        backward. Under memshard's runtime the stage's own graph computes the loss
+        (``runtime/pipelined.py``): the output torch keeps is that scalar, none of the logits."""
+        if not self.graph.received or self.graph.sent or not self.torch_pipeline or self.framework == MEMSHARD:
+            return  # (memshard's runtime: the stage's graph computes its loss; torch keeps that scalar)
         S, logits = self.sched, self.graph.tensors[self.graph.ops[i].inputs[0].tensor]
         prices = self.cached((gid, "kept output"), lambda: self.layout_prices(
             logits, [s.input_layouts[0] for s in self.groups[gid].strategies]))
@@ -561,6 +586,7 @@ def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_ba
     for edge in b.edges:
         edge.executions = edge.instances * micro_batches
     storage_group = StoragePricing(b).add_storage(op_group)
+    b.accumulated_contributions(storage_group)
     b.add_inputs(op_group)
     b.add_framework_buffers()
     return Problem(
