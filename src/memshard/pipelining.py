@@ -53,6 +53,9 @@ from memshard.problem.pricing import build_problem, receive_time
 from memshard.problem.records import OpGroup, PipelineStage, Problem, without_partial
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")  # one stage per rank; the interleaved ones hold several
+# The baselines listed with a pipeline: Megatron-LM's, and torchtitan's fully_shard alone or
+# under parallelize_module
+PIPELINED_KINDS = (Kind.MEGATRON, Kind.FSDP2, Kind.TORCH_TP)
 
 
 @dataclass(frozen=True)
@@ -174,11 +177,13 @@ def megatron_held_micro_batches(stages: int, micro_batches: int) -> tuple[int, .
 
 def pipelined_baseline(job: Job, strategy: str, zero3_unit: str = "op", recompute: str = "none",
                        exact: bool = False) -> PipelinedPlan:
-    """A pipelined Megatron-LM configuration (``megatron-tp2-pp2-dp2-sp``…) of ``job``, priced
-    stage by stage (``pipelined_baselines``), or one MemshardError line saying why not."""
+    """A pipelined Megatron-LM configuration (``megatron-tp2-pp2-dp2-sp``…) or torchtitan recipe
+    (``fsdp2-pp2-noreshard``, ``torch-tp2-pp2-fsdp2``…) of ``job``, priced stage by stage
+    (``pipelined_baselines``), or one MemshardError line saying why not."""
     name = parse_strategy(strategy)
-    if name.kind is not Kind.MEGATRON or name.pipeline_parallel == 1:
-        raise MemshardError(f"{strategy} is not a pipelined Megatron-LM configuration (megatron-tp<T>-pp<P>…)")
+    if name.kind not in PIPELINED_KINDS or name.pipeline_parallel == 1:
+        raise MemshardError(f"{strategy} is not a pipelined baseline (megatron-tp<T>-pp<P>…, fsdp2-pp<P>…, "
+                            "torch-tp<T>-pp<P>-fsdp…)")
     found, skipped = pipelined_baselines(job, name.pipeline_parallel, lambda text: text == strategy, zero3_unit,
                                          recompute, exact)
     if found:
@@ -192,13 +197,16 @@ def pipelined_baseline(job: Job, strategy: str, zero3_unit: str = "op", recomput
 def pipelined_baselines(job: Job, degree: int, wanted: Callable[[str], bool] | None = None, zero3_unit: str = "op",
                         recompute: str = "none", exact: bool = False
                         ) -> tuple[list[PipelinedPlan], list[tuple[str, str]]]:
-    """Every Megatron-LM configuration of pipeline degree ``degree`` (``-pp<degree>``) of ``job``
-    that the stage mesh lays out (``wanted``: those whose names it accepts; the layer splits,
-    ``+full-block<N>``, only by name), and (name, reason) for those it refuses. ``degree``
-    stages along the outermost mesh axis (``pipeline_meshes``), the layers split as
-    ``stage_layers`` splits them, each stage holding the micro-batches Megatron-LM's 1F1B makes
-    it hold; on each stage's problem the rest of the name, laid out on the stage mesh as
-    ``baselines`` lays it out on a flat mesh; the step as memshard's own pipelined plans are
+    """Every Megatron-LM configuration and torchtitan recipe (PyTorch's ``fully_shard``, alone or
+    under ``parallelize_module``, in stages of torch.distributed.pipelining) of pipeline degree
+    ``degree`` (``-pp<degree>``) of ``job`` that the stage mesh lays out (``wanted``: those
+    whose names it accepts; the layer splits, ``+full-block<N>`` and ``+full-every<N>``, only by
+    name), and (name, reason) for those it refuses. ``degree`` stages along the outermost mesh
+    axis (``pipeline_meshes``), the layers split as ``stage_layers`` splits them, each stage
+    holding the micro-batches 1F1B makes it hold (Megatron-LM's and torch's ``Schedule1F1B``
+    alike); on each stage's problem the rest of the name, laid out on the stage mesh as
+    ``baselines`` lays it out on a flat mesh (a ``fully_shard`` as torch's ``PipelineStage``
+    runs it: ``gathers.pipelined_units``); the step as memshard's own pipelined plans are
     priced (``_priced``)."""
     pipeline = PipelineOptions(degree)
     mesh, stage_mesh = _pipeline_of(job, pipeline)
@@ -209,8 +217,8 @@ def pipelined_baselines(job: Job, degree: int, wanted: Callable[[str], bool] | N
 
     def accepted(recipe: str) -> bool:
         name = parse_strategy(recipe)
-        if name.kind is not Kind.MEGATRON:
-            return False
+        if name.kind not in PIPELINED_KINDS or name.prefetch or not isinstance(name.reshard_after_forward, bool):
+            return False  # (a pipelined fully_shard's gathers are torch's PipelineStage's)
         return wanted(pipelined(recipe)) if wanted is not None else not (name.block or name.every)
 
     stages: dict[str, list[tuple[PipelineStage, Plan]]] = {}

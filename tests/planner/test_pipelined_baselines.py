@@ -1,7 +1,8 @@
-"""Pipelined Megatron-LM baselines (``pipelining.pipelined_baseline``): each stage runs the
-recipe the rest of the name says, on that stage's problem, holding the micro-batches
-Megatron-LM's 1F1B makes it hold; its stage 0 checked against Megatron-LM's
-``theoretical_memory_usage.py``."""
+"""Pipelined baselines (``pipelining.pipelined_baseline``): Megatron-LM's and torchtitan's. Each
+stage runs the recipe the rest of the name says, on that stage's problem, holding the
+micro-batches 1F1B makes it hold; Megatron-LM's stage 0 checked against Megatron-LM's
+``theoretical_memory_usage.py``; torchtitan's ``fully_shard`` as torch's ``PipelineStage`` runs
+it (measured against PyTorch in tests/baselines/test_pipeline_fsdp2.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from memshard.pipelining import (
     held_micro_batches,
     megatron_held_micro_batches,
     pipelined_baseline,
+    pipelined_baselines,
     plan_pipelined,
 )
 from memshard.planner import SearchOptions
@@ -151,8 +153,58 @@ def test_the_step_is_priced_as_memshards_pipelined_plans(distopt):
     assert fastest.step_time_s <= distopt.step_time_s * (1 + SearchOptions().gap)
 
 
+@pytest.mark.parametrize("strategy", ["fsdp2-pp2-noreshard", "fsdp2-pp2", "torch-tp2-pp2-fsdp2-noreshard"])
+def test_a_pipelined_fully_shard_accumulates_unsharded_gradients_until_the_steps_end(strategy):
+    """torch's ``PipelineStage`` runs each micro-batch's backward without gradient sync: every
+    weight's gradient waits unsharded, in FSDP2's reduce dtype (fp32 under bf16), until the
+    step's last backward point; then only its shard over the stage's devices is left."""
+    plan = memshard.strategy_plan(JOB, strategy=strategy)
+    assert isinstance(plan, PipelinedPlan) and plan.strategy == strategy
+    for stage in plan.stages:
+        problem = stage.plan.problem
+        graph, schedule, precision = problem.graph, problem.schedule, problem.graph.precision
+        assert problem.framework.startswith(strategy.split("-pp2")[0].replace("-tp2", "-tp"))
+        local = sum(graph.tensors[p].numel for p in graph.parameters if graph.consumers.get(p))
+        tensor_parallel = 2 if strategy.startswith("torch-tp2") else 1
+        evaluation = evaluate(problem, stage.plan.selection)
+        gradients = [evaluation.breakdown_at(point)["gradients"] for point in (schedule.reshard_out(0),
+                                                                               schedule.optimizer)]
+        # (tensor parallelism splits the linears' weights, not the norms': within a few %)
+        assert gradients[0] == pytest.approx(local * precision.reduce_bytes / tensor_parallel,
+                                             rel=0.05 if tensor_parallel > 1 else 1e-9)
+        assert gradients[1] == pytest.approx(gradients[0] / (4 // tensor_parallel) * precision.sharded_grad_bytes
+                                             / precision.reduce_bytes, rel=0.02)
+
+
+def test_not_resharded_after_forward_a_stage_holds_its_weights_gathered_all_step():
+    """torchtitan's default under a pipeline (``reshard_after_forward=False``): gathered by the
+    first forward, kept over every micro-batch until the step's end, where resharding after
+    forward frees them between a forward and its backward (and gathers them again in
+    backward, with FSDP2's flat buffers: not always the smaller peak, as PyTorch measures)."""
+    kept, resharded = (memshard.strategy_plan(JOB, strategy=s) for s in ("fsdp2-pp2-noreshard", "fsdp2-pp2"))
+    for a, b in zip(kept.stages, resharded.stages):
+        problem = a.plan.problem
+        gathered = sum(problem.graph.tensors[p].numel for p in problem.graph.parameters
+                       if problem.graph.consumers.get(p)) * problem.graph.precision.param_bytes
+        boundary = problem.schedule.boundary - 1  # the forward's last point
+        at = [evaluate(s.plan.problem, s.plan.selection).breakdown_at(boundary)["transients"] for s in (a, b)]
+        assert at[0] - at[1] > 0.5 * gathered  # the layers' weights (the root's stay)
+
+
+def test_torchtitans_pipelines_are_listed_beside_megatrons_and_not_exported():
+    found, skipped = pipelined_baselines(JOB, 2)
+    names = {p.strategy for p in found}
+    assert {"fsdp2-pp2", "fsdp2-pp2-noreshard", "fsdp2-pp2-torchtitan", "torch-tp2-pp2-fsdp2",
+            "torch-tp2-pp2-fsdp2-noreshard", "torch-tp2-pp2-fsdp2-torchtitan"} <= names
+    assert not any("prefetch" in n or "-reshard" in n or n.startswith("tp") for n in names) and not skipped
+    with pytest.raises(memshard.MemshardError, match="export each stage's recipe, fsdp2-noreshard") as raised:
+        memshard.export(JOB, strategy="fsdp2-pp2-noreshard")
+    assert "\n" not in str(raised.value)
+
+
 @pytest.mark.parametrize("strategy, why", [
-    ("megatron-tp2-dp4", "not a pipelined Megatron-LM configuration"),
+    ("megatron-tp2-dp4", "not a pipelined baseline"),
+    ("fsdp2-noreshard", "not a pipelined baseline"),
     ("megatron-tp4-pp2-sp-distopt", "each stage runs megatron-tp4-sp-distopt, which its mesh does not lay out"),
     ("megatron-tp2-pp4-sp", "4 pipeline stages do not divide the outermost axis"),
 ])
@@ -188,13 +240,17 @@ def test_compare_with_a_pipeline_lists_memshards_plans_and_every_megatron_config
     names = [row["strategy"] for row in result["rows"]]
     assert names[:2] == ["memshard", "memshard fastest"]
     assert result["pipeline"]["stages"] == 2 and result["pipeline"]["stage_mesh"]["shape"] == [4]
-    megatron = [parse_strategy(name) for name in names[2:]]
-    assert all(n.kind is Kind.MEGATRON and n.pipeline_parallel == 2 for n in megatron)
+    pipelined = {name: parse_strategy(name) for name in names[2:]}
+    assert all(n.pipeline_parallel == 2 for n in pipelined.values())
     # every Megatron-LM layout of a stage mesh of 4: TP 1, 2, 4 (-sp), with -distopt(-overlap) where DP > 1
-    assert set(names[2:]) == {"megatron-tp1-pp2-dp4", "megatron-tp1-pp2-dp4-distopt",
+    assert {name for name, n in pipelined.items() if n.kind is Kind.MEGATRON} == {"megatron-tp1-pp2-dp4", "megatron-tp1-pp2-dp4-distopt",
                               "megatron-tp1-pp2-dp4-distopt-overlap", "megatron-tp2-pp2-dp2",
                               "megatron-tp2-pp2-dp2-sp", "megatron-tp2-pp2-dp2-sp-distopt",
                               "megatron-tp2-pp2-dp2-sp-distopt-overlap", "megatron-tp4-pp2", "megatron-tp4-pp2-sp"}
+    # torchtitan's: fully_shard alone and under TP 2, its defaults, not resharded after forward, its units
+    assert {name for name, n in pipelined.items() if n.kind is not Kind.MEGATRON} == {
+        "fsdp2-pp2", "fsdp2-pp2-noreshard", "fsdp2-pp2-torchtitan", "torch-tp2-pp2-fsdp2",
+        "torch-tp2-pp2-fsdp2-noreshard", "torch-tp2-pp2-fsdp2-torchtitan"}
     peaks = [row["peak_bytes_per_device"] for row in result["rows"][2:]]
     assert peaks == sorted(peaks)
     memory, fastest = result["rows"][:2]

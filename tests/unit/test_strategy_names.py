@@ -92,18 +92,21 @@ def records(draw) -> StrategyName:
         fields |= {"tensor_parallel": draw(DEGREE), "data_parallel": draw(st.none() | DEGREE)}
     if kind is Kind.ZERO:
         fields["zero_stage"] = draw(st.integers(1, 3))
+    if kind in (Kind.MEGATRON, Kind.FSDP2, Kind.TORCH_TP):
+        fields["pipeline_parallel"] = draw(DEGREE)
     if kind is Kind.MEGATRON:
         fields |= {"sequence_parallel": draw(st.booleans()),
-                   "distributed_optimizer": draw(st.booleans()),
-                   "pipeline_parallel": draw(DEGREE)}
+                   "distributed_optimizer": draw(st.booleans())}
     if kind is Kind.DDP:
         fields["bucket_view"] = draw(st.booleans())
     if kind in (Kind.FSDP2, Kind.TORCH_TP):
-        groups = st.integers(2, 1024) if kind is Kind.FSDP2 else st.nothing()
+        # (a pipelined fully_shard is resharded after forward or not, its prefetching torch's)
+        flat = kind is Kind.FSDP2 and fields["pipeline_parallel"] == 1
+        groups = st.integers(2, 1024) if flat else st.nothing()
         fields |= {"reshard_after_forward": draw(st.booleans() | groups),
                    "torchtitan_units": draw(st.booleans())}
-    if kind is Kind.FSDP2:
-        fields["prefetch"] = draw(st.integers(0, 16))
+        if flat:
+            fields["prefetch"] = draw(st.integers(0, 16))
     if kind is Kind.MEMSHARD:  # as the ``g`` format writes it
         fields["time_slack"] = draw(st.none() | st.floats(1, 1e6).map(lambda x: float(f"{x:g}")))
         fields["fastest"] = fields["time_slack"] is None and draw(st.booleans())
@@ -153,9 +156,17 @@ def test_a_text_is_a_name_memshard_writes_or_one_error(text):
     ("megatron-tp4-dp2-pp2", "after megatron-tp<N> a name takes -pp<N>, -dp<N>, -sp"),
     ("megatron-tp4-pp1-dp2", "memshard writes it 'megatron-tp4-dp2'"),
     ("megatron-tp4-pp0-dp2", "after megatron-tp<N>"),
-    ("fsdp2-pp2", "after fsdp2"),
+    ("fsdp2-noreshard-pp2", "after fsdp2 a name takes -pp<N>, -noreshard"),
+    ("fsdp2-pp1", "memshard writes it 'fsdp2'"),
+    ("fsdp2-pp2-prefetch2", "it takes no -prefetch<N> or -reshard<N>"),
+    ("fsdp2-pp2-reshard4", "it takes no -prefetch<N> or -reshard<N>"),
     ("tp4-pp2-fsdp2", "a strategy name starts"),
-    ("fsdp2-foo", "after fsdp2 a name takes -noreshard, -reshard<N>, -prefetch<N>, -torchtitan, "
+    ("torch-tp4", "after torch-tp<N> a name takes -pp<N>, -fsdp, <N>, -noreshard, -torchtitan, "
+                  "+<recompute>, -block<N>, -every<N>, each optional but -fsdp, in that order"),
+    ("torch-tp4-fsdp2-pp2", "each optional but -fsdp"),
+    ("torch-tp4-pp2", "each optional but -fsdp"),
+    ("torch-tp4-fsdp-fsdp2", "each optional but -fsdp"),
+    ("fsdp2-foo", "after fsdp2 a name takes -pp<N>, -noreshard, -reshard<N>, -prefetch<N>, -torchtitan, "
                   "+<recompute>, -block<N>, -every<N>, each optional, in that order"),
     ("fsdp2+full-block0", "after fsdp2"),
     ("fsdp2+full-every2x", "after fsdp2"),
@@ -201,8 +212,10 @@ def test_a_name_is_text(value):
     ({"kind": Kind.MEMSHARD, "fastest": True, "time_slack": 1.1}, "not both"),
     ({"kind": Kind.FSDP2, "fastest": True}, "fsdp2 strategies have no fastest"),
     ({"kind": Kind.MEGATRON, "pipeline_parallel": 0}, "pipeline_parallel is a whole number of at least 1"),
-    ({"kind": Kind.FSDP2, "pipeline_parallel": 2}, "fsdp2 strategies have no pipeline_parallel"),
-    ({"kind": Kind.TORCH_TP, "pipeline_parallel": 2}, "torch-tp strategies have no pipeline_parallel"),
+    ({"kind": Kind.FSDP2, "pipeline_parallel": 2, "prefetch": 2}, "takes no -prefetch<N> or -reshard<N>"),
+    ({"kind": Kind.FSDP2, "pipeline_parallel": 2, "reshard_after_forward": 8}, "takes no -prefetch<N>"),
+    ({"kind": Kind.TP_FSDP, "pipeline_parallel": 2}, "tp-fsdp strategies have no pipeline_parallel"),
+    ({"kind": Kind.DDP, "pipeline_parallel": 2}, "ddp strategies have no pipeline_parallel"),
     ({"kind": Kind.FSDP2, "overlap": True}, "fsdp2 strategies have no overlap"),
 ])
 def test_a_record_that_names_no_strategy_is_refused(fields, why):
@@ -222,6 +235,18 @@ def test_a_pipeline_degree_is_a_field_and_the_rest_is_each_stages_recipe():
     assert str(parse_strategy("megatron-tp1-pp4-distopt-overlap+full-block3").plain) == (
         "megatron-tp1-pp4-distopt-overlap")
     assert family("megatron-tp2-pp2-dp2-sp") == "megatron-tp2-pp2-sp"
+
+
+def test_torchtitans_pipelines_are_named_as_their_stages_recipe_with_a_degree():
+    name = parse_strategy("torch-tp4-pp2-fsdp8-noreshard-torchtitan+full-every2")
+    assert name == StrategyName(Kind.TORCH_TP, tensor_parallel=4, pipeline_parallel=2, data_parallel=8,
+                                reshard_after_forward=False, torchtitan_units=True, recompute="full", every=2)
+    assert str(name.stage_recipe) == "torch-tp4-fsdp8-noreshard-torchtitan+full-every2"
+    assert parse_strategy("fsdp2-pp4-noreshard") == StrategyName(Kind.FSDP2, pipeline_parallel=4,
+                                                                 reshard_after_forward=False)
+    assert str(parse_strategy("fsdp2-pp4+selective-op").stage_recipe) == "fsdp2+selective-op"
+    assert family("torch-tp2-pp2-fsdp4") == "torch-tp2-pp2-fsdp"
+    assert parse_strategy("torch-tp2-fsdp").data_parallel is None
 
 
 def test_a_kind_may_be_given_as_its_text():

@@ -1,7 +1,7 @@
 """Strategy names as one typed record: memshard's own plan (``memshard``) and each baseline
 (``dp``, ``ddp-bucket-view``, ``zero3-fsdp``, ``fsdp2-noreshard``, ``megatron-tp4-dp2-sp-distopt``,
-``megatron-tp8-pp8-dp16-sp-distopt`` (pipelined), ``tp4-fsdp2``, ``torch-tp4-fsdp2-torchtitan``…,
-with a recomputation such as ``+full``, ``+selective-op`` or ``+full-block12``).
+``megatron-tp8-pp8-dp16-sp-distopt``, ``fsdp2-pp4-noreshard``, ``torch-tp4-pp2-fsdp2`` (pipelined),
+``tp4-fsdp2``, ``torch-tp4-fsdp2-torchtitan``…, with a recomputation such as ``+full``, ``+selective-op`` or ``+full-block12``).
 
 This module owns the names' grammar. :func:`parse_strategy` reads a name once into a
 :class:`StrategyName`, whose fields the other modules read; ``str`` writes it back
@@ -10,9 +10,10 @@ name raises one MemshardError line.
 
 A name is its kind's head (``HEADS``: ``zero<k>``, ``megatron-tp<T>``, ``tp<T>-fsdp``…), then
 the parts its kind takes, in the order of ``PARTS`` (``-dp<D>``, ``-sp``, ``-noreshard``…,
-then the recomputation ``+<policy>`` and its layers ``-block<N>``/``-every<N>``). A new part
-is a field with a default and a row of ``PARTS``; the readers of the other fields do not
-change.
+then the recomputation ``+<policy>`` and its layers ``-block<N>``/``-every<N>``); a part of no
+field is text its kind always writes (``torch-tp<T>``'s ``-fsdp``, after its pipeline degree). A
+new part is a field with a default and a row of ``PARTS``; the readers of the other fields do
+not change.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ HEADS = {
     Kind.FSDP2: Head("fsdp2"),
     Kind.MEGATRON: Head("megatron-tp{}", "tensor_parallel"),
     Kind.TP_FSDP: Head("tp{}-fsdp", "tensor_parallel"),
-    Kind.TORCH_TP: Head("torch-tp{}-fsdp", "tensor_parallel"),
+    Kind.TORCH_TP: Head("torch-tp{}", "tensor_parallel"),  # then its pipeline, then ``-fsdp``
 }
 
 
@@ -77,7 +78,8 @@ HEADS = {
 class Part:
     """One optional part of a name after its head: ``text``, with ``{}`` where the ``field``'s
     value goes (``value``: its pattern, ``read``: its type, ``spec``: its format), or without
-    (a flag: present where the field is ``flag``); the kinds whose names take it."""
+    (a flag: present where the field is ``flag``); the kinds whose names take it. A part of
+    no field is text every name of its kinds writes there (``literal``)."""
 
     field: str
     text: str
@@ -86,6 +88,10 @@ class Part:
     read: type = int
     spec: str = ""
     flag: Any = True
+
+    @property
+    def literal(self) -> bool:
+        return not self.field
 
     @property
     def pattern(self) -> str:
@@ -105,7 +111,7 @@ class Part:
     def hint(self) -> str:
         """The part as an error message shows it."""
         placeholder = {NUMBER: "<N>", FLOAT: "<x>"}.get(self.value, f"<{self.field}>")
-        return self.text.replace("{}", placeholder).strip()
+        return self.text.replace("{}", placeholder).strip() if not self.literal else self.text
 
     def value_of(self, match: re.Match) -> Any:
         return self.flag if "{}" not in self.text else self.read(match.group(1))
@@ -115,7 +121,8 @@ class Part:
 PARTS = (
     Part("time_slack", " ≤{}× fastest", (Kind.MEMSHARD,), FLOAT, float, "g"),
     Part("fastest", " fastest", (Kind.MEMSHARD,)),
-    Part("pipeline_parallel", "-pp{}", (Kind.MEGATRON,)),
+    Part("pipeline_parallel", "-pp{}", (Kind.MEGATRON, Kind.FSDP2, Kind.TORCH_TP)),
+    Part("", "-fsdp", (Kind.TORCH_TP,)),  # torch-tp<T>[-pp<P>]-fsdp[<D>]
     Part("data_parallel", "-dp{}", (Kind.MEGATRON,)),
     Part("data_parallel", "{}", (Kind.TP_FSDP, Kind.TORCH_TP)),
     Part("zero_stage", "-fsdp", (Kind.ZERO,), flag=3),  # ZeRO-3, FSDP's full shard, is zero3-fsdp
@@ -140,8 +147,10 @@ class StrategyName:
 
     ``tensor_parallel``: ``tp<T>`` (Megatron-LM's, and the TP × FSDP recipes', which also split
     the sequence); ``pipeline_parallel``: Megatron-LM's ``-pp<P>``
-    (``--pipeline-model-parallel-size``: P stages along the outermost mesh axis, the rest of the
-    name each stage's recipe; 1: no pipeline); ``data_parallel``: ``-dp<D>`` (Megatron-LM's,
+    (``--pipeline-model-parallel-size``), torchtitan's (``fsdp2-pp<P>``, ``torch-tp<T>-pp<P>-fsdp<D>``:
+    ``pipeline_parallel_degree``, each stage under torch.distributed.pipelining): P stages along
+    the outermost mesh axis, the rest of the name each stage's recipe; 1: no pipeline; a
+    pipelined ``fully_shard`` takes no ``-prefetch<N>`` or ``-reshard<N>``); ``data_parallel``: ``-dp<D>`` (Megatron-LM's,
     within a stage; None: 1) or ``-fsdp<D>`` (TP ×
     FSDP's), None where the name leaves it out (``fitting.family``: the recipe on any number of
     devices); ``zero_stage``: ``zero<k>``; ``sequence_parallel``, ``distributed_optimizer``:
@@ -213,6 +222,9 @@ class StrategyName:
             return "memshard's plan is the fastest or the least memory within a time slack, not both"
         if self.overlap and not self.distributed_optimizer:
             return "Megatron-LM overlaps its weight gathers with the distributed optimizer: -distopt-overlap"
+        if self.pipeline_parallel > 1 and (self.prefetch or not isinstance(reshard, bool)):
+            return ("a pipelined fully_shard keeps its weights gathered from its first backward to the step's last "
+                    "(torch's PipelineStage): it takes no -prefetch<N> or -reshard<N>")
         if (self.block or self.every) and (self.recompute != "full" or (self.block and self.every)):
             return ("some layers are recomputed in full as +full-block<N> or +full-every<N>, "
                     "one of them")
@@ -222,7 +234,7 @@ class StrategyName:
         head = HEADS[self.kind]
         text = head.text.replace("{}", str(getattr(self, head.field))) if head.field else head.text
         defaults = {f.name: f.default for f in fields(self)}
-        return text + "".join(p.written(getattr(self, p.field), defaults[p.field])
+        return text + "".join(p.text if p.literal else p.written(getattr(self, p.field), defaults[p.field])
                               for p in PARTS if self.kind in p.kinds)
 
     @property
@@ -241,12 +253,19 @@ def whole(value: Any, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
-def grammar(kind: Kind) -> re.Pattern:
-    """The names of ``kind``: its head, then each part it takes, in order, each optional."""
+def head_pattern(kind: Kind) -> str:
+    """How the names of ``kind`` begin: its head, its number where it has one."""
     head = HEADS[kind]
     before, _, after = head.text.partition("{}")
-    pattern = re.escape(before) + (f"({NUMBER})" + re.escape(after) if head.field else "")
-    parts = "".join(f"(?P<p{i}>{p.pattern})?" for i, p in enumerate(PARTS) if kind in p.kinds)
+    return re.escape(before) + (f"({NUMBER})" + re.escape(after) if head.field else "")
+
+
+def grammar(kind: Kind) -> re.Pattern:
+    """The names of ``kind``: its head, then each part it takes, in order, each optional but
+    the literal ones."""
+    pattern = head_pattern(kind)
+    parts = "".join(f"(?P<p{i}>{p.pattern})" + ("" if p.literal else "?")
+                    for i, p in enumerate(PARTS) if kind in p.kinds)
     return re.compile(pattern + parts)
 
 
@@ -260,13 +279,14 @@ def parse_strategy(text: str) -> StrategyName:
         raise MemshardError(f"a strategy name is text, got {text!r}")
     found = next(((k, m) for k, g in GRAMMARS.items() if (m := g.fullmatch(text))), None)
     if found is None:
-        started = [k for k, g in GRAMMARS.items() if g.match(text)]
+        started = [k for k in GRAMMARS if re.match(head_pattern(k), text)]
         if not started:
             raise MemshardError(f"unknown strategy {text!r}: a strategy name starts {STARTS}")
         kind = started[-1]
         takes = ", ".join(p.hint for p in PARTS if kind in p.kinds)
+        written = "".join(f" but {p.text}" for p in PARTS if kind in p.kinds and p.literal)
         raise MemshardError(f"unknown strategy {text!r}: after {HEADS[kind].hint} a name takes "
-                            f"{takes}, each optional, in that order")
+                            f"{takes}, each optional{written}, in that order")
     kind, match = found
     values: dict[str, Any] = {}
     head = HEADS[kind]
@@ -274,7 +294,7 @@ def parse_strategy(text: str) -> StrategyName:
         values[head.field] = int(match.group(1))
     for i, part in enumerate(PARTS):
         written = match.groupdict().get(f"p{i}")
-        if written is not None:
+        if written is not None and not part.literal:
             values.setdefault(part.field, part.value_of(re.fullmatch(part.pattern, written)))
     try:
         name = StrategyName(kind, **values)

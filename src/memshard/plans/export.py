@@ -201,6 +201,10 @@ def export_target(strategy: str) -> ExportTarget:
                             "(+full-blockN), torchtitan's recipes every N-th layer (+full-everyN)")
     if name.kind is Kind.MEGATRON:
         return target
+    if name.kind in TORCH_STRATEGIES and name.pipeline_parallel > 1:
+        raise MemshardError(f"{strategy} cannot be exported: torchtitan runs its pipeline (pipeline_parallel_degree "
+                            f"= {name.pipeline_parallel}), which no parallelize(model, mesh) function applies; "
+                            f"export each stage's recipe, {name.stage_recipe}")
     if name.kind in TORCH_STRATEGIES:
         # full and per-op recomputation are checked against torch.utils.checkpoint around every block
         if name.recompute not in ("none", *CHECKPOINTED):

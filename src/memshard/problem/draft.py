@@ -18,7 +18,7 @@ from memshard.core.graph import Graph, TensorSpec
 from memshard.core.mesh import Mesh
 from memshard.core.placement import Layout, local_shape
 from memshard.problem import comm
-from memshard.problem.gathers import fsdp2_units, layer_units
+from memshard.problem.gathers import fsdp2_units, layer_units, pipelined_units
 from memshard.problem.memory import CROSS_ENTROPY_CHUNKS, redundant_bytes, tensor_bytes
 from memshard.problem.recompute import replay_flags, replay_starts, replayable_ops
 from memshard.problem.records import (
@@ -70,6 +70,8 @@ class ProblemDraft:
         self.sched = Schedule(len(graph.ops), tuple(sorted(replayed.items())))
         if framework in FSDP2_FRAMEWORKS:
             self.units = fsdp2_units(graph, self.sched, recompute, **fsdp2_options(framework, mesh.shape[-1]))
+            if graph.received or graph.sent:  # a pipeline stage: as torch's PipelineStage runs fully_shard
+                self.units = pipelined_units(self.units, graph, self.sched, micro_batches, self.forwards_first)
         else:
             self.units = layer_units(graph, self.sched, recompute) if zero3_unit == "layer" else {}
         self.conflicts: list[Conflict] = []

@@ -1,7 +1,8 @@
 """ZeRO-3 gather units: when the weights gathered a layer at a time (``zero3_unit="layer"``,
-FSDP's unit) or by PyTorch's ``fully_shard`` are held, and where their gradients are reduced;
-and where a weight gathered per op is held (``gather_points``). ``pricing`` prices the units'
-memory and collectives; the runtime gathers by the same units."""
+FSDP's unit) or by PyTorch's ``fully_shard`` are held, and where their gradients are reduced
+(``pipelined_units``: as torch.distributed.pipelining runs ``fully_shard`` in a pipeline
+stage); and where a weight gathered per op is held (``gather_points``). ``pricing`` prices the
+units' memory and collectives; the runtime gathers by the same units."""
 
 from __future__ import annotations
 
@@ -54,6 +55,11 @@ class LayerUnit:
     # over that group kept from the layer's post-forward to its backward copy-out
     post_forward: tuple[int, int] | None = None
     post_forward_group: int = 0
+    # FSDP2 in a stage of torch.distributed.pipelining (``pipelined_units``): the gradients
+    # accumulate unsharded over the step's micro-batches, from ``accumulated_from``, until
+    # the reduce point, the step's end, where every unit's are reduce-scattered at once
+    pipelined: bool = False
+    accumulated_from: int | None = None  # None: from each weight's first gradient
 
 
 def layer_units(graph: Graph, S: Schedule, recompute: str = "none") -> dict[str, LayerUnit]:
@@ -233,3 +239,52 @@ def _backward_prefetcher(k: int, last: int, prefetch: int) -> int:
     explicit list (layers N…) reaches it."""
     furthest = min(k + prefetch, last)
     return furthest if prefetch and furthest >= prefetch else k + 1
+
+
+def pipelined_units(units: dict[str, LayerUnit], graph: Graph, S: Schedule, micro_batches: int,
+                    forwards_first: bool) -> dict[str, LayerUnit]:
+    """``fsdp2_units`` as torch.distributed.pipelining runs a stage module wrapped by
+    ``fully_shard`` (torch 2.13, ``stage.py``): every micro-batch's backward runs with
+    ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``, and the
+    schedule's last action (``perform_reduce_grad``) runs every unit's post-backward at once.
+
+    - Gradients accumulate unsharded in each parameter's ``.grad`` over the micro-batches,
+      reduce-scattered once, at the step's end (the reduce point of every unit: the last
+      backward point); a rank that runs a micro-batch's backward after another's holds them
+      from the start (``accumulated_from``), one running every forward first (GPipe) from its
+      first backward.
+    - A unit's weights gathered in backward stay gathered until the step's end. Not resharded
+      after forward (torchtitan's default under a pipeline), they stay from the first
+      forward: with several micro-batches every point of one but the first forward's holds
+      them, and no forward gathers (no flat all-gather buffer). Resharded after forward, a
+      forward frees them at its end, so its unit holds them from the previous backward
+      (every point up to its forward's end, unless every forward runs first) and again from
+      its backward's gather on.
+    - The flat reduce-scatter input replaces, unit by unit, the gradients it copies: no
+      buffer of its own at the step's end.
+    - The last stage's loss runs outside its module (the schedule's ``loss_fn``): the root's
+      pre-backward, which prefetches the last layer's weights, runs at the backward of the
+      module's output (the logits), after the loss's."""
+    steady = micro_batches > 1
+    end = S.reshard_out(0)
+    n = len(graph.ops)
+    if graph.received and not graph.sent:  # the last stage: its module ends at what the loss reads
+        output = graph.producer[graph.ops[graph.producer[graph.loss]].inputs[0].tensor]
+    else:
+        output = n - 1
+    accumulated_from = 0 if steady and not forwards_first else None
+    out: dict[int, LayerUnit] = {}
+    for unit in {id(u): u for u in units.values()}.values():
+        start, forward_end = unit.forward_span
+        kept = unit.backward_span is None  # not resharded after forward (the root neither)
+        held_from = 0 if steady and (kept or not forwards_first) else start
+        prefetched = unit.backward_buffer
+        if prefetched is not None and prefetched[0] == S.backward(n - 1):  # by the root's pre-backward
+            prefetched = (S.backward(output), prefetched[1])
+        out[id(unit)] = replace(
+            unit, forward_span=(held_from, end if kept else forward_end),
+            backward_span=None if kept else (unit.backward_span[0], end),
+            forward_buffer=None if held_from == 0 else unit.forward_buffer, backward_buffer=prefetched,
+            scatter_buffer=None, reduce_point=end, pipelined=True,
+            accumulated_from=accumulated_from)
+    return {name: out[id(u)] for name, u in units.items()}

@@ -209,6 +209,9 @@ class StoragePricing:
     def unit_slots(self, gid: int, v: dict, unit: LayerUnit, in_unit: np.ndarray, first_backward: int) -> None:
         """A layer unit's member under ZeRO-3 (``in_unit``): its gradient reduced with the
         unit's, the unit's gathered weights over its spans."""
+        if unit.pipelined:
+            self.pipelined_unit_slots(gid, v, unit, in_unit, first_backward)
+            return
         stages = np.array([opt.stage for _, opt in self.draft.groups[gid].options])
         unsharded, red = v["unsharded"]
         prec = self.draft.graph.precision
@@ -237,6 +240,40 @@ class StoragePricing:
                 self.draft.slot(gid, *buffer, "transients", *(x * share for x in v["gathered"]))
         if unit.scatter_buffer is not None:
             self.draft.slot(gid, *unit.scatter_buffer, "transients", flat, flat_red)
+
+    def pipelined_unit_slots(self, gid: int, v: dict, unit: LayerUnit, in_unit: np.ndarray,
+                             first_backward: int) -> None:
+        """A layer unit's member under ZeRO-3 in a stage of torch's pipelining
+        (``gathers.pipelined_units``): its unsharded gradient (in the reduce dtype) from the unit's
+        ``accumulated_from`` (else its first contribution; from the start, a micro-batch's
+        gradient is made beside it, then added in) to the step's end, where the unit's
+        post-backward reduce-scatters it (copied into the flat input as the gathered weights
+        are freed, so neither buffer outlives it); its shard from there to the optimizer; the
+        gathered weights over the unit's spans, a gather's partial results where one runs."""
+        S = self.draft.sched
+        unsharded, red = v["unsharded"]
+        sharded, sharded_red = v["gradients"]
+        start = first_backward if unit.accumulated_from is None else unit.accumulated_from
+        # accumulated in the reduce dtype (``to_accumulated_grad_if_needed``: fp32 under bf16)
+        prec = self.draft.graph.precision
+        accumulated = in_unit * prec.reduce_bytes / prec.grad_bytes
+        self.draft.slot(gid, start, unit.reduce_point, "gradients", unsharded * accumulated, red * accumulated,
+                        phase=BEFORE_RESHARDS)
+        if unit.accumulated_from is not None:  # autograd's new gradient until added in (MemTracker's Gradient)
+            self.draft.slot(gid, first_backward, first_backward, "gradients", unsharded * in_unit, red * in_unit)
+        self.draft.slot(gid, unit.reduce_point, unit.reduce_point, "gradients", sharded * in_unit,
+                        sharded_red * in_unit, phase=DURING_RESHARDS)
+        self.draft.slot(gid, unit.reduce_point + 1, S.optimizer, "gradients", sharded * in_unit, sharded_red * in_unit)
+        gathered = tuple(x * in_unit for x in v["gathered"])
+        for span in (unit.forward_span, unit.backward_span):
+            if span is not None:
+                self.draft.slot(gid, *span, "transients", *gathered,
+                                phase=BEFORE_RESHARDS if span[1] == unit.reduce_point else ALWAYS)
+                if span[0] > 0:  # (from the step's start: gathered by an earlier micro-batch)
+                    self.draft.slot(gid, span[0], span[0], "transients", *(x * in_unit for x in v["gathering"]))
+        for buffer in (unit.forward_buffer, unit.backward_buffer):
+            if buffer is not None:
+                self.draft.slot(gid, *buffer, "transients", *gathered)
 
     def link_layer_units(self, storage_group: dict[str, int]) -> None:
         """A layer unit is all or nothing, as FSDP's: every member ZeRO-3 over the same axes
