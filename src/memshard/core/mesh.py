@@ -36,6 +36,18 @@ class Mesh:
     device_memory_bytes: int
     hardware: Hardware
 
+    def __hash__(self) -> int:
+        """The generated hash (of the fields), computed once: meshes key the pricing caches."""
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = self.__dict__["_hash"] = hash((self.axes, self.device_memory_bytes, self.hardware))
+            return value
+
+    def __getstate__(self) -> dict:
+        """Pickled without its hash (another process hashes its names differently)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def peak_flops(self) -> float:
         return self.hardware.peak_flops
@@ -68,6 +80,8 @@ class Mesh:
 
     def to_real_axes(self, axes: tuple[int, ...]) -> tuple[int, ...]:
         """Axes of this mesh as axes of ``real``."""
+        if self.real is self:
+            return tuple(axes)
         return tuple(r for a in axes for r in self.real_axes[a])
 
     def on_real_axes(self, layout: tuple) -> tuple:

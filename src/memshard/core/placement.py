@@ -44,11 +44,15 @@ class Shard:
             shard = object.__new__(cls)
             object.__setattr__(shard, "dim", operator.index(dim))
             object.__setattr__(shard, "_hash", hash((shard.dim,)))
+            object.__setattr__(shard, "_repr", f"Shard(dim={shard.dim!r})")
             _SHARDS[shard.dim] = shard
         return shard
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __repr__(self) -> str:  # (the generated one's text: layouts are sorted by it)
+        return self._repr
 
     def __reduce__(self):
         return Shard, (self.dim,)
@@ -62,6 +66,9 @@ class Replicate:
     __new__ = _the_one
     __hash__ = _no_fields_hash
 
+    def __repr__(self) -> str:
+        return "Replicate()"
+
     def __reduce__(self):
         return Replicate, ()
 
@@ -73,6 +80,9 @@ class Replicate:
 class Partial:
     __new__ = _the_one
     __hash__ = _no_fields_hash
+
+    def __repr__(self) -> str:
+        return "Partial()"
 
     def __reduce__(self):
         return Partial, ()

@@ -68,7 +68,8 @@ class Collective:
 
 
 def _size(c: Collective, mesh: Mesh) -> int:
-    return math.prod(mesh.real.axes[a].size for a in c.axes)
+    shape = mesh.real.shape
+    return math.prod(shape[a] for a in c.group) if c.group else shape[c.axis]
 
 
 def wire_bytes(c: Collective, mesh: Mesh) -> float:
@@ -100,6 +101,11 @@ def ring_links(axes: tuple[int, ...], mesh: Mesh) -> tuple[float, float]:
 
 def collective_time(c: Collective, mesh: Mesh) -> float:
     """The ring's start-up and steps (split over what shares one call) and its bytes."""
+    return _collective_time(c, mesh)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the same calls recur across strategies, options and problems
+def _collective_time(c: Collective, mesh: Mesh) -> float:
     if _size(c, mesh) == 1:
         return 0.0
     if c.group:

@@ -23,6 +23,7 @@ A 4-byte (fp32) op runs at the device's FP32 rate. A replayed op costs its forwa
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -60,10 +61,22 @@ def _peak(hardware: Hardware, dtype_bytes: int) -> float:
 
 def _waves(blocks: int, hardware: Hardware) -> float:
     """The fraction of the multiprocessors' waves a kernel of ``blocks`` blocks fills."""
+    return _filled(blocks, hardware.streaming_multiprocessors)
+
+
+def _filled(blocks: int, sms: int) -> float:
     if blocks <= 0:
         return 1.0
-    sms = hardware.streaming_multiprocessors
     return blocks / (math.ceil(blocks / sms) * sms)
+
+
+@functools.lru_cache(maxsize=1 << 14)  # every strategy of every GEMM: its local sizes repeat
+def _gemm_fill(batch: int, m: int, n: int, sms: int) -> float:
+    """The fraction of the best GEMM rate ``batch`` products of an ``[m, n]`` output reach:
+    the best tile's rate times the waves its tiles fill (either way round)."""
+    return max(max(rate * _filled(batch * math.ceil(m / rows) * math.ceil(n / columns), sms),
+                   rate * _filled(batch * math.ceil(n / rows) * math.ceil(m / columns), sms))
+               for rows, columns, rate in TILES)
 
 
 def streaming_time(nbytes: float, hardware: Hardware) -> float:
@@ -74,9 +87,7 @@ def streaming_time(nbytes: float, hardware: Hardware) -> float:
 def gemm_time(batch: int, m: int, n: int, k: int, dtype_bytes: int, hardware: Hardware) -> float:
     """``batch`` products ``[m,k]·[k,n]``: the longer of FLOPs and bytes, plus the overhead."""
     flops = 2.0 * batch * m * n * k
-    fill = max(max(rate * _waves(batch * math.ceil(m / rows) * math.ceil(n / columns), hardware),
-                   rate * _waves(batch * math.ceil(n / rows) * math.ceil(m / columns), hardware))
-               for rows, columns, rate in TILES)
+    fill = _gemm_fill(batch, m, n, hardware.streaming_multiprocessors)
     rate = _peak(hardware, dtype_bytes) * hardware.matmul_efficiency * fill
     moved = batch * (m * k + k * n + m * n) * dtype_bytes
     return hardware.kernel_overhead_s + max(flops / rate,

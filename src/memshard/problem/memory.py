@@ -22,6 +22,7 @@ is ``ceil(numel_local / ways)`` elements.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -99,6 +100,11 @@ class StorageOption:
 
 def param_layout(grad_layout: tuple[str, ...]) -> Layout:
     """The weight's compute layout from its gradient layout (``S<i>`` → Shard, else Replicate)."""
+    return _param_layout(tuple(grad_layout))
+
+
+@functools.lru_cache(maxsize=4096)  # asked for every storage option of every parameter
+def _param_layout(grad_layout: tuple[str, ...]) -> Layout:
     return tuple(Shard(int(g[1:])) if g.startswith("S") else REPLICATE for g in grad_layout)
 
 
@@ -110,7 +116,12 @@ MASTER_ALONE = StorageOption(3)
 
 def storage_options(grad_layout: tuple[str, ...], mesh: Mesh) -> tuple[StorageOption, ...]:
     """Every ZeRO stage over every set of the mesh axes that do not split the weight."""
-    free = [a for a, g in enumerate(grad_layout) if not g.startswith("S") and mesh.shape[a] > 1]
+    return _storage_options(tuple(grad_layout), mesh.shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _storage_options(grad_layout: tuple[str, ...], mesh_shape: tuple[int, ...]) -> tuple[StorageOption, ...]:
+    free = [a for a, g in enumerate(grad_layout) if not g.startswith("S") and mesh_shape[a] > 1]
     out = [StorageOption(0)]
     for r in range(1, len(free) + 1):
         for subset in itertools.combinations(free, r):
@@ -135,11 +146,17 @@ class StorageMemory:
 def storage_memory(
     spec: TensorSpec, grad_layout: tuple[str, ...], option: StorageOption, precision: Precision, mesh: Mesh
 ) -> StorageMemory:
+    return _storage_memory(spec.shape, tuple(grad_layout), option, precision, mesh.shape)
+
+
+@functools.lru_cache(maxsize=1 << 14)  # every option of every parameter, alike for a shape's every weight
+def _storage_memory(shape: tuple[int, ...], grad_layout: tuple[str, ...], option: StorageOption,
+                    precision: Precision, mesh_shape: tuple[int, ...]) -> StorageMemory:
     layout = param_layout(grad_layout)
-    numel = local_numel(spec.shape, layout, mesh.shape)
-    ways = math.prod(mesh.shape[a] for a in option.axes)
+    numel = local_numel(shape, layout, mesh_shape)
+    ways = math.prod(mesh_shape[a] for a in option.axes)
     sharded = -(-numel // ways)
-    copies = replication(layout, mesh.shape)  # devices holding the same compute shard
+    copies = replication(layout, mesh_shape)  # devices holding the same compute shard
     copies_sharded = copies // ways
 
     def pick(is_sharded: bool, nbytes: int) -> tuple[int, float]:

@@ -67,29 +67,20 @@ def _peak(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout, me
     if src == dst:
         return 0
     cur = src
+    nbytes = local_numel(shape, cur, mesh_shape) * dtype_bytes  # the current layout's bytes
     held = 0  # bytes of the current intermediate, 0 while it is the caller's input
     peak = 0
-
-    def step(layout: Layout, axis: int, target: Placement) -> Layout:
-        nonlocal held, peak
-        here = layout[axis]
-        after = layout[:axis] + (target,) + layout[axis + 1 :]
-        nbytes_in = local_numel(shape, layout, mesh_shape) * dtype_bytes
-        nbytes_out = local_numel(shape, after, mesh_shape) * dtype_bytes
-        peak = max(peak, held + _step_peak(nbytes_in, nbytes_out, here, target))
-        held = nbytes_out
-        return after
-
-    axes = range(len(src) - 1, -1, -1) if reverse else range(len(src))
-    for axis in axes:
-        if cur[axis] == dst[axis]:
+    for axis in range(len(src) - 1, -1, -1) if reverse else range(len(src)):
+        here, target = cur[axis], dst[axis]
+        if here == target:
             continue
-        dims = {p.dim for p in (cur[axis], dst[axis]) if isinstance(p, Shard)}
+        dims = {p.dim for p in (here, target) if isinstance(p, Shard)}
         inner = [b for b in range(len(cur) - 1, axis, -1) if isinstance(cur[b], Shard) and cur[b].dim in dims]
-        saved = {b: cur[b] for b in inner}
-        for b in inner:
-            cur = step(cur, b, REPLICATE)
-        cur = step(cur, axis, dst[axis])
-        for b in reversed(inner):
-            cur = step(cur, b, saved[b])
+        # the later axes splitting those dims gathered (innermost first), the step, then sliced again
+        steps = [(b, REPLICATE) for b in inner] + [(axis, target)] + [(b, cur[b]) for b in reversed(inner)]
+        for b, to in steps:
+            after = cur[:b] + (to,) + cur[b + 1 :]
+            out = local_numel(shape, after, mesh_shape) * dtype_bytes
+            peak = max(peak, held + _step_peak(nbytes, out, cur[b], to))
+            cur, nbytes, held = after, out, out
     return peak

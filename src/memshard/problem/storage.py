@@ -12,12 +12,14 @@ links and conflicts that tie it to its ops, added to a :class:`~memshard.problem
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
 import numpy as np
 
-from memshard.core.graph import TensorSpec
+from memshard.core.graph import Precision, TensorSpec
+from memshard.core.mesh import Mesh
 from memshard.core.placement import PARTIAL, REPLICATE, Shard, local_numel
 from memshard.problem import comm
 from memshard.problem.draft import ProblemDraft
@@ -25,8 +27,10 @@ from memshard.problem.gathers import LayerUnit, gather_points
 from memshard.problem.kernels import optimizer_step_time
 from memshard.problem.memory import (
     MASTER_ALONE,
+    StorageMemory,
     StorageOption,
     param_layout,
+    redundant_bytes,
     storage_memory,
     storage_options,
 )
@@ -104,18 +108,20 @@ class StoragePricing:
             # baseline's choices index the same options in every framework's problem. Only for a
             # layout with no axis left to shard: elsewhere ZeRO over a free axis holds less.
             options += [(G, MASTER_ALONE) for G in dict.fromkeys(g_labels) if len(storage_options(G, mesh)) == 1]
-        mems = [storage_memory(spec, G, opt, self.draft.graph.precision, mesh) for G, opt in options]
+        precision = self.draft.graph.precision
+        mems = [storage_memory(spec, G, opt, precision, mesh) for G, opt in options]
         # a layer's gathers and reductions may run beside the compute (the root's may not);
         # memshard's runtime runs only ZeRO-0 gradient all-reduces beside it (``runtime/stores.py``)
         layered = self.draft.graph.ops[i0].layer is not None
+        n_gathers = self.gathers_per_pass(name, uses)
+        unit_share = 1 / self.draft.units[name].members if name in self.draft.units else None
+        grouped = self.draft.framework != MEMSHARD
         choices = []
         for (G, opt), m in zip(options, mems):
-            calls = self.sync_calls(spec, G, opt, self.gathers_per_pass(name, uses))
-            if opt.stage == 3 and name in self.draft.units:  # the unit's calls, shared
-                share = 1 / self.draft.units[name].members
-                calls = tuple(replace(c, share=share) if c.kind != comm.ALL_REDUCE else c for c in calls)
+            # (the unit's calls, shared)
+            calls, collectives = _option_calls(spec.shape, G, opt, n_gathers, unit_share if opt.stage == 3 else None,
+                                               grouped, self.draft.micro_batches, precision, mesh)
             step = optimizer_step_time(m.optimizer_states, m.gradients, m.parameters, mesh.hardware)
-            collectives = self.draft.time(calls)
             overlapped = layered and (self.draft.framework != MEMSHARD or opt.stage == 0)
             choices.append(Choice((G, opt.stage, opt.axes), step, calls, step + collectives,
                                   overlapped_s=collectives if overlapped else 0.0))
@@ -329,50 +335,10 @@ class StoragePricing:
         return 1 + (unit.backward_span is not None)
 
     def storage_prices(self, grp: StorageGroup) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        mems = grp.memory
-        layouts = [param_layout(G) for G, _ in grp.options]
-
-        def vec(field: str, red_field: str | None = None):
-            nbytes = np.array([getattr(m, field) for m in mems], float)
-            red = (np.array([getattr(m, red_field) for m in mems]) if red_field
-                   else np.array(self.draft.redundant(nbytes, layouts)))
-            return nbytes, red
-
-        prec = self.draft.graph.precision
-        # memshard's runtime casts a ZeRO-3 shard that is the fp32 master into its place in
-        # the all-gather's bf16 output and gathers there (``stores.gather_flat``, as FSDP2
-        # does); a shard split unevenly is cast apart, then gathered by reshards
-        casting = self.draft.framework == MEMSHARD and prec.shard_bytes != prec.param_bytes
-        gathering, scattering, cast = [], [], []
-        for (G, opt), m in zip(grp.options, mems):
-            numel = local_numel(self.draft.graph.tensors[grp.params[0]].shape, param_layout(G), self.draft.mesh.shape)
-            in_place = casting and numel % math.prod(self.draft.mesh.shape[a] for a in opt.axes) == 0
-            cast.append(m.parameters * prec.param_bytes / prec.shard_bytes
-                        if opt.stage >= 3 and casting and not in_place else 0.0)
-            if opt.stage < 3 or not self.draft.units:
-                gathering.append(0.0)
-                scattering.append(0.0)
-                continue
-            flat = tuple(Shard(0) if a in opt.axes else REPLICATE for a in range(self.draft.mesh.ndim))
-            whole = tuple(REPLICATE for _ in flat)
-            partial = tuple(PARTIAL if a in opt.axes and g == "P" else REPLICATE for a, g in enumerate(G))
-            gathering.append(0.0 if in_place else (reshard_peak_bytes((numel,), prec.param_bytes, flat, whole,
-                                                                      self.draft.mesh, reverse=True)
-                                                   - numel * prec.param_bytes))
-            scattering.append(reshard_peak_bytes((numel,), prec.reduce_bytes, partial, flat, self.draft.mesh)
-                              - local_numel((numel,), flat, self.draft.mesh.shape) * prec.reduce_bytes)
-        zeros = np.zeros(len(mems))
-        return {
-            "gathering": (np.array(gathering, float), zeros),
-            "cast": (np.array(cast, float), zeros),
-            "scattering": (np.array(scattering, float), zeros),
-            "parameters": vec("parameters", "redundant_parameters"),
-            "optimizer_states": vec("optimizer_states", "redundant_optimizer_states"),
-            "gradients": vec("gradients", "redundant_gradients"),
-            "gathered": vec("gathered_weight"),
-            "unsharded": vec("unsharded_gradient"),
-            "contributions": vec("gradient_contributions"),
-        }
+        shape = self.draft.graph.tensors[grp.params[0]].shape
+        prices = _storage_prices(shape, tuple(grp.options), tuple(grp.memory), self.draft.framework == MEMSHARD,
+                                 bool(self.draft.units), self.draft.graph.precision, self.draft.mesh)
+        return {key: (nbytes.copy(), red.copy()) for key, (nbytes, red) in prices.items()}  # (the caller's own)
 
     def sync_calls(self, spec: TensorSpec, G: tuple[str, ...], opt: StorageOption, n_gathers: int):
         """Gradient reduction and weight gathers one step needs for this storage option.
@@ -380,22 +346,92 @@ class StoragePricing:
         Gradients are reduced once per step (accumulated locally over micro-batches) unless
         they are stored sharded (ZeRO-2/3), which reduces them after every micro-batch;
         ZeRO-3 gathers the weight ``n_gathers`` times per micro-batch (``gathers_per_pass``)."""
-        mesh, prec = self.draft.mesh, self.draft.graph.precision
-        # the frameworks reduce and gather over one data-parallel communicator; memshard's
-        # runtime axis by axis (DTensor's redistribute)
-        grouped = comm.one_communicator if self.draft.framework != MEMSHARD else tuple
-        numel = local_numel(spec.shape, param_layout(G), mesh.shape)
-        partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
-        sharded = set(opt.axes) if opt.stage >= 1 else set()
-        reduce = grouped(comm.all_reduce_over(numel * prec.reduce_bytes,
-                                              tuple(a for a in partial_axes if a not in sharded), mesh))
-        if sharded:
-            reduce += grouped(comm.reduce_scatter_flat(numel, prec.reduce_bytes,
-                                                       tuple(a for a in opt.axes if a in partial_axes), mesh))
-        calls = reduce * (self.draft.micro_batches if opt.stage >= 2 else 1)
-        if opt.stage in (1, 2):
-            calls += grouped(comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh))
-        elif opt.stage == 3:
-            calls += grouped(comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh)) * (
-                n_gathers * self.draft.micro_batches)
-        return calls
+        return _sync_calls(spec.shape, tuple(G), opt, n_gathers, self.draft.framework != MEMSHARD,
+                           self.draft.micro_batches, self.draft.graph.precision, self.draft.mesh)
+
+
+# Pure functions of records (shapes, layouts, options, the precision, the mesh) behind the
+# methods above, memoised: the weights of one shape (q, k, v, the layers' projections) and the
+# problems of one job (its frameworks, recompute policies, micro-batch counts) share them.
+@functools.lru_cache(maxsize=1 << 14)
+def _sync_calls(shape: tuple[int, ...], G: tuple[str, ...], opt: StorageOption, n_gathers: int, grouped: bool,
+                micro_batches: int, prec: Precision, mesh: Mesh) -> tuple[comm.Collective, ...]:
+    """``StoragePricing.sync_calls``; ``grouped``: over one communicator (the frameworks), not
+    axis by axis (memshard's runtime, as DTensor's redistribute)."""
+    group = comm.one_communicator if grouped else tuple
+    numel = local_numel(shape, param_layout(G), mesh.shape)
+    partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
+    sharded = set(opt.axes) if opt.stage >= 1 else set()
+    reduce = group(comm.all_reduce_over(numel * prec.reduce_bytes,
+                                        tuple(a for a in partial_axes if a not in sharded), mesh))
+    if sharded:
+        reduce += group(comm.reduce_scatter_flat(numel, prec.reduce_bytes,
+                                                 tuple(a for a in opt.axes if a in partial_axes), mesh))
+    calls = reduce * (micro_batches if opt.stage >= 2 else 1)
+    if opt.stage in (1, 2):
+        calls += group(comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh))
+    elif opt.stage == 3:
+        calls += group(comm.gather_flat(numel, prec.param_bytes, opt.axes, mesh)) * (n_gathers * micro_batches)
+    return calls
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _option_calls(shape: tuple[int, ...], G: tuple[str, ...], opt: StorageOption, n_gathers: int,
+                  unit_share: float | None, grouped: bool, micro_batches: int, prec: Precision,
+                  mesh: Mesh) -> tuple[tuple[comm.Collective, ...], float]:
+    """A storage option's collectives (a layer unit's gathers and reductions a ``unit_share``
+    of one call each) and their seconds."""
+    calls = _sync_calls(shape, G, opt, n_gathers, grouped, micro_batches, prec, mesh)
+    if unit_share is not None:
+        calls = tuple(replace(c, share=unit_share) if c.kind != comm.ALL_REDUCE else c for c in calls)
+    return calls, comm.total_time(calls, mesh)
+
+
+@functools.lru_cache(maxsize=1024)
+def _storage_prices(shape: tuple[int, ...], options: tuple[tuple[tuple[str, ...], StorageOption], ...],
+                    mems: tuple[StorageMemory, ...], memshard: bool, units: bool, prec: Precision,
+                    mesh: Mesh) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``StoragePricing.storage_prices`` of a group of these options (``memshard``: run by
+    memshard's runtime; ``units``: the problem gathers ZeRO-3 weights by layer unit)."""
+    layouts = [param_layout(G) for G, _ in options]
+
+    def vec(field: str, red_field: str | None = None):
+        nbytes = np.array([getattr(m, field) for m in mems], float)
+        red = (np.array([getattr(m, red_field) for m in mems]) if red_field
+               else np.array([redundant_bytes(b, L, mesh) for b, L in zip(nbytes, layouts)]))
+        return nbytes, red
+
+    # memshard's runtime casts a ZeRO-3 shard that is the fp32 master into its place in
+    # the all-gather's bf16 output and gathers there (``stores.gather_flat``, as FSDP2
+    # does); a shard split unevenly is cast apart, then gathered by reshards
+    casting = memshard and prec.shard_bytes != prec.param_bytes
+    gathering, scattering, cast = [], [], []
+    for (G, opt), m, layout in zip(options, mems, layouts):
+        numel = local_numel(shape, layout, mesh.shape)
+        in_place = casting and numel % math.prod(mesh.shape[a] for a in opt.axes) == 0
+        cast.append(m.parameters * prec.param_bytes / prec.shard_bytes
+                    if opt.stage >= 3 and casting and not in_place else 0.0)
+        if opt.stage < 3 or not units:
+            gathering.append(0.0)
+            scattering.append(0.0)
+            continue
+        flat = tuple(Shard(0) if a in opt.axes else REPLICATE for a in range(mesh.ndim))
+        whole = tuple(REPLICATE for _ in flat)
+        partial = tuple(PARTIAL if a in opt.axes and g == "P" else REPLICATE for a, g in enumerate(G))
+        gathering.append(0.0 if in_place else (reshard_peak_bytes((numel,), prec.param_bytes, flat, whole,
+                                                                  mesh, reverse=True)
+                                               - numel * prec.param_bytes))
+        scattering.append(reshard_peak_bytes((numel,), prec.reduce_bytes, partial, flat, mesh)
+                          - local_numel((numel,), flat, mesh.shape) * prec.reduce_bytes)
+    zeros = np.zeros(len(mems))
+    return {
+        "gathering": (np.array(gathering, float), zeros),
+        "cast": (np.array(cast, float), zeros),
+        "scattering": (np.array(scattering, float), zeros),
+        "parameters": vec("parameters", "redundant_parameters"),
+        "optimizer_states": vec("optimizer_states", "redundant_optimizer_states"),
+        "gradients": vec("gradients", "redundant_gradients"),
+        "gathered": vec("gathered_weight"),
+        "unsharded": vec("unsharded_gradient"),
+        "contributions": vec("gradient_contributions"),
+    }

@@ -16,6 +16,7 @@ pieces are priced at their largest. Axes of size 1 are never assigned.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -57,14 +58,21 @@ def _operand_layout(op_dims: tuple[str, ...], assignment, contracted: set[str], 
 def enumerate_strategies(graph: Graph, op: Op, mesh: Mesh) -> tuple[Strategy, ...]:
     """Every valid assignment of mesh axes to the op's dims, in a fixed order."""
     sizes = graph.dim_sizes(op)
-    splittable = [d for d in op.dims if d not in op.unsplittable_dims]
-    contracted = set(op.contracted_dims)
-    per_axis = [[None] if m == 1 else [None, *splittable] for m in mesh.shape]
+    dims = op.dims
+    return _strategies(dims, tuple(sizes[d] for d in dims), tuple(d for d in dims if d not in op.unsplittable_dims),
+                       frozenset(op.contracted_dims), tuple(x.dims for x in op.inputs), op.output.dims, mesh.shape)
+
+
+@functools.lru_cache(maxsize=4096)  # the ops of one shape (every layer's, every problem's of a job) share them
+def _strategies(dims: tuple[str, ...], sizes: tuple[int, ...], splittable: tuple[str, ...],
+                contracted: frozenset[str], input_dims: tuple[tuple[str, ...], ...], output_dims: tuple[str, ...],
+                mesh_shape: tuple[int, ...]) -> tuple[Strategy, ...]:
+    per_axis = [[None] if m == 1 else [None, *splittable] for m in mesh_shape]
     out = []
     for assignment in itertools.product(*per_axis):
-        local = dict(sizes)
+        local = dict(zip(dims, sizes))
         ok = True
-        for d, m in zip(assignment, mesh.shape):
+        for d, m in zip(assignment, mesh_shape):
             if d is None:
                 continue
             if local[d] < m:
@@ -76,11 +84,9 @@ def enumerate_strategies(graph: Graph, op: Op, mesh: Mesh) -> tuple[Strategy, ..
         out.append(
             Strategy(
                 assignment=tuple(assignment),
-                input_layouts=tuple(
-                    _operand_layout(x.dims, assignment, contracted, False) for x in op.inputs
-                ),
-                output_layout=_operand_layout(op.output.dims, assignment, contracted, True),
-                local_dims=tuple((d, local[d]) for d in op.dims),
+                input_layouts=tuple(_operand_layout(x, assignment, contracted, False) for x in input_dims),
+                output_layout=_operand_layout(output_dims, assignment, contracted, True),
+                local_dims=tuple((d, local[d]) for d in dims),
             )
         )
     return tuple(out)
@@ -90,19 +96,25 @@ def input_grad_layout(strategy: Strategy, op: Op, j: int) -> Layout:
     """Layout of the gradient an op produces for its input ``j``: Shard where the input is
     split, Partial where the op is split along a dim the input lacks (the gradient is a
     partial sum over that axis: Megatron's ``f``/``g`` pair), Replicate where the axis is unused."""
-    dims = op.inputs[j].dims
+    return _input_grad_layout(strategy.assignment, op.inputs[j].dims)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _input_grad_layout(assignment: tuple[str | None, ...], dims: tuple[str, ...]) -> Layout:
     return tuple(
         REPLICATE if d is None else (Shard(dims.index(d)) if d in dims else PARTIAL)
-        for d in strategy.assignment
+        for d in assignment
     )
 
 
 def grad_layout(op: Op, input_index: int, strategy: Strategy) -> tuple[GradPlacement, ...]:
     """:func:`input_grad_layout` as labels (``S<i>``, ``P``, ``R``), for parameter storage."""
-    return tuple(
-        f"S{p.dim}" if isinstance(p, Shard) else ("P" if p == PARTIAL else "R")
-        for p in input_grad_layout(strategy, op, input_index)
-    )
+    return _labels(input_grad_layout(strategy, op, input_index))
+
+
+@functools.lru_cache(maxsize=4096)
+def _labels(layout: Layout) -> tuple[GradPlacement, ...]:
+    return tuple(f"S{p.dim}" if isinstance(p, Shard) else ("P" if p == PARTIAL else "R") for p in layout)
 
 
 def parameter_inputs(graph: Graph, op: Op) -> tuple[int, ...]:

@@ -59,6 +59,7 @@ class EdgeFlows:
         self.model = model
         self.choice_columns = choice_columns
         self.time_unit = time_unit
+        self.by_side: dict[tuple, dict] = {}  # see choices_by
 
     def add(self, e: int) -> EdgeFlow:
         problem = self.problem
@@ -67,25 +68,24 @@ class EdgeFlows:
         producer = problem.groups[edge.producer].strategies
         consumer = problem.groups[edge.consumer].strategies
         grads = problem.groups[edge.consumer].input_grads[edge.input_index]
-        producer_layouts = sorted({s.output_layout for s in producer}, key=repr)
+        producer_layouts = tuple(sorted({s.output_layout for s in producer}, key=repr))
         # consumer key per axis: (input placement, gradient placement)
-        consumer_keys = sorted({tuple(zip(s.input_layouts[edge.input_index], g)) for s, g in zip(consumer, grads)},
-                               key=repr)
+        consumer_keys = tuple(sorted({tuple(zip(s.input_layouts[edge.input_index], g)) for s, g in zip(consumer, grads)},
+                                     key=repr))
         keeps = flow_copies(problem, e)
+        shape = flow_shape(spec.shape, spec.dtype_bytes, producer_layouts, consumer_keys, keeps, edge.gradient_through,
+                           problem.mesh)
         steps, cost_cols, cost_vals = {}, [], []
-        flow_states = step_states(spec.shape, spec.dtype_bytes, tuple(producer_layouts), tuple(consumer_keys), keeps,
-                                  edge.gradient_through,
-                                  problem.mesh)
-        for step, (states, times) in flow_states.items():
+        for step, (states, times) in shape.states.items():
             cols = self.model.columns(len(states), integer=False)
             steps[step] = (states, cols)
             paid = times != 0
             cost_cols.append(cols[paid])
             cost_vals.append(times[paid] * (edge.executions / self.time_unit))
         flow = EdgeFlow(keeps, steps, {}, {}, np.concatenate(cost_cols), np.concatenate(cost_vals))
-        self.add_end_rows(e, flow, producer_layouts, consumer_keys)
-        self.add_conservation_rows(e, flow)
-        flow.consumer_layout_columns, flow.producer_layout_columns = self.layout_columns(flow)
+        self.add_end_rows(e, flow, shape)
+        self.add_conservation_rows(e, flow, shape)
+        flow.consumer_layout_columns, flow.producer_layout_columns = self.layout_columns(flow, shape)
         if 1 in keeps:
             flow.keep_column = int(self.model.columns(1, integer=True)[0])
             coefs = {int(c): 1.0 for c in steps[(1, 0)][1]}
@@ -119,60 +119,58 @@ class EdgeFlows:
         if flow.keep_column is not None and consumer:
             self.model.row({flow.keep_column: 1.0, **consumer}, -inf, 1.0, tag)
 
-    def add_end_rows(self, e: int, flow: EdgeFlow, producer_layouts: list[Layout], consumer_keys: list[tuple]) -> None:
+    def add_end_rows(self, e: int, flow: EdgeFlow, shape: FlowShape) -> None:
         """The first step's producer side equals the producer's choice, the last step's
         consumer side the consumer's."""
-        problem = self.problem
-        edge = problem.edges[e]
-        last = problem.mesh.ndim - 1
-        producer_rows: dict[Layout, dict[int, float]] = {L: {} for L in producer_layouts}
-        consumer_rows: dict[tuple, dict[int, float]] = {K: {} for K in consumer_keys}
-        for k in flow.keeps:
-            states, cols = flow.steps[(k, 0)]
-            for (_, suffix, _), col in zip(states, cols):
-                producer_rows[suffix][int(col)] = 1.0
-            states, cols = flow.steps[(k, last)]
-            for (prefix, _, placement), col in zip(states, cols):
-                consumer_rows[prefix + (placement,)][int(col)] = 1.0
-        for c, s in enumerate(problem.groups[edge.producer].strategies):
-            producer_rows[s.output_layout][int(self.choice_columns[edge.producer][c])] = -1.0
-        grads = problem.groups[edge.consumer].input_grads[edge.input_index]
-        for c, (s, g) in enumerate(zip(problem.groups[edge.consumer].strategies, grads)):
-            consumer_rows[tuple(zip(s.input_layouts[edge.input_index], g))][int(self.choice_columns[edge.consumer][c])] = -1.0
-        for coefs in (*producer_rows.values(), *consumer_rows.values()):
-            self.model.row(coefs, 0.0, 0.0, RowTag("edge-flow", item=edge.key))
+        edge = self.problem.edges[e]
+        last = self.problem.mesh.ndim - 1
+        tag = RowTag("edge-flow", item=edge.key)
+        x = self.choice_columns
+        producer_choices = self.choices_by(edge.producer, None)
+        consumer_choices = self.choices_by(edge.consumer, edge.input_index)
+        for sides, step, choices, columns in ((shape.producer_sides, 0, producer_choices, x[edge.producer]),
+                                              (shape.consumer_sides, last, consumer_choices, x[edge.consumer])):
+            for side, chosen in choices.items():
+                flows = [flow.steps[(k, step)][1][sides[k][side]] for k in flow.keeps if side in sides[k]]
+                cols = np.concatenate([*flows, columns[chosen]]).astype(np.int64)
+                vals = np.concatenate([np.ones(len(cols) - len(chosen)), np.full(len(chosen), -1.0)])
+                self.model.append_row(cols, vals, 0.0, 0.0, tag)
 
-    def add_conservation_rows(self, e: int, flow: EdgeFlow) -> None:
+    def choices_by(self, group: int, input_index: int | None) -> dict:
+        """The choices of op group ``group`` by their output layout (``input_index`` None), or by
+        their input ``input_index``'s consumer key, in the order the flow's end rows take them
+        (the producer layouts', the consumer keys', sorted by repr)."""
+        key = (group, input_index)
+        if key not in self.by_side:
+            grp = self.problem.groups[group]
+            if input_index is None:
+                sides = [s.output_layout for s in grp.strategies]
+            else:
+                sides = [tuple(zip(s.input_layouts[input_index], g))
+                         for s, g in zip(grp.strategies, grp.input_grads[input_index])]
+            by_side: dict = defaultdict(list)
+            for c, side in enumerate(sides):
+                by_side[side].append(c)
+            self.by_side[key] = {side: np.array(by_side[side], dtype=np.int64) for side in sorted(by_side, key=repr)}
+        return self.by_side[key]
+
+    def add_conservation_rows(self, e: int, flow: EdgeFlow, shape: FlowShape) -> None:
         """What leaves step a enters step a+1, state by state."""
+        tag = RowTag("edge-flow", item=self.problem.edges[e].key)
         for k in flow.keeps:
             for a in range(self.problem.mesh.ndim - 1):
-                through: dict[tuple, dict[int, float]] = defaultdict(dict)
-                states, cols = flow.steps[(k, a)]
-                for (prefix, suffix, placement), col in zip(states, cols):
-                    through[(prefix + (placement,), suffix[1:])][int(col)] = 1.0
-                states, cols = flow.steps[(k, a + 1)]
-                for (prefix, suffix, _), col in zip(states, cols):
-                    through[(prefix, suffix)][int(col)] = -1.0
-                for key in sorted(through, key=repr):
-                    self.model.row(through[key], 0.0, 0.0, RowTag("edge-flow", item=self.problem.edges[e].key))
+                out_of, into = flow.steps[(k, a)][1], flow.steps[(k, a + 1)][1]
+                for leaving, entering, vals in shape.conservation[(k, a)]:
+                    self.model.append_row(np.concatenate([out_of[leaving], into[entering]]), vals, 0.0, 0.0, tag)
 
-    def layout_columns(self, flow: EdgeFlow) -> tuple[dict, dict]:
+    def layout_columns(self, flow: EdgeFlow, shape: FlowShape) -> tuple[dict, dict]:
         """Per keep flag: which flow columns say "consumer layout L" (last step) and which
         "producer layout L" (first step)."""
         last = self.problem.mesh.ndim - 1
-        consumer, producer = {}, {}
-        for k in flow.keeps:
-            by_layout: dict[Layout, list[int]] = defaultdict(list)
-            states, cols = flow.steps[(k, last)]
-            for (prefix, _, placement), col in zip(states, cols):
-                by_layout[tuple(pl for pl, _ in prefix + (placement,))].append(int(col))
-            consumer[k] = by_layout
-        for k in flow.keeps:
-            by_layout = defaultdict(list)
-            states, cols = flow.steps[(k, 0)]
-            for (_, suffix, _), col in zip(states, cols):
-                by_layout[suffix].append(int(col))
-            producer[k] = by_layout
+        consumer = {k: {layout: flow.steps[(k, last)][1][idx].tolist() for layout, idx in shape.consumer_layouts[k].items()}
+                    for k in flow.keeps}
+        producer = {k: {layout: flow.steps[(k, 0)][1][idx].tolist() for layout, idx in shape.producer_sides[k].items()}
+                    for k in flow.keeps}
         return consumer, producer
 
 def flow_copies(problem: Problem, e: int) -> tuple[int, ...]:
@@ -215,6 +213,59 @@ def step_states(shape: tuple[int, ...], dtype_bytes: int, producer_layouts: tupl
             times.setflags(write=False)
             out[(k, a)] = (tuple(s for s, c in zip(states, chosen) if c), times)
     return {(k, a): out[(k, a)] for k in keeps for a in range(axes)}
+
+
+@dataclass(frozen=True)
+class FlowShape:
+    """What every edge of one shape and layouts shares (``flow_shape``): its flow states and
+    their times, and the rows the states make, as positions among each step's states (an
+    edge's columns are its steps' columns at those positions)."""
+
+    states: dict  # (keep, step a) → (states, times): ``step_states``
+    producer_sides: dict  # keep → producer layout → its states at step 0
+    consumer_sides: dict  # keep → consumer key → its states at the last step
+    consumer_layouts: dict  # keep → consumer layout → its states at the last step
+    conservation: dict  # (keep, a) → per row: (states of step a, states of step a + 1, coefficients)
+
+
+@functools.lru_cache(maxsize=512)
+def flow_shape(shape: tuple[int, ...], dtype_bytes: int, producer_layouts: tuple[Layout, ...],
+               consumer_keys: tuple[tuple, ...], keeps: tuple[int, ...], gradient_through: bool,
+               mesh: Mesh) -> FlowShape:
+    """The flow states of an edge of this shape and layouts (``step_states``) and where its
+    rows read them (read only, shared as ``step_states`` is)."""
+    states = step_states(shape, dtype_bytes, producer_layouts, consumer_keys, keeps, gradient_through, mesh)
+    last = mesh.ndim - 1
+
+    def positions(items) -> dict:
+        out: dict = defaultdict(list)
+        for i, key in enumerate(items):
+            out[key].append(i)
+        return {key: _frozen(np.array(idx, dtype=np.int64)) for key, idx in out.items()}
+
+    producer_sides = {k: positions(suffix for _, suffix, _ in states[(k, 0)][0]) for k in keeps}
+    consumer_sides = {k: positions(prefix + (placement,) for prefix, _, placement in states[(k, last)][0])
+                      for k in keeps}
+    consumer_layouts = {k: positions(tuple(pl for pl, _ in prefix + (placement,))
+                                     for prefix, _, placement in states[(k, last)][0]) for k in keeps}
+    conservation = {}
+    for k in keeps:
+        for a in range(last):
+            through: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
+            for i, (prefix, suffix, placement) in enumerate(states[(k, a)][0]):
+                through[(prefix + (placement,), suffix[1:])][0].append(i)
+            for i, (prefix, suffix, _) in enumerate(states[(k, a + 1)][0]):
+                through[(prefix, suffix)][1].append(i)
+            conservation[(k, a)] = tuple(
+                (_frozen(np.array(out, dtype=np.int64)), _frozen(np.array(into, dtype=np.int64)),
+                 _frozen(np.concatenate([np.ones(len(out)), np.full(len(into), -1.0)])))
+                for out, into in (through[key] for key in sorted(through, key=repr)))
+    return FlowShape(states, producer_sides, consumer_sides, consumer_layouts, conservation)
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.setflags(write=False)
+    return array
 
 
 def _forward_seconds(shape: tuple[int, ...], dtype_bytes: int, a: int, prefix, suffix, placement, mesh) -> float:

@@ -108,6 +108,7 @@ class LiveBytes:
         self.constants_at: dict[int, float] = {}  # schedule point → its constant bytes
         self.indicators: dict[tuple, dict[int, float]] = {}
         self.outputs: dict[int, dict[Layout, list[tuple[int, bool]]]] = {}  # see output_choices
+        self.by_layout: dict[tuple[int, int | None], dict[Layout, list[int]]] = {}  # see columns_by_layout
         self.checkpointed: dict[tuple[int, ...], int] = {}  # a layer's replaying groups → u
         self.expressions: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.shared_expressions: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
@@ -133,9 +134,7 @@ class LiveBytes:
             return held
         edge = problem.edges[h.source]
         if h.kind == INPUT_COPY:
-            strategies = problem.groups[edge.consumer].strategies
-            return {int(x[edge.consumer][c]): 1.0 for c, s in enumerate(strategies)
-                    if s.input_layouts[edge.input_index] == layout}
+            return dict.fromkeys(self.columns_by_layout(edge.consumer, edge.input_index).get(layout, ()), 1.0)
         flow = self.flows[h.source]
         out: dict[int, float] = {}
         if h.kind == SAVED:  # kept in the consumer's layout, or (kept) in the producer's
@@ -210,8 +209,18 @@ class LiveBytes:
     def producer_in(self, group: int, layout: Layout) -> dict[int, float]:
         """Π: the producer's output is exactly ``layout`` (a consumer reading it in that
         layout holds the producer's own tensor, no copy)."""
-        strategies = self.problem.groups[group].strategies
-        return {int(self.choice_columns[group][c]): 1.0 for c, s in enumerate(strategies) if s.output_layout == layout}
+        return dict.fromkeys(self.columns_by_layout(group, None).get(layout, ()), 1.0)
+
+    def columns_by_layout(self, group: int, input_index: int | None) -> dict[Layout, list[int]]:
+        """Op group ``group``'s choice columns by their output layout (``input_index`` None) or
+        their input ``input_index``'s layout, in choice order."""
+        key = (group, input_index)
+        if key not in self.by_layout:
+            by_layout: dict[Layout, list[int]] = defaultdict(list)
+            for col, s in zip(self.choice_columns[group].tolist(), self.problem.groups[group].strategies):
+                by_layout[s.output_layout if input_index is None else s.input_layouts[input_index]].append(col)
+            self.by_layout[key] = dict(by_layout)
+        return self.by_layout[key]
 
     def shared_gradient(self, g: SharedGradient) -> tuple[np.ndarray, np.ndarray]:
         """−bytes(L)·s_L over the layouts L of the add's output gradient (family

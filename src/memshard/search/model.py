@@ -84,6 +84,17 @@ class LinearModel:
         self.tags.append(tag)
         return len(self.rows_lower) - 1
 
+    def append_row(self, columns: np.ndarray, values: np.ndarray, lo: float, hi: float, tag: RowTag) -> int:
+        """Add ``lo ≤ Σ values·x[columns] ≤ hi`` as given: ``columns`` distinct (int64), ``values``
+        non-zero, in the order the row keeps them (``row`` of a dict in that order); neither
+        is copied nor written to later."""
+        self.row_columns.append(columns)
+        self.row_values.append(values)
+        self.rows_lower.append(lo)
+        self.rows_upper.append(hi)
+        self.tags.append(tag)
+        return len(self.rows_lower) - 1
+
     def activity(self, values: np.ndarray, row: int) -> float:
         return float(values[self.row_columns[row]] @ self.row_values[row])
 

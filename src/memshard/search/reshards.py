@@ -116,12 +116,35 @@ class ReshardRows:
                  (table.T, c_idx, x[edge.consumer], a_idx, x[edge.producer])]
         f, fixed_idx, fixed_cols, other_idx, other_cols = min(sides, key=lambda side: len(side[0]))
         kept = [self.keep_columns[e]] if kind in KEPT_PRICES else []
-        for u in range(f.shape[0]):
-            top = f[u].max()
-            if top <= 0:
-                continue
-            mine = fixed_cols[fixed_idx == u]
-            cols = np.concatenate([[rho], other_cols, mine, kept])
-            vals = np.concatenate([[1.0], -f[u, other_idx], np.full(len(mine) + len(kept), -top)])
-            self.model.row((cols, vals), -top * (1 + len(kept)), highspy.kHighsInf, RowTag("reshard-price", item=edge.key))
+        self.price_rows(rho, f, fixed_idx, fixed_cols, other_idx, other_cols, kept, RowTag("reshard-price", item=edge.key))
         return rho
+
+    def price_rows(self, rho: int, f: np.ndarray, fixed_idx: np.ndarray, fixed_cols: np.ndarray,
+                   other_idx: np.ndarray, other_cols: np.ndarray, kept: list[int], tag: RowTag) -> None:
+        """ρ − Σ_c f(u, c)·X_other(c) − top_u·(X_fixed(u) + κ) ≥ −top_u·(1 + |κ|) for every side
+        ``u`` of the fixed side whose prices are not all 0 (top_u: the largest): each row's
+        columns sorted, the zero coefficients left out."""
+        columns = np.concatenate([[rho], other_cols, fixed_cols, kept]).astype(np.int64)
+        order = np.argsort(columns, kind="stable")
+        columns = columns[order]
+        if len(columns) > 1 and not np.all(columns[1:] != columns[:-1]):  # a column twice: summed by ``row``
+            for u in range(f.shape[0]):
+                top = f[u].max()
+                if top > 0:
+                    mine = fixed_cols[fixed_idx == u]
+                    vals = np.concatenate([[1.0], -f[u, other_idx], np.full(len(mine) + len(kept), -top)])
+                    self.model.row((np.concatenate([[rho], other_cols, mine, kept]), vals), -top * (1 + len(kept)),
+                                   highspy.kHighsInf, tag)
+            return
+        tops = f.max(axis=1)
+        values = np.zeros((f.shape[0], len(columns)))  # per row u, in the columns' first order
+        values[:, 0] = 1.0
+        values[:, 1:1 + len(other_cols)] = -f[:, other_idx]
+        fixed = 1 + len(other_cols) + np.arange(len(fixed_cols))
+        values[fixed_idx, fixed] = -tops[fixed_idx]
+        values[:, len(values[0]) - len(kept):] = -tops[:, None]
+        values = values[:, order]
+        for u in np.nonzero(tops > 0)[0]:
+            nonzero = values[u] != 0
+            self.model.append_row(columns[nonzero], values[u][nonzero], -tops[u] * (1 + len(kept)),
+                                  highspy.kHighsInf, tag)
