@@ -94,6 +94,20 @@ def _stages(text: str) -> int | str:
 
 
 _pipeline = _option_type(_stages)
+
+
+def _split(text: str) -> str | tuple[int, ...]:
+    """``--stage-layers``: ``even``, ``balanced`` or a count per stage (``10,11,11``)."""
+    if text in ("even", "balanced"):
+        return text
+    try:
+        return tuple(parse_count(part) for part in text.split(","))
+    except MemshardError:
+        raise MemshardError(f"expected even, balanced or a layer count per stage such as 10,11,11, got {text!r}"
+                            ) from None
+
+
+_stage_split = _option_type(_split)
 _seconds = _option_type(parse_seconds)  # a duration, positive and at most MAX_SECONDS
 _bytes = _option_type(_size)
 
@@ -292,7 +306,7 @@ def _cmd_plan(args, console) -> None:
     _check_json_path(args.json)
     job, options = job_of(args), options_of(args)
     with console.status("solving…"):
-        result = plan_with_pipeline(job, options, args.pipeline, args.schedule)
+        result = plan_with_pipeline(job, options, args.pipeline, args.schedule, split=args.stage_layers)
     if args.json is not None:
         _write_json(args.json, result.to_dict())
     render = render_plan if isinstance(result, Plan) else render_pipelined
@@ -366,7 +380,8 @@ def _runtime_plan(args):
     from memshard.api import runtime_plan
 
     if args.plan is not None:
-        given = [f"--{d.replace('_', '-')}" for d in (*JOB_DESTS, *SEARCH_DESTS, "strategy", "pipeline", "schedule")
+        given = [f"--{d.replace('_', '-')}" for d in (*JOB_DESTS, *SEARCH_DESTS, "strategy", "pipeline", "schedule",
+                                                         "stage_layers")
                  if getattr(args, d, None) not in (None, False)]
         if given:
             raise MemshardError(f"--plan replaces the job, its search and its strategy: give no {', '.join(given)}")
@@ -385,9 +400,11 @@ def _runtime_plan(args):
             raise MemshardError("--pipeline runs memshard's pipelined plan: give no --strategy")
         from memshard.pipelining import plan_with_pipeline
 
-        return plan_with_pipeline(job_of(args), options_of(args, gap=0.02), args.pipeline, args.schedule)
-    if args.schedule is not None:
-        raise MemshardError("a schedule (--schedule) orders a pipeline's stages: give --pipeline too")
+        return plan_with_pipeline(job_of(args), options_of(args, gap=0.02), args.pipeline, args.schedule,
+                                  split=args.stage_layers)
+    if args.schedule is not None or args.stage_layers is not None:
+        raise MemshardError(f"{'--schedule' if args.schedule is not None else '--stage-layers'} orders or divides a "
+                            "pipeline's stages: give --pipeline too")
     return runtime_plan(job_of(args), args.strategy or "memshard", options_of(args, gap=0.02))
 
 
@@ -496,6 +513,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="split the layers into N pipeline stages along the outermost mesh axis, or search every "
                         "N and none for the best (auto); default none (docs/pipelining.md)")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), help="the pipeline's schedule (default 1f1b)")
+    p.add_argument("--stage-layers", type=_stage_split, metavar="even|balanced|N,N,…",
+                   help="how the pipeline's layers split: evenly (default), balanced (a split searched for the "
+                        "objective), or a count per stage")
 
 
 def _add_runtime_parsers(sub) -> None:
@@ -516,6 +536,8 @@ def _add_runtime_parsers(sub) -> None:
                        help="N pipeline stages along the outermost mesh axis (memshard's pipelined plan; "
                             "docs/pipelining.md)")
         r.add_argument("--schedule", choices=("1f1b", "gpipe"), help="the pipeline's schedule (default 1f1b)")
+        r.add_argument("--stage-layers", type=_stage_split, metavar="even|balanced|N,N,…",
+                       help="how the pipeline's layers split (default even)")
         if name == "run":
             r.add_argument("--steps", type=_positive_int, default=3, help="optimizer steps (≥ 2; the last is measured)")
             r.add_argument("--timeout", type=_seconds, default=600.0, help="stop every rank after this long")

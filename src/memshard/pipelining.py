@@ -53,6 +53,7 @@ from memshard.problem.pricing import build_problem, receive_time
 from memshard.problem.records import OpGroup, PipelineStage, Problem, without_partial
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")  # one stage per rank; the interleaved ones hold several
+SPLITS = ("even", "balanced")  # the layers split evenly, or the split searched (``balanced_split``)
 # The baselines listed with a pipeline: Megatron-LM's, and torchtitan's fully_shard alone or
 # under parallelize_module
 PIPELINED_KINDS = (Kind.MEGATRON, Kind.FSDP2, Kind.TORCH_TP)
@@ -60,10 +61,13 @@ PIPELINED_KINDS = (Kind.MEGATRON, Kind.FSDP2, Kind.TORCH_TP)
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """``stages`` pipeline ranks (at least 2) running ``schedule``."""
+    """``stages`` pipeline ranks (at least 2) running ``schedule``, the layers split ``split``:
+    ``even`` (``stage_layers``), ``balanced`` (searched: ``balanced_split``), or each stage's
+    number of layers."""
 
     stages: int
     schedule: str = "1f1b"
+    split: str | tuple[int, ...] = "even"
 
     def __post_init__(self) -> None:
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
@@ -71,6 +75,14 @@ class PipelineOptions:
         if self.schedule not in PIPELINE_SCHEDULES:
             raise MemshardError(f"the pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
                                 f"got {self.schedule!r}")
+        if isinstance(self.split, str):
+            if self.split not in SPLITS:
+                raise MemshardError(f"a pipeline's layers split {' or '.join(SPLITS)}, or as a count per stage, "
+                                    f"got {self.split!r}")
+        elif len(self.split) != self.stages or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.split):
+            raise MemshardError(f"{self.stages} pipeline stages take {self.stages} layer counts of at least 1 each, "
+                                f"got {', '.join(map(str, self.split))}")
 
 
 def pipeline_meshes(mesh: Mesh, stages: int) -> tuple[Mesh, Mesh]:
@@ -115,32 +127,100 @@ def held_micro_batches(schedule: str, stages: int, micro_batches: int) -> tuple[
 
 
 def plan_pipelined(job: Job, options: SearchOptions, pipeline: PipelineOptions) -> PipelinedPlan:
-    """The plan ``options`` ask for with ``pipeline``'s stages: each stage searched on its own."""
+    """The plan ``options`` ask for with ``pipeline``'s stages: each stage searched on its own,
+    in order, each receiving as the stage before sends; the split as ``pipeline.split`` says."""
     if options.max_step_time_s is not None:
         raise MemshardError("a step-time budget (--max-step-time) does not yet bound a pipelined plan: its step "
                             "is the schedule's, not a stage's")
     if options.mesh_views:
         raise MemshardError("mesh views (--mesh-views on) are not yet searched with a pipeline")
-    mesh, stage_mesh = _pipeline_of(job, pipeline)
-    stage_job = _stage_job(job, stage_mesh)
-    # one ZeRO-3 unit: a second would be searched on the whole model (``planner.candidates``)
-    stage_options = replace(options, mesh_views=False, zero3_unit=options.zero3_units[0])
-    plans: list[tuple[PipelineStage, Plan]] = []
-    for stage in _stages(job, pipeline, held_micro_batches(pipeline.schedule, pipeline.stages, job.micro_batches)):
-        def problem_of(received: dict[str, Layout] | None, stage: PipelineStage = stage) -> Problem:
-            return build_problem(job.graph, stage_mesh, shared_layers=not options.exact, micro_batches=job.micro_batches,
-                                 zero3_unit=stage_options.zero3_unit, recompute=options.recompute, stage=stage,
-                                 received_layouts=received)
-        try:  # each tensor received as the stage before sends it
-            if not plans:
-                plans.append((stage, plan_job(stage_job, stage_options, problem=problem_of(None))))
+    search = StageSearch(job, options, pipeline)
+    num_layers = job.graph.num_layers
+    if isinstance(pipeline.split, tuple):
+        if sum(pipeline.split) != num_layers:
+            raise MemshardError(f"the stages' layer counts ({', '.join(map(str, pipeline.split))}) add up to "
+                                f"{sum(pipeline.split)}, not the model's {num_layers} layers")
+        return search.plan(pipeline.split)
+    even = tuple(end - first for first, end in stage_layers(num_layers, pipeline.stages))
+    plan = search.plan(even)
+    return balanced_split(search, plan) if pipeline.split == "balanced" else plan
+
+
+class StageSearch:
+    """The stage plans of one job's pipeline, each searched once per layers, micro-batches held
+    and received layouts: a split's plan reuses every stage another split already searched."""
+
+    def __init__(self, job: Job, options: SearchOptions, pipeline: PipelineOptions):
+        self.job, self.options, self.pipeline = job, options, pipeline
+        self.mesh, self.stage_mesh = _pipeline_of(job, pipeline)
+        self.stage_job = _stage_job(job, self.stage_mesh)
+        # one ZeRO-3 unit: a second would be searched on the whole model (``planner.candidates``)
+        self.stage_options = replace(options, mesh_views=False, zero3_unit=options.zero3_units[0])
+        self.held = held_micro_batches(pipeline.schedule, pipeline.stages, job.micro_batches)
+        self.plans: dict[tuple, Plan] = {}
+
+    def problem(self, stage: PipelineStage, received: dict[str, Layout] | None) -> Problem:
+        return build_problem(self.job.graph, self.stage_mesh, shared_layers=not self.options.exact,
+                             micro_batches=self.job.micro_batches, zero3_unit=self.stage_options.zero3_unit,
+                             recompute=self.options.recompute, stage=stage, received_layouts=received)
+
+    def stage_plan(self, stage: PipelineStage, received: dict[str, Layout] | None) -> Plan:
+        """The stage's plan, receiving each tensor in ``received`` (None: as it chooses)."""
+        key = (stage, tuple(sorted(received.items())) if received else None)
+        if key not in self.plans:
+            if received is None:
+                self.plans[key] = plan_job(self.stage_job, self.stage_options, problem=self.problem(stage, None))
+            else:
+                searched = plan_job(self.stage_job, self.stage_options, problem=self.problem(stage, received))
+                self.plans[key] = on_problem(searched, self.problem(stage, None))
+        return self.plans[key]
+
+    def plan(self, counts: tuple[int, ...]) -> PipelinedPlan:
+        """The pipelined plan of the split ``counts`` (layers per stage)."""
+        plans: list[tuple[PipelineStage, Plan]] = []
+        first = 0
+        for index, count in enumerate(counts):
+            stage = PipelineStage(first, first + count, self.held[index])
+            first += count
+            try:  # each tensor received as the stage before sends it
+                plans.append((stage, self.stage_plan(stage, sent_layouts(plans[-1][1]) if plans else None)))
+            except MemshardError as e:
+                raise MemshardError(f"pipeline stage {index} (layers {stage.first_layer}–{stage.end_layer - 1}): "
+                                    f"{e}") from None
+        return _priced(self.job, self.options.objective, self.pipeline.schedule, self.mesh, self.stage_mesh, plans)
+
+
+def balanced_split(search: StageSearch, plan: PipelinedPlan) -> PipelinedPlan:
+    """A local search over splits from ``plan``'s: one layer moved from the stage that binds
+    the objective (the largest peak; for time, the slowest micro-batch) to another stage (the
+    least loaded first; the stages between shift by one layer), kept as soon as the pipelined
+    plan gets better (a lower peak, or a faster step within the memory budget). It ends where
+    no such move helps: no optimality over every split is claimed."""
+    memory = search.options.objective == "memory"
+    score = (lambda p: (p.peak_bytes, p.step_time_s)) if memory else (lambda p: (p.step_time_s, p.peak_bytes))
+    seen = {tuple(stage.num_layers for stage in plan.stages)}
+    while True:
+        counts = [stage.num_layers for stage in plan.stages]
+        loads = [stage.plan.peak_bytes if memory else stage.forward_s + stage.backward_s for stage in plan.stages]
+        binding = max(range(len(counts)), key=lambda i: (loads[i], -i))
+        better = None
+        for other in sorted((i for i in range(len(counts)) if i != binding), key=lambda i: (loads[i], i)):
+            moved = list(counts)
+            moved[binding] -= 1
+            moved[other] += 1
+            if moved[binding] < 1 or tuple(moved) in seen:
                 continue
-            searched = plan_job(stage_job, stage_options, problem=problem_of(sent_layouts(plans[-1][1])))
-            plans.append((stage, on_problem(searched, problem_of(None))))
-        except MemshardError as e:
-            raise MemshardError(f"pipeline stage {len(plans)} (layers {stage.first_layer}–{stage.end_layer - 1}): "
-                                f"{e}") from None
-    return _priced(job, options.objective, pipeline.schedule, mesh, stage_mesh, plans)
+            seen.add(tuple(moved))
+            try:
+                candidate = search.plan(tuple(moved))
+            except MemshardError:  # (a stage with no plan within the memory budget)
+                continue
+            if score(candidate) < score(plan):
+                better = candidate
+                break
+        if better is None:
+            return plan
+        plan = better
 
 
 def on_problem(plan: Plan, problem: Problem) -> Plan:
@@ -271,22 +351,27 @@ def pipeline_degrees(job: Job, schedule: str = "1f1b") -> tuple[int, ...]:
 
 
 def plan_with_pipeline(job: Job, options: SearchOptions, pipeline: int | str | None, schedule: str | None,
-                       start: Plan | None = None) -> Plan | PipelinedPlan:
+                       start: Plan | None = None, split: str | tuple[int, ...] | None = None) -> Plan | PipelinedPlan:
     """The plan ``memshard plan`` and ``memshard.plan`` make: without a pipeline (``pipeline``
     None or ``"none"``; ``start``: a plan the search starts from), with ``pipeline`` stages run
-    by ``schedule`` (None: 1F1B), or the best of both (``"auto"``)."""
+    by ``schedule`` (None: 1F1B) and their layers split ``split`` (None: evenly), or the best of
+    both (``"auto"``)."""
     if pipeline in (None, "none"):
-        if schedule is not None:
-            raise MemshardError("a schedule (--schedule) orders a pipeline's stages: give --pipeline too")
+        if schedule is not None or split is not None:
+            what = "a schedule (--schedule) orders" if schedule is not None else "a split (--stage-layers) divides"
+            raise MemshardError(f"{what} a pipeline's stages: give --pipeline too")
         return plan_job(job, options, start)
     if start is not None:
         raise MemshardError("a pipelined plan is searched stage by stage: give no start plan")
     if pipeline == "auto":
-        return plan_auto(job, options, schedule or "1f1b")
-    return plan_pipelined(job, options, PipelineOptions(pipeline, schedule or "1f1b"))
+        if isinstance(split, tuple):
+            raise MemshardError("--pipeline auto tries every number of stages: split them even or balanced, "
+                                "not by counts")
+        return plan_auto(job, options, schedule or "1f1b", split or "even")
+    return plan_pipelined(job, options, PipelineOptions(pipeline, schedule or "1f1b", split or "even"))
 
 
-def plan_auto(job: Job, options: SearchOptions, schedule: str = "1f1b") -> Plan | PipelinedPlan:
+def plan_auto(job: Job, options: SearchOptions, schedule: str = "1f1b", split: str = "even") -> Plan | PipelinedPlan:
     """The best of the plan without a pipeline and the pipelined plans of every degree
     ``pipeline_degrees`` gives: the least peak, or the fastest step (within the memory budget,
     where a degree has no stage plan within it, it is left out). Ties go to fewer stages."""
@@ -297,7 +382,7 @@ def plan_auto(job: Job, options: SearchOptions, schedule: str = "1f1b") -> Plan 
     objective = (lambda plan: plan.peak_bytes) if options.objective == "memory" else (lambda plan: plan.step_time_s)
     for degree in pipeline_degrees(job, schedule):
         try:
-            pipelined = plan_pipelined(job, replace(options, mesh_views=None), PipelineOptions(degree, schedule))
+            pipelined = plan_pipelined(job, replace(options, mesh_views=None), PipelineOptions(degree, schedule, split))
         except MemshardError:  # under a memory budget: some stage has no plan within it
             continue
         if objective(pipelined) < objective(best):

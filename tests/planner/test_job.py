@@ -266,7 +266,7 @@ def options_of(command: str) -> set[str]:
 @pytest.mark.parametrize("command", ["compare", "pareto", "run", "simulate"])
 def test_every_command_takes_the_job_options_plan_takes(command):
     plan_only = {"--objective", "--max-step-time", "--memory-budget", "--json", "--top", "--brief", "--verbose",
-                 "--pipeline", "--schedule"}  # (the runtime does not run pipelined plans yet)
+                 "--pipeline", "--schedule", "--stage-layers"}  # (a pipeline: plan's, run's and simulate's)
     missing = options_of("plan") - plan_only - options_of(command)
     assert not missing, missing
 

@@ -211,3 +211,44 @@ def test_the_forward_takes_its_kernels_share_about_a_third_of_a_layers_gemms():
     assert forward_share(full.stages[1].plan) < share
     for s in plain.stages:
         assert s.forward_s == pytest.approx((s.forward_s + s.backward_s) * forward_share(s.plan))
+
+
+# -- stage boundaries -------------------------------------------------------------------------------
+SIX_LAYERS = Job("tiny-llama", "2x2", batch=16, seq=128, micro_batches=4, overrides={"num_layers": 6})
+
+
+def test_a_split_by_counts_gives_each_stage_its_layers():
+    plan = plan_pipelined(SIX_LAYERS, SearchOptions(), PipelineOptions(2, split=(2, 4)))
+    assert [(s.first_layer, s.end_layer) for s in plan.stages] == [(0, 2), (2, 6)]
+    assert [s["layers"] for s in plan.to_dict()["stages"]] == [[0, 2], [2, 6]]
+    assert plan.stages[1].plan.problem.graph.num_layers == 4
+
+
+def test_the_balanced_split_of_two_stages_is_the_best_of_every_split():
+    """Two stages: each stage's peak grows with its layers, so moving a layer off the binding
+    stage until it no longer helps reaches the least of the peaks over every split, which the
+    splits searched one by one show."""
+    options = SearchOptions()
+    every = {n: plan_pipelined(SIX_LAYERS, options, PipelineOptions(2, split=(n, 6 - n))).peak_bytes
+             for n in range(1, 6)}
+    balanced = plan_pipelined(SIX_LAYERS, options, PipelineOptions(2, split="balanced"))
+    assert balanced.peak_bytes == min(every.values())
+    assert balanced.peak_bytes < every[3]  # the even split: stage 0 holds two micro-batches, stage 1 one
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stage-layers", "2,2"], "layer counts (2, 2) add up to 4, not the model's 6 layers"),
+    (["--stage-layers", "2,2,2"], "2 pipeline stages take 2 layer counts of at least 1 each"),
+    (["--stage-layers", "0,6"], "expected even, balanced or a layer count per stage"),
+    (["--stage-layers", "uneven"], "expected even, balanced or a layer count per stage"),
+])
+def test_a_split_that_does_not_fit_the_stages_is_one_line(argv, message, capsys):
+    code = main(["plan", "--model", "tiny-llama", "--layers", "6", "--mesh", "2x2", "--batch", "16",
+                 "--micro-batches", "4", "--pipeline", "2", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err
+
+
+def test_a_split_without_a_pipeline_is_refused():
+    with pytest.raises(memshard.MemshardError, match="give --pipeline too"):
+        memshard.plan("tiny-gpt", "4", batch=8, stage_layers="balanced")

@@ -54,6 +54,7 @@ PLAN = {
     # a one-layer model has no two stages (tests/planner/test_pipelined.py plans pipelines)
     "--pipeline": (["--pipeline", "2"], "refused"),
     "--schedule": (["--schedule", "gpipe"], "refused"),  # it orders a pipeline's stages
+    "--stage-layers": (["--stage-layers", "balanced"], "refused"),  # it divides a pipeline's layers
 }
 JOB_SOURCES = {"--model", "--hf-config", "--hf-model", "--json", "--help"}
 
