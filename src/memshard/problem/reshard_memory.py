@@ -67,20 +67,35 @@ def _peak(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout, me
     if src == dst:
         return 0
     cur = src
-    nbytes = local_numel(shape, cur, mesh_shape) * dtype_bytes  # the current layout's bytes
-    held = 0  # bytes of the current intermediate, 0 while it is the caller's input
     peak = 0
+    first = True  # nothing resharded yet: the current layout is the caller's input
     for axis in range(len(src) - 1, -1, -1) if reverse else range(len(src)):
-        here, target = cur[axis], dst[axis]
-        if here == target:
+        target = dst[axis]
+        if cur[axis] == target:
             continue
-        dims = {p.dim for p in (here, target) if isinstance(p, Shard)}
-        inner = [b for b in range(len(cur) - 1, axis, -1) if isinstance(cur[b], Shard) and cur[b].dim in dims]
-        # the later axes splitting those dims gathered (innermost first), the step, then sliced again
-        steps = [(b, REPLICATE) for b in inner] + [(axis, target)] + [(b, cur[b]) for b in reversed(inner)]
-        for b, to in steps:
-            after = cur[:b] + (to,) + cur[b + 1 :]
-            out = local_numel(shape, after, mesh_shape) * dtype_bytes
-            peak = max(peak, held + _step_peak(nbytes, out, cur[b], to))
-            cur, nbytes, held = after, out, out
+        peak = max(peak, _axis_peak(shape, dtype_bytes, cur, axis, target, mesh_shape, first))
+        cur = cur[:axis] + (target,) + cur[axis + 1 :]
+        first = False
+    return peak
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the pairs of a table share their axes' steps
+def _axis_peak(shape: tuple[int, ...], dtype_bytes: int, layout: Layout, axis: int, target: Placement,
+               mesh_shape: tuple[int, ...], first: bool) -> int:
+    """The most ``layout``'s change on ``axis`` to ``target`` holds at once: the later axes
+    splitting the dims it moves gathered (innermost first), the step, those sliced again; its
+    input held by the reshard unless ``first`` (the caller's input)."""
+    here = layout[axis]
+    dims = {p.dim for p in (here, target) if isinstance(p, Shard)}
+    inner = [b for b in range(len(layout) - 1, axis, -1) if isinstance(layout[b], Shard) and layout[b].dim in dims]
+    steps = [(b, REPLICATE) for b in inner] + [(axis, target)] + [(b, layout[b]) for b in reversed(inner)]
+    cur = layout
+    nbytes = local_numel(shape, cur, mesh_shape) * dtype_bytes  # the current layout's bytes
+    held = 0 if first else nbytes  # bytes of the current intermediate, 0 while it is the caller's input
+    peak = 0
+    for b, to in steps:
+        after = cur[:b] + (to,) + cur[b + 1 :]
+        out = local_numel(shape, after, mesh_shape) * dtype_bytes
+        peak = max(peak, held + _step_peak(nbytes, out, cur[b], to))
+        cur, nbytes, held = after, out, out
     return peak

@@ -65,16 +65,12 @@ class EdgeFlows:
         problem = self.problem
         edge = problem.edges[e]
         spec = edge.tensor
-        producer = problem.groups[edge.producer].strategies
-        consumer = problem.groups[edge.consumer].strategies
-        grads = problem.groups[edge.consumer].input_grads[edge.input_index]
-        producer_layouts = tuple(sorted({s.output_layout for s in producer}, key=repr))
-        # consumer key per axis: (input placement, gradient placement)
-        consumer_keys = tuple(sorted({tuple(zip(s.input_layouts[edge.input_index], g)) for s, g in zip(consumer, grads)},
-                                     key=repr))
+        # the producer's output layouts; the consumer's keys, per axis (input placement, gradient placement)
+        producer_choices = self.choices_by(edge.producer, None)
+        consumer_choices = self.choices_by(edge.consumer, edge.input_index)
         keeps = flow_copies(problem, e)
-        shape = flow_shape(spec.shape, spec.dtype_bytes, producer_layouts, consumer_keys, keeps, edge.gradient_through,
-                           problem.mesh)
+        shape = flow_shape(spec.shape, spec.dtype_bytes, tuple(producer_choices), tuple(consumer_choices), keeps,
+                           edge.gradient_through, problem.mesh)
         steps, cost_cols, cost_vals = {}, [], []
         for step, (states, times) in shape.states.items():
             cols = self.model.columns(len(states), integer=False)
@@ -83,7 +79,7 @@ class EdgeFlows:
             cost_cols.append(cols[paid])
             cost_vals.append(times[paid] * (edge.executions / self.time_unit))
         flow = EdgeFlow(keeps, steps, {}, {}, np.concatenate(cost_cols), np.concatenate(cost_vals))
-        self.add_end_rows(e, flow, shape)
+        self.add_end_rows(e, flow, shape, producer_choices, consumer_choices)
         self.add_conservation_rows(e, flow, shape)
         flow.consumer_layout_columns, flow.producer_layout_columns = self.layout_columns(flow, shape)
         if 1 in keeps:
@@ -119,15 +115,14 @@ class EdgeFlows:
         if flow.keep_column is not None and consumer:
             self.model.row({flow.keep_column: 1.0, **consumer}, -inf, 1.0, tag)
 
-    def add_end_rows(self, e: int, flow: EdgeFlow, shape: FlowShape) -> None:
-        """The first step's producer side equals the producer's choice, the last step's
-        consumer side the consumer's."""
+    def add_end_rows(self, e: int, flow: EdgeFlow, shape: FlowShape, producer_choices: dict,
+                     consumer_choices: dict) -> None:
+        """The first step's producer side equals the producer's choice (``producer_choices``: its
+        choices by output layout), the last step's consumer side the consumer's (by key)."""
         edge = self.problem.edges[e]
         last = self.problem.mesh.ndim - 1
         tag = RowTag("edge-flow", item=edge.key)
         x = self.choice_columns
-        producer_choices = self.choices_by(edge.producer, None)
-        consumer_choices = self.choices_by(edge.consumer, edge.input_index)
         for sides, step, choices, columns in ((shape.producer_sides, 0, producer_choices, x[edge.producer]),
                                               (shape.consumer_sides, last, consumer_choices, x[edge.consumer])):
             for side, chosen in choices.items():

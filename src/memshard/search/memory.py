@@ -99,6 +99,7 @@ class LiveBytes:
         self.problem = problem
         self.model = model
         self.choice_columns = choice_columns
+        self.choice_lists = [cols.tolist() for cols in choice_columns]  # (as ints, read one by one)
         self.flows = flows
         self.peak = peak
         self.bytes_unit = bytes_unit
@@ -124,10 +125,10 @@ class LiveBytes:
         return self.indicators[key]
 
     def _indicator(self, h: Holder, layout: Layout, part: str) -> dict[int, float]:
-        problem, x = self.problem, self.choice_columns
+        problem, x = self.problem, self.choice_lists
         if h.kind in GROUP_KINDS:  # retained, cached: where the op is not replayed
             wanted = {PRODUCER: (False, True), RETAINED: (False,), CACHED: (False,), REPLAY_OUT: (True,)}[h.kind]
-            held = {int(x[h.source][c]): 1.0 for c, replayed in self.output_choices(h.source).get(layout, ())
+            held = {x[h.source][c]: 1.0 for c, replayed in self.output_choices(h.source).get(layout, ())
                     if replayed in wanted}
             if h.kind == CACHED:  # and its layer replays some op
                 return self.conjunction(held, self.layer_replays(h.source), problem.groups[h.source].key)
@@ -173,7 +174,7 @@ class LiveBytes:
         if not indicator or (grp.always_replays if replayed else not grp.may_replay):
             return indicator
         sign = 1.0 if replayed else -1.0
-        r = {int(self.choice_columns[group][c]): sign for c in grp.replay_choices}
+        r = {self.choice_lists[group][c]: sign for c in grp.replay_choices}
         return self.conjunction(indicator, r, grp.key, 1.0 if replayed else 0.0)
 
     def conjunction(self, indicator: dict[int, float], other: dict[int, float] | None, item: str,
@@ -200,7 +201,7 @@ class LiveBytes:
         if peers not in self.checkpointed:
             u = int(self.model.columns(1, integer=False)[0])
             for q in peers:
-                row = {int(self.choice_columns[q][c]): 1.0 for c in self.problem.groups[q].replay_choices}
+                row = {self.choice_lists[q][c]: 1.0 for c in self.problem.groups[q].replay_choices}
                 row[u] = -1.0
                 self.model.row(row, -highspy.kHighsInf, 0.0, RowTag("checkpointed", item=self.problem.groups[q].key))
             self.checkpointed[peers] = u
@@ -217,7 +218,7 @@ class LiveBytes:
         key = (group, input_index)
         if key not in self.by_layout:
             by_layout: dict[Layout, list[int]] = defaultdict(list)
-            for col, s in zip(self.choice_columns[group].tolist(), self.problem.groups[group].strategies):
+            for col, s in zip(self.choice_lists[group], self.problem.groups[group].strategies):
                 by_layout[s.output_layout if input_index is None else s.input_layouts[input_index]].append(col)
             self.by_layout[key] = dict(by_layout)
         return self.by_layout[key]
@@ -226,7 +227,7 @@ class LiveBytes:
         """−bytes(L)·s_L over the layouts L of the add's output gradient (family
         ``shared-gradient``): the second count of a gradient both producers receive as it is.
         Adds of the same groups (identical layers) share their columns."""
-        problem, x = self.problem, self.choice_columns
+        problem, x = self.problem, self.choice_lists
         producers = tuple(problem.edges[e].producer for e in g.edges)
         key = (g.group, producers)
         if key not in self.shared_expressions:
@@ -236,8 +237,8 @@ class LiveBytes:
                     by_layout[without_partial(strategy.output_layout)].append(c)
             cols, vals = [], []
             for layout, choices in by_layout.items():
-                sides = [{int(x[g.group][c]): 1.0 for c in choices}]
-                sides += [{int(x[p][c]): 1.0
+                sides = [{x[g.group][c]: 1.0 for c in choices}]
+                sides += [{x[p][c]: 1.0
                            for c, strategy in enumerate(problem.groups[p].strategies)
                            if without_partial(strategy.output_layout) == layout}
                           for p in producers]
