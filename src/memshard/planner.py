@@ -184,13 +184,17 @@ class Candidate:
 
 
 def candidates(job: Job, options: SearchOptions) -> list[Candidate]:
-    """The problems a plan of ``job`` is the best of: the mesh as typed, then each other view
-    of its devices where ``options.searches_views``; each under every ZeRO-3 unit searched."""
+    """The problems a plan of ``job`` is the best of: the mesh as typed and each other view of
+    its devices where ``options.searches_views``, those of fewer axes first; each under every
+    ZeRO-3 unit searched."""
     views = mesh_views(job.mesh) if options.searches_views else ()
     if options.mesh_views and not views:
         raise MemshardError(f"mesh views (--mesh-views on) change nothing on mesh {job.mesh}: its devices form "
                             "no other axes (docs/search.md, Mesh views)")
-    return [Candidate(view, unit) for view in (None, *views) for unit in options.zero3_units]
+    # fewer axes first (the mesh as typed first among alike): a smaller problem, searched sooner,
+    # whose plan is the cutoff of the larger ones
+    ordered = sorted((None, *views), key=lambda view: (view or job.mesh).ndim)
+    return [Candidate(view, unit) for view in ordered for unit in options.zero3_units]
 
 
 def plan_job(job: Job, options: SearchOptions, start: Plan | None = None, problem: Problem | None = None) -> Plan:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from memshard.core.errors import Infeasible, MemshardError, SolverTimeLimit
+from memshard.core.errors import Infeasible, MemshardError, NoBetterPlan, SolverTimeLimit
 from memshard.search.formulation import Disjunction, Expression
 from memshard.search.model import LinearModel
 from memshard.search.stages import BLEND, StageLog, TimeOut
@@ -258,6 +258,10 @@ class HighsSearch:
         highs.setOptionValue("threads", 1)
         highs.setOptionValue("mip_abs_gap", 1e-9)
         highs.setOptionValue("presolve", "off")  # its probing costs more than it saves here
+        # A branch and bound's root LP (and its sub-MIPs') by interior point, with crossover for
+        # the basis: dual simplex on the root LP that HiGHS presolves can cycle in its cleanup
+        # of the cost perturbation and never end (docs/search.md, *The root LP*)
+        highs.setOptionValue("mip_lp_solver", "ipm")
         _pass_model(highs, model)
 
     def extend(self, model: LinearModel, columns: int, rows: int) -> None:
@@ -343,7 +347,7 @@ class HighsSearch:
 
     def minimise(self, expr: Expression, gap: float, start=None,
                  before_branching: Callable[[np.ndarray | None], Solution | None] | None = None,
-                 dive_only: bool = False, kind: str | None = None) -> Solution:
+                 dive_only: bool = False, kind: str | None = None, cutoff: float = math.inf) -> Solution:
         """Minimise ``expr`` (``kind``: what it measures; None: as the objective before) to
         relative ``gap``: the dive, and where it does not prove its plan, the proof (branch
         and bound) from that plan, else from ``start`` (a full solution, a partial one as
@@ -351,7 +355,9 @@ class HighsSearch:
         ``before_branching``: asked once a branch and bound is needed, before it starts, with
         the dive's plan if any (it may solve relaxations of its own): a solution it returns
         ends the minimisation there; None lets it go on. ``dive_only``: no branch and bound:
-        the dive's plan, with the dive's gap (halted UNSETTLED where it has none)."""
+        the dive's plan, with the dive's gap (halted UNSETTLED where it has none). ``cutoff``:
+        the value a plan found elsewhere reaches; the branch and bound searches only below it by
+        the gap (:class:`NoBetterPlan` where there is nothing)."""
         self.set_objective(expr, kind)
         kind = self.objective_kind
         dived = None
@@ -372,9 +378,10 @@ class HighsSearch:
             if halted is not None:
                 return halted
             self.set_objective(expr, kind)
-        return self.prove(expr, kind, gap, start, dived)
+        return self.prove(expr, kind, gap, start, dived, cutoff)
 
-    def prove(self, expr: Expression, kind: str, gap: float, start, dived: Dive | None) -> Solution:
+    def prove(self, expr: Expression, kind: str, gap: float, start, dived: Dive | None,
+              cutoff: float = math.inf) -> Solution:
         """Branch and bound on ``expr`` after the dive ``dived`` (None: none, or no plan from
         it), from the better of its plan and ``start`` (as ``minimise`` takes it), with the
         columns reduced-cost fixing pins; out of time with nothing better, the dive's plan."""
@@ -389,7 +396,7 @@ class HighsSearch:
         if pinned is not None:  # (the dive's plan keeps every pin: it is not above itself; a given start may not)
             start = dived.values
         try:
-            found = self.run_branch_and_bound(gap, start, pinned)
+            found = self.run_branch_and_bound(gap, start, pinned, cutoff)
         except SolverTimeLimit:
             if dived is None:
                 raise
@@ -448,24 +455,45 @@ class HighsSearch:
         return Pinned(cols[pin], np.where(at_lower, self.lower[cols], self.upper[cols])[pin],
                       dived.relaxed + float(np.abs(d[pin]).min()))
 
-    def run_branch_and_bound(self, gap: float, start=None, pinned: Pinned | None = None) -> Solution:
+    def run_branch_and_bound(self, gap: float, start=None, pinned: Pinned | None = None,
+                             cutoff: float = math.inf) -> Solution:
         """HiGHS's branch and bound on the objective set, from ``start`` (until the deadline),
         with the ``pinned`` columns fixed; on a model of at least PRESOLVE_NONZEROS, with
         presolve, which drops them (HiGHS computes the analytic centre of the whole LP at every
-        root, an interior-point solve)."""
+        root, an interior-point solve). Where ``cutoff`` is finite, among the plans below it
+        by the gap only (``run_below_cutoff``)."""
         started = time.perf_counter()
         start_value = value_of(self.objective, start) if isinstance(start, np.ndarray) else None
         try:
             self.begin_stage("branch and bound")
-            found = self.run_pinned_branch_and_bound(gap, start, pinned)
+            found = self.run_below_cutoff(gap, start, pinned, cutoff)
         except MemshardError as error:
-            stopped = "time limit, no plan" if isinstance(error, SolverTimeLimit) else "no plan"
+            stopped = ("time limit, no plan" if isinstance(error, SolverTimeLimit)
+                       else "no plan below the cutoff" if isinstance(error, NoBetterPlan) else "no plan")
             self.stages.add("branch and bound", self.objective_kind, started, stopped, start=start_value)
             raise
         self.stages.add("branch and bound", self.objective_kind, started,
                         "time limit" if found.timed_out else "gap closed", found=found.objective,
                         bound=found.objective - found.gap * abs(found.objective), start=start_value)
         return found
+
+    def run_below_cutoff(self, gap: float, start, pinned: Pinned | None, cutoff: float) -> Solution:
+        """``run_pinned_branch_and_bound``, where ``cutoff`` is finite with the objective held
+        below cutoff·(1 − gap) by a row for this run: no plan there is what rules the search
+        out (:class:`NoBetterPlan`, that bound). A plan found there is the one the whole
+        search finds, and its bound holds for the whole: every plan the row leaves out is
+        above it."""
+        if not math.isfinite(cutoff):
+            return self.run_pinned_branch_and_bound(gap, start, pinned)
+        highs, limit = self.highs, cutoff * (1 - gap)
+        self.add_row(self.objective, limit)
+        row = np.array([highs.getNumRow() - 1], dtype=np.int32)
+        try:
+            return self.run_pinned_branch_and_bound(gap, start, pinned)
+        except Infeasible:
+            raise NoBetterPlan(limit, by="branch and bound") from None
+        finally:
+            highs.deleteRows(1, row)
 
     def run_pinned_branch_and_bound(self, gap: float, start, pinned: Pinned | None) -> Solution:
         """``run_branch_and_bound`` (its stage unrecorded)."""

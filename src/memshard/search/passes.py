@@ -9,6 +9,13 @@ once. Its stages, in order: the blend's minimisation (a dive, then, where the di
 gap open and nothing stops the pass there, branch and bound); the proof of the blend's plan
 (the floor, the blend's own bound, the relaxation of the primary objective); and, where none
 proves it, the search on the primary objective alone (:func:`primary_alone`).
+
+Where the relaxation is known to be loose (``PassRules.relax_first``: the step time, whose
+overlapped collectives the relaxation hides behind the compute of another plan mixed in), it
+is solved before the blend's branch and bound: where it leaves the dive's plan more than the
+gap open, that branch and bound is skipped and the search on the primary objective alone
+starts from the dive's plan. The blend's proof would have ended there too unless it found a
+plan faster by that much, which the search on the primary objective finds as well.
 """
 
 from __future__ import annotations
@@ -63,7 +70,9 @@ class PassRules:
     where its plan is not proved); ``on_branching``: called where the blend's dive leaves its
     gap open (a long search follows); ``needs_rows``: whether a plan breaks lazy rows (halted
     ROWS_NEEDED with the dive's plan that does; the blend's returned unproved: no search of
-    a model about to change)."""
+    a model about to change); ``relax_first``: the primary objective's relaxation before the
+    blend's branch and bound, which is skipped where the relaxation leaves the dive's plan
+    more than the gap open (the search on the primary objective alone instead)."""
 
     gap: float
     cutoff: float = math.inf
@@ -72,6 +81,10 @@ class PassRules:
     speculative: bool = False
     on_branching: Callable[[], None] | None = None
     needs_rows: Callable[[np.ndarray], bool] | None = None
+    relax_first: bool = False
+
+
+RELAXATION_OPEN = "relaxation open"  # (``Solution.halted``) the blend's dive's plan, unproved by the relaxation
 
 
 def first_pass(search: HighsSearch, objectives: Objectives, rules: PassRules, fallback) -> Solution:
@@ -94,6 +107,7 @@ class FirstPass:
     def __init__(self, search: HighsSearch, objectives: Objectives, rules: PassRules):
         self.search, self.objectives, self.rules = search, objectives, rules
         self.floor = objectives.floor
+        self.relaxed = False  # whether the floor holds the primary objective's relaxation already
         self.blend, self.weight = blend_objective(objectives.primary, objectives.secondary, objectives.scales)
 
     def raise_floor(self) -> None:
@@ -124,7 +138,23 @@ class FirstPass:
             dived_value = value_of(primary, dived)
             if relative_gap(dived_value, self.floor) <= rules.gap:
                 return Solution(dived, dived_value, relative_gap(dived_value, self.floor), False, False, True)
+        if rules.relax_first and dived is not None and relative_gap(value_of(primary, dived), self.floor) > rules.gap:
+            self.relax_primary()
+            self.raise_floor_against_cutoff()
+            if relative_gap(value_of(primary, dived), self.floor) > rules.gap:
+                return Solution.halt(RELAXATION_OPEN, dived)
         return None
+
+    def relax_primary(self) -> None:
+        """Raise the floor to the primary objective's relaxation (the stage "relaxation"),
+        once."""
+        if self.relaxed:
+            return
+        self.relaxed = True
+        bound = self.search.solve_relaxation(self.objectives.primary, simplex_first=self.rules.simplex_bound,
+                                             kind=self.objectives.kind)
+        if bound is not None:
+            self.floor = max(self.floor, bound)
 
     def run(self, fallback) -> Solution:
         """The pass: the blend minimised from ``fallback``, then its plan proved."""
@@ -133,6 +163,11 @@ class FirstPass:
             self.raise_floor_against_cutoff()
         blended = search.minimise(self.blend, rules.gap * TIE_BREAK, start=fallback,
                                   before_branching=self.before_branching, kind=BLEND)
+        if blended.halted == RELAXATION_OPEN:  # from the dive's plan, the primary objective alone
+            value = value_of(self.objectives.primary, blended.values)
+            return primary_alone(search, self.objectives, rules.gap,
+                                 Solution(blended.values, value, relative_gap(value, self.floor), False),
+                                 self.floor, dive=True, cutoff=rules.cutoff)
         if blended.halted or blended.dive_proved:
             return blended
         return self.proved(blended)
@@ -153,9 +188,7 @@ class FirstPass:
             if rules.needs_rows is not None and not blended.timed_out and rules.needs_rows(values):
                 return Solution(values, value, floor_gap, False, False)
             if rules.relaxed_bound is None:
-                bound = search.solve_relaxation(primary, simplex_first=rules.simplex_bound, kind=objectives.kind)
-                if bound is not None:
-                    self.floor = max(self.floor, bound)
+                self.relax_primary()
             self.raise_floor()
             floor_gap = relative_gap(value, self.floor)
         if blended.timed_out or search.expired():
@@ -165,19 +198,21 @@ class FirstPass:
         # a dive on the primary objective alone first, not on a loose floor's peak: simplex
         # solves its relaxation slowly (docs/search.md, *Measurements*)
         return primary_alone(search, objectives, gap, Solution(values, value, floor_gap, False, ties_resolved),
-                             self.floor, dive=rules.relaxed_bound is None)
+                             self.floor, dive=rules.relaxed_bound is None, cutoff=rules.cutoff)
 
 
 def primary_alone(search: HighsSearch, objectives: Objectives, gap: float, blended: Solution, floor: float,
-                  dive: bool) -> Solution:
+                  dive: bool, cutoff: float = math.inf) -> Solution:
     """The search on the primary objective alone (a dive first if ``dive``), from the blend's
     plan ``blended`` that ``floor`` leaves unproved: that plan, its ties broken, where nothing
-    better is found or the bound reached proves it within the gap too; else the better plan."""
+    better is found or the bound reached proves it within the gap too; else the better plan.
+    Its branch and bound searches below ``cutoff`` by the gap only (:class:`NoBetterPlan`
+    where there is nothing)."""
     values, value = blended.values, blended.objective
     try:
         if dive:
             search.dive_again()
-        best = search.minimise(objectives.primary, gap, start=values, kind=objectives.kind)
+        best = search.minimise(objectives.primary, gap, start=values, kind=objectives.kind, cutoff=cutoff)
     except SolverTimeLimit:
         return Solution(values, value, blended.gap, True, False)
     # the best bound known: branch and bound's own (none where time ran out at once), or the floor

@@ -373,6 +373,7 @@ class Solver:
         rules = PassRules(max(self.request.mip_gap, TIE_RESOLUTION), cutoff=self.cutoff,
                           relaxed_bound=self.relaxed_peak.wait_for_bound if self.relaxed_peak is not None else None,
                           simplex_bound=self.objective == "time", speculative=self.speculative,
+                          relax_first=self.objective == "time" and self.formulation.exposed is not None,
                           on_branching=self.on_branching, needs_rows=self.breaks_lazy_rows if self.lazy else None)
         return objectives, rules
 
