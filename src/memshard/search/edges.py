@@ -59,29 +59,31 @@ class EdgeFlows:
         self.model = model
         self.choice_columns = choice_columns
         self.time_unit = time_unit
-        self.by_side: dict[tuple, dict] = {}  # see choices_by
+        self.by_side: dict[tuple, Sides] = {}  # see choices_by
+        self.end_rows: dict[tuple, tuple] = {}  # (flows, sides) → where their rows' columns are (add_end_rows)
 
     def add(self, e: int) -> EdgeFlow:
         problem = self.problem
         edge = problem.edges[e]
         spec = edge.tensor
         # the producer's output layouts; the consumer's keys, per axis (input placement, gradient placement)
-        producer_choices = self.choices_by(edge.producer, None)
-        consumer_choices = self.choices_by(edge.consumer, edge.input_index)
+        producer_sides = self.choices_by(edge.producer, None)
+        consumer_sides = self.choices_by(edge.consumer, edge.input_index)
         keeps = flow_copies(problem, e)
-        shape = flow_shape(spec.shape, spec.dtype_bytes, tuple(producer_choices), tuple(consumer_choices), keeps,
+        shape = flow_shape(spec.shape, spec.dtype_bytes, producer_sides.sides, consumer_sides.sides, keeps,
                            edge.gradient_through, problem.mesh)
+        block = self.model.columns(shape.size, integer=False)  # every step's states, one step after another
         steps, cost_cols, cost_vals = {}, [], []
         for step, (states, times) in shape.states.items():
-            cols = self.model.columns(len(states), integer=False)
+            cols = block[shape.offsets[step]:shape.offsets[step] + len(states)]
             steps[step] = (states, cols)
             paid = times != 0
             cost_cols.append(cols[paid])
             cost_vals.append(times[paid] * (edge.executions / self.time_unit))
         flow = EdgeFlow(keeps, steps, {}, {}, np.concatenate(cost_cols), np.concatenate(cost_vals))
-        self.add_end_rows(e, flow, shape, producer_choices, consumer_choices)
-        self.add_conservation_rows(e, flow, shape)
-        flow.consumer_layout_columns, flow.producer_layout_columns = self.layout_columns(flow, shape)
+        self.add_end_rows(e, block, shape, producer_sides, consumer_sides)
+        self.add_conservation_rows(e, block, shape)
+        flow.consumer_layout_columns, flow.producer_layout_columns = self.layout_columns(block, shape)
         if 1 in keeps:
             flow.keep_column = int(self.model.columns(1, integer=True)[0])
             coefs = {int(c): 1.0 for c in steps[(1, 0)][1]}
@@ -115,26 +117,30 @@ class EdgeFlows:
         if flow.keep_column is not None and consumer:
             self.model.row({flow.keep_column: 1.0, **consumer}, -inf, 1.0, tag)
 
-    def add_end_rows(self, e: int, flow: EdgeFlow, shape: FlowShape, producer_choices: dict,
-                     consumer_choices: dict) -> None:
-        """The first step's producer side equals the producer's choice (``producer_choices``: its
-        choices by output layout), the last step's consumer side the consumer's (by key)."""
-        edge = self.problem.edges[e]
-        last = self.problem.mesh.ndim - 1
-        tag = RowTag("edge-flow", item=edge.key)
-        x = self.choice_columns
-        for sides, step, choices, columns in ((shape.producer_sides, 0, producer_choices, x[edge.producer]),
-                                              (shape.consumer_sides, last, consumer_choices, x[edge.consumer])):
-            for side, chosen in choices.items():
-                flows = [flow.steps[(k, step)][1][sides[k][side]] for k in flow.keeps if side in sides[k]]
-                cols = np.concatenate([*flows, columns[chosen]]).astype(np.int64)
-                vals = np.concatenate([np.ones(len(cols) - len(chosen)), np.full(len(chosen), -1.0)])
-                self.model.append_row(cols, vals, 0.0, 0.0, tag)
+    def add_end_rows(self, e: int, block: np.ndarray, shape: FlowShape, producer_sides: Sides,
+                     consumer_sides: Sides) -> None:
+        """The first step's producer side equals the producer's choice, the last step's
+        consumer side the consumer's: per side, Σ its states' columns − Σ its choices' = 0
+        (``block``: the edge's flow columns)."""
+        tag = RowTag("edge-flow", item=self.problem.edges[e].key)
+        for flows, sides in ((shape.producer_flows, producer_sides), (shape.consumer_flows, consumer_sides)):
+            key = (id(flows), id(sides))
+            if key not in self.end_rows:  # where each row's columns are, among the flows' then the choices'
+                counts = np.array([len(f) for f in flows] + sides.counts, dtype=np.int64)
+                rows = np.arange(len(counts)) % len(flows) * 2 + (np.arange(len(counts)) >= len(flows))
+                order = np.argsort(np.repeat(rows, counts), kind="stable")
+                signs = np.where(order < sum(counts[:len(flows)]), 1.0, -1.0)
+                self.end_rows[key] = (flows, sides, order, _frozen(signs),
+                                      np.cumsum([0, *(counts[:len(flows)] + counts[len(flows):])]).tolist())
+            _, _, order, signs, bounds = self.end_rows[key]
+            cols = np.concatenate([block[0] + np.concatenate([*flows, np.zeros(0, np.int64)]), sides.columns])[order]
+            for r in range(len(bounds) - 1):
+                self.model.append_row(cols[bounds[r]:bounds[r + 1]], signs[bounds[r]:bounds[r + 1]], 0.0, 0.0, tag)
 
-    def choices_by(self, group: int, input_index: int | None) -> dict:
+    def choices_by(self, group: int, input_index: int | None) -> Sides:
         """The choices of op group ``group`` by their output layout (``input_index`` None), or by
-        their input ``input_index``'s consumer key, in the order the flow's end rows take them
-        (the producer layouts', the consumer keys', sorted by repr)."""
+        their input ``input_index``'s consumer key, sorted by repr (the order of the flow's end
+        rows)."""
         key = (group, input_index)
         if key not in self.by_side:
             grp = self.problem.groups[group]
@@ -146,27 +152,41 @@ class EdgeFlows:
             by_side: dict = defaultdict(list)
             for c, side in enumerate(sides):
                 by_side[side].append(c)
-            self.by_side[key] = {side: np.array(by_side[side], dtype=np.int64) for side in sorted(by_side, key=repr)}
+            order = tuple(sorted(by_side, key=repr))
+            chosen = np.array([c for side in order for c in by_side[side]], dtype=np.int64)
+            self.by_side[key] = Sides(order, self.choice_columns[group][chosen].astype(np.int64),
+                                      [len(by_side[side]) for side in order])
         return self.by_side[key]
 
-    def add_conservation_rows(self, e: int, flow: EdgeFlow, shape: FlowShape) -> None:
+    def add_conservation_rows(self, e: int, block: np.ndarray, shape: FlowShape) -> None:
         """What leaves step a enters step a+1, state by state."""
         tag = RowTag("edge-flow", item=self.problem.edges[e].key)
-        for k in flow.keeps:
-            for a in range(self.problem.mesh.ndim - 1):
-                out_of, into = flow.steps[(k, a)][1], flow.steps[(k, a + 1)][1]
-                for leaving, entering, vals in shape.conservation[(k, a)]:
-                    self.model.append_row(np.concatenate([out_of[leaving], into[entering]]), vals, 0.0, 0.0, tag)
+        positions, values, bounds = shape.conservation
+        cols = block[0] + positions
+        for r in range(len(bounds) - 1):
+            self.model.append_row(cols[bounds[r]:bounds[r + 1]], values[bounds[r]:bounds[r + 1]], 0.0, 0.0, tag)
 
-    def layout_columns(self, flow: EdgeFlow, shape: FlowShape) -> tuple[dict, dict]:
+    def layout_columns(self, block: np.ndarray, shape: FlowShape) -> tuple[dict, dict]:
         """Per keep flag: which flow columns say "consumer layout L" (last step) and which
         "producer layout L" (first step)."""
-        last = self.problem.mesh.ndim - 1
-        consumer = {k: {layout: flow.steps[(k, last)][1][idx].tolist() for layout, idx in shape.consumer_layouts[k].items()}
-                    for k in flow.keeps}
-        producer = {k: {layout: flow.steps[(k, 0)][1][idx].tolist() for layout, idx in shape.producer_sides[k].items()}
-                    for k in flow.keeps}
-        return consumer, producer
+        out = []
+        for layouts in (shape.consumer_layouts, shape.producer_layouts):
+            by_keep = {}
+            for k, (order, positions, bounds) in layouts.items():
+                cols = (block[0] + positions).tolist()
+                by_keep[k] = {layout: cols[bounds[i]:bounds[i + 1]] for i, layout in enumerate(order)}
+            out.append(by_keep)
+        return out[0], out[1]
+
+
+@dataclass(frozen=True, eq=False)
+class Sides:
+    """An op group's choices by side (output layout, or consumer key), for an edge's end rows."""
+
+    sides: tuple  # sorted by repr
+    columns: np.ndarray  # the choices' columns, side by side
+    counts: list[int]  # per side, its choices
+
 
 def flow_copies(problem: Problem, e: int) -> tuple[int, ...]:
     """The copies k an edge's flow has: 0 (the forward's), 1 (kept), 2 and 3 (replayed)."""
@@ -210,17 +230,22 @@ def step_states(shape: tuple[int, ...], dtype_bytes: int, producer_layouts: tupl
     return {(k, a): out[(k, a)] for k in keeps for a in range(axes)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FlowShape:
     """What every edge of one shape and layouts shares (``flow_shape``): its flow states and
-    their times, and the rows the states make, as positions among each step's states (an
-    edge's columns are its steps' columns at those positions)."""
+    their times, and where its rows read them: positions in the edge's block of flow columns,
+    the steps' states one step after another."""
 
     states: dict  # (keep, step a) → (states, times): ``step_states``
-    producer_sides: dict  # keep → producer layout → its states at step 0
-    consumer_sides: dict  # keep → consumer key → its states at the last step
-    consumer_layouts: dict  # keep → consumer layout → its states at the last step
-    conservation: dict  # (keep, a) → per row: (states of step a, states of step a + 1, coefficients)
+    offsets: dict  # (keep, step a) → the position of its first state
+    size: int  # states in all
+    producer_flows: tuple[np.ndarray, ...]  # per producer layout: its states at step 0, keep after keep
+    consumer_flows: tuple[np.ndarray, ...]  # per consumer key: its states at the last step, keep after keep
+    # keep → (layouts, their states at the first (producer) or last (consumer) step layout after
+    # layout, each layout's bounds there)
+    producer_layouts: dict[int, tuple[tuple, np.ndarray, list[int]]]
+    consumer_layouts: dict[int, tuple[tuple, np.ndarray, list[int]]]
+    conservation: tuple[np.ndarray, np.ndarray, list[int]]  # its rows: positions, coefficients, row bounds
 
 
 @functools.lru_cache(maxsize=512)
@@ -231,31 +256,43 @@ def flow_shape(shape: tuple[int, ...], dtype_bytes: int, producer_layouts: tuple
     rows read them (read only, shared as ``step_states`` is)."""
     states = step_states(shape, dtype_bytes, producer_layouts, consumer_keys, keeps, gradient_through, mesh)
     last = mesh.ndim - 1
+    offsets = dict(zip(states, np.cumsum([0, *(len(s) for s, _ in states.values())]).tolist()))
 
-    def positions(items) -> dict:
+    def positions(step: tuple[int, int], items) -> dict:
         out: dict = defaultdict(list)
-        for i, key in enumerate(items):
+        for i, key in enumerate(items, start=offsets[step]):
             out[key].append(i)
-        return {key: _frozen(np.array(idx, dtype=np.int64)) for key, idx in out.items()}
+        return dict(out)
 
-    producer_sides = {k: positions(suffix for _, suffix, _ in states[(k, 0)][0]) for k in keeps}
-    consumer_sides = {k: positions(prefix + (placement,) for prefix, _, placement in states[(k, last)][0])
+    producer_sides = {k: positions((k, 0), (suffix for _, suffix, _ in states[(k, 0)][0])) for k in keeps}
+    consumer_sides = {k: positions((k, last), (prefix + (placement,) for prefix, _, placement in states[(k, last)][0]))
                       for k in keeps}
-    consumer_layouts = {k: positions(tuple(pl for pl, _ in prefix + (placement,))
-                                     for prefix, _, placement in states[(k, last)][0]) for k in keeps}
-    conservation = {}
+    consumer_layouts = {k: positions((k, last), (tuple(pl for pl, _ in prefix + (placement,))
+                                                 for prefix, _, placement in states[(k, last)][0])) for k in keeps}
+
+    def flat(by_layout: dict) -> tuple[tuple, np.ndarray, list[int]]:
+        return (tuple(by_layout), _frozen(np.array([i for p in by_layout.values() for i in p], dtype=np.int64)),
+                np.cumsum([0, *(len(p) for p in by_layout.values())]).tolist())
+
+    def flows(sides: dict, order: tuple) -> tuple[np.ndarray, ...]:
+        return tuple(_frozen(np.array([i for k in keeps for i in sides[k].get(side, ())], dtype=np.int64))
+                     for side in order)
+
+    rows = []
     for k in keeps:
         for a in range(last):
             through: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
-            for i, (prefix, suffix, placement) in enumerate(states[(k, a)][0]):
+            for i, (prefix, suffix, placement) in enumerate(states[(k, a)][0], start=offsets[(k, a)]):
                 through[(prefix + (placement,), suffix[1:])][0].append(i)
-            for i, (prefix, suffix, _) in enumerate(states[(k, a + 1)][0]):
+            for i, (prefix, suffix, _) in enumerate(states[(k, a + 1)][0], start=offsets[(k, a + 1)]):
                 through[(prefix, suffix)][1].append(i)
-            conservation[(k, a)] = tuple(
-                (_frozen(np.array(out, dtype=np.int64)), _frozen(np.array(into, dtype=np.int64)),
-                 _frozen(np.concatenate([np.ones(len(out)), np.full(len(into), -1.0)])))
-                for out, into in (through[key] for key in sorted(through, key=repr)))
-    return FlowShape(states, producer_sides, consumer_sides, consumer_layouts, conservation)
+            rows += [through[key] for key in sorted(through, key=repr)]
+    conservation = (_frozen(np.array([i for out, into in rows for i in out + into], dtype=np.int64)),
+                    _frozen(np.array([v for out, into in rows for v in [1.0] * len(out) + [-1.0] * len(into)])),
+                    np.cumsum([0, *(len(out) + len(into) for out, into in rows)]).tolist())
+    return FlowShape(states, offsets, sum(len(s) for s, _ in states.values()), flows(producer_sides, producer_layouts),
+                     flows(consumer_sides, consumer_keys), {k: flat(v) for k, v in producer_sides.items()},
+                     {k: flat(v) for k, v in consumer_layouts.items()}, conservation)
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:

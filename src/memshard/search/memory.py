@@ -54,6 +54,7 @@ is no A: the model is the one without pipelining.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import highspy
 import numpy as np
@@ -107,7 +108,7 @@ class LiveBytes:
         self.copy_columns: dict[tuple, int | None] = {}
         self.live_column: dict[int, int] = {}  # schedule point → its live-bytes column
         self.constants_at: dict[int, float] = {}  # schedule point → its constant bytes
-        self.indicators: dict[tuple, dict[int, float]] = {}
+        self.indicators: dict[Layout, dict[tuple, dict[int, float]]] = {}  # see indicators_at
         self.outputs: dict[int, dict[Layout, list[tuple[int, bool]]]] = {}  # see output_choices
         self.by_layout: dict[tuple[int, int | None], dict[Layout, list[int]]] = {}  # see columns_by_layout
         self.checkpointed: dict[tuple[int, ...], int] = {}  # a layer's replaying groups → u
@@ -119,10 +120,22 @@ class LiveBytes:
     def indicator(self, h: Holder, layout: Layout, part: str = "all") -> dict[int, float]:
         """Linear expression of "holder h holds its tensor in ``layout``"; for a saved copy,
         ``part`` "copy" is the consumer's own copy (not kept), "kept" the producer's tensor."""
-        key = (h.kind, h.source, layout, part)
-        if key not in self.indicators:
-            self.indicators[key] = self._indicator(h, layout, part)
-        return self.indicators[key]
+        return self.held_in(self.indicators_at(layout), h, layout, part)
+
+    def indicators_at(self, layout: Layout) -> dict[tuple, dict[int, float]]:
+        """The indicators made so far in ``layout``, by (holder kind, source, part)."""
+        at = self.indicators.get(layout)
+        if at is None:
+            at = self.indicators[layout] = {}
+        return at
+
+    def held_in(self, at: dict, h: Holder, layout: Layout, part: str) -> dict[int, float]:
+        """``indicator``, of ``at`` (``indicators_at(layout)``)."""
+        key = (h.kind, h.source, part)
+        found = at.get(key)
+        if found is None:
+            found = at[key] = self._indicator(h, layout, part)
+        return found
 
     def _indicator(self, h: Holder, layout: Layout, part: str) -> dict[int, float]:
         problem, x = self.problem, self.choice_lists
@@ -372,7 +385,7 @@ class LiveBytes:
     def expression(self, holders: _HolderIndex, key: int, mask: int, tensor: int) -> tuple[np.ndarray, np.ndarray]:
         """Bytes held of ``tensor`` (and every tensor of its kind) while the holders in ``mask`` live."""
         held = self.problem.held[tensor]
-        active = [h for k, h in enumerate(holders.by_tensor[tensor]) if mask >> k & 1]
+        active = _Active.of([h for k, h in enumerate(holders.by_tensor[tensor]) if mask >> k & 1])
         expr: dict[int, float] = defaultdict(float)
         for lid, layout in enumerate(held.layouts):
             nbytes = held.nbytes[lid] / self.bytes_unit
@@ -383,24 +396,23 @@ class LiveBytes:
         return (np.fromiter(expr.keys(), dtype=np.int64, count=len(expr)),
                 np.fromiter(expr.values(), dtype=float, count=len(expr)))
 
-    def layout_terms(self, active: list[Holder], layout: Layout, key: tuple, producer: int) -> dict[int, float]:
+    def layout_terms(self, active: _Active, layout: Layout, key: tuple, producer: int) -> dict[int, float]:
         """Columns (with weights) counting the distinct tensors the ``active`` holders keep in
         ``layout``: the producer's tensor (its own holder, a copy kept in its layout) and, per
         edge, the consumer's copy (its input copy, its saved copy not kept, or the re-gathered
         one; the same copy written with different columns, each a row)."""
-        producer_active = any(h.kind == PRODUCER for h in active)
-        own = [ind for h in active if h.kind in (*OWN_KINDS, SAVED) if (ind := self.indicator(h, layout, "kept"))]
-        copies = self.copies(active, layout)
+        at = self.indicators_at(layout)
+        own = [ind for h in active.own if (ind := self.held_in(at, h, layout, "kept"))]
+        copies = self.copies(active, layout, at)
         terms: dict[int, float] = defaultdict(float)
         base = None
-        if producer_active:
+        if active.producer is not None:
             # Every kept copy is in the producer's layout, so while the producer's holder is
             # live "its tensor is held in L" is the producer's indicator.
-            base = next(self.indicator(h, layout, "kept") for h in active if h.kind == PRODUCER)
+            base = self.held_in(at, active.producer, layout, "kept")
         elif not copies and len(own) == 1:
             base = own[0]
-        elif (len(copies) == 1 and _one_saved_tensor(next(iter(copies.values())))
-              and not any(h.kind in OWN_KINDS for h in active)):
+        elif len(copies) == 1 and _one_saved_tensor(next(iter(copies.values()))) and not active.owns:
             # One consumer's saved tensor (a copy, the producer's tensor kept, or the copy a
             # replay makes: disjoint flow copies, so their indicators add up): one tensor,
             # held in L iff "any" says so; a re-gathered copy beside it.
@@ -423,19 +435,22 @@ class LiveBytes:
             terms[col] += 1.0
         return terms
 
-    def copies(self, active: list[Holder], layout: Layout) -> Copies:
-        """Per edge, the live representations of its consumer's copy in ``layout``."""
-        copies: Copies = defaultdict(list)
-        for h in active:
+    def copies(self, active: _Active, layout: Layout, at: dict) -> Copies:
+        """Per edge, the live representations of its consumer's copy in ``layout`` (``at``: the
+        indicators in it, ``indicators_at``)."""
+        copies: Copies = {}
+        for h in active.copies:
             if h.kind == INPUT_COPY:
-                ind = self.indicator(h, layout, "all")
-                copies[h.source].append((h.kind, ind, ind))
+                ind = self.held_in(at, h, layout, "all")
+                rep = (h.kind, ind, ind)
             elif h.kind == SAVED:
-                copies[h.source].append((h.kind, self.indicator(h, layout, "copy"), self.indicator(h, layout, "all")))
-            elif h.kind in COPY_OF_FLOW:
-                ind = self.indicator(h, layout, "copy")
-                copies[h.source].append((h.kind, ind, ind))
-        copies = {e: [r for r in reps if r[2]] for e, reps in copies.items()}
+                rep = (h.kind, self.held_in(at, h, layout, "copy"), self.held_in(at, h, layout, "all"))
+            else:
+                ind = self.held_in(at, h, layout, "copy")
+                rep = (h.kind, ind, ind)
+            reps = copies.setdefault(h.source, [])
+            if rep[2]:
+                reps.append(rep)
         return {e: reps for e, reps in copies.items() if reps}
 
     def copy_column(self, e: int, layout: Layout, reps: list[tuple[str, dict, dict]], producer: int) -> int | None:
@@ -508,6 +523,23 @@ def _one_saved_tensor(reps: list[tuple[str, dict, dict]]) -> bool:
     kinds = [kind for kind, _, _ in reps]
     return (bool(kinds) and set(kinds) <= {*SAVED_KINDS, REGATHER} and kinds.count(REGATHER) <= 1
             and len(kinds) > kinds.count(REGATHER))
+
+
+@dataclass(frozen=True)
+class _Active:
+    """The live holders of a tensor, by what they hold (``LiveBytes.layout_terms``)."""
+
+    producer: Holder | None  # the producer's own holder (the first), if live
+    own: tuple[Holder, ...]  # the holders of the producer's tensor, and saved copies
+    copies: tuple[Holder, ...]  # the holders of a consumer's copy (input, saved, re-gathered, replayed)
+    owns: bool  # a holder of the producer's tensor
+
+    @staticmethod
+    def of(active: list[Holder]) -> _Active:
+        return _Active(next((h for h in active if h.kind == PRODUCER), None),
+                       tuple(h for h in active if h.kind in OWN_KINDS or h.kind == SAVED),
+                       tuple(h for h in active if h.kind in (INPUT_COPY, SAVED) or h.kind in COPY_OF_FLOW),
+                       any(h.kind in OWN_KINDS for h in active))
 
 
 class _HolderIndex:

@@ -48,6 +48,7 @@ class ReshardRows:
         self.bytes_unit = bytes_unit
         self.price_columns: dict[tuple, int | None] = {}
         self.price_tables: dict[tuple, np.ndarray] = {}  # by shape and layouts
+        self.side_sets: dict[tuple, tuple[tuple, np.ndarray]] = {}  # see sides
         self.added: set[int] = set()  # indices into problem.reshard_points
 
     def add(self, live_column: dict[int, int], peak: int, constants_at: dict[int, float],
@@ -85,18 +86,11 @@ class ReshardRows:
             return None
         if kind in BACKWARD_PRICES and edge.gradient_through:  # the gradient passes as it is
             return None
-        pg, cg = problem.groups[edge.producer], problem.groups[edge.consumer]
-        if kind in BACKWARD_PRICES:
-            a_of = [(without_partial(s.output_layout), False) for s in pg.strategies]
-            c_of = [(g, False) for g in cg.input_grads[edge.input_index]]
-        else:  # (a replay price depends on whether the ops are replayed too)
-            replay = kind in REPLAY_PRICES
-            a_of = [(s.output_layout, replay and pg.replayed(k)) for k, s in enumerate(pg.strategies)]
-            c_of = [(s.input_layouts[edge.input_index], replay and cg.replayed(k)) for k, s in enumerate(cg.strategies)]
-        a_set = sorted(set(a_of), key=repr)
-        c_set = sorted(set(c_of), key=repr)
+        backward, replay = kind in BACKWARD_PRICES, kind in REPLAY_PRICES
+        a_set, a_idx = self.sides(edge.producer, None, backward, replay)
+        c_set, c_idx = self.sides(edge.consumer, edge.input_index, backward, replay)
         spec = edge.tensor
-        table_key = (spec.shape, spec.dtype_bytes, kind, last, tuple(a_set), tuple(c_set), edge.replay)
+        table_key = (spec.shape, spec.dtype_bytes, kind, last, a_set, c_set, edge.replay)
         if table_key not in self.price_tables:  # edges of one shape and layouts (q, k, v's input) share prices
             table = reshard_price_table(spec, kind, [a for a, _ in a_set], [c for c, _ in c_set], problem.mesh, last)
             if kind in REPLAY_PRICES:
@@ -107,10 +101,6 @@ class ReshardRows:
         if not table.any():
             return None
         rho = int(self.model.columns(1, integer=False, hi=highspy.kHighsInf)[0])
-        a_pos = {a: i for i, a in enumerate(a_set)}
-        c_pos = {c: j for j, c in enumerate(c_set)}
-        a_idx = np.array([a_pos[a] for a in a_of])
-        c_idx = np.array([c_pos[c] for c in c_of])
         x = self.choice_columns
         sides = [(table, a_idx, x[edge.producer], c_idx, x[edge.consumer]),
                  (table.T, c_idx, x[edge.consumer], a_idx, x[edge.producer])]
@@ -118,6 +108,26 @@ class ReshardRows:
         kept = [self.keep_columns[e]] if kind in KEPT_PRICES else []
         self.price_rows(rho, f, fixed_idx, fixed_cols, other_idx, other_cols, kept, RowTag("reshard-price", item=edge.key))
         return rho
+
+    def sides(self, group: int, input_index: int | None, backward: bool, replay: bool) -> tuple[tuple, np.ndarray]:
+        """An edge's producer (``input_index`` None) or consumer sides in op group ``group``'s
+        choices: its output layout or its input's (``backward``: its output gradient's,
+        partial sums reduced, or its input gradient's), with whether the choice is replayed
+        where a price depends on it (``replay``); the distinct sides sorted by repr, and each
+        choice's among them."""
+        key = (group, input_index, backward, replay)
+        if key not in self.side_sets:
+            grp = self.problem.groups[group]
+            if backward:
+                of = ([(without_partial(s.output_layout), False) for s in grp.strategies] if input_index is None
+                      else [(g, False) for g in grp.input_grads[input_index]])
+            else:
+                of = [(s.output_layout if input_index is None else s.input_layouts[input_index],
+                       replay and grp.replayed(k)) for k, s in enumerate(grp.strategies)]
+            ordered = tuple(sorted(set(of), key=repr))
+            position = {side: i for i, side in enumerate(ordered)}
+            self.side_sets[key] = (ordered, np.array([position[side] for side in of]))
+        return self.side_sets[key]
 
     def price_rows(self, rho: int, f: np.ndarray, fixed_idx: np.ndarray, fixed_cols: np.ndarray,
                    other_idx: np.ndarray, other_cols: np.ndarray, kept: list[int], tag: RowTag) -> None:
@@ -143,8 +153,12 @@ class ReshardRows:
         fixed = 1 + len(other_cols) + np.arange(len(fixed_cols))
         values[fixed_idx, fixed] = -tops[fixed_idx]
         values[:, len(values[0]) - len(kept):] = -tops[:, None]
-        values = values[:, order]
-        for u in np.nonzero(tops > 0)[0]:
-            nonzero = values[u] != 0
-            self.model.append_row(columns[nonzero], values[u][nonzero], -tops[u] * (1 + len(kept)),
+        rows = np.nonzero(tops > 0)[0]
+        values = values[rows][:, order]
+        nonzero = values != 0
+        columns, values = np.broadcast_to(columns, values.shape)[nonzero], values[nonzero]  # row after row
+        bounds = np.cumsum([0, *nonzero.sum(axis=1)]).tolist()
+        lower = -tops[rows] * (1 + len(kept))
+        for r in range(len(rows)):
+            self.model.append_row(columns[bounds[r]:bounds[r + 1]], values[bounds[r]:bounds[r + 1]], lower[r],
                                   highspy.kHighsInf, tag)
