@@ -56,9 +56,10 @@ def reshard_peak_bytes(
 ) -> int:
     """Peak bytes the reshard ``src → dst`` holds beyond its input (0 when nothing changes);
     on a mesh with merged axes, as it runs on the real ones."""
-    if mesh.real is not mesh:
+    real = mesh.real
+    if real is not mesh:
         src, dst = mesh.on_real_axes(src), mesh.on_real_axes(dst)
-    return _peak(tuple(shape), dtype_bytes, tuple(src), tuple(dst), mesh.real.shape, reverse)
+    return _peak(tuple(shape), dtype_bytes, tuple(src), tuple(dst), real.shape, reverse)
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the ILP asks for every layout pair of every edge
@@ -70,10 +71,12 @@ def _peak(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout, me
     peak = 0
     first = True  # nothing resharded yet: the current layout is the caller's input
     for axis in range(len(src) - 1, -1, -1) if reverse else range(len(src)):
-        target = dst[axis]
-        if cur[axis] == target:
+        here, target = src[axis], dst[axis]  # (the axes not yet resharded are the source's)
+        if here is target or here == target:
             continue
-        peak = max(peak, _axis_peak(shape, dtype_bytes, cur, axis, target, mesh_shape, first))
+        step = _axis_peak(shape, dtype_bytes, cur, axis, target, mesh_shape, first)
+        if step > peak:
+            peak = step
         cur = cur[:axis] + (target,) + cur[axis + 1 :]
         first = False
     return peak

@@ -115,6 +115,7 @@ class LiveBytes:
         self.expressions: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.shared_expressions: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self.in_flight_column: int | None = None  # A, where the rank holds other micro-batches
+        self.tags: dict[tuple[str, str], RowTag] = {}  # see tag
 
     # -- "holder h holds its tensor in layout L" ---------------------------------------------
     def indicator(self, h: Holder, layout: Layout, part: str = "all") -> dict[int, float]:
@@ -173,10 +174,19 @@ class LiveBytes:
         """Op group ``group``'s choices by the layout of their output, partial sums reduced:
         (choice, replayed) per layout."""
         if group not in self.outputs:
-            grp = self.outputs[group] = defaultdict(list)
-            for c, s in enumerate(self.problem.groups[group].strategies):
-                grp[without_partial(s.output_layout)].append((c, self.problem.groups[group].replayed(c)))
+            grp = self.problem.groups[group]
+            out = self.outputs[group] = defaultdict(list)
+            for c, (s, replayed) in enumerate(zip(grp.strategies, grp.replays or [False] * len(grp.strategies))):
+                out[without_partial(s.output_layout)].append((c, replayed))  # (``grp.replayed(c)``)
         return self.outputs[group]
+
+    def tag(self, family: str, item: str) -> RowTag:
+        """The row tag of ``family`` about ``item`` (one record for all its rows)."""
+        key = (family, item)
+        found = self.tags.get(key)
+        if found is None:
+            found = self.tags[key] = RowTag(family, item=item)
+        return found
 
     def both(self, indicator: dict[int, float], group: int, replayed: bool = True) -> dict[int, float]:
         """w ≥ A + r[group] − 1 (or, ``replayed`` False, w ≥ A − r[group]): A and the group's op
@@ -201,7 +211,7 @@ class LiveBytes:
         for col, v in other.items():
             row[col] = row.get(col, 0.0) + v
         row[w] = row.get(w, 0.0) - 1.0
-        self.model.row(row, -highspy.kHighsInf, upper, RowTag("replay-holder", item=item))
+        self.model.row(row, -highspy.kHighsInf, upper, self.tag("replay-holder", item))
         return {w: 1.0}
 
     def layer_replays(self, group: int) -> dict[int, float] | None:
@@ -465,7 +475,7 @@ class LiveBytes:
         choices are integral, but in the LP relaxation a fractional plan can no longer
         cancel a kept edge's copy with the weight of another plan whose producer is in L
         and keeps nothing."""
-        key = (e, layout, tuple(kind for kind, _, _ in reps))
+        key = (e, layout, tuple([rep[0] for rep in reps]))
         if key not in self.copy_columns:
             if not any(copy for _, copy, _ in reps):
                 self.copy_columns[key] = None
@@ -483,7 +493,7 @@ class LiveBytes:
                     for c, v in prod.items():
                         r[c] = r.get(c, 0.0) - v
                     r[col] = r.get(col, 0.0) - 1.0
-                    self.model.row(r, -highspy.kHighsInf, 0.0, RowTag("copy", item=self.problem.edges[e].key))
+                    self.model.row(r, -highspy.kHighsInf, 0.0, self.tag("copy", self.problem.edges[e].key))
             self.copy_columns[key] = col
         return self.copy_columns[key]
 
@@ -498,7 +508,7 @@ class LiveBytes:
             inf = highspy.kHighsInf
             y = int(self.model.columns(1, integer=False)[0])
             cols = [y]
-            tag = RowTag("held", item=self.problem.groups[producer].key)
+            tag = self.tag("held", self.problem.groups[producer].key)
             for ind in own:
                 r = dict(ind)
                 r[y] = r.get(y, 0.0) - 1.0

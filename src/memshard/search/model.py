@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+_INT64, _FLOAT64 = np.dtype(np.int64), np.dtype(float)  # (given as records: np.fromiter resolves a name each call)
+
 
 @dataclass(frozen=True)
 class RowTag:
@@ -72,8 +74,8 @@ class LinearModel:
         if isinstance(coefs, dict):  # (most rows: a few columns, fastest without numpy masks)
             if 0.0 in coefs.values():
                 coefs = {c: v for c, v in coefs.items() if v != 0}
-            self.row_columns.append(np.fromiter(coefs.keys(), dtype=np.int64, count=len(coefs)))
-            self.row_values.append(np.fromiter(coefs.values(), dtype=float, count=len(coefs)))
+            self.row_columns.append(np.fromiter(coefs.keys(), _INT64, len(coefs)))
+            self.row_values.append(np.fromiter(coefs.values(), _FLOAT64, len(coefs)))
         else:
             cols, vals = summed(*coefs)
             keep = vals != 0

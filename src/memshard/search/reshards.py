@@ -121,9 +121,10 @@ class ReshardRows:
             if backward:
                 of = ([(without_partial(s.output_layout), False) for s in grp.strategies] if input_index is None
                       else [(g, False) for g in grp.input_grads[input_index]])
-            else:
-                of = [(s.output_layout if input_index is None else s.input_layouts[input_index],
-                       replay and grp.replayed(k)) for k, s in enumerate(grp.strategies)]
+            else:  # (``replay and grp.replayed(k)``)
+                replayed = grp.replays if replay and grp.replays else [False] * len(grp.strategies)
+                of = list(zip([s.output_layout for s in grp.strategies] if input_index is None
+                              else [s.input_layouts[input_index] for s in grp.strategies], replayed))
             ordered = tuple(sorted(set(of), key=repr))
             position = {side: i for i, side in enumerate(ordered)}
             self.side_sets[key] = (ordered, np.array([position[side] for side in of]))
