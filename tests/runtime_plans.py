@@ -126,8 +126,9 @@ def fresh(search: Search) -> Plan:
 def canonical_tokens(value, seen: dict[int, int]):
     """``value`` as a stream of text tokens, the same for equal records in any process:
     dataclasses by their compared fields, other objects by their attributes, sets sorted,
-    arrays by dtype, shape and bytes, floats exactly, tuples by their items; any other object
-    met again by its first token's number (``seen``: the objects met so far)."""
+    arrays by dtype, shape and bytes, floats exactly, tuples and frozen dataclasses by their
+    items, however many hold them (a cache shared between records changes nothing); any other
+    object met again by its first token's number (``seen``: the objects met so far)."""
     if value is None or isinstance(value, (bool, int, str, bytes)):
         yield repr(value)
         return
@@ -143,7 +144,7 @@ def canonical_tokens(value, seen: dict[int, int]):
     if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
         yield f"callable {value.__module__}.{value.__qualname__}"
         return
-    by_value = isinstance(value, tuple)  # (a tuple is its items, however many hold it)
+    by_value = isinstance(value, tuple) or (dataclasses.is_dataclass(value) and value.__dataclass_params__.frozen)
     if not by_value and id(value) in seen:
         yield f"again {seen[id(value)]}"
         return

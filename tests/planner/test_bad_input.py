@@ -264,6 +264,7 @@ NUMERIC = {
     "export-batch": (EXPORT, "--batch", "--batch", COUNTS),
     "export-hidden": (EXPORT, "--hidden", "--hidden", COUNTS),
     "pipeline": (GPT, "--pipeline", "--pipeline", COUNTS),
+    "stage-layers": (PIPELINED + ["--pipeline", "2"], "--stage-layers", "--stage-layers", (*COUNTS, "2,0", "1,,1")),
 }
 NUMERIC_CASES = {f"{case}={value}": (args + [option, value], expect)
                  for case, (args, option, expect, values) in NUMERIC.items() for value in values}
