@@ -113,10 +113,16 @@ def measured_stage(rank: int, world: int, seq: int, schedule: str, m: int) -> di
     module = StageModule(model, *((0, half) if rank == 0 else (half, LAYERS)))
     stage = TorchStage(module, rank, world, torch.device("cpu"))
     runner = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule](stage, m, loss_fn=causal_lm_loss)
+    return second_step_measured(module, stage, runner, m, seq)
+
+
+def second_step_measured(module, stage, runner, m: int, seq: int, data_rank: int = 0, replicas: int = 1) -> dict:
+    """Two steps of ``runner`` with foreach Adam (token batches seeded by step and data rank),
+    the second measured by ``MemoryMeter``: its peak and the breakdown there."""
     opt = torch.optim.Adam(module.parameters(), lr=1e-3, foreach=True)
 
     def step(seed: int) -> None:
-        ids = torch.randint(0, 512, (m, seq), generator=torch.Generator().manual_seed(seed))
+        ids = torch.randint(0, 512, (m, seq), generator=torch.Generator().manual_seed(seed * replicas + data_rank))
         if module.first:
             runner.step(ids, return_outputs=False)
         else:

@@ -46,15 +46,13 @@ import torch  # noqa: E402
 
 from memshard.job import Job  # noqa: E402
 from memshard.pipelining import pipelined_baseline  # noqa: E402
-from memshard.runtime.measure import MemoryMeter  # noqa: E402
 from memshard.trace.hf import build_model, load_config  # noqa: E402
-from memshard.trace.kernels import cuda_attention  # noqa: E402
 from tests.baselines.test_conformance import config, traced_graph  # noqa: E402
 from tests.baselines.test_pipeline_conformance import (  # noqa: E402
     KEPT,
     StageModule,
     causal_lm_loss,
-    receive_buffers,
+    second_step_measured,
 )
 
 LAYERS = 2
@@ -87,23 +85,7 @@ def measured_stage(mesh, m: int, seq: int, reshard_after_forward: bool) -> dict:
     module = shard_as_torchtitan(module, mesh["dp"], reshard_after_forward)
     stage = PipelineStage(module, stage_index, STAGES, torch.device("cpu"), group=mesh.get_group("pp"))
     runner = Schedule1F1B(stage, m, loss_fn=causal_lm_loss)
-    opt = torch.optim.Adam(module.parameters(), lr=1e-3, foreach=True)
-
-    def step(seed: int) -> None:
-        ids = torch.randint(0, 512, (m, seq), generator=torch.Generator().manual_seed(seed * DATA + data_rank))
-        if module.first:
-            runner.step(ids, return_outputs=False)
-        else:
-            runner.step(target=ids, losses=[], return_outputs=False)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    with cuda_attention():
-        step(0)
-        meter = MemoryMeter(module, opt, *receive_buffers(stage))
-        with meter:
-            step(1)
-    return {"peak": meter.peak_bytes, "breakdown": meter.breakdown}
+    return second_step_measured(module, stage, runner, m, seq, data_rank, DATA)
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, seq: int) -> None:
