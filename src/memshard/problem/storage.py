@@ -20,7 +20,7 @@ import numpy as np
 
 from memshard.core.graph import Precision, TensorSpec
 from memshard.core.mesh import Mesh
-from memshard.core.placement import PARTIAL, REPLICATE, Shard, local_numel
+from memshard.core.placement import PARTIAL, REPLICATE, Shard, local_numel, replication
 from memshard.problem import comm
 from memshard.problem.draft import ProblemDraft
 from memshard.problem.gathers import LayerUnit, gather_points
@@ -51,6 +51,35 @@ from memshard.problem.reshard_memory import reshard_peak_bytes
 from memshard.problem.strategies import grad_layout, parameter_inputs
 
 ADAM_SQRT_BYTES = 4  # one fp32 element per parameter element: torch Adam's sqrt(exp_avg_sq)
+
+
+# What memshard's runtime runs beside the compute (``runtime/stores.py`` says how), of a weight
+# of ``numel`` local elements under ZeRO ``stage`` over ``axes`` of a mesh of ``mesh_shape``:
+def gather_overlaps(stage: int, axes: tuple[int, ...], mesh_shape: tuple[int, ...], numel: int) -> bool:
+    """ZeRO-1/2: the all-gather of the updated shards after the optimizer step, waited for at
+    the weight's first use in the next forward. Only over one storage axis splitting the local
+    weight evenly: the shard is then its own slot of the compute weight, gathered in place."""
+    return stage in (1, 2) and len(axes) == 1 and numel % mesh_shape[axes[0]] == 0
+
+
+def reduction_overlaps(stage: int, axes: tuple[int, ...], partial_axes: tuple[int, ...],
+                       mesh_shape: tuple[int, ...], numel: int) -> bool:
+    """The gradient's reduction in the backward that syncs: ZeRO-0's all-reduces; ZeRO-1's
+    all-reduces and reduce-scatter where its gather overlaps and the gradient is a partial sum
+    over the storage axis (the shard it makes is held from its start to the backward's end:
+    ``StoragePricing.storage_slots``). ZeRO-2 reduces in line: its whole gradient is freed at
+    once, where a reduction beside the compute would hold it until waited for."""
+    return stage == 0 or (stage == 1 and gather_overlaps(stage, axes, mesh_shape, numel) and axes[0] in partial_axes)
+
+
+def overlapped_calls(calls: tuple[comm.Collective, ...], G: tuple[str, ...], opt: StorageOption, numel: int,
+                     mesh_shape: tuple[int, ...]) -> tuple[comm.Collective, ...]:
+    """Of a storage option's ``calls`` (``_sync_calls``), those memshard's runtime runs beside
+    the compute (:func:`gather_overlaps`, :func:`reduction_overlaps`)."""
+    partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
+    reduces = reduction_overlaps(opt.stage, opt.axes, partial_axes, mesh_shape, numel)
+    gathers = gather_overlaps(opt.stage, opt.axes, mesh_shape, numel)
+    return tuple(c for c in calls if (gathers if c.kind == comm.ALL_GATHER else reduces))
 
 
 class StoragePricing:
@@ -111,7 +140,7 @@ class StoragePricing:
         precision = self.draft.graph.precision
         mems = [storage_memory(spec, G, opt, precision, mesh) for G, opt in options]
         # a layer's gathers and reductions may run beside the compute (the root's may not);
-        # memshard's runtime runs only ZeRO-0 gradient all-reduces beside it (``runtime/stores.py``)
+        # memshard's runtime: what ``overlapped_calls`` says (``runtime/stores.py``)
         layered = self.draft.graph.ops[i0].layer is not None
         n_gathers = self.gathers_per_pass(name, uses)
         unit_share = 1 / self.draft.units[name].members if name in self.draft.units else None
@@ -122,9 +151,15 @@ class StoragePricing:
             calls, collectives = _option_calls(spec.shape, G, opt, n_gathers, unit_share if opt.stage == 3 else None,
                                                grouped, self.draft.micro_batches, precision, mesh)
             step = optimizer_step_time(m.optimizer_states, m.gradients, m.parameters, mesh.hardware)
-            overlapped = layered and (self.draft.framework != MEMSHARD or opt.stage == 0)
+            if not layered:
+                overlapped = 0.0
+            elif self.draft.framework != MEMSHARD:
+                overlapped = collectives
+            else:
+                numel = local_numel(spec.shape, param_layout(G), mesh.shape)
+                overlapped = comm.total_time(overlapped_calls(calls, G, opt, numel, mesh.shape), mesh)
             choices.append(Choice((G, opt.stage, opt.axes), step, calls, step + collectives,
-                                  overlapped_s=collectives if overlapped else 0.0))
+                                  overlapped_s=overlapped))
         gid = self.draft.index[key] = len(self.draft.groups)
         self.draft.groups.append(StorageGroup(name, choices, options, mems))
         self.draft.links.append(Link(gid, tuple(G for G, _ in options), og, tuple(g_labels)))
@@ -194,6 +229,9 @@ class StoragePricing:
         # (the bound's share from the reduction on: a ZeRO-3 shard's, in the master's dtype)
         self.reduced_gradient(gid, v, stages, ~in_unit, reduced_at, spec.numel * prec.sharded_grad_bytes,
                               before_reshards=True)
+        # memshard's runtime reduce-scatters a ZeRO-1 gradient beside the backward that syncs
+        # (``reduction_overlaps``): the shard it makes, from its start to the backward's end
+        self.draft.slot(gid, S.reshard_out(last), S.optimizer - 1, "transients", *v["scattering_beside"])
         # ZeRO-2/3: the whole local gradient until its reduce-scatter; under ZeRO-2 the
         # parameter's .grad from its last contribution on (ZeRO-3 reduces its own).
         unsharded, red = v["unsharded"]
@@ -405,9 +443,15 @@ def _storage_prices(shape: tuple[int, ...], options: tuple[tuple[tuple[str, ...]
     # the all-gather's bf16 output and gathers there (``stores.gather_flat``, as FSDP2
     # does); a shard split unevenly is cast apart, then gathered by reshards
     casting = memshard and prec.shard_bytes != prec.param_bytes
-    gathering, scattering, cast = [], [], []
+    gathering, scattering, cast, beside, beside_red = [], [], [], [], []
     for (G, opt), m, layout in zip(options, mems, layouts):
         numel = local_numel(shape, layout, mesh.shape)
+        partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
+        scattered = (memshard and opt.stage == 1
+                     and reduction_overlaps(opt.stage, opt.axes, partial_axes, mesh.shape, numel))
+        ways = math.prod(mesh.shape[a] for a in opt.axes)
+        beside.append(scattered * -(-numel // ways) * prec.grad_bytes)
+        beside_red.append(beside[-1] * (1 - ways / replication(layout, mesh.shape)))
         in_place = casting and numel % math.prod(mesh.shape[a] for a in opt.axes) == 0
         cast.append(m.parameters * prec.param_bytes / prec.shard_bytes
                     if opt.stage >= 3 and casting and not in_place else 0.0)
@@ -428,6 +472,7 @@ def _storage_prices(shape: tuple[int, ...], options: tuple[tuple[tuple[str, ...]
         "gathering": (np.array(gathering, float), zeros),
         "cast": (np.array(cast, float), zeros),
         "scattering": (np.array(scattering, float), zeros),
+        "scattering_beside": (np.array(beside, float), np.array(beside_red, float)),
         "parameters": vec("parameters", "redundant_parameters"),
         "optimizer_states": vec("optimizer_states", "redundant_optimizer_states"),
         "gradients": vec("gradients", "redundant_gradients"),

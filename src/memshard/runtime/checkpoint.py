@@ -133,6 +133,7 @@ def model_state_dict(model) -> dict[str, DTensor]:
     """Every parameter by the module's name: a DTensor of its shape in its compute layout,
     in the dtype of the shard the optimizer updates (under mixed precision a ZeRO-3 shard is
     the fp32 master)."""
+    model.wait_gathered()  # (an optimizer step's gathers, run beside the compute)
     out: dict[str, DTensor] = {}
     for members in _entries(model):
         out.update(_split(members, [local_of(store.opt) for store in members]))
@@ -143,6 +144,7 @@ def model_state_dict(model) -> dict[str, DTensor]:
 def load_model_state_dict(model, state: Mapping[str, torch.Tensor]) -> None:
     """Write ``state`` (DTensors in any layout on this mesh, or full tensors) into the shards
     and the compute weights."""
+    model.wait_gathered()  # (an optimizer step's gathers, run beside the compute)
     missing = [name for name in model.graph.parameters if name not in state]
     if missing:
         raise KeyError(f"the state dict lacks {', '.join(missing[:5])}")

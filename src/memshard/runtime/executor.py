@@ -25,10 +25,11 @@ table (``ops.KERNELS``, or a traced module's in ``traced.py``), the executor the
   piece and gathers it again when backward needs it (saved-tensor hooks);
 - activations are dropped after their last forward use;
 - the gradient reductions run from the backward (post-accumulate-grad hooks: stage 2 at once,
-  stages 0 and 1 when the backward ends, unless gradient sync is off; stage 0's all-reduces
-  start as soon as each gradient is final, beside the rest of the backward, and the end of
-  the backward waits for them: ``stores.py``); an optimizer step hook
-  gathers the updated stage 1-2 shards into the compute weights (``loop.py``); the forward
+  stages 0 and 1 when the backward ends, unless gradient sync is off; where ``stores.py`` says
+  so, a stage 0-1 reduction starts as soon as its gradient is final, beside the rest of the
+  backward, and the end of the backward waits for it); an optimizer step hook
+  gathers the updated stage 1-2 shards into the compute weights (``loop.py``; beside the next
+  forward where ``stores.py`` says so, waited for at the weight's first use); the forward
   returns the global loss on every rank; ``state_dict`` is by the module's names
   (``checkpoint.py``).
 """
@@ -419,15 +420,16 @@ class ShardedGraphModel(nn.Module):
             self.requires_gradient_sync = before
 
     def _local_gradient_arrived(self, store: ParamStore) -> None:
-        """A stage 0-1 store's gradient is final for this backward: with gradient sync on, a
-        stage-0 one starts its all-reduces now, and the end of the backward finishes them all."""
+        """A stage 0-1 store's gradient is final for this backward: with gradient sync on, one
+        that reduces beside the compute (``ParamStore.reduces_beside``) starts its reduction now,
+        and the end of the backward finishes them all."""
         self.local_gradients = True
         if not self.requires_gradient_sync:
             return
         if not self.reduction_queued:
             self.reduction_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if store.stage == 0:
+        if store.reduces_beside:
             store.start_reduction(self.reduction_stream)
 
     def _end_of_backward(self) -> None:
@@ -455,12 +457,20 @@ class ShardedGraphModel(nn.Module):
         self.local_gradients = False
         self.reduction_queued = False
 
-    def gather_updated(self, held: set[int] = frozenset()) -> None:
+    def gather_updated(self, held: set[int] = frozenset(), beside: bool = False) -> None:
         """Gather the shards updated since their last gather into the compute weights (ZeRO
         1-2): those changed through their parameters, and those of ids ``held`` (an optimizer's
-        step updates its parameters in place)."""
+        step updates its parameters in place); ``beside``: started beside the compute where the
+        store can (``ParamStore.gather_updated``)."""
         for store in self.stores.values():
-            store.gather_updated(force=id(store.opt) in held)
+            store.gather_updated(force=id(store.opt) in held, beside=beside)
+
+    def wait_gathered(self) -> None:
+        """Wait for the gathers an optimizer step started beside the compute (before anything
+        reads or writes the shards or the compute weights but the forward, which waits for
+        each at its first use)."""
+        for store in self.stores.values():
+            store.wait_gathered()
 
     def after_step(self) -> None:
         """Gather the updated shards (an optimizer's step hook does this by itself)."""
@@ -470,6 +480,7 @@ class ShardedGraphModel(nn.Module):
         """Before a step of an optimizer holding the parameters of ids ``held`` (keeping fp32
         master weights of low-precision ones or not): raise if it cannot be right for this
         model (``loop.check_step``)."""
+        self.wait_gathered()  # (the step writes the shards that a running gather reads)
         mine = {id(p) for p in self.parameters()}
         has_gradients = self.local_gradients or any(p.grad is not None for p in self.parameters())
         low = set()
@@ -479,9 +490,10 @@ class ShardedGraphModel(nn.Module):
 
     def after_optimizer_step(self, held: set[int]) -> None:
         """After a step of an optimizer holding the parameters of ids ``held``: if it holds
-        this model's, gather the updated shards and move the step count on."""
+        this model's, gather the updated shards (beside the next forward where a store can) and
+        move the step count on."""
         if any(id(p) in held for p in self.parameters()):
-            self.gather_updated(held)
+            self.gather_updated(held, beside=True)
             self.step += 1
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, foreach: bool | None = None) -> torch.Tensor:

@@ -23,6 +23,7 @@ in line).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from torch.distributed.tensor import Shard as TorchShard
 
 from memshard.core.graph import Graph
 from memshard.core.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
+from memshard.problem.storage import gather_overlaps, reduction_overlaps
 from memshard.runtime.reshard import local_of, reshard_local, to_torch
 
 
@@ -86,30 +88,41 @@ def gather_flat(shard: torch.Tensor, numel: int, mesh: DeviceMesh, axes: tuple[i
     return out
 
 
-def start_all_reduces(flat: torch.Tensor, groups: tuple,
-                      stream: torch.cuda.Stream | None = None) -> dist.Work | None:
-    """Start the all-reduces of ``flat`` in place over ``groups`` in order, each once the one
-    before has completed, and return the last one's handle (a ``dist.Work``; ``None`` for no
-    group) without waiting for it. A later one waits for the one before on ``stream`` (a side
-    CUDA stream) where one is given, else in the caller (gloo's handles)."""
+def start_all_reduces(flat: torch.Tensor, groups: tuple, stream: torch.cuda.Stream | None = None,
+                      scatter: tuple[torch.Tensor, dist.ProcessGroup] | None = None) -> dist.Work | None:
+    """Start the all-reduces of ``flat`` in place over ``groups`` in order, then (``scatter``:
+    an output and a group) its reduce-scatter into that output, each once the one before has
+    completed, and return the last one's handle (a ``dist.Work``; ``None`` for none) without
+    waiting for it. A later one waits for the one before on ``stream`` (a side CUDA stream)
+    where one is given, else in the caller (gloo's handles)."""
+    calls = [functools.partial(dist.all_reduce, flat, group=group, async_op=True) for group in groups]
+    if scatter is not None:
+        out, group = scatter
+        calls.append(functools.partial(dist.reduce_scatter_single, out, flat, group=group, async_op=True))
     work = None
-    for group in groups:
+    for call in calls:
         if work is not None:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 work.wait()
-                work = dist.all_reduce(flat, group=group, async_op=True)
+                work = call()
         else:
-            work = dist.all_reduce(flat, group=group, async_op=True)
+            work = call()
     return work
 
 
 @dataclass
 class StartedReduction:
-    """A ZeRO-0 gradient whose all-reduces run beside the backward: its flat buffer (reduced in
-    place) and the handle of its last all-reduce (``None``: nothing to reduce)."""
+    """A ZeRO-0/1 gradient whose reduction runs beside the backward: its flat buffer (all-reduced
+    in place), the shard a ZeRO-1 reduce-scatter writes (``None`` at ZeRO-0: the buffer is the
+    reduced gradient) and the handle of its last collective (``None``: nothing to reduce)."""
 
     gradient: torch.Tensor
     work: dist.Work | None
+    shard: torch.Tensor | None = None
+
+    def reduced(self) -> torch.Tensor:
+        """The reduced gradient, once the collectives are waited for."""
+        return self.gradient if self.shard is None else self.shard
 
 
 class ParamStore:
@@ -144,7 +157,14 @@ class ParamStore:
         # starts its all-reduces then if gradient sync is on; the model finishes the
         # reductions when the backward ends)
         self.on_local_gradient: Callable[[ParamStore], None] | None = None
-        self.started: StartedReduction | None = None  # stage 0: all-reduces running
+        self.started: StartedReduction | None = None  # stages 0 and 1: a reduction running
+        # What runs beside the compute (``problem.storage``'s rules, which price it): the
+        # gradient's reduction, and (stages 1 and 2) the gather of the updated shards.
+        local_numel = math.prod(self.local_shape)
+        partial_axes = tuple(a for a, p in enumerate(grad) if isinstance(p, Partial))
+        self.reduces_beside = reduction_overlaps(stage, axes, partial_axes, tuple(mesh.shape), local_numel)
+        self.gathers_beside = gather_overlaps(stage, axes, tuple(mesh.shape), local_numel)
+        self.gathering: dist.Work | None = None  # stages 1 and 2: the updated shards' all-gather
         # The optimizer's parameter (``opt``) is this rank's flat shard as a 1-D DTensor of the
         # parameter's size: ``Shard(0)`` over the axes that split the compute weight or store
         # it, ``Replicate`` over the rest. The element order is the plan's, not ``torch.chunk``'s,
@@ -232,12 +252,18 @@ class ParamStore:
             self.on_local_gradient(self)
 
     def start_reduction(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Stage 0, its gradient final in a backward that syncs gradients: start its all-reduces
-        in place, beside the rest of the backward (``start_all_reduces``; ``stream``: the side
+        """Stage 0 or 1 (``reduces_beside``), its gradient final in a backward that syncs
+        gradients: start its all-reduces in place and (stage 1) its reduce-scatter into a new
+        shard, beside the rest of the backward (``start_all_reduces``; ``stream``: the side
         stream that chains them on CUDA). :meth:`finish_gradients` waits for them."""
         g = self.param.grad
         flat = (g.to_local() if isinstance(g, DTensor) else g).reshape(-1)
-        self.started = StartedReduction(flat, start_all_reduces(flat, self.all_reduce_groups, stream))
+        scatter = shard = None
+        if self.stage == 1:
+            shard = flat.new_empty(self.flat_len)
+            scatter = (shard, self.mesh.get_group(self.axes[0]))
+        work = start_all_reduces(flat, self.all_reduce_groups, stream, scatter)
+        self.started = StartedReduction(flat, work, shard)
 
     def drop_started(self) -> None:
         """Forget the all-reduces a backward started and did not finish (it raised): their
@@ -252,7 +278,7 @@ class ParamStore:
             if started.work is not None:
                 started.work.wait()
             self.param.grad = None
-            self.accumulate(started.gradient)
+            self.accumulate(started.reduced())
         elif self.stage <= 1:
             self._reduce_now()
 
@@ -263,13 +289,31 @@ class ParamStore:
         return self.stage in (1, 2) and self.version() != self.gathered_version
 
     @torch.no_grad()
-    def gather_updated(self, force: bool = False) -> None:
+    def gather_updated(self, force: bool = False, beside: bool = False) -> None:
         """Stages 1 and 2: gather the updated shards back into the compute weight, if the shard
-        changed since the last gather (or ``force``)."""
-        if self.stage in (1, 2) and (force or self.is_updated()):
-            full = reshard_local(self.shard.detach(), (self.numel,), self.mesh, self.flat_sharded,
-                                 tuple(REPLICATE for _ in self.flat_sharded), reverse=True)
-            self.param.to_local().view(-1).copy_(full)
+        changed since the last gather (or ``force``). ``beside`` (after an optimizer step), where
+        ``gathers_beside``: start the all-gather in place (the shard is the rank's own slot of the
+        compute weight) and return; :meth:`wait_gathered` waits for it. A gather still running
+        is left to run."""
+        if self.gathering is not None or not (self.stage in (1, 2) and (force or self.is_updated())):
+            return
+        if beside and self.gathers_beside:
+            flat = self.param.to_local().view(-1)
+            self.gathering = dist.all_gather_single(flat, self.shard, group=self.mesh.get_group(self.axes[0]),
+                                                    async_op=True)
+            self.gathered_version = self.version()
+            return
+        full = reshard_local(self.shard.detach(), (self.numel,), self.mesh, self.flat_sharded,
+                             tuple(REPLICATE for _ in self.flat_sharded), reverse=True)
+        self.param.to_local().view(-1).copy_(full)
+        self.gathered_version = self.version()
+
+    def wait_gathered(self) -> None:
+        """Wait for the all-gather :meth:`gather_updated` started beside the compute, if one runs
+        (the compute weight is whole after it)."""
+        gathering, self.gathering = self.gathering, None
+        if gathering is not None:
+            gathering.wait()
             self.gathered_version = self.version()
 
     def after_step(self) -> None:
@@ -283,6 +327,9 @@ class ParamStore:
     def weight(self) -> tuple[torch.Tensor, Callable | None]:
         """The local compute weight for one use, and (stage 3) how to gather it again."""
         if self.stage < 3:
+            if self.gathering is not None:  # its first use since the optimizer step
+                self.wait_gathered()
+                self.gather_updated()  # (in line, if the shard changed since the gather began)
             return self.param.to_local(grad_placements=to_torch(self.grad)), None
         return _GatherForUse.apply(self.anchor, self), self.gather
 
