@@ -1,8 +1,9 @@
 """Collectives hidden under the compute (``evaluate.hidden_communication``): the frameworks that
 run a layer's data-parallel collectives beside the compute (FSDP2, DDP) have them hidden up to
-the ops' compute; memshard's runtime only a layer's ZeRO-0 gradient all-reduces; the root's
-collectives and Megatron-LM's (no ``--overlap-grad-reduce``) run in line. The ILP prices the
-same step time as the evaluator."""
+the ops' compute; memshard's runtime a layer's ZeRO-0 gradient all-reduces, its ZeRO-1
+reduce-scatters and its ZeRO-1/2 updated-shard all-gathers (over one axis splitting the weight
+evenly); the root's collectives and Megatron-LM's (no ``--overlap-grad-reduce``) run in line.
+The ILP prices the same step time as the evaluator."""
 
 from __future__ import annotations
 
@@ -59,9 +60,9 @@ def test_a_frameworks_layer_collectives_hide_under_the_compute(strategy):
                                              - plan.hidden_communication_s)
 
 
-@pytest.mark.parametrize("strategy", ["megatron-tp2-dp4", "zero1", "zero2", "zero3-fsdp"])
-def test_megatron_and_memshards_zero_1_to_3_run_every_collective_in_line(strategy):
-    """Megatron-LM without ``--overlap-grad-reduce``; memshard's runtime under ZeRO-1, 2, 3."""
+@pytest.mark.parametrize("strategy", ["megatron-tp2-dp4", "zero3-fsdp"])
+def test_megatron_and_memshards_zero_3_run_every_collective_in_line(strategy):
+    """Megatron-LM without ``--overlap-grad-reduce``; memshard's runtime under ZeRO-3."""
     plan = memshard.strategy_plan("gpt3-1.3b", "8", strategy, **JOB)
     assert plan.hidden_communication_s == 0
     assert plan.step_time_s == pytest.approx(plan.compute_time_s + plan.communication_time_s)
@@ -72,32 +73,87 @@ def in_a_layer(problem, group: StorageGroup) -> bool:
     return next(op for op in problem.graph.ops if any(i.tensor == group.params[0] for i in op.inputs)).layer is not None
 
 
-def test_memshards_runtime_overlaps_only_a_layers_zero_0_all_reduces():
-    """memshard's problem: every choice of a layer weight at ZeRO-0 overlaps its gradient
-    all-reduces (all its collectives), any other stage nothing, the root's weights nothing;
-    under data parallelism the step hides them up to the compute."""
-    problem = build_problem(build_graph("gpt3-1.3b", batch=8, seq=2048, num_layers=2), parse_mesh("2x4"))
+def _overlapped_by_memshard(option, G, calls, numel: int, mesh_shape) -> tuple:
+    """The calls memshard's runtime runs beside the compute (``runtime/stores.py``), from the
+    runtime's own conditions: ZeRO-0 all of them; ZeRO-1/2 over one axis that splits the local
+    weight evenly its all-gather, ZeRO-1 besides its reductions where partial over that axis."""
+    if option.stage == 0:
+        return calls
+    if option.stage == 3 or len(option.axes) != 1 or numel % mesh_shape[option.axes[0]]:
+        return ()
+    reduces = option.stage == 1 and G[option.axes[0]] == "P"
+    return tuple(c for c in calls if c.kind == comm.ALL_GATHER or reduces)
+
+
+@pytest.mark.parametrize("mesh", ["2x4", "8"])
+def test_memshards_runtime_overlaps_what_it_runs_beside_the_compute(mesh):
+    """memshard's problem: a layer weight's choice overlaps exactly the collectives its runtime
+    runs beside the compute (``_overlapped_by_memshard``): ZeRO-0 all-reduces, ZeRO-1
+    reductions and ZeRO-1/2 gathers over one axis; nothing at ZeRO-3, over two axes, or of the
+    root's weights."""
+    from memshard.core.placement import local_numel
+    from memshard.problem.memory import param_layout
+
+    problem = build_problem(build_graph("gpt3-1.3b", batch=8, seq=2048, num_layers=2), parse_mesh(mesh))
     assert problem.overlaps
     seen = set()
     for group in problem.groups:
         if not isinstance(group, StorageGroup):
             continue
-        for choice, (_, option) in zip(group.choices, group.options):
-            reduces = comm.total_time(choice.calls, problem.mesh)
-            if option.stage == 0 and in_a_layer(problem, group):
-                assert all(c.kind == comm.ALL_REDUCE for c in choice.calls)
-                assert choice.overlapped_s == pytest.approx(reduces)
-                seen.add("layer, ZeRO-0" if reduces else "layer, nothing to reduce")
-            else:
-                assert choice.overlapped_s == 0
-                seen.add(("layer" if in_a_layer(problem, group) else "root") + (", collectives" if reduces else ""))
-    assert {"layer, ZeRO-0", "layer, collectives", "root, collectives"} <= seen
-    plan = memshard.strategy_plan("gpt3-1.3b", "8", "dp", **JOB)
-    layers, root, compute = overlapped_and_window(plan)
-    assert layers > 0 and root > 0
-    assert plan.hidden_communication_s == pytest.approx(min(layers, compute))
+        shape = problem.graph.tensors[group.params[0]].shape
+        for choice, (G, option) in zip(group.choices, group.options):
+            numel = local_numel(shape, param_layout(G), problem.mesh.shape)
+            expected = _overlapped_by_memshard(option, G, choice.calls, numel, problem.mesh.shape)
+            if not in_a_layer(problem, group):
+                expected = ()
+            assert choice.overlapped_s == pytest.approx(comm.total_time(expected, problem.mesh)), (G, option)
+            kinds = frozenset(c.kind for c in expected)
+            seen.add((option.stage, kinds))
+    assert {(0, frozenset({comm.ALL_REDUCE})), (1, frozenset({comm.REDUCE_SCATTER, comm.ALL_GATHER})),
+            (2, frozenset({comm.ALL_GATHER})), (3, frozenset())} <= seen
+    if mesh == "2x4":  # over both axes: in line
+        assert (1, frozenset()) in seen and (2, frozenset()) in seen
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero1", "zero2"])
+def test_memshards_data_parallel_plans_hide_their_layer_collectives(strategy):
+    """Under data parallelism on 8 (ZeRO over the one axis), the step hides the layers'
+    overlapped collectives up to the compute: ZeRO-0's all-reduces, ZeRO-1's reduce-scatters and
+    gathers, ZeRO-2's gathers only (its reduce-scatters in line)."""
+    plan = memshard.strategy_plan("gpt3-1.3b", "8", strategy, **JOB)
+    problem, selection = plan.problem, plan.selection
+    overlapped = in_line = compute = 0.0
+    for group, k in zip(problem.groups, selection.choices):
+        choice = group.choices[k]
+        if isinstance(group, OpGroup):
+            compute += group.instances * choice.compute_s
+            continue
+        for call in choice.calls:
+            t = group.instances * comm.total_time((call,), problem.mesh)
+            beside = in_a_layer(problem, group) and not (strategy == "zero2" and call.kind == comm.REDUCE_SCATTER)
+            overlapped += t if beside else 0.0
+            in_line += 0.0 if beside else t
+    assert overlapped > 0 and in_line > 0
+    assert plan.hidden_communication_s == pytest.approx(min(overlapped, compute))
     assert plan.step_time_s == pytest.approx(plan.compute_time_s + plan.communication_time_s
                                              - plan.hidden_communication_s)
+
+
+def test_a_zero_1_reduction_beside_the_backward_holds_its_shard_from_its_start():
+    """ZeRO-1 on 8 under memshard's runtime: each reduce-scatter's shard is held from the
+    weight's reduction to the backward's end, beside the whole gradient. At the backward's last
+    point the plan holds ZeRO-0's (dp's) transients plus one shard of every weight (ceil of
+    its elements over 8, in the gradient's dtype); at the first backward point, before any
+    weight is reduced, the same as dp."""
+    from memshard.problem.evaluate import evaluate
+
+    zero1, dp = (memshard.strategy_plan("tiny-gpt", "8", s, batch=8, precision="fp32") for s in ("zero1", "dp"))
+    graph = zero1.problem.graph
+    shards = sum(-(-graph.tensors[name].numel // 8) * graph.precision.grad_bytes for name in graph.parameters)
+    transients = [[evaluate(p.problem, p.selection).breakdown_at(point)["transients"]
+                   for point in (p.problem.schedule.boundary, p.problem.schedule.optimizer - 1)] for p in (zero1, dp)]
+    assert transients[0][0] == pytest.approx(transients[1][0])
+    assert transients[0][1] - transients[1][1] == pytest.approx(shards)
 
 
 def test_the_hidden_collectives_are_at_most_the_compute():

@@ -3,21 +3,36 @@ its compute weight, the shard the optimizer updates, its gradient's reduction by
 :class:`GatherUnit` (the weights of a ZeRO-3 layer unit in one flat shard, gathered together, as
 FSDP's unit is). ``executor.ShardedGraphModel`` holds one per parameter or unit.
 
-What runs beside the compute: a ZeRO-0 weight's gradient all-reduces. In the backward that
-syncs gradients (the last micro-batch's), once the gradient is final, they start at once, in
-place on the gradient and asynchronously (:meth:`ParamStore.start_reduction`), as DDP starts a
-bucket's all-reduce; the end of the backward waits for them before the reduced gradient is
-used (:meth:`ParamStore.finish_gradients`). That holds nothing longer than the in-line
-reduction did: the gradient is kept until the end of the backward either way. On NCCL a
-collective issued from the compute stream waits for the gradient's producer and runs on
-NCCL's stream beside the next backward kernels; ``wait`` makes the compute stream wait. On gloo
-it runs on gloo's thread. A gradient partial over several axes is all-reduced axis by axis: one
-chain per parameter, each all-reduce issued once the one before has completed (on CUDA through
-a side stream: neither the caller nor the compute stream waits; on CPU the caller waits for all
-but the last). Every other collective runs in line: run beside the compute, a ZeRO-1/2/3
-reduction or gather would hold its buffers longer than the plan's memory model says.
-``problem/storage.py`` prices this overlap for the layers' weights (the root's, conservatively,
-in line).
+What runs beside the compute (``problem/storage.py``'s ``reduction_overlaps`` and
+``gather_overlaps`` say which weights; it prices exactly this, the layers' weights only, the
+root's conservatively in line):
+
+- A ZeRO-0 weight's gradient all-reduces. In the backward that syncs gradients (the last
+  micro-batch's), once the gradient is final, they start at once, in place on the gradient and
+  asynchronously (:meth:`ParamStore.start_reduction`), as DDP starts a bucket's all-reduce; the
+  end of the backward waits for them before the reduced gradient is used
+  (:meth:`ParamStore.finish_gradients`). That holds nothing longer than the in-line reduction
+  did: the gradient is kept until the end of the backward either way.
+- A ZeRO-1 weight's reduction, where it is stored over one mesh axis that splits its local
+  weight evenly and its gradient is a partial sum there: the same, its all-reduces (over the
+  other partial axes) then its reduce-scatter into a new shard. The shard exists from the start
+  of the reduce-scatter, beside the whole gradient, to the end of the backward (the model
+  prices it there); the whole gradient is freed at the end of the backward, as in line.
+- A ZeRO-1 or ZeRO-2 weight's all-gather of its updated shards, on one such axis: the optimizer
+  step's hook starts it, in place (the shard is this rank's slot of the compute weight's flat
+  buffer: nothing is allocated), and the weight's first use in the next forward waits for it
+  (:meth:`ParamStore.wait_gathered`), as Megatron-LM's ``--overlap-param-gather`` does. Whatever
+  else reads or writes the shards waits first: the next optimizer step, the state dicts.
+
+On NCCL a collective issued from the compute stream waits for its input's producer and runs on
+NCCL's stream beside the next kernels; ``wait`` makes the compute stream wait. On gloo it runs on
+gloo's thread. A chain (a gradient partial over several axes: all-reduced axis by axis, then
+reduce-scattered) issues each collective once the one before has completed (on CUDA through a
+side stream: neither the caller nor the compute stream waits; on CPU the caller waits for all
+but the last). Every other collective runs in line: a ZeRO-2 reduction (it frees the whole
+gradient at once; run beside the compute it would hold it until waited for), ZeRO-3 gathers
+and reductions (a prefetched gather would hold the weights earlier than the model prices), a
+ZeRO-1/2 weight stored over several axes or split unevenly, and the resharding between ops.
 """
 
 from __future__ import annotations
@@ -153,9 +168,9 @@ class ParamStore:
         self.pending: torch.Tensor | None = None
         self.outstanding = 0
         self.on_gradient: Callable[[torch.Tensor], None] | None = None  # a memory meter's
-        # stages 0 and 1: the model's, told that this store's local gradient arrived (stage 0
-        # starts its all-reduces then if gradient sync is on; the model finishes the
-        # reductions when the backward ends)
+        # stages 0 and 1: the model's, told that this store's local gradient arrived (one that
+        # ``reduces_beside`` starts its reduction then if gradient sync is on; the model
+        # finishes the reductions when the backward ends)
         self.on_local_gradient: Callable[[ParamStore], None] | None = None
         self.started: StartedReduction | None = None  # stages 0 and 1: a reduction running
         # What runs beside the compute (``problem.storage``'s rules, which price it): the
