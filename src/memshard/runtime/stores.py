@@ -257,28 +257,34 @@ class ParamStore:
 
     def _gradient_arrived(self) -> None:
         """A backward's gradient is in the compute weight's ``.grad`` (stages 0 to 2): stage 2
-        reduce-scatters it now; stages 0 and 1 tell the model."""
+        reduce-scatters it now in line; stages 0 and 1, and stage 2 beside the compute, tell
+        the model."""
         if self.on_gradient is not None:
             g = self.param.grad
             self.on_gradient(g.to_local() if isinstance(g, DTensor) else g)
-        if self.stage == 2:
+        if self.stage == 2 and not (self.reduces_beside and self.on_local_gradient is not None):
             self._reduce_now()
         elif self.on_local_gradient is not None:
             self.on_local_gradient(self)
 
     def start_reduction(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Stage 0 or 1 (``reduces_beside``), its gradient final in a backward that syncs
-        gradients: start its all-reduces in place and (stage 1) its reduce-scatter into a new
-        shard, beside the rest of the backward (``start_all_reduces``; ``stream``: the side
-        stream that chains them on CUDA). :meth:`finish_gradients` waits for them."""
+        """``reduces_beside``, its gradient final (stages 0 and 1: in a backward that syncs
+        gradients; stage 2: in any): start its all-reduces in place and (stages 1 and 2) its
+        reduce-scatter into a new shard, beside the rest of the backward
+        (``start_all_reduces``; ``stream``: the side stream that chains them on CUDA).
+        :meth:`finish_gradients` waits for them. (Stage 2: the parameter's ``.grad`` is
+        emptied for the next micro-batch; the reduction holds the gradient until then.)"""
         g = self.param.grad
         flat = (g.to_local() if isinstance(g, DTensor) else g).reshape(-1)
         scatter = shard = None
-        if self.stage == 1:
+        if self.stage >= 1:
             shard = flat.new_empty(self.flat_len)
             scatter = (shard, self.mesh.get_group(self.axes[0]))
         work = start_all_reduces(flat, self.all_reduce_groups, stream, scatter)
         self.started = StartedReduction(flat, work, shard)
+        if self.stage == 2:
+            self.param.grad = None
+        del g
 
     def drop_started(self) -> None:
         """Forget the all-reduces a backward started and did not finish (it raised): their
@@ -286,8 +292,9 @@ class ParamStore:
         self.started = None
 
     def finish_gradients(self) -> None:
-        """After the last micro-batch's backward (stages 0 and 1): wait for the all-reduces
-        it started, or reduce now; the reduced gradient goes to the shard's."""
+        """After the last micro-batch's backward (stages 0 and 1), or where the model waits for
+        a stage-2 reduction: wait for the collectives it started, or (stages 0 and 1) reduce
+        now; the reduced gradient goes to the shard's."""
         started, self.started = self.started, None
         if started is not None:
             if started.work is not None:
