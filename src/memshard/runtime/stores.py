@@ -18,6 +18,12 @@ root's conservatively in line):
   other partial axes) then its reduce-scatter into a new shard. The shard exists from the start
   of the reduce-scatter, beside the whole gradient, to the end of the backward (the model
   prices it there); the whole gradient is freed at the end of the backward, as in line.
+- A ZeRO-2 weight's reduction, on the same conditions: in every backward (every micro-batch's),
+  once its gradient is final, the same collectives start. The backward of the next op that is
+  some parameter's first use waits for them (``executor.ShardedGraphModel``'s tensor hook on
+  that op's weight; ``problem.storage.scatter_waited_at``), or the backward's end. Until then
+  the whole gradient is held (the parameter's ``.grad`` is emptied for the next micro-batch);
+  the model prices it so, and with micro-batches the new shard until it is added in.
 - A ZeRO-1 or ZeRO-2 weight's all-gather of its updated shards, on one such axis: the optimizer
   step's hook starts it, in place (the shard is this rank's slot of the compute weight's flat
   buffer: nothing is allocated), and the weight's first use in the next forward waits for it
@@ -29,10 +35,9 @@ NCCL's stream beside the next kernels; ``wait`` makes the compute stream wait. O
 gloo's thread. A chain (a gradient partial over several axes: all-reduced axis by axis, then
 reduce-scattered) issues each collective once the one before has completed (on CUDA through a
 side stream: neither the caller nor the compute stream waits; on CPU the caller waits for all
-but the last). Every other collective runs in line: a ZeRO-2 reduction (it frees the whole
-gradient at once; run beside the compute it would hold it until waited for), ZeRO-3 gathers
-and reductions (a prefetched gather would hold the weights earlier than the model prices), a
-ZeRO-1/2 weight stored over several axes or split unevenly, and the resharding between ops.
+but the last). Every other collective runs in line: ZeRO-3 gathers and reductions (a
+prefetched gather would hold the weights earlier than the model prices), a ZeRO-1/2 weight's
+stored over several axes or split unevenly, and the resharding between ops.
 """
 
 from __future__ import annotations
