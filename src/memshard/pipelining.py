@@ -38,9 +38,9 @@ from dataclasses import dataclass, replace
 
 from memshard.baselines.names import Kind, parse_strategy
 from memshard.baselines.recipes import baselines
-from memshard.core.errors import MemshardError
+from memshard.core.errors import MemshardError, NoBetterPlan
 from memshard.core.graph import Graph
-from memshard.core.mesh import Mesh, make_mesh
+from memshard.core.mesh import Mesh, make_mesh, mesh_views
 from memshard.core.placement import Layout
 from memshard.job import Job, TracedModule
 from memshard.planner import SearchOptions, plan_job
@@ -128,32 +128,84 @@ def held_micro_batches(schedule: str, stages: int, micro_batches: int) -> tuple[
 
 def plan_pipelined(job: Job, options: SearchOptions, pipeline: PipelineOptions) -> PipelinedPlan:
     """The plan ``options`` ask for with ``pipeline``'s stages: each stage searched on its own,
-    in order, each receiving as the stage before sends; the split as ``pipeline.split`` says."""
+    in order, each receiving as the stage before sends; the split as ``pipeline.split`` says;
+    every stage on one view of the stage mesh, the best (``stage_views``)."""
     if options.max_step_time_s is not None:
         raise MemshardError("a step-time budget (--max-step-time) does not yet bound a pipelined plan: its step "
                             "is the schedule's, not a stage's")
-    if options.mesh_views:
-        raise MemshardError("mesh views (--mesh-views on) are not yet searched with a pipeline")
-    search = StageSearch(job, options, pipeline)
+    stage_mesh = _pipeline_of(job, pipeline)[1]
+    if options.mesh_views and not mesh_views(stage_mesh):
+        raise MemshardError(f"mesh views (--mesh-views on) change nothing on the stage mesh {stage_mesh} of {job.mesh} "
+                            f"in {pipeline.stages} stages: its devices form no other axes (docs/search.md, Mesh views)")
+    return _plan_pipelined(job, options, pipeline)
+
+
+def _plan_pipelined(job: Job, options: SearchOptions, pipeline: PipelineOptions) -> PipelinedPlan:
+    """``plan_pipelined``, the views searched where ``options`` ask for them and the stage mesh
+    has them."""
     num_layers = job.graph.num_layers
-    if isinstance(pipeline.split, tuple):
-        if sum(pipeline.split) != num_layers:
-            raise MemshardError(f"the stages' layer counts ({', '.join(map(str, pipeline.split))}) add up to "
-                                f"{sum(pipeline.split)}, not the model's {num_layers} layers")
-        return search.plan(pipeline.split)
-    even = tuple(end - first for first, end in stage_layers(num_layers, pipeline.stages))
-    plan = search.plan(even)
-    return balanced_split(search, plan) if pipeline.split == "balanced" else plan
+    if isinstance(pipeline.split, tuple) and sum(pipeline.split) != num_layers:
+        raise MemshardError(f"the stages' layer counts ({', '.join(map(str, pipeline.split))}) add up to "
+                            f"{sum(pipeline.split)}, not the model's {num_layers} layers")
+    counts = pipeline.split if isinstance(pipeline.split, tuple) else tuple(
+        end - first for first, end in stage_layers(num_layers, pipeline.stages))
+    search, plan = best_view(job, options, pipeline, counts)
+    if pipeline.split != "balanced":
+        return plan
+    search.cutoff = None  # (the split's search on the best view compares whole pipelined plans)
+    return balanced_split(search, plan)
+
+
+def stage_views(job: Job, options: SearchOptions, pipeline: PipelineOptions) -> tuple[Mesh | None, ...]:
+    """The views each stage may lie on: None (the stage mesh as typed) and, where
+    ``options.searches_views``, its other views (``core.mesh.mesh_views``), those of fewer axes
+    first, the mesh as typed first among alike (as ``planner.candidates`` orders them)."""
+    stage_mesh = _pipeline_of(job, pipeline)[1]
+    views = mesh_views(stage_mesh) if options.searches_views else ()
+    return tuple(sorted((None, *views), key=lambda view: (view or stage_mesh).ndim))
+
+
+def best_view(job: Job, options: SearchOptions, pipeline: PipelineOptions,
+              counts: tuple[int, ...]) -> tuple[StageSearch, PipelinedPlan]:
+    """The best pipelined plan of the split ``counts`` over ``stage_views``, with its search:
+    every stage on one view (a stage receives in the layout the one before sends, on the same
+    axes). A pipelined step is no shorter than any of its stages' planned steps, and its peak no
+    lower than any stage's, so each view's stages are searched under the best plan's figure so
+    far (``StageSearch.cutoff``): a stage with no plan below it by the gap ends that view."""
+    memory = options.objective == "memory"
+    figure = (lambda p: p.peak_bytes) if memory else (lambda p: p.step_time_s)
+    best: tuple[StageSearch, PipelinedPlan] | None = None
+    failure: MemshardError | None = None
+    for view in stage_views(job, options, pipeline):
+        search = StageSearch(job, options, pipeline, view, cutoff=figure(best[1]) if best else None)
+        try:
+            plan = search.plan(counts)
+        except NoBetterPlan:
+            continue
+        except MemshardError as e:  # (under a memory budget: a stage of this view has no plan within it)
+            failure = failure or e
+            continue
+        if best is None or (figure(plan), plan.step_time_s, plan.peak_bytes) < (
+                figure(best[1]), best[1].step_time_s, best[1].peak_bytes):
+            best = search, plan
+    if best is None:
+        raise failure or MemshardError("no view of the stage mesh has a pipelined plan")
+    return best
 
 
 class StageSearch:
     """The stage plans of one job's pipeline, each searched once per layers, micro-batches held
     and received layouts: a split's plan reuses every stage another split already searched."""
 
-    def __init__(self, job: Job, options: SearchOptions, pipeline: PipelineOptions):
-        self.job, self.options, self.pipeline = job, options, pipeline
-        self.mesh, self.stage_mesh = _pipeline_of(job, pipeline)
-        self.stage_job = _stage_job(job, self.stage_mesh)
+    def __init__(self, job: Job, options: SearchOptions, pipeline: PipelineOptions, view: Mesh | None = None,
+                 cutoff: float | None = None):
+        self.job, self.options, self.pipeline, self.cutoff = job, options, pipeline, cutoff
+        self.mesh, self.typed_stage_mesh = _pipeline_of(job, pipeline)
+        # on a view, the pipeline axis then the view's axes: the same devices, stage by stage
+        self.stage_mesh = view or self.typed_stage_mesh
+        if view is not None:
+            self.mesh = replace(self.mesh, axes=(self.mesh.axes[0], *view.axes))
+        self.stage_job = _stage_job(job, self.typed_stage_mesh)  # (its plans record the mesh as typed)
         # one ZeRO-3 unit: a second would be searched on the whole model (``planner.candidates``)
         self.stage_options = replace(options, mesh_views=False, zero3_unit=options.zero3_units[0])
         self.held = held_micro_batches(pipeline.schedule, pipeline.stages, job.micro_batches)
@@ -167,12 +219,10 @@ class StageSearch:
     def stage_plan(self, stage: PipelineStage, received: dict[str, Layout] | None) -> Plan:
         """The stage's plan, receiving each tensor in ``received`` (None: as it chooses)."""
         key = (stage, tuple(sorted(received.items())) if received else None)
-        if key not in self.plans:
-            if received is None:
-                self.plans[key] = plan_job(self.stage_job, self.stage_options, problem=self.problem(stage, None))
-            else:
-                searched = plan_job(self.stage_job, self.stage_options, problem=self.problem(stage, received))
-                self.plans[key] = on_problem(searched, self.problem(stage, None))
+        if key not in self.plans:  # (a plan found under the cutoff is the one found without it)
+            searched = plan_job(self.stage_job, self.stage_options, problem=self.problem(stage, received),
+                                cutoff=self.cutoff)
+            self.plans[key] = searched if received is None else on_problem(searched, self.problem(stage, None))
         return self.plans[key]
 
     def plan(self, counts: tuple[int, ...]) -> PipelinedPlan:
@@ -184,10 +234,13 @@ class StageSearch:
             first += count
             try:  # each tensor received as the stage before sends it
                 plans.append((stage, self.stage_plan(stage, sent_layouts(plans[-1][1]) if plans else None)))
+            except NoBetterPlan:
+                raise
             except MemshardError as e:
                 raise MemshardError(f"pipeline stage {index} (layers {stage.first_layer}–{stage.end_layer - 1}): "
                                     f"{e}") from None
-        return _priced(self.job, self.options.objective, self.pipeline.schedule, self.mesh, self.stage_mesh, plans)
+        return _priced(self.job, self.options.objective, self.pipeline.schedule, self.mesh, self.stage_mesh, plans,
+                       typed_stage_mesh=self.typed_stage_mesh if self.stage_mesh is not self.typed_stage_mesh else None)
 
 
 def balanced_split(search: StageSearch, plan: PipelinedPlan) -> PipelinedPlan:
@@ -382,7 +435,7 @@ def plan_auto(job: Job, options: SearchOptions, schedule: str = "1f1b", split: s
     objective = (lambda plan: plan.peak_bytes) if options.objective == "memory" else (lambda plan: plan.step_time_s)
     for degree in pipeline_degrees(job, schedule):
         try:
-            pipelined = plan_pipelined(job, replace(options, mesh_views=None), PipelineOptions(degree, schedule, split))
+            pipelined = _plan_pipelined(job, options, PipelineOptions(degree, schedule, split))
         except MemshardError:  # under a memory budget: some stage has no plan within it
             continue
         if objective(pipelined) < objective(best):
@@ -391,9 +444,11 @@ def plan_auto(job: Job, options: SearchOptions, schedule: str = "1f1b", split: s
 
 
 def _priced(job: Job, objective: str | None, schedule_name: str, mesh: Mesh, stage_mesh: Mesh,
-            plans: list[tuple[PipelineStage, Plan]], strategy: str = "memshard") -> PipelinedPlan:
+            plans: list[tuple[PipelineStage, Plan]], strategy: str = "memshard",
+            typed_stage_mesh: Mesh | None = None) -> PipelinedPlan:
     """The stages' plans (searched for ``objective``, or a baseline's: ``strategy``) run by the
-    schedule: each stage's micro-batch times, the timeline."""
+    schedule: each stage's micro-batch times, the timeline (``typed_stage_mesh``: the stage mesh
+    as typed, where ``stage_mesh`` is another view of its devices)."""
     m = job.micro_batches
     times, optimizer = [], 0.0
     for _, plan in plans:
@@ -409,7 +464,7 @@ def _priced(job: Job, objective: str | None, schedule_name: str, mesh: Mesh, sta
                              float(t.forward_s), float(t.backward_input_s), float(transfer), float(idle))
                    for (stage, plan), t, transfer, idle in zip(plans, times, [*transfers, 0.0], timeline.idle_s))
     return PipelinedPlan(job, objective, schedule_name, mesh, stage_mesh, stages, float(timeline.makespan_s),
-                         float(optimizer), strategy)
+                         float(optimizer), strategy, typed_stage_mesh)
 
 
 def forward_share(plan: Plan) -> float:

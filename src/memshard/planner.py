@@ -197,16 +197,19 @@ def candidates(job: Job, options: SearchOptions) -> list[Candidate]:
     return [Candidate(view, unit) for view in ordered for unit in options.zero3_units]
 
 
-def plan_job(job: Job, options: SearchOptions, start: Plan | None = None, problem: Problem | None = None) -> Plan:
+def plan_job(job: Job, options: SearchOptions, start: Plan | None = None, problem: Problem | None = None,
+             cutoff: float | None = None) -> Plan:
     """The plan ``options`` ask for (``start``: a plan of the same job the search starts
-    from; ``problem``: the searched problem on the mesh as typed, if already built)."""
+    from; ``problem``: the searched problem on the mesh as typed, if already built;
+    ``cutoff``: where one problem is searched, a figure some other plan reaches: no plan below
+    it by the gap raises ``NoBetterPlan``)."""
     searched_ones = candidates(job, options)
     if len(searched_ones) > 1:
         searched, result = _best_of(job, options, searched_ones, start, problem)
     else:
         searched = problem if problem is not None else searched_problem(job, options)
         try:
-            result = _search(searched, options, start)
+            result = _search(searched, options, start, cutoff=cutoff)
         except Infeasible:
             raise explain_infeasible([searched], options) from None
     return build_plan(searched, result.selection, job, result=result, budgets=options.budgets, top=options.top,

@@ -252,3 +252,75 @@ def test_a_split_that_does_not_fit_the_stages_is_one_line(argv, message, capsys)
 def test_a_split_without_a_pipeline_is_refused():
     with pytest.raises(memshard.MemshardError, match="give --pipeline too"):
         memshard.plan("tiny-gpt", "4", batch=8, stage_layers="balanced")
+
+
+# -- mesh views inside the stages ---------------------------------------------------------------------
+# Two stages of one node of 8: a stage mesh of 8, whose view 2 × 4 (``core.mesh.mesh_views``)
+# holds plans one axis of 8 does not
+ONE_NODE_STAGES = Job("tiny-gpt", "2x8", batch=16, seq=128, micro_batches=4)
+
+
+@pytest.fixture(scope="module")
+def on_views():
+    return plan_pipelined(ONE_NODE_STAGES, SearchOptions(objective="time"), PipelineOptions(2))
+
+
+def test_the_fastest_stages_lie_on_the_view_that_planning_each_view_by_hand_finds(on_views):
+    """For the fastest step the stages are searched on each view of the stage mesh, all on one;
+    planned by hand on each (views off: the stage mesh as typed; the job's mesh typed so that a
+    stage's mesh is the view), the view's plan is strictly faster, and it is the one kept."""
+    gap = SearchOptions().gap
+    typed = plan_pipelined(ONE_NODE_STAGES, SearchOptions(objective="time", mesh_views=False), PipelineOptions(2))
+    by_hand = plan_pipelined(Job("tiny-gpt", "2x2x4", batch=16, seq=128, micro_batches=4),
+                             SearchOptions(objective="time", mesh_views=False), PipelineOptions(2))
+    assert typed.stage_mesh.shape == (8,) and typed.typed_stage_mesh is None
+    def links(mesh):
+        return [(a.size, a.latency_s, a.bandwidth_bytes_per_s, a.per_node) for a in mesh.axes]
+    assert by_hand.stage_mesh.shape == (2, 4) and links(by_hand.stage_mesh) == links(on_views.stage_mesh)
+    assert by_hand.step_time_s < typed.step_time_s * (1 - gap)
+    assert on_views.step_time_s == pytest.approx(by_hand.step_time_s, rel=gap)
+    assert on_views.stage_mesh.shape == (2, 4) and on_views.typed_stage_mesh.shape == (8,)
+    assert on_views.mesh.shape == (2, 2, 4) and on_views.mesh.axes[0] == typed.mesh.axes[0]
+    for s in on_views.stages:  # every stage on the view, recording the stage mesh as typed
+        assert s.plan.problem.mesh.shape == (2, 4) and s.plan.job.mesh.shape == (2, 4)
+        assert s.plan.solver.typed_mesh == "8"
+
+
+def test_a_pipelined_plan_on_a_view_round_trips_through_its_json(on_views):
+    data = json.loads(on_views.to_json())
+    assert data["pipeline"]["stage_mesh"]["shape"] == [2, 4] and data["pipeline"]["typed_stage_mesh"]["shape"] == [8]
+    loaded = PipelinedPlan.from_dict(data)
+    assert loaded.to_dict() == data
+    assert loaded.typed_stage_mesh == on_views.typed_stage_mesh and loaded.stage_mesh == on_views.stage_mesh
+    assert [s.plan.selection for s in loaded.stages] == [s.plan.selection for s in on_views.stages]
+    assert "typed_stage_mesh" not in json.loads(json.dumps(plan_pipelined(
+        ONE_NODE_STAGES, SearchOptions(objective="time", mesh_views=False), PipelineOptions(2)).to_dict()))["pipeline"]
+
+
+def test_views_follow_the_objective_and_mesh_views_as_without_a_pipeline():
+    """The least memory stays on the stage mesh as typed unless ``--mesh-views on``; a stage mesh
+    whose devices form no other axes takes no ``--mesh-views on``, in one line."""
+    from memshard.pipelining import stage_views
+
+    pipeline = PipelineOptions(2)
+    assert stage_views(ONE_NODE_STAGES, SearchOptions(), pipeline) == (None,)
+    assert stage_views(ONE_NODE_STAGES, SearchOptions(objective="time", mesh_views=False), pipeline) == (None,)
+    views = stage_views(ONE_NODE_STAGES, SearchOptions(mesh_views=True), pipeline)
+    assert [v.shape for v in views[1:]] == [(2, 4)] and views[0] is None
+    with pytest.raises(memshard.MemshardError, match="change nothing on the stage mesh 2") as raised:
+        plan_pipelined(TINY, SearchOptions(objective="time", mesh_views=True), pipeline)
+    assert "\n" not in str(raised.value)
+    assert plan_pipelined(TINY, SearchOptions(objective="time"), pipeline).typed_stage_mesh is None
+
+
+def test_the_cli_plans_stages_on_a_view_and_auto_keeps_it(on_views, tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    argv = ["plan", "--model", "tiny-gpt", "--mesh", "2x8", "--batch", "16", "--seq", "128", "--micro-batches", "4",
+            "--pipeline", "2", "--objective", "time", "--mesh-views", "on", "--brief", "--json", str(path)]
+    assert main(argv) == 0
+    assert "each on mesh 2x4 (the best view of mesh 8)" in " ".join(capsys.readouterr().out.split())
+    data = json.loads(path.read_text())
+    assert data["pipeline"]["stage_mesh"]["shape"] == [2, 4]
+    assert data["step_time_s"] == pytest.approx(on_views.step_time_s)
+    assert main([*argv[:-4], "off", "--brief"]) == 0
+    assert "each on mesh 8" in " ".join(capsys.readouterr().out.split())

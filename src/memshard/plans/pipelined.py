@@ -53,7 +53,10 @@ class PipelinedPlan:
     axis and the rest): ``stages`` ranks along the pipeline axis run ``schedule``, each on
     ``stage_mesh``. The step is the schedule's makespan plus the slowest optimizer step.
     ``strategy``: ``memshard`` (each stage searched for ``objective``) or a pipelined baseline's
-    name (``megatron-tp2-pp2-dp2``…, objective None), each stage's plan that recipe's."""
+    name (``megatron-tp2-pp2-dp2``…, objective None), each stage's plan that recipe's.
+    ``typed_stage_mesh``: the stage mesh as typed, where the stages lie on another view of its
+    devices (``core.mesh.mesh_views``): ``stage_mesh`` is then that view, every stage's, and
+    ``mesh`` the pipeline axis and the view's axes; None where the stages lie on it as typed."""
 
     job: Job
     objective: str | None
@@ -64,6 +67,7 @@ class PipelinedPlan:
     makespan_s: float  # the micro-batches' forwards, backwards and transfers, as scheduled
     optimizer_s: float  # the slowest stage's optimizer step, after the last backward
     strategy: str = "memshard"
+    typed_stage_mesh: Mesh | None = None
 
     @property
     def step_time_s(self) -> float:
@@ -96,7 +100,9 @@ class PipelinedPlan:
             "model": {"name": self.job.graph.name, **job["model"]}, "job_mesh": job["mesh"],
             "pipeline": {"stages": len(self.stages), "schedule": self.schedule,
                          "micro_batches": self.job.micro_batches, "mesh": mesh_to_dict(self.mesh),
-                         "stage_mesh": mesh_to_dict(self.stage_mesh)},
+                         "stage_mesh": mesh_to_dict(self.stage_mesh),
+                         **({"typed_stage_mesh": mesh_to_dict(self.typed_stage_mesh)}
+                            if self.typed_stage_mesh is not None else {})},
             "step_time_s": self.step_time_s, "makespan_s": self.makespan_s, "optimizer_s": self.optimizer_s,
             "bubble_s": self.bubble_s, "peak_bytes_per_device": self.peak_bytes, "fits": self.fits,
             "stages": [{"layers": [stage.first_layer, stage.end_layer],
@@ -140,7 +146,8 @@ def _read(data: dict[str, Any]) -> PipelinedPlan:
                                 float(entry["transfer_s"]), float(entry["idle_s"])))
     return PipelinedPlan(job, data.get("objective"), pipeline["schedule"], mesh, mesh_from_dict(pipeline["stage_mesh"]),
                          tuple(stages), float(data["makespan_s"]), float(data["optimizer_s"]),
-                         data.get("strategy", "memshard"))
+                         data.get("strategy", "memshard"),
+                         mesh_from_dict(pipeline["typed_stage_mesh"]) if "typed_stage_mesh" in pipeline else None)
 
 
 def load_any_plan(path: str) -> Plan | PipelinedPlan:

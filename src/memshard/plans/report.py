@@ -66,7 +66,8 @@ def render_pipelined(plan: PipelinedPlan, console: Console, top: int = 10, show_
                   f"{counted(job.micro_batches, 'micro-batch', 'micro-batches')}) on mesh [bold]{job.mesh}[/] "
                   f"({counted(mesh.num_devices, 'device')}), "
                   f"{'objective' if plan.objective else 'strategy'} [bold]{plan.objective or plan.strategy}[/]: "
-                  f"{len(plan.stages)} pipeline stages, {plan.schedule.upper()}, each on mesh {plan.stage_mesh}")
+                  f"{len(plan.stages)} pipeline stages, {plan.schedule.upper()}, each on mesh {plan.stage_mesh}"
+                  + (f" (the best view of mesh {plan.typed_stage_mesh})" if plan.typed_stage_mesh is not None else ""))
     t = _table("Pipeline stages", ("stage", "layers", "micro-batches held", "peak memory", "forward / backward",
                                    "send", "idle"))
     for i, stage in enumerate(plan.stages):
