@@ -26,8 +26,9 @@ table (``ops.KERNELS``, or a traced module's in ``traced.py``), the executor the
 - activations are dropped after their last forward use;
 - the gradient reductions run from the backward (post-accumulate-grad hooks: stage 2 at once,
   stages 0 and 1 when the backward ends, unless gradient sync is off; where ``stores.py`` says
-  so, a stage 0-1 reduction starts as soon as its gradient is final, beside the rest of the
-  backward, and the end of the backward waits for it); an optimizer step hook
+  so, a reduction starts as soon as its gradient is final, beside the rest of the backward,
+  and the end of the backward waits for it, or for stage 2 the backward of the next op that
+  is a parameter's first use: a hook on that op's weight); an optimizer step hook
   gathers the updated stage 1-2 shards into the compute weights (``loop.py``; beside the next
   forward where ``stores.py`` says so, waited for at the weight's first use); the forward
   returns the global loss on every rank; ``state_dict`` is by the module's names
