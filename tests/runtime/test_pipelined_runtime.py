@@ -1,8 +1,9 @@
 """Pipelined plans run on real gloo ranks: torch's ``PipelineStage`` and ``Schedule1F1B`` /
 ``ScheduleGPipe``, each stage by memshard's executor (``runtime/pipelined.py``).
 
-Each case plans a tiny model (8 sequences of 32 tokens, fp32) in 2 stages of 1 or 2 ranks and
-runs 3 steps on forked ranks; every rank's report is compared with
+Each case plans a tiny model (8 sequences of 32 tokens, fp32) in 2 stages of 1, 2 or 4 ranks
+(those of 4 on the view 2 × 2 of their mesh: ``PipelinedPlan.typed_stage_mesh``) and runs 3
+steps on forked ranks; every rank's report is compared with
 
 - the single process: the whole graph's reference model (``GraphModel``, the same seed) and
   ``torch.optim.Adam`` over the same micro-batches (their gradients summed, as memshard's loop
@@ -56,7 +57,10 @@ CASES = {
     "llama-2x2-1f1b-4-memory": ("tiny-llama", "2x2", "1f1b", 4, "memory"),
     "llama-2x2-gpipe-4": ("tiny-llama", "2x2", "gpipe", 4, "memory"),  # hidden split on the boundary
     "gpt-2x2-1f1b-4": ("tiny-gpt", "2x2", "1f1b", 4, "memory"),  # layouts differ across the boundary
+    # each stage of 4 ranks on the view 2 x 2 of its mesh of 4 (the fastest plan searches views)
+    "llama-2x4-1f1b-4-view": ("tiny-llama", "2x4", "1f1b", 4, "time"),
 }
+VIEWS = {"llama-2x4-1f1b-4-view": (2, 2)}  # case → the view its stages lie on
 # Ranks whose measured peak misses the stage plan's by more than 2% (pipeline stage → why):
 # docs/pipelining.md "Running a pipelined plan". Under GPipe every forward runs first and the
 # model prices the first backward (the other micro-batches waiting, the gradients being made);
@@ -98,7 +102,7 @@ def _worker(rank: int, world: int, port: int, out: str, cases: tuple[str, ...]) 
 def _results(tmp_root: str) -> dict[str, list[dict]]:
     """Every case's reports (rank order): one forked world per world size."""
     out: dict[str, list[dict]] = {}
-    for world in (2, 4):
+    for world in (2, 4, 8):
         cases = tuple(c for c in CASES if _plan(c).mesh.num_devices == world)
         for c in cases:
             _plan(c)  # planned before the fork
@@ -191,6 +195,17 @@ def test_peak_memory_matches_the_prediction(results, case):
             assert abs(e) <= 0.02, f"{case} rank {r['rank']}: measured peak {e:+.2%} off the prediction"
         else:
             assert abs(e) > 0.02, f"{case} rank {r['rank']} now within 2% ({e:+.2%}): drop it from PEAK_MISSES"
+
+
+@pytest.mark.parametrize("case", sorted(VIEWS))
+def test_a_case_on_a_view_lays_every_stage_out_on_it(results, case):
+    """The world mesh is the pipeline axis and the view's axes: every rank ran its stage's plan
+    on the view (the reports' coordinates), the stage mesh as typed one axis of 4."""
+    plan = _plan(case)
+    assert plan.stage_mesh.shape == VIEWS[case] and plan.typed_stage_mesh.shape == (4,)
+    assert all(s.plan.problem.mesh.shape == VIEWS[case] for s in plan.stages)
+    coordinates = sorted(tuple(r["coordinate"]) for r in results[case])
+    assert coordinates == sorted((p, a, b) for p in range(2) for a in range(2) for b in range(2))
 
 
 def test_a_pipelined_plan_round_trips_through_its_json(tmp_path):

@@ -7,7 +7,10 @@ each piece is the one the plan's model describes:
 
 - **Ranks.** The world ``DeviceMesh`` is the plan's mesh, pipeline axis first. A rank's stage
   is its pipeline coordinate; the other axes are the stage's mesh, on which the stage's own
-  plan runs. Point-to-point goes between ranks of neighbouring stages.
+  plan runs. Where the stages lie on another view of the stage's devices (a node of 8 as
+  2 × 4 …: ``PipelinedPlan.typed_stage_mesh``), the plan's mesh is the pipeline axis and the
+  view's axes, so the world mesh lays each stage out on its view, as ``train`` lays an
+  unpipelined plan out on its view. Point-to-point goes between ranks of neighbouring stages.
 - **A stage's model** is memshard's executor (``ShardedGraphModel``) on the stage's graph under
   the stage's plan: its sharding, ZeRO storage and recomputation, exactly as an ordinary plan
   runs. Parameters are initialised from their names and the seed (``executor.init_parameter``),
@@ -299,6 +302,10 @@ def build_rank(plan, world: DeviceMesh, seed: int) -> RankStage:
     if tuple(world.shape) != plan.mesh.shape:
         raise MemshardError(f"device mesh {tuple(world.shape)} ≠ the pipelined plan's mesh {plan.mesh.shape}")
     plans = [runnable(stage.plan) for stage in plan.stages]
+    for k, p in enumerate(plans):  # each stage on the plan's stage axes: its view, where it lies on one
+        if p.problem.mesh.shape != plan.mesh.shape[1:]:
+            raise MemshardError(f"stage {k}'s plan lies on mesh {p.problem.mesh}, not on the pipelined plan's stage "
+                                f"axes {'x'.join(map(str, plan.mesh.shape[1:]))}")
     ends = [stage_ends(p) for p in plans]
     check_boundaries(ends)
     coords = tuple(world.get_coordinate())
