@@ -232,3 +232,23 @@ def test_a_zero_2_reduction_beside_the_backward_holds_the_gradient_until_the_nex
         assert z.breakdown_at(point)["activations"] == pytest.approx(d.breakdown_at(point)["activations"])
         checked += 1
     assert checked > 10
+
+
+def test_a_merged_axis_runs_as_its_real_axes():
+    """The search plans alike axes as one (``search.coarsen.merged_mesh``), priced as the real
+    mesh runs them: ZeRO-1/2 over a merged axis is stored over several real axes, which the
+    runtime reduces and gathers in line; over one real axis, beside the compute."""
+    from memshard.search.coarsen import merge_groups, merged_mesh
+
+    mesh = parse_mesh("2x2x2")
+    merged = merged_mesh(mesh, merge_groups(mesh))
+    assert any(axis.parts for axis in merged.axes)
+    problem = build_problem(build_graph("tiny-gpt", batch=8), merged)
+    seen = set()
+    for group in problem.groups:
+        if isinstance(group, StorageGroup) and in_a_layer(problem, group):
+            for choice, (_, option) in zip(group.choices, group.options):
+                if option.stage in (1, 2) and comm.total_time(choice.calls, problem.mesh) > 0:
+                    over_parts = any(problem.mesh.axes[a].parts for a in option.axes)
+                    seen.add((over_parts, choice.overlapped_s > 0))
+    assert (True, False) in seen and (True, True) not in seen

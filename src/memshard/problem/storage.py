@@ -54,23 +54,31 @@ ADAM_SQRT_BYTES = 4  # one fp32 element per parameter element: torch Adam's sqrt
 
 
 # What memshard's runtime runs beside the compute (``runtime/stores.py`` says how), of a weight
-# of ``numel`` local elements under ZeRO ``stage`` over ``axes`` of a mesh of ``mesh_shape``:
-def gather_overlaps(stage: int, axes: tuple[int, ...], mesh_shape: tuple[int, ...], numel: int) -> bool:
+# of ``numel`` local elements under ZeRO ``stage`` over ``axes`` of a mesh whose axes are made of
+# real axes of ``axis_sizes`` (``real_axis_sizes``: one each, but a merged axis's parts):
+def real_axis_sizes(mesh: Mesh) -> tuple[tuple[int, ...], ...]:
+    """The sizes of the real axes each axis of ``mesh`` is (a merged axis: its parts'; the
+    runtime runs on the real mesh)."""
+    return tuple(tuple(part.size for part in (axis.parts or (axis,))) for axis in mesh.axes)
+
+
+def gather_overlaps(stage: int, axes: tuple[int, ...], axis_sizes: tuple[tuple[int, ...], ...], numel: int) -> bool:
     """ZeRO-1/2: the all-gather of the updated shards after the optimizer step, waited for at
-    the weight's first use in the next forward. Only over one storage axis splitting the local
-    weight evenly: the shard is then its own slot of the compute weight, gathered in place."""
-    return stage in (1, 2) and len(axes) == 1 and numel % mesh_shape[axes[0]] == 0
+    the weight's first use in the next forward. Only over one real storage axis splitting the
+    local weight evenly: the shard is then its own slot of the compute weight, gathered in place."""
+    return (stage in (1, 2) and len(axes) == 1 and len(axis_sizes[axes[0]]) == 1
+            and numel % axis_sizes[axes[0]][0] == 0)
 
 
 def reduction_overlaps(stage: int, axes: tuple[int, ...], partial_axes: tuple[int, ...],
-                       mesh_shape: tuple[int, ...], numel: int) -> bool:
+                       axis_sizes: tuple[tuple[int, ...], ...], numel: int) -> bool:
     """The gradient's reduction: ZeRO-0's all-reduces; ZeRO-1's and ZeRO-2's all-reduces and
     reduce-scatter where its gather overlaps and the gradient is a partial sum over the storage
     axis. ZeRO-0/1 in the backward that syncs, waited for at its end (a ZeRO-1 shard held from
     the reduce-scatter's start); ZeRO-2 in every backward, waited for at the next weight's
     gradient (:func:`scatter_waited_at`), its whole gradient held until then
     (``StoragePricing.storage_slots``)."""
-    return stage == 0 or (stage in (1, 2) and gather_overlaps(stage, axes, mesh_shape, numel)
+    return stage == 0 or (stage in (1, 2) and gather_overlaps(stage, axes, axis_sizes, numel)
                           and axes[0] in partial_axes)
 
 
@@ -84,12 +92,13 @@ def scatter_waited_at(first_use: int, first_uses: tuple[int, ...]) -> int | None
 
 
 def overlapped_calls(calls: tuple[comm.Collective, ...], G: tuple[str, ...], opt: StorageOption, numel: int,
-                     mesh_shape: tuple[int, ...]) -> tuple[comm.Collective, ...]:
+                     mesh: Mesh) -> tuple[comm.Collective, ...]:
     """Of a storage option's ``calls`` (``_sync_calls``), those memshard's runtime runs beside
     the compute (:func:`gather_overlaps`, :func:`reduction_overlaps`)."""
     partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
-    reduces = reduction_overlaps(opt.stage, opt.axes, partial_axes, mesh_shape, numel)
-    gathers = gather_overlaps(opt.stage, opt.axes, mesh_shape, numel)
+    sizes = real_axis_sizes(mesh)
+    reduces = reduction_overlaps(opt.stage, opt.axes, partial_axes, sizes, numel)
+    gathers = gather_overlaps(opt.stage, opt.axes, sizes, numel)
     return tuple(c for c in calls if (gathers if c.kind == comm.ALL_GATHER else reduces))
 
 
@@ -169,7 +178,7 @@ class StoragePricing:
                 overlapped = collectives
             else:
                 numel = local_numel(spec.shape, param_layout(G), mesh.shape)
-                overlapped = comm.total_time(overlapped_calls(calls, G, opt, numel, mesh.shape), mesh)
+                overlapped = comm.total_time(overlapped_calls(calls, G, opt, numel, mesh), mesh)
             choices.append(Choice((G, opt.stage, opt.axes), step, calls, step + collectives,
                                   overlapped_s=overlapped))
         gid = self.draft.index[key] = len(self.draft.groups)
@@ -480,7 +489,7 @@ def _storage_prices(shape: tuple[int, ...], options: tuple[tuple[tuple[str, ...]
         numel = local_numel(shape, layout, mesh.shape)
         partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
         scattered = (memshard and opt.stage in (1, 2)
-                     and reduction_overlaps(opt.stage, opt.axes, partial_axes, mesh.shape, numel))
+                     and reduction_overlaps(opt.stage, opt.axes, partial_axes, real_axis_sizes(mesh), numel))
         ways = math.prod(mesh.shape[a] for a in opt.axes)
         beside.append(scattered * -(-numel // ways) * prec.grad_bytes)
         beside_red.append(beside[-1] * (1 - ways / replication(layout, mesh.shape)))

@@ -182,8 +182,9 @@ class ParamStore:
         # gradient's reduction, and (stages 1 and 2) the gather of the updated shards.
         local_numel = math.prod(self.local_shape)
         partial_axes = tuple(a for a, p in enumerate(grad) if isinstance(p, Partial))
-        self.reduces_beside = reduction_overlaps(stage, axes, partial_axes, tuple(mesh.shape), local_numel)
-        self.gathers_beside = gather_overlaps(stage, axes, tuple(mesh.shape), local_numel)
+        axis_sizes = tuple((size,) for size in mesh.shape)
+        self.reduces_beside = reduction_overlaps(stage, axes, partial_axes, axis_sizes, local_numel)
+        self.gathers_beside = gather_overlaps(stage, axes, axis_sizes, local_numel)
         self.gathering: dist.Work | None = None  # stages 1 and 2: the updated shards' all-gather
         # The optimizer's parameter (``opt``) is this rank's flat shard as a 1-D DTensor of the
         # parameter's size: ``Shard(0)`` over the axes that split the compute weight or store
