@@ -307,7 +307,7 @@ def test_a_least_memory_plan_the_floor_proves_is_found_by_one_dive_without_resha
 def test_the_fastest_plan_is_proved_by_the_step_times_relaxation_from_the_blends_basis():
     """LLaMA-3 8B's layers (4 of them) on 8x8 A100s with recomputation, the fastest plan within
     80 GiB: the blend's bound proves it only to w·(budget − M); the step time's own
-    relaxation, by primal simplex from the blend's basis, proves it without an interior-point
+    relaxation, by dual simplex from the blend's basis, proves it without an interior-point
     run. (The path does not depend on the layer count: all 32 take it too, in thirty times
     as long.)"""
     problem = build_problem(build_graph("llama3-8b", batch=64, seq=8192, num_layers=4),
@@ -315,7 +315,7 @@ def test_the_fastest_plan_is_proved_by_the_step_times_relaxation_from_the_blends
     result = solve(SearchRequest(problem, "time", memory_budget_bytes=80 * 2**30, time_limit_s=60))
     assert result.status == "optimal" and result.gap <= 2e-3
     relaxations = [stage for stage in result.stages if stage.name == "relaxation"]
-    assert relaxations and all(stage.stopped == "solved by primal simplex" for stage in relaxations)  # no IPM
+    assert relaxations and all(stage.stopped == "solved by dual simplex" for stage in relaxations)  # no IPM
     assert all(stage.objective == "time" for stage in relaxations)
     dive = stage_names(result).index("dive")
     assert dive < stage_names(result).index("relaxation")  # the blend's basis first

@@ -14,6 +14,7 @@ from memshard.api import make_job
 from memshard.planner import DEFAULT_GAP, SearchOptions, searched_problem
 from memshard.problem.evaluate import evaluate
 from memshard.search.highs import relative_gap
+from memshard.search.passes import first_pass
 from memshard.search.solve import SearchRequest, Solver
 
 JOB = dict(batch=16, num_layers=2)
@@ -56,3 +57,52 @@ def test_the_fastest_plan_over_both_views_is_proved():
     alone = memshard.plan("gpt2", "8", objective="time", memory_budget="80GiB", mesh_views=False, **JOB)
     assert alone.solver.status == "optimal"
     assert plan.step_time_s <= alone.step_time_s * (1 + 1e-9)
+
+
+def test_a_solution_of_a_presolved_branch_and_bound_is_priced_at_its_own_objective():
+    """HiGHS's branch and bound with presolve, half the choices pinned, from a start: HiGHS
+    (highspy 1.16) reports the objective of another solution of its reduced model, below the
+    start's own, and returns the start, proved at that. The search prices what HiGHS returns
+    by its own columns, and keeps HiGHS's bound below it."""
+    job = make_job("gpt2", "2x4", **JOB)
+    problem = searched_problem(job, SearchOptions(objective="time", memory_budget=BUDGET))
+    fresh = Solver(SearchRequest(problem, "time", memory_budget_bytes=BUDGET), None, time.perf_counter() + 60)
+    search, formulation = fresh.search, fresh.formulation
+    search.set_objective(fresh.primary)
+    with search.relaxing("simplex"):
+        start, _ = search.solve_completion(*formulation.selection_start(formulation.replicated()))
+    half = formulation.choice_columns[:len(formulation.choice_columns) // 2]
+    pinned = np.concatenate(half).astype(np.int32)
+    search.highs.changeColsBounds(len(pinned), pinned, start[pinned], start[pinned])
+    search.highs.setOptionValue("presolve", "on")
+    found = search.run_highs_mip(DEFAULT_GAP, start)
+    own = evaluate(problem, formulation.selection(np.array(found.values))).step_time_s / formulation.time_unit
+    assert found.objective == pytest.approx(own, rel=1e-9)
+    assert found.objective * (1 - found.gap) <= found.objective
+    assert search.highs.getInfo().objective_function_value < own * (1 - 1e-3)  # (what HiGHS reports)
+
+
+def test_the_fastest_llama_plan_with_recomputation_is_proved_by_the_first_pass_at_its_own_step_time():
+    """LLaMA-3 8B on 8x8 with recomputation, the fastest plan within 80 GiB (plan_speed's row):
+    the step time's relaxation by dual simplex (interior point took seconds more), the dive's
+    plan within 0.22% of it, and branch and bound with reduced-cost pins proving it. No stage
+    finds a plan below a bound another one proved, and the plan found is priced at the
+    evaluator's step time. (Before, HiGHS's presolved branch and bound reported the dive's
+    plan 1.4% below its own step time, "proved" it there, and the tie-break pass searched
+    below that for the rest of the minute.)"""
+    job = make_job("llama3-8b", "8x8", batch=64, seq=8192)
+    options = SearchOptions(objective="time", memory_budget=BUDGET, recompute="auto")
+    problem = searched_problem(job, options)
+    fresh = Solver(SearchRequest(problem, "time", memory_budget_bytes=BUDGET, time_limit_s=600), None,
+                   time.perf_counter() + 600)
+    found = first_pass(fresh.search, *fresh.pass_inputs(-np.inf), fresh.fallback_start())
+    assert not found.halted and not found.timed_out and found.gap <= DEFAULT_GAP
+    step = evaluate(problem, fresh.formulation.selection(found.values)).step_time_s / fresh.formulation.time_unit
+    assert found.objective == pytest.approx(step, rel=1e-9)
+    records = fresh.search.stages.records
+    relaxations = [r for r in records if r.name == "relaxation"]
+    assert relaxations and all(r.stopped == "solved by dual simplex" for r in relaxations)
+    proved = max(r.bound for r in records if r.bound is not None and r.objective == "time"
+                 and r.name in ("relaxation", "dive", "branch and bound"))  # (bounds on every plan)
+    assert all(r.found >= proved * (1 - 1e-9) for r in records if r.found is not None and r.objective == "time")
+    assert [r.stopped for r in records if r.name == "branch and bound"] == ["gap closed"]

@@ -56,9 +56,9 @@ PRESOLVE_NONZEROS = 150_000
 # choices are ruled out and what is left is the proof; further off, the pins sent HiGHS down
 # another, slower path (docs/search.md, *Measurements*).
 PIN_GAP = 0.01
-# The step time's relaxation tries primal simplex from the blend's basis for at most this many
-# of the root relaxation's iterations
-RELAXATION_ITERATIONS = 0.5
+# The step time's relaxation tries dual simplex from the basis the model has for at most this
+# many times the root relaxation's iterations (or the model's rows, if more) before interior point
+RELAXATION_ITERATIONS = 2.0
 
 
 @dataclass(frozen=True)
@@ -459,7 +459,7 @@ class HighsSearch:
                              cutoff: float = math.inf) -> Solution:
         """HiGHS's branch and bound on the objective set, from ``start`` (until the deadline),
         with the ``pinned`` columns fixed; on a model of at least PRESOLVE_NONZEROS, with
-        presolve, which drops them (HiGHS computes the analytic centre of the whole LP at every
+        presolve, which drops them, and without the start (HiGHS computes the analytic centre of the whole LP at every
         root, an interior-point solve). Where ``cutoff`` is finite, among the plans below it
         by the gap only (``run_below_cutoff``)."""
         started = time.perf_counter()
@@ -485,7 +485,9 @@ class HighsSearch:
         above it."""
         if not math.isfinite(cutoff):
             return self.run_pinned_branch_and_bound(gap, start, pinned)
-        highs, limit = self.highs, cutoff * (1 - gap)
+        # (a hair above cutoff·(1 − gap): the bound then lies within the gap of the cutoff, not a
+        # rounding error beyond it)
+        highs, limit = self.highs, cutoff * (1 - gap) * (1 + 1e-12)
         self.add_row(self.objective, limit)
         row = np.array([highs.getNumRow() - 1], dtype=np.int32)
         try:
@@ -502,9 +504,13 @@ class HighsSearch:
         highs = self.highs
         columns = pinned.columns.astype(np.int32)
         highs.changeColsBounds(len(columns), columns, pinned.values, pinned.values)
+        presolve = highs.getNumNz() >= PRESOLVE_NONZEROS
         try:
-            with _options(highs, {"presolve": "on" if highs.getNumNz() >= PRESOLVE_NONZEROS else "off"}):
-                found = self.run_highs_mip(gap, start)
+            # Presolved, no start: HiGHS (highspy 1.16) maps a start into presolve's reduced
+            # model, reports the objective of another solution there, lower than the start's
+            # own, and returns the start as proved at it (docs/search.md, *The fastest plan*).
+            with _options(highs, {"presolve": "on" if presolve else "off"}):
+                found = self.run_highs_mip(gap, None if presolve else start)
         finally:
             highs.changeColsBounds(len(columns), columns, self.lower[columns], self.upper[columns])
         bound = min(found.objective - found.gap * abs(found.objective), pinned.bound)
@@ -530,10 +536,13 @@ class HighsSearch:
             if status == highspy.HighsModelStatus.kTimeLimit:
                 raise SolverTimeLimit()
             raise MemshardError(f"solver stopped without a plan: {highs.modelStatusToString(status)}")
-        values, objective = np.array(highs.getSolution().col_value), float(info.objective_function_value)
-        # HiGHS's mip_gap is infinite where it has no bound yet (out of time before its root):
-        # then 0 bounds it, as it does every objective here
-        bound = float(info.mip_dual_bound) if math.isfinite(info.mip_dual_bound) else 0.0
+        # The solution's own objective, not the one HiGHS reports: with presolve, a start's can
+        # be another solution's (``run_pinned_branch_and_bound``). HiGHS's bound is infinite
+        # where it has none yet (out of time before its root): then 0 bounds it, as it does
+        # every objective here.
+        values = np.array(highs.getSolution().col_value)
+        objective = value_of(self.objective, values)
+        bound = min(float(info.mip_dual_bound), objective) if math.isfinite(info.mip_dual_bound) else 0.0
         return Solution(values, objective, relative_gap(objective, bound),
                         status == highspy.HighsModelStatus.kTimeLimit)
 
@@ -752,9 +761,10 @@ class HighsSearch:
     def solve_relaxation(self, expr: Expression, simplex_first: bool = False, presolve: bool = False,
                    kind: str | None = None) -> float | None:
         """The LP relaxation's minimum of ``expr`` (``kind``: what it measures; None if not
-        found in time): where ``simplex_first``, by primal simplex from the basis the model has
-        (the blend's optimum: a few hundred iterations from the step time's), in at most
-        RELAXATION_ITERATIONS of the root relaxation's iterations; else (or then) by interior
+        found in time): where ``simplex_first``, by dual simplex from the basis the model has
+        (the blend's optimum, or none), unpresolved, in at most RELAXATION_ITERATIONS times the
+        root relaxation's iterations or the model's rows (a guard: unpresolved it does not
+        cycle as on the presolved root LP, ``docs/search.md``); else (or then) by interior
         point without crossover, a bound is all that is needed, with ``presolve`` if asked."""
         started = time.perf_counter()
         self.set_objective(expr, kind)
@@ -767,14 +777,14 @@ class HighsSearch:
         """``solve_relaxation`` of the objective set: its minimum (None if not found in time), and
         the LP solver that found it."""
         if simplex_first:
-            primal = {"simplex_strategy": 4,  # primal simplex: the basis is primal feasible
-                      "simplex_iteration_limit": int(RELAXATION_ITERATIONS * self.relaxation_iterations)}
-            with self.relaxing("simplex") as highs, _options(highs, primal):
+            limit = RELAXATION_ITERATIONS * max(self.relaxation_iterations, self.highs.getNumRow())
+            dual = {"simplex_strategy": 1, "simplex_iteration_limit": int(limit)}
+            with self.relaxing("simplex") as highs, _options(highs, dual):
                 highs.run()
                 if highs.getModelStatus() == highspy.HighsModelStatus.kOptimal:
-                    return float(highs.getInfo().objective_function_value), "primal simplex"
-        with self.relaxing("ipm") as highs, _options(highs, {"presolve": "on" if presolve else "off"}):
-            highs.setOptionValue("run_crossover", "off")
+                    return float(highs.getInfo().objective_function_value), "dual simplex"
+        ipm = {"presolve": "on" if presolve else "off", "run_crossover": "off"}
+        with self.relaxing("ipm") as highs, _options(highs, ipm):
             highs.run()
             if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
                 return None, "interior point"

@@ -65,14 +65,16 @@ class PassRules:
     objective from its relaxation (computed beside the search; -inf if none), asked for
     before the blend's branch and bound, not where the floor proves the blend's dive; where
     it proves the dive's plan within the gap, that plan is returned without branch and bound,
-    its ties unresolved; ``simplex_bound``: the primary objective's relaxation by primal
-    simplex from the blend's basis first; ``speculative``: the dive alone (halted UNSETTLED
+    its ties unresolved; ``simplex_bound``: the primary objective's relaxation by dual
+    simplex from the basis the model has first; ``speculative``: the dive alone (halted UNSETTLED
     where its plan is not proved); ``on_branching``: called where the blend's dive leaves its
     gap open (a long search follows); ``needs_rows``: whether a plan breaks lazy rows (halted
     ROWS_NEEDED with the dive's plan that does; the blend's returned unproved: no search of
     a model about to change); ``relax_first``: the primary objective's relaxation before the
     blend's branch and bound, which is skipped where the relaxation leaves the dive's plan
-    more than the gap open (the search on the primary objective alone instead)."""
+    more than the gap open (the search on the primary objective alone instead); with a
+    cutoff, that relaxation comes first, before the blend's dive: it may rule the search out
+    at once."""
 
     gap: float
     cutoff: float = math.inf
@@ -161,6 +163,9 @@ class FirstPass:
         search, rules = self.search, self.rules
         if math.isfinite(rules.cutoff):
             self.raise_floor_against_cutoff()
+            if rules.relax_first:
+                self.relax_primary()
+                self.raise_floor_against_cutoff()
         blended = search.minimise(self.blend, rules.gap * TIE_BREAK, start=fallback,
                                   before_branching=self.before_branching, kind=BLEND)
         if blended.halted == RELAXATION_OPEN:  # from the dive's plan, the primary objective alone
