@@ -282,6 +282,7 @@ class ShardedGraphModel(nn.Module):
         # stage 2 beside the compute: the reductions running, each waited for at the backward of
         # the next op that is a parameter's first use (``problem.storage.scatter_waited_at``)
         self.scattering: list[ParamStore] = []
+        self.syncing = False  # a stage 0-1 gradient arrived in this backward with gradient sync on
         self.first_use = {name: min(i for i, _ in graph.consumers[name]) for name in graph.parameters}
         self.scatters_beside = any(s.stage == 2 and s.reduces_beside for s in self.stores.values())
         self.source = loop.SourceParameters(source.parameters() if isinstance(source, nn.Module) else ())
@@ -440,6 +441,7 @@ class ShardedGraphModel(nn.Module):
         if not self.requires_gradient_sync:
             return
         self._queue_end_of_backward()
+        self.syncing = True
         if store.reduces_beside:
             store.start_reduction(self.reduction_stream)
 
@@ -467,11 +469,15 @@ class ShardedGraphModel(nn.Module):
                 store.finish_gradients()
 
     def _end_of_backward(self) -> None:
+        """Wait for the stage-2 reductions still running and, in a backward that syncs
+        gradients, reduce the stage 0-1 ones (:meth:`finish_gradients`)."""
         self.reduction_queued = False
         scattering, self.scattering = self.scattering, []
         for store in scattering:
             store.finish_gradients()
-        self.finish_gradients()
+        if self.syncing:
+            self.syncing = False
+            self.finish_gradients()
 
     def finish_gradients(self) -> None:
         """Reduce the stage 0-1 gradients now, if some wait (waiting for the all-reduces the
@@ -493,7 +499,7 @@ class ShardedGraphModel(nn.Module):
                 store.drop_started()
         self.scattering = []
         self.local_gradients = False
-        self.reduction_queued = False
+        self.reduction_queued = self.syncing = False
 
     def gather_updated(self, held: set[int] = frozenset(), beside: bool = False) -> None:
         """Gather the shards updated since their last gather into the compute weights (ZeRO

@@ -17,7 +17,7 @@ root's conservatively in line):
   weight evenly and its gradient is a partial sum there: the same, its all-reduces (over the
   other partial axes) then its reduce-scatter into a new shard. The shard exists from the start
   of the reduce-scatter, beside the whole gradient, to the end of the backward (the model
-  prices it there); the whole gradient is freed at the end of the backward, as in line.
+  prices it there); the whole gradient is kept until then too, as in line.
 - A ZeRO-2 weight's reduction, on the same conditions: in every backward (every micro-batch's),
   once its gradient is final, the same collectives start. The backward of the next op that is
   some parameter's first use waits for them (``executor.ShardedGraphModel``'s tensor hook on
@@ -132,17 +132,13 @@ def start_all_reduces(flat: torch.Tensor, groups: tuple, stream: torch.cuda.Stre
 
 @dataclass
 class StartedReduction:
-    """A ZeRO-0/1 gradient whose reduction runs beside the backward: its flat buffer (all-reduced
-    in place), the shard a ZeRO-1 reduce-scatter writes (``None`` at ZeRO-0: the buffer is the
-    reduced gradient) and the handle of its last collective (``None``: nothing to reduce)."""
+    """A gradient whose reduction runs beside the backward: at ZeRO-0 its flat buffer, all-reduced
+    in place (the reduced gradient); at ZeRO-1/2 the shard its reduce-scatter writes (its input is
+    the collective's to hold until done: c10d keeps it); and the handle of its last collective
+    (``None``: nothing to reduce)."""
 
-    gradient: torch.Tensor
+    reduced: torch.Tensor
     work: dist.Work | None
-    shard: torch.Tensor | None = None
-
-    def reduced(self) -> torch.Tensor:
-        """The reduced gradient, once the collectives are waited for."""
-        return self.gradient if self.shard is None else self.shard
 
 
 class ParamStore:
@@ -278,19 +274,21 @@ class ParamStore:
         gradients; stage 2: in any): start its all-reduces in place and (stages 1 and 2) its
         reduce-scatter into a new shard, beside the rest of the backward
         (``start_all_reduces``; ``stream``: the side stream that chains them on CUDA).
-        :meth:`finish_gradients` waits for them. (Stage 2: the parameter's ``.grad`` is
-        emptied for the next micro-batch; the reduction holds the gradient until then.)"""
+        :meth:`finish_gradients` waits for them. (Stage 2: the parameter's ``.grad`` is emptied
+        at once, for the next micro-batch; the reduce-scatter holds the gradient until it is
+        done, as c10d keeps a collective's input, and nothing else does. Stage 1 keeps it to
+        the backward's end, as in line.)"""
         g = self.param.grad
         flat = (g.to_local() if isinstance(g, DTensor) else g).reshape(-1)
-        scatter = shard = None
-        if self.stage >= 1:
-            shard = flat.new_empty(self.flat_len)
-            scatter = (shard, self.mesh.get_group(self.axes[0]))
-        work = start_all_reduces(flat, self.all_reduce_groups, stream, scatter)
-        self.started = StartedReduction(flat, work, shard)
-        if self.stage == 2:
+        if self.stage == 0:
+            self.started = StartedReduction(flat, start_all_reduces(flat, self.all_reduce_groups, stream))
+            return
+        shard = flat.new_empty(self.flat_len)
+        work = start_all_reduces(flat, self.all_reduce_groups, stream, (shard, self.mesh.get_group(self.axes[0])))
+        self.started = StartedReduction(shard, work)
+        if self.stage == 2:  # (the reduce-scatter holds the gradient until it is done)
             self.param.grad = None
-        del g
+        del g, flat
 
     def drop_started(self) -> None:
         """Forget the all-reduces a backward started and did not finish (it raised): their
@@ -306,7 +304,7 @@ class ParamStore:
             if started.work is not None:
                 started.work.wait()
             self.param.grad = None
-            self.accumulate(started.reduced())
+            self.accumulate(started.reduced)
         elif self.stage <= 1:
             self._reduce_now()
 
