@@ -28,6 +28,10 @@ timeline (``problem.pipeline.simulate``) runs them, a micro-batch's activations 
 the next stage over the pipeline axis's link; the slowest stage's optimizer step follows.
 Collectives a stage runs once per step (its data-parallel reductions under accumulation) are
 spread over its micro-batches there: the fill and drain see a share of them.
+
+Views: where the options search views, every stage lies on one view of the stage mesh
+(``best_view``, ``core.mesh.mesh_views``), so that a stage receives on the axes the stage
+before sends on.
 """
 
 from __future__ import annotations
