@@ -459,8 +459,8 @@ class HighsSearch:
                              cutoff: float = math.inf) -> Solution:
         """HiGHS's branch and bound on the objective set, from ``start`` (until the deadline),
         with the ``pinned`` columns fixed; on a model of at least PRESOLVE_NONZEROS, with
-        presolve, which drops them, and without the start (HiGHS computes the analytic centre of the whole LP at every
-        root, an interior-point solve). Where ``cutoff`` is finite, among the plans below it
+        presolve, which drops them, and without the start (HiGHS computes the analytic centre
+        of the whole LP at every root, an interior-point solve). Where ``cutoff`` is finite, among the plans below it
         by the gap only (``run_below_cutoff``)."""
         started = time.perf_counter()
         start_value = value_of(self.objective, start) if isinstance(start, np.ndarray) else None
