@@ -20,16 +20,17 @@ demo: $(STAMP)
 	$(VENV)/bin/memshard plan --model llama3-8b --mesh 8x8 --batch 64 --seq 4096 --json plan.json
 	OMP_NUM_THREADS=1 $(VENV)/bin/memshard run --model tiny-gpt --mesh 2x2 --steps 3
 
-# One pytest worker per core (at most 4), each test file on one worker (its fixtures built once);
+# One pytest worker per core (at most 4); a test file's tests on one worker (its fixtures built once)
+# but for a few whose tests are independent, the costliest files first (tests/conftest.py);
 # the 15 slowest tests are printed at the end.
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n auto --maxprocesses 4 --dist loadgroup --durations=15
 
 # tests/unit alone: records, parsers, pricing, the code's shape; no real-model search
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile -m unit
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n auto --maxprocesses 4 --dist loadgroup -m unit
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'

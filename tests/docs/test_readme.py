@@ -188,42 +188,19 @@ def _exec(keys, scope: dict) -> dict:
     return scope
 
 
-SEARCHED: dict[str, object] = {}  # a call to memshard.plan or memshard.compare → its result
-
-
-def searched_once(name: str, search):
-    """``search`` (``memshard.<name>``), each distinct call searched once: later ones read
-    ``SEARCHED``."""
-    def once(*args, **kwargs):
-        key = repr((name, args, sorted(kwargs.items())))
-        if key not in SEARCHED:
-            SEARCHED[key] = search(*args, **kwargs)
-        return SEARCHED[key]
-    return once
-
-
-def search_each_call_once(monkeypatch) -> None:
-    """``memshard.plan`` and ``memshard.compare`` search each distinct call once in this module:
-    the README's API block and the guide's make some of the same calls, and only read what
-    they return (the search is deterministic)."""
-    for name in ("plan", "compare"):
-        monkeypatch.setattr(memshard, name, searched_once(name, getattr(memshard, name)))
-
-
-def test_the_readme_api_block_runs(tmp_path, monkeypatch):
+def test_the_readme_api_block_runs(tmp_path, monkeypatch, searched_once):
+    """(``searched_once``: the guide's block makes some of its calls.)"""
     monkeypatch.chdir(tmp_path)
-    search_each_call_once(monkeypatch)
     scope = _exec([("README.md", 0)], {})
     assert scope["again"].peak_bytes == scope["plan"].peak_bytes
     assert scope["fast"].step_time_s <= scope["plan"].step_time_s * (1 + 2e-3)
     assert scope["rows"][0]["peak_bytes_per_device"] == scope["plan"].peak_bytes
 
 
-def test_the_guide_api_blocks_run(tmp_path, monkeypatch):
+def test_the_guide_api_blocks_run(tmp_path, monkeypatch, searched_once):
     """The Python API block and the job-as-objects block that continues it (built-in models;
     most of the time goes to the plan under a step-time budget)."""
     monkeypatch.chdir(tmp_path)
-    search_each_call_once(monkeypatch)
     scope = _exec([("docs/guide.md", 0), ("docs/guide.md", 1)], {})
     assert (tmp_path / "plan.json").exists()
     assert scope["tight"].step_time_s <= scope["fast"].step_time_s * 1.2 * (1 + 1e-9)
