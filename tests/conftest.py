@@ -44,6 +44,8 @@ HEAVIEST_FIRST = (
 
 def unit_of(nodeid: str) -> str:
     """The unit of work the test ``nodeid`` (``tests/<file>::<test>[<parameters>]``) runs in."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):  # (an xdist_group, where xdist could name it)
+        return nodeid.rsplit("@", 1)[1]
     path, _, test = nodeid.partition("::")
     path = path.removeprefix("tests/")
     if path not in SPLIT:
