@@ -1,7 +1,7 @@
 """Collectives hidden under the compute (``evaluate.hidden_communication``): the frameworks that
 run a layer's data-parallel collectives beside the compute (FSDP2, DDP) have them hidden up to
 the ops' compute; memshard's runtime a layer's ZeRO-0 gradient all-reduces, its ZeRO-1
-and ZeRO-2 reduce-scatters and its ZeRO-1/2 updated-shard all-gathers (over one axis splitting the weight
+reduce-scatters and its ZeRO-1/2 updated-shard all-gathers (over one axis splitting the weight
 evenly); the root's collectives and Megatron-LM's (no ``--overlap-grad-reduce``) run in line.
 The ILP prices the same step time as the evaluator."""
 
@@ -76,21 +76,21 @@ def in_a_layer(problem, group: StorageGroup) -> bool:
 def _overlapped_by_memshard(option, G, calls, numel: int, mesh_shape) -> tuple:
     """The calls memshard's runtime runs beside the compute (``runtime/stores.py``), from the
     runtime's own conditions: ZeRO-0 all of them; ZeRO-1/2 over one axis that splits the local
-    weight evenly its all-gather, and its reductions where partial over that axis."""
+    weight evenly its all-gather, ZeRO-1 besides its reductions where partial over that axis."""
     if option.stage == 0:
         return calls
     if option.stage == 3 or len(option.axes) != 1 or numel % mesh_shape[option.axes[0]]:
         return ()
-    reduces = G[option.axes[0]] == "P"
+    reduces = option.stage == 1 and G[option.axes[0]] == "P"
     return tuple(c for c in calls if c.kind == comm.ALL_GATHER or reduces)
 
 
 @pytest.mark.parametrize("mesh", ["2x4", "8"])
 def test_memshards_runtime_overlaps_what_it_runs_beside_the_compute(mesh):
     """memshard's problem: a layer weight's choice overlaps exactly the collectives its runtime
-    runs beside the compute (``_overlapped_by_memshard``): ZeRO-0 all-reduces, ZeRO-1/2
-    reductions and gathers over one axis; nothing at ZeRO-3, over two axes, or of the root's
-    weights."""
+    runs beside the compute (``_overlapped_by_memshard``): ZeRO-0 all-reduces, ZeRO-1
+    reductions and ZeRO-1/2 gathers over one axis; nothing at ZeRO-3, over two axes, or of the
+    root's weights."""
     from memshard.core.placement import local_numel
     from memshard.problem.memory import param_layout
 
@@ -110,7 +110,7 @@ def test_memshards_runtime_overlaps_what_it_runs_beside_the_compute(mesh):
             kinds = frozenset(c.kind for c in expected)
             seen.add((option.stage, kinds))
     assert {(0, frozenset({comm.ALL_REDUCE})), (1, frozenset({comm.REDUCE_SCATTER, comm.ALL_GATHER})),
-            (2, frozenset({comm.REDUCE_SCATTER, comm.ALL_GATHER})), (3, frozenset())} <= seen
+            (2, frozenset({comm.ALL_GATHER})), (3, frozenset())} <= seen
     if mesh == "2x4":  # over both axes: in line
         assert (1, frozenset()) in seen and (2, frozenset()) in seen
 
@@ -118,8 +118,8 @@ def test_memshards_runtime_overlaps_what_it_runs_beside_the_compute(mesh):
 @pytest.mark.parametrize("strategy", ["dp", "zero1", "zero2"])
 def test_memshards_data_parallel_plans_hide_their_layer_collectives(strategy):
     """Under data parallelism on 8 (ZeRO over the one axis), the step hides the layers'
-    collectives up to the compute (ZeRO-0's all-reduces, ZeRO-1/2's reduce-scatters and
-    gathers); the root's run in line."""
+    collectives up to the compute (ZeRO-0's all-reduces, ZeRO-1's reduce-scatters and
+    gathers, ZeRO-2's gathers); ZeRO-2's reduce-scatters and the root's run in line."""
     plan = memshard.strategy_plan("gpt3-1.3b", "8", strategy, **JOB)
     problem, selection = plan.problem, plan.selection
     overlapped = in_line = compute = 0.0
@@ -130,7 +130,7 @@ def test_memshards_data_parallel_plans_hide_their_layer_collectives(strategy):
             continue
         for call in choice.calls:
             t = group.instances * comm.total_time((call,), problem.mesh)
-            beside = in_a_layer(problem, group)
+            beside = in_a_layer(problem, group) and not (strategy == "zero2" and call.kind == comm.REDUCE_SCATTER)
             overlapped += t if beside else 0.0
             in_line += 0.0 if beside else t
     assert overlapped > 0 and in_line > 0
@@ -142,7 +142,7 @@ def test_memshards_data_parallel_plans_hide_their_layer_collectives(strategy):
 def test_a_zero_1_reduction_beside_the_backward_holds_its_shard_from_its_start():
     """ZeRO-1 on 8 under memshard's runtime: each reduce-scatter's shard is held from the
     weight's reduction to the backward's end, beside the whole gradient. At the backward's last
-    point the plan holds ZeRO-0's (dp's) transients plus one shard of every weight (ceil of
+    point the plan holds ZeRO-0's (dp's) gradients plus one shard of every weight (ceil of
     its elements over 8, in the gradient's dtype); at the first backward point, before any
     weight is reduced, the same as dp."""
     from memshard.problem.evaluate import evaluate
@@ -150,7 +150,7 @@ def test_a_zero_1_reduction_beside_the_backward_holds_its_shard_from_its_start()
     zero1, dp = (memshard.strategy_plan("tiny-gpt", "8", s, batch=8, precision="fp32") for s in ("zero1", "dp"))
     graph = zero1.problem.graph
     shards = sum(-(-graph.tensors[name].numel // 8) * graph.precision.grad_bytes for name in graph.parameters)
-    transients = [[evaluate(p.problem, p.selection).breakdown_at(point)["transients"]
+    transients = [[evaluate(p.problem, p.selection).breakdown_at(point)["gradients"]
                    for point in (p.problem.schedule.boundary, p.problem.schedule.optimizer - 1)] for p in (zero1, dp)]
     assert transients[0][0] == pytest.approx(transients[1][0])
     assert transients[0][1] - transients[1][1] == pytest.approx(shards)
@@ -194,44 +194,6 @@ def test_the_ilp_prices_a_plans_step_time_with_overlap_as_the_evaluator(framewor
     forced = solve(SearchRequest(problem, "time", fixed=plan, mip_gap=0.0, memory_budget_bytes=float("inf")))
     assert forced.selection == plan
     assert forced.bound == pytest.approx(evaluate(problem, plan).step_time_s, rel=1e-6)
-
-
-def test_a_zero_2_reduction_beside_the_backward_holds_the_gradient_until_the_next_weights():
-    """ZeRO-2 on 8 under memshard's runtime: a weight's whole gradient is held from its
-    reduction (the backward of its first use, op f) to the backward of the next op whose
-    weight's gradient is final there (``scatter_waited_at``): at each backward point the plan
-    holds the shards of the weights whose reduction started, plus the whole gradients of those
-    made and not waited for yet. Checked against dp (ZeRO-0: every gradient whole from
-    its op's backward to the step), whose other items are the same."""
-    from memshard.problem.evaluate import evaluate
-
-    zero2, dp = (memshard.strategy_plan("tiny-gpt", "8", s, batch=8, precision="fp32") for s in ("zero2", "dp"))
-    graph, S = zero2.problem.graph, zero2.problem.schedule
-    first_use = {name: min(i for i, _ in graph.consumers[name]) for name in graph.parameters}
-    ops_reduced_at = sorted(set(first_use.values()))
-
-    def gradients(point: int) -> float:
-        """ZeRO-2's gradients at ``point``, from the runtime's rule, not the model's slots."""
-        total = 0.0
-        for name, f in first_use.items():
-            numel, nbytes = graph.tensors[name].numel, graph.precision.grad_bytes
-            if point < S.backward(f):
-                continue  # not made yet
-            earlier = [op for op in ops_reduced_at if op < f]
-            waited = S.backward(earlier[-1]) if earlier else S.optimizer - 1
-            shard = -(-numel // 8) * nbytes if point > S.backward(f) else 0.0  # (from the reduction's start on)
-            total += shard + (numel * nbytes if point <= waited else 0.0)
-        return total
-
-    z, d = evaluate(zero2.problem, zero2.selection), evaluate(dp.problem, dp.selection)
-    checked = 0
-    for point in range(S.boundary, S.optimizer):
-        if "backward" not in S.describe(point, graph) or "resharding" in S.describe(point, graph):
-            continue
-        assert z.breakdown_at(point)["gradients"] == pytest.approx(gradients(point)), S.describe(point, graph)
-        assert z.breakdown_at(point)["activations"] == pytest.approx(d.breakdown_at(point)["activations"])
-        checked += 1
-    assert checked > 10
 
 
 def test_a_merged_axis_runs_as_its_real_axes():

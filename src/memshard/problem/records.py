@@ -109,7 +109,7 @@ TORCH_FRAMEWORKS = (*FSDP2_FRAMEWORKS, *DDP_FRAMEWORKS)  # run with torch.optim.
 # while the backward goes on; DDP all-reduces its buckets during the backward; Megatron-LM with
 # ``--overlap-grad-reduce --overlap-param-gather`` reduce-scatters its gradient buckets during
 # the backward and gathers the updated weights during the next forward; memshard's runtime
-# reduces a ZeRO-0/1/2 weight's gradient during the backward, as soon as it is final, and gathers
+# reduces a ZeRO-0/1 weight's gradient during the backward, as soon as it is final, and gathers
 # a ZeRO-1/2 weight during the next forward (``runtime/stores.py``, priced by
 # ``storage.overlapped_calls``; its other collectives run in line). The root's (the embedding's, the head's)
 # wait: the first all-gather starts the step, the last reduction ends it. Megatron-LM by

@@ -72,23 +72,14 @@ def gather_overlaps(stage: int, axes: tuple[int, ...], axis_sizes: tuple[tuple[i
 
 def reduction_overlaps(stage: int, axes: tuple[int, ...], partial_axes: tuple[int, ...],
                        axis_sizes: tuple[tuple[int, ...], ...], numel: int) -> bool:
-    """The gradient's reduction: ZeRO-0's all-reduces; ZeRO-1's and ZeRO-2's all-reduces and
-    reduce-scatter where its gather overlaps and the gradient is a partial sum over the storage
-    axis. ZeRO-0/1 in the backward that syncs, waited for at its end (a ZeRO-1 shard held from
-    the reduce-scatter's start); ZeRO-2 in every backward, waited for at the next weight's
-    gradient (:func:`scatter_waited_at`), its whole gradient held until then
-    (``StoragePricing.storage_slots``)."""
-    return stage == 0 or (stage in (1, 2) and gather_overlaps(stage, axes, axis_sizes, numel)
+    """The gradient's reduction in the backward that syncs, waited for at its end: ZeRO-0's
+    all-reduces; ZeRO-1's all-reduces and reduce-scatter where its gather overlaps and the
+    gradient is a partial sum over the storage axis (the shard it makes is held from the
+    reduce-scatter's start: ``StoragePricing.storage_slots``). ZeRO-2 reduces in line: it frees
+    its whole gradient at once, where a reduction beside the compute would hold it until
+    waited for."""
+    return stage == 0 or (stage == 1 and gather_overlaps(stage, axes, axis_sizes, numel)
                           and axes[0] in partial_axes)
-
-
-def scatter_waited_at(first_use: int, first_uses: tuple[int, ...]) -> int | None:
-    """The op whose backward waits for a ZeRO-2 reduce-scatter that the backward of op
-    ``first_use`` (its weight's first use) started: the next op in backward order that is some
-    parameter's first use (``first_uses``, sorted), where that parameter's gradient is final;
-    None: the backward's end."""
-    earlier = [op for op in first_uses if op < first_use]
-    return earlier[-1] if earlier else None
 
 
 def overlapped_calls(calls: tuple[comm.Collective, ...], G: tuple[str, ...], opt: StorageOption, numel: int,
@@ -115,7 +106,6 @@ class StoragePricing:
             for j in parameter_inputs(self.draft.graph, op):
                 uses_of.setdefault(op.inputs[j].tensor, []).append((i, j))
         storage_group = {}
-        self.first_uses = tuple(sorted({uses[0][0] for uses in uses_of.values()}))
         for name in self.draft.graph.parameters:
             uses = uses_of.get(name)
             if not uses:
@@ -252,9 +242,8 @@ class StoragePricing:
                               before_reshards=True)
         # memshard's runtime reduce-scatters a ZeRO-1 gradient beside the backward that syncs
         # (``reduction_overlaps``): the shard it makes, from its start to the backward's end
-        zero1 = stages == 1
-        self.draft.slot(gid, S.reshard_out(last), S.optimizer - 1, "transients",
-                        *(x * zero1 for x in v["scattering_beside"]))
+        # (the optimizer's gradient then: MemTracker files it so)
+        self.draft.slot(gid, S.reshard_out(last), S.optimizer - 1, "gradients", *v["scattering_beside"])
         self.unsharded_gradient_slots(gid, v, stages, in_unit, first, last)
         if unit is None:
             for i, _ in uses:
@@ -267,11 +256,9 @@ class StoragePricing:
     def unsharded_gradient_slots(self, gid: int, v: dict, stages: np.ndarray, in_unit: np.ndarray, first: int,
                                  last: int) -> None:
         """ZeRO-2/3 (not in a layer unit): the whole local gradient from the backward of the
-        weight's last use (``first``) until its reduce-scatter, at its first use's (``last``);
-        under ZeRO-2 the parameter's .grad from its last contribution on (ZeRO-3 reduces its
-        own). Reduced in line, it is freed before that op's reshards; reduced beside the
-        compute (memshard's runtime, ``reduction_overlaps``), it is held until waited for
-        (``scatter_waited_at``), and with micro-batches the new shard too."""
+        weight's last use (``first``) until its reduce-scatter, at its first use's (``last``),
+        freed before that op's reshards; under ZeRO-2 the parameter's .grad from its last
+        contribution on (ZeRO-3 reduces its own)."""
         S = self.draft.sched
         summed_at = S.backward(last)
         unsharded, red = v["unsharded"]
@@ -280,16 +267,8 @@ class StoragePricing:
         self.draft.slot(gid, S.backward(first), S.reshard_out(last), "transients", unsharded * zero3_per_op,
                   red * zero3_per_op, phase=BEFORE_RESHARDS)
         self.draft.slot(gid, S.backward(first), summed_at - 1, "transients", unsharded * zero2, red * zero2)
-        beside = zero2 & (v["scattering_beside"][0] > 0)
-        in_line = zero2 & ~beside
-        waited = scatter_waited_at(last, self.first_uses)
-        waited_at = S.optimizer - 1 if waited is None else S.backward(waited)
-        self.draft.slot(gid, summed_at, S.reshard_out(last), "gradients", unsharded * in_line, red * in_line,
+        self.draft.slot(gid, summed_at, S.reshard_out(last), "gradients", unsharded * zero2, red * zero2,
                   phase=BEFORE_RESHARDS)
-        self.draft.slot(gid, summed_at, waited_at, "gradients", unsharded * beside, red * beside)
-        if self.draft.micro_batches > 1:  # (one micro-batch: the shard is the gradient, priced already)
-            self.draft.slot(gid, S.reshard_out(last), waited_at, "transients",
-                            *(x * beside for x in v["scattering_beside"]))
 
     def unit_slots(self, gid: int, v: dict, unit: LayerUnit, in_unit: np.ndarray, first_backward: int) -> None:
         """A layer unit's member under ZeRO-3 (``in_unit``): its gradient reduced with the
@@ -488,7 +467,7 @@ def _storage_prices(shape: tuple[int, ...], options: tuple[tuple[tuple[str, ...]
     for (G, opt), m, layout in zip(options, mems, layouts):
         numel = local_numel(shape, layout, mesh.shape)
         partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
-        scattered = (memshard and opt.stage in (1, 2)
+        scattered = (memshard and opt.stage == 1
                      and reduction_overlaps(opt.stage, opt.axes, partial_axes, real_axis_sizes(mesh), numel))
         ways = math.prod(mesh.shape[a] for a in opt.axes)
         beside.append(scattered * -(-numel // ways) * prec.grad_bytes)

@@ -26,9 +26,8 @@ table (``ops.KERNELS``, or a traced module's in ``traced.py``), the executor the
 - activations are dropped after their last forward use;
 - the gradient reductions run from the backward (post-accumulate-grad hooks: stage 2 at once,
   stages 0 and 1 when the backward ends, unless gradient sync is off; where ``stores.py`` says
-  so, a reduction starts as soon as its gradient is final, beside the rest of the backward,
-  and the end of the backward waits for it, or for stage 2 the backward of the next op that
-  is a parameter's first use: a hook on that op's weight); an optimizer step hook
+  so, a stage 0-1 reduction starts as soon as its gradient is final, beside the rest of the
+  backward, and the end of the backward waits for it); an optimizer step hook
   gathers the updated stage 1-2 shards into the compute weights (``loop.py``; beside the next
   forward where ``stores.py`` says so, waited for at the weight's first use); the forward
   returns the global loss on every rank; ``state_dict`` is by the module's names
@@ -37,7 +36,6 @@ table (``ops.KERNELS``, or a traced module's in ``traced.py``), the executor the
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 from collections.abc import Callable, Iterator
@@ -277,14 +275,8 @@ class ShardedGraphModel(nn.Module):
         self.reduction_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.replicate_loss = True  # forward returns the global loss on every rank
         for store in self.stores.values():
-            if store.stage <= 1 or store.reduces_beside:
+            if store.stage <= 1:
                 store.on_local_gradient = self._local_gradient_arrived
-        # stage 2 beside the compute: the reductions running, each waited for at the backward of
-        # the next op that is a parameter's first use (``problem.storage.scatter_waited_at``)
-        self.scattering: list[ParamStore] = []
-        self.syncing = False  # a stage 0-1 gradient arrived in this backward with gradient sync on
-        self.first_use = {name: min(i for i, _ in graph.consumers[name]) for name in graph.parameters}
-        self.scatters_beside = any(s.stage == 2 and s.reduces_beside for s in self.stores.values())
         self.source = loop.SourceParameters(source.parameters() if isinstance(source, nn.Module) else ())
         loop.register(self)
 
@@ -357,11 +349,11 @@ class ShardedGraphModel(nn.Module):
             name = g.ops[i].inputs[j].tensor
             store = self.stores[name]
             if store.unit is not None:
-                return self._waiting_point(i, name, store.unit.weight(store.unit_index))
+                return store.unit.weight(store.unit_index)
             if store.stage == 3:
-                return self._waiting_point(i, name, store.weight())
+                return store.weight()
             if name not in cache:
-                cache[name] = self._waiting_point(i, name, store.weight())
+                cache[name] = store.weight()
             return cache[name]
 
         loss = _run_graph(
@@ -430,54 +422,19 @@ class ShardedGraphModel(nn.Module):
     def _local_gradient_arrived(self, store: ParamStore) -> None:
         """A stage 0-1 store's gradient is final for this backward: with gradient sync on, one
         that reduces beside the compute (``ParamStore.reduces_beside``) starts its reduction now,
-        and the end of the backward finishes them all. A stage-2 one (beside the compute)
-        starts its reduction in any backward; :meth:`_backward_reached` finishes it."""
-        if store.stage == 2:
-            self._queue_end_of_backward()
-            store.start_reduction(self.reduction_stream)
-            self.scattering.append(store)
-            return
+        and the end of the backward finishes them all."""
         self.local_gradients = True
         if not self.requires_gradient_sync:
             return
-        self._queue_end_of_backward()
-        self.syncing = True
-        if store.reduces_beside:
-            store.start_reduction(self.reduction_stream)
-
-    def _queue_end_of_backward(self) -> None:
         if not self.reduction_queued:
             self.reduction_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
-    def _waiting_point(self, i: int, name: str, weight: tuple[torch.Tensor, Callable | None]):
-        """``weight`` (op ``i``'s, of parameter ``name``); where ``i`` is the parameter's first
-        use and a stage-2 reduction may run beside the compute, its backward (where the
-        parameter's gradient is final) waits for those started before it."""
-        x = weight[0]
-        if self.scatters_beside and self.first_use[name] == i and x.requires_grad:
-            x.register_hook(functools.partial(self._backward_reached, i))
-        return weight
-
-    def _backward_reached(self, i: int, grad: torch.Tensor) -> None:
-        """The backward of op ``i``, a parameter's first use, made its gradient: wait for the
-        stage-2 reductions started at later ops."""
-        waiting = [store for store in self.scattering if self.first_use[store.name] > i]
-        if waiting:
-            self.scattering = [store for store in self.scattering if self.first_use[store.name] <= i]
-            for store in waiting:
-                store.finish_gradients()
+        if store.reduces_beside:
+            store.start_reduction(self.reduction_stream)
 
     def _end_of_backward(self) -> None:
-        """Wait for the stage-2 reductions still running and, in a backward that syncs
-        gradients, reduce the stage 0-1 ones (:meth:`finish_gradients`)."""
         self.reduction_queued = False
-        scattering, self.scattering = self.scattering, []
-        for store in scattering:
-            store.finish_gradients()
-        if self.syncing:
-            self.syncing = False
-            self.finish_gradients()
+        self.finish_gradients()
 
     def finish_gradients(self) -> None:
         """Reduce the stage 0-1 gradients now, if some wait (waiting for the all-reduces the
@@ -497,9 +454,8 @@ class ShardedGraphModel(nn.Module):
             if store.unit is None and store.stage < 3:
                 store.param.grad = None
                 store.drop_started()
-        self.scattering = []
         self.local_gradients = False
-        self.reduction_queued = self.syncing = False
+        self.reduction_queued = False
 
     def gather_updated(self, held: set[int] = frozenset(), beside: bool = False) -> None:
         """Gather the shards updated since their last gather into the compute weights (ZeRO

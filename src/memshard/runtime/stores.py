@@ -18,12 +18,6 @@ root's conservatively in line):
   other partial axes) then its reduce-scatter into a new shard. The shard exists from the start
   of the reduce-scatter, beside the whole gradient, to the end of the backward (the model
   prices it there); the whole gradient is kept until then too, as in line.
-- A ZeRO-2 weight's reduction, on the same conditions: in every backward (every micro-batch's),
-  once its gradient is final, the same collectives start. The backward of the next op that is
-  some parameter's first use waits for them (``executor.ShardedGraphModel``'s tensor hook on
-  that op's weight; ``problem.storage.scatter_waited_at``), or the backward's end. Until then
-  the whole gradient is held (the parameter's ``.grad`` is emptied for the next micro-batch);
-  the model prices it so, and with micro-batches the new shard until it is added in.
 - A ZeRO-1 or ZeRO-2 weight's all-gather of its updated shards, on one such axis: the optimizer
   step's hook starts it, in place (the shard is this rank's slot of the compute weight's flat
   buffer: nothing is allocated), and the weight's first use in the next forward waits for it
@@ -35,9 +29,10 @@ NCCL's stream beside the next kernels; ``wait`` makes the compute stream wait. O
 gloo's thread. A chain (a gradient partial over several axes: all-reduced axis by axis, then
 reduce-scattered) issues each collective once the one before has completed (on CUDA through a
 side stream: neither the caller nor the compute stream waits; on CPU the caller waits for all
-but the last). Every other collective runs in line: ZeRO-3 gathers and reductions (a
-prefetched gather would hold the weights earlier than the model prices), a ZeRO-1/2 weight's
-stored over several axes or split unevenly, and the resharding between ops.
+but the last). Every other collective runs in line: a ZeRO-2 reduction (it frees the whole
+gradient at once; run beside the compute it would hold it until waited for), ZeRO-3 gathers
+and reductions (a prefetched gather would hold the weights earlier than the model prices), a
+ZeRO-1/2 weight stored over several axes or split unevenly, and the resharding between ops.
 """
 
 from __future__ import annotations
@@ -133,9 +128,8 @@ def start_all_reduces(flat: torch.Tensor, groups: tuple, stream: torch.cuda.Stre
 @dataclass
 class StartedReduction:
     """A gradient whose reduction runs beside the backward: at ZeRO-0 its flat buffer, all-reduced
-    in place (the reduced gradient); at ZeRO-1/2 the shard its reduce-scatter writes (its input is
-    the collective's to hold until done: c10d keeps it); and the handle of its last collective
-    (``None``: nothing to reduce)."""
+    in place (the reduced gradient); at ZeRO-1 the shard its reduce-scatter writes; and the
+    handle of its last collective (``None``: nothing to reduce)."""
 
     reduced: torch.Tensor
     work: dist.Work | None
@@ -259,25 +253,21 @@ class ParamStore:
 
     def _gradient_arrived(self) -> None:
         """A backward's gradient is in the compute weight's ``.grad`` (stages 0 to 2): stage 2
-        reduce-scatters it now in line; stages 0 and 1, and stage 2 beside the compute, tell
-        the model."""
+        reduce-scatters it now; stages 0 and 1 tell the model."""
         if self.on_gradient is not None:
             g = self.param.grad
             self.on_gradient(g.to_local() if isinstance(g, DTensor) else g)
-        if self.stage == 2 and not (self.reduces_beside and self.on_local_gradient is not None):
+        if self.stage == 2:
             self._reduce_now()
         elif self.on_local_gradient is not None:
             self.on_local_gradient(self)
 
     def start_reduction(self, stream: torch.cuda.Stream | None = None) -> None:
-        """``reduces_beside``, its gradient final (stages 0 and 1: in a backward that syncs
-        gradients; stage 2: in any): start its all-reduces in place and (stages 1 and 2) its
-        reduce-scatter into a new shard, beside the rest of the backward
-        (``start_all_reduces``; ``stream``: the side stream that chains them on CUDA).
-        :meth:`finish_gradients` waits for them. (Stage 2: the parameter's ``.grad`` is emptied
-        at once, for the next micro-batch; the reduce-scatter holds the gradient until it is
-        done, as c10d keeps a collective's input, and nothing else does. Stage 1 keeps it to
-        the backward's end, as in line.)"""
+        """Stage 0 or 1 (``reduces_beside``), its gradient final in a backward that syncs
+        gradients: start its all-reduces in place and (stage 1) its reduce-scatter into a new
+        shard, beside the rest of the backward (``start_all_reduces``; ``stream``: the side
+        stream that chains them on CUDA). :meth:`finish_gradients` waits for them; the
+        gradient is kept until then, as in line."""
         g = self.param.grad
         flat = (g.to_local() if isinstance(g, DTensor) else g).reshape(-1)
         if self.stage == 0:
@@ -286,9 +276,6 @@ class ParamStore:
         shard = flat.new_empty(self.flat_len)
         work = start_all_reduces(flat, self.all_reduce_groups, stream, (shard, self.mesh.get_group(self.axes[0])))
         self.started = StartedReduction(shard, work)
-        if self.stage == 2:  # (the reduce-scatter holds the gradient until it is done)
-            self.param.grad = None
-        del g, flat
 
     def drop_started(self) -> None:
         """Forget the all-reduces a backward started and did not finish (it raised): their
@@ -296,9 +283,8 @@ class ParamStore:
         self.started = None
 
     def finish_gradients(self) -> None:
-        """After the last micro-batch's backward (stages 0 and 1), or where the model waits for
-        a stage-2 reduction: wait for the collectives it started, or (stages 0 and 1) reduce
-        now; the reduced gradient goes to the shard's."""
+        """After the last micro-batch's backward (stages 0 and 1): wait for the collectives it
+        started, or reduce now; the reduced gradient goes to the shard's."""
         started, self.started = self.started, None
         if started is not None:
             if started.work is not None:
