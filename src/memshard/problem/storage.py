@@ -71,24 +71,26 @@ def gather_overlaps(stage: int, axes: tuple[int, ...], axis_sizes: tuple[tuple[i
 
 
 def reduction_overlaps(stage: int, axes: tuple[int, ...], partial_axes: tuple[int, ...],
-                       axis_sizes: tuple[tuple[int, ...], ...], numel: int) -> bool:
+                       axis_sizes: tuple[tuple[int, ...], ...], numel: int, in_pipeline: bool = False) -> bool:
     """The gradient's reduction in the backward that syncs, waited for at its end: ZeRO-0's
     all-reduces; ZeRO-1's all-reduces and reduce-scatter where its gather overlaps and the
     gradient is a partial sum over the storage axis (the shard it makes is held from the
-    reduce-scatter's start: ``StoragePricing.storage_slots``). ZeRO-2 reduces in line: it frees
-    its whole gradient at once, where a reduction beside the compute would hold it until
-    waited for."""
-    return stage == 0 or (stage == 1 and gather_overlaps(stage, axes, axis_sizes, numel)
+    reduce-scatter's start: ``StoragePricing.storage_slots``), off a pipeline (``in_pipeline``:
+    a stage's backward that syncs is its last, holding fewer micro-batches than the one its
+    problem prices, which would price the shard where it is not held). ZeRO-2 reduces in line:
+    it frees its whole gradient at once, where a reduction beside the compute would hold it
+    until waited for."""
+    return stage == 0 or (stage == 1 and not in_pipeline and gather_overlaps(stage, axes, axis_sizes, numel)
                           and axes[0] in partial_axes)
 
 
 def overlapped_calls(calls: tuple[comm.Collective, ...], G: tuple[str, ...], opt: StorageOption, numel: int,
-                     mesh: Mesh) -> tuple[comm.Collective, ...]:
+                     mesh: Mesh, in_pipeline: bool = False) -> tuple[comm.Collective, ...]:
     """Of a storage option's ``calls`` (``_sync_calls``), those memshard's runtime runs beside
     the compute (:func:`gather_overlaps`, :func:`reduction_overlaps`)."""
     partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
     sizes = real_axis_sizes(mesh)
-    reduces = reduction_overlaps(opt.stage, opt.axes, partial_axes, sizes, numel)
+    reduces = reduction_overlaps(opt.stage, opt.axes, partial_axes, sizes, numel, in_pipeline)
     gathers = gather_overlaps(opt.stage, opt.axes, sizes, numel)
     return tuple(c for c in calls if (gathers if c.kind == comm.ALL_GATHER else reduces))
 
@@ -168,7 +170,8 @@ class StoragePricing:
                 overlapped = collectives
             else:
                 numel = local_numel(spec.shape, param_layout(G), mesh.shape)
-                overlapped = comm.total_time(overlapped_calls(calls, G, opt, numel, mesh), mesh)
+                in_pipeline = bool(self.draft.graph.received or self.draft.graph.sent)
+                overlapped = comm.total_time(overlapped_calls(calls, G, opt, numel, mesh, in_pipeline), mesh)
             choices.append(Choice((G, opt.stage, opt.axes), step, calls, step + collectives,
                                   overlapped_s=overlapped))
         gid = self.draft.index[key] = len(self.draft.groups)
@@ -395,7 +398,8 @@ class StoragePricing:
     def storage_prices(self, grp: StorageGroup) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         shape = self.draft.graph.tensors[grp.params[0]].shape
         prices = _storage_prices(shape, tuple(grp.options), tuple(grp.memory), self.draft.framework == MEMSHARD,
-                                 bool(self.draft.units), self.draft.graph.precision, self.draft.mesh)
+                                 bool(self.draft.units), self.draft.graph.precision, self.draft.mesh,
+                                 bool(self.draft.graph.received or self.draft.graph.sent))
         return {key: (nbytes.copy(), red.copy()) for key, (nbytes, red) in prices.items()}  # (the caller's own)
 
     def sync_calls(self, spec: TensorSpec, G: tuple[str, ...], opt: StorageOption, n_gathers: int):
@@ -448,7 +452,7 @@ def _option_calls(shape: tuple[int, ...], G: tuple[str, ...], opt: StorageOption
 @functools.lru_cache(maxsize=1024)
 def _storage_prices(shape: tuple[int, ...], options: tuple[tuple[tuple[str, ...], StorageOption], ...],
                     mems: tuple[StorageMemory, ...], memshard: bool, units: bool, prec: Precision,
-                    mesh: Mesh) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+                    mesh: Mesh, in_pipeline: bool = False) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``StoragePricing.storage_prices`` of a group of these options (``memshard``: run by
     memshard's runtime; ``units``: the problem gathers ZeRO-3 weights by layer unit)."""
     layouts = [param_layout(G) for G, _ in options]
@@ -468,7 +472,7 @@ def _storage_prices(shape: tuple[int, ...], options: tuple[tuple[tuple[str, ...]
         numel = local_numel(shape, layout, mesh.shape)
         partial_axes = tuple(a for a, g in enumerate(G) if g == "P")
         scattered = (memshard and opt.stage == 1
-                     and reduction_overlaps(opt.stage, opt.axes, partial_axes, real_axis_sizes(mesh), numel))
+                     and reduction_overlaps(opt.stage, opt.axes, partial_axes, real_axis_sizes(mesh), numel, in_pipeline))
         ways = math.prod(mesh.shape[a] for a in opt.axes)
         beside.append(scattered * -(-numel // ways) * prec.grad_bytes)
         beside_red.append(beside[-1] * (1 - ways / replication(layout, mesh.shape)))

@@ -247,7 +247,7 @@ class ShardedGraphModel(nn.Module):
             full = model.parameter(name).detach().to(self.device)
             in_unit = opt.stage == 3 and name in units
             store = ParamStore(name, full, param_layout(G), grad, opt.stage, opt.axes, device_mesh, uses[name],
-                               in_unit, shard_dtype)
+                               in_unit, shard_dtype, in_pipeline=bool(graph.received or graph.sent))
             store.module_shape = tuple(model.module_shape(name))
             self.stores[name] = store
             if in_unit:  # one flat shard per layer, storage axes and reduction over them

@@ -13,8 +13,8 @@ root's conservatively in line):
   end of the backward waits for them before the reduced gradient is used
   (:meth:`ParamStore.finish_gradients`). That holds nothing longer than the in-line reduction
   did: the gradient is kept until the end of the backward either way.
-- A ZeRO-1 weight's reduction, where it is stored over one mesh axis that splits its local
-  weight evenly and its gradient is a partial sum there: the same, its all-reduces (over the
+- A ZeRO-1 weight's reduction, off a pipeline, where it is stored over one mesh axis that
+  splits its local weight evenly and its gradient is a partial sum there: the same, its all-reduces (over the
   other partial axes) then its reduce-scatter into a new shard. The shard exists from the start
   of the reduce-scatter, beside the whole gradient, to the end of the backward (the model
   prices it there); the whole gradient is kept until then too, as in line.
@@ -140,7 +140,7 @@ class ParamStore:
 
     def __init__(self, name: str, full: torch.Tensor, compute: Layout, grad: Layout, stage: int,
                  axes: tuple[int, ...], mesh: DeviceMesh, uses: int, in_unit: bool = False,
-                 shard_dtype: torch.dtype | None = None):
+                 shard_dtype: torch.dtype | None = None, in_pipeline: bool = False):
         self.name, self.mesh, self.stage, self.axes, self.uses = name, mesh, stage, axes, uses
         self.compute_dtype = full.dtype
         self.unit: GatherUnit | None = None  # set by the unit that stores this weight
@@ -173,7 +173,7 @@ class ParamStore:
         local_numel = math.prod(self.local_shape)
         partial_axes = tuple(a for a, p in enumerate(grad) if isinstance(p, Partial))
         axis_sizes = tuple((size,) for size in mesh.shape)
-        self.reduces_beside = reduction_overlaps(stage, axes, partial_axes, axis_sizes, local_numel)
+        self.reduces_beside = reduction_overlaps(stage, axes, partial_axes, axis_sizes, local_numel, in_pipeline)
         self.gathers_beside = gather_overlaps(stage, axes, axis_sizes, local_numel)
         self.gathering: dist.Work | None = None  # stages 1 and 2: the updated shards' all-gather
         # The optimizer's parameter (``opt``) is this rank's flat shard as a 1-D DTensor of the
