@@ -112,19 +112,23 @@ def recompute_time(problem: Problem, selection: Selection) -> float:
 
 def hidden_communication(problem: Problem, selection: Selection) -> float:
     """Seconds of collectives the compute hides, where the framework runs some beside it
-    (``Problem.overlaps``, ``Choice.overlapped_s``): up to the ops' compute (the optimizer step
-    waits for the reduced gradients)::
+    (``Problem.overlaps``, ``Choice.overlapped_s``): up to the ops' compute C (the optimizer
+    step waits for the reduced gradients), and those run once a step (``Choice.overlapped_once_s``:
+    the reductions of the backward that syncs, the updated shards' gathers before the first
+    forward) up to one micro-batch's compute, C/m. With O overlapped, O₁ of them once a step::
 
-        hidden = min(Σ instances·overlapped_s, Σ_op groups instances·compute_s)
+        exposed = max(0, O − C, O₁ − C/m)        hidden = O − exposed
     """
     if not problem.overlaps:
         return 0.0
-    overlapped = compute = 0.0
+    overlapped = once = compute = 0.0
     for group, k in zip(problem.groups, selection.choices):
-        overlapped += group.instances * group.choices[k].overlapped_s
+        choice = group.choices[k]
+        overlapped += group.instances * choice.overlapped_s
+        once += group.instances * choice.overlapped_once_s
         if isinstance(group, OpGroup):
-            compute += group.instances * group.choices[k].compute_s
-    return min(overlapped, compute)
+            compute += group.instances * choice.compute_s
+    return overlapped - max(0.0, overlapped - compute, once - compute / problem.micro_batches)
 
 
 def step_time(problem: Problem, selection: Selection) -> float:

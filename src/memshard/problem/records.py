@@ -185,6 +185,10 @@ class Choice:
     # runs beside the compute: a layer's gathers and gradient reductions (memshard's runtime:
     # a layer's ZeRO-0 gradient all-reduces only)
     overlapped_s: float = 0.0
+    # of overlapped_s, the collectives run once a step, not once a micro-batch: the gradient
+    # reductions of the backward that syncs (the last micro-batch's) and the updated shards'
+    # gathers before the first forward; they hide under one micro-batch's compute at most
+    overlapped_once_s: float = 0.0
 
 
 @dataclass

@@ -95,6 +95,13 @@ def overlapped_calls(calls: tuple[comm.Collective, ...], G: tuple[str, ...], opt
     return tuple(c for c in calls if (gathers if c.kind == comm.ALL_GATHER else reduces))
 
 
+def once_a_step(call: comm.Collective, stage: int) -> bool:
+    """Whether a storage option of ZeRO ``stage`` runs ``call`` (one of ``_sync_calls``) once a
+    step, not once a micro-batch: ZeRO-0/1 reduce in the backward that syncs (the last
+    micro-batch's), ZeRO-1/2 gather their updated shards before the first forward."""
+    return stage in (1, 2) if call.kind == comm.ALL_GATHER else stage <= 1
+
+
 class StoragePricing:
     """The parameters' storage groups and slots (see the module docstring), added to ``draft``."""
 
@@ -165,15 +172,17 @@ class StoragePricing:
                                                grouped, self.draft.micro_batches, precision, mesh)
             step = optimizer_step_time(m.optimizer_states, m.gradients, m.parameters, mesh.hardware)
             if not layered:
-                overlapped = 0.0
+                beside = ()
             elif self.draft.framework != MEMSHARD:
-                overlapped = collectives
+                beside = calls
             else:
                 numel = local_numel(spec.shape, param_layout(G), mesh.shape)
                 in_pipeline = bool(self.draft.graph.received or self.draft.graph.sent)
-                overlapped = comm.total_time(overlapped_calls(calls, G, opt, numel, mesh, in_pipeline), mesh)
+                beside = overlapped_calls(calls, G, opt, numel, mesh, in_pipeline)
+            once = tuple(c for c in beside if once_a_step(c, opt.stage))
             choices.append(Choice((G, opt.stage, opt.axes), step, calls, step + collectives,
-                                  overlapped_s=overlapped))
+                                  overlapped_s=comm.total_time(beside, mesh),
+                                  overlapped_once_s=comm.total_time(once, mesh)))
         gid = self.draft.index[key] = len(self.draft.groups)
         self.draft.groups.append(StorageGroup(name, choices, options, mems))
         self.draft.links.append(Link(gid, tuple(G for G, _ in options), og, tuple(g_labels)))

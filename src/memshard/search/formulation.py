@@ -32,7 +32,8 @@ Row families (each row is tagged with its family, see ``model.RowTag``), one met
   live-bytes, memory, copy, held, shared-gradient, in-flight   L_t chained (L_0 with
                 (k − 1)·A), L_t + const_t ≤ M                         add_memory_constraints
   reshard, reshard-price   L_t + Σ_k ρ + S_t(x) + const_t ≤ M          add_reshard_constraints
-  overlap       E ≥ Σ instances·overlapped(x) − Σ_op groups instances·compute(x)
+  overlap       E ≥ Σ instances·overlapped(x) − Σ_op groups instances·compute(x),
+                E ≥ Σ instances·overlapped_once(x) − Σ_op groups instances·compute(x)/m
                                                                       add_overlap_constraints
   budget        T ≤ step-time budget (objective memory), M ≤ memory budget (objective time)
                 with T = Σ instances·(time(x) − overlapped(x)) + E + Σ executions·time(z)
@@ -125,21 +126,28 @@ class Formulation:
                 self.keep_columns[e] = flow.keep_column
 
     def add_overlap_constraints(self) -> None:
-        """E, the overlapped collectives the compute does not hide: E ≥ 0 and
-        E − Σ instances·overlapped(x) + Σ_op groups instances·compute(x) ≥ 0 (none where no
-        choice overlaps: the model is as without)."""
+        """E, the overlapped collectives the compute does not hide: E ≥ 0,
+        E − Σ instances·overlapped(x) + Σ_op groups instances·compute(x) ≥ 0 and, with m
+        micro-batches, E − Σ instances·overlapped_once(x) + Σ_op groups instances·compute(x)/m ≥ 0
+        (those run once a step hide under one micro-batch's compute; none where no choice
+        overlaps: the model is as without)."""
         groups = self.problem.groups
         if not self.problem.overlaps or not any(c.overlapped_s for g in groups for c in g.choices):
             return
         self.exposed = int(self.model.columns(1, integer=False, hi=highspy.kHighsInf)[0])
-        cols, vals = [np.array([self.exposed])], [np.array([1.0])]
-        for g, grp in enumerate(groups):
-            window = isinstance(grp, OpGroup)
-            cols.append(self.choice_columns[g])
-            vals.append(np.array([(c.compute_s * window - c.overlapped_s) * grp.instances / self.time_unit
-                                  for c in grp.choices]))
-        self.model.row((np.concatenate(cols), np.concatenate(vals)), 0.0, highspy.kHighsInf,
-                       RowTag("overlap", item="step"))
+        m = self.problem.micro_batches
+        rows = [("step", lambda c: c.overlapped_s, 1.0)]
+        if m > 1 and any(c.overlapped_once_s for g in groups for c in g.choices):
+            rows.append(("once a step", lambda c: c.overlapped_once_s, 1.0 / m))
+        for item, overlapped, share in rows:
+            cols, vals = [np.array([self.exposed])], [np.array([1.0])]
+            for g, grp in enumerate(groups):
+                window = share * isinstance(grp, OpGroup)
+                cols.append(self.choice_columns[g])
+                vals.append(np.array([(c.compute_s * window - overlapped(c)) * grp.instances / self.time_unit
+                                      for c in grp.choices]))
+            self.model.row((np.concatenate(cols), np.concatenate(vals)), 0.0, highspy.kHighsInf,
+                           RowTag("overlap", item=item))
 
     def add_memory_constraints(self, points: list[int]) -> list[int]:
         """The ``memory`` rows of ``points`` (after add_edge_constraints)."""
