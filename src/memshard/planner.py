@@ -257,6 +257,7 @@ def _best_of(job: Job, options: SearchOptions, searched_ones: list[Candidate], s
                     continue
                 following = (_NextCandidate(pool, job, options, searched_ones[k + 1], deadline)
                              if k + 1 < len(searched_ones) else None)
+                searched_at = time.perf_counter()
                 try:
                     if options.time_out is not None and options.time_out.hits(UNIT_SEARCH, k):
                         raise SolverTimeLimit(options.time_limit_s)  # (a test knob: time runs out here)
@@ -273,7 +274,8 @@ def _best_of(job: Job, options: SearchOptions, searched_ones: list[Candidate], s
                 except NoBetterPlan as no_better:
                     bounds.append(no_better.bound)
                     stages.append(_candidate_stage(scope(candidate), options, no_better.bound,
-                                                   f"no better plan, by {no_better.by}"))
+                                                   f"no better plan, by {no_better.by}",
+                                                   time.perf_counter() - searched_at))
                     continue
                 except SolverTimeLimit:  # no plan of this candidate in time (``start`` may be of another)
                     out_of_time = SolverTimeLimit(options.time_limit_s)
@@ -314,9 +316,11 @@ def _scoper(searched_ones: list[Candidate], typed: Mesh) -> Callable[[Candidate]
     return scope
 
 
-def _candidate_stage(scope: str, options: SearchOptions, bound: float | None, stopped: str) -> StageRecord:
-    """The record of a candidate's search that found no plan (``bound``: what it proved)."""
-    return StageRecord(UNIT_SEARCH, MEMORY if options.objective == "memory" else TIME, None, bound, 0.0, stopped,
+def _candidate_stage(scope: str, options: SearchOptions, bound: float | None, stopped: str,
+                     time_s: float = 0.0) -> StageRecord:
+    """The record of a candidate's search that found no plan (``bound``: what it proved;
+    ``time_s``: how long it ran)."""
+    return StageRecord(UNIT_SEARCH, MEMORY if options.objective == "memory" else TIME, None, bound, time_s, stopped,
                        scope=scope)
 
 

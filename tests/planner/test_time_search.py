@@ -11,11 +11,19 @@ import pytest
 
 import memshard
 from memshard.api import make_job
-from memshard.planner import DEFAULT_GAP, SearchOptions, searched_problem
+from memshard.core.errors import NoBetterPlan
+from memshard.planner import DEFAULT_GAP, UNIT_SEARCH, SearchOptions, searched_problem
 from memshard.problem.evaluate import evaluate
 from memshard.search.highs import relative_gap
 from memshard.search.passes import first_pass
-from memshard.search.solve import SearchRequest, Solver
+from memshard.search.reference import reference
+from memshard.search.solve import (
+    TIME_ROWS_BOUND,
+    SearchRequest,
+    Solver,
+    solve,
+    step_time_relaxation,
+)
 
 JOB = dict(batch=16, num_layers=2)
 BUDGET = 80 * 2**30
@@ -106,3 +114,36 @@ def test_the_fastest_llama_plan_with_recomputation_is_proved_by_the_first_pass_a
                  and r.name in ("relaxation", "dive", "branch and bound"))  # (bounds on every plan)
     assert all(r.found >= proved * (1 - 1e-9) for r in records if r.found is not None and r.objective == "time")
     assert [r.stopped for r in records if r.name == "branch and bound"] == ["gap closed"]
+
+
+def test_the_step_times_relaxation_on_its_own_rows_bounds_every_plan_and_rules_a_cutoff_out():
+    """The step time's relaxation without the memory rows (GPT-2 on 2 × 4, under 80 GiB) is
+    at most the whole model's relaxation (itself below every plan) and the unsplit plan's
+    step time as the evaluator prices it; a search given a cutoff it reaches stops before
+    the whole model is built: NoBetterPlan, by that bound."""
+    job = make_job("gpt2", "2x4", **JOB)
+    problem = searched_problem(job, SearchOptions(objective="time", memory_budget=BUDGET))
+    figures = reference(problem)
+    bound = step_time_relaxation(problem, figures, time.perf_counter() + 60)
+    request = SearchRequest(problem, "time", memory_budget_bytes=BUDGET, time_limit_s=60)
+    whole = Solver(request, figures, time.perf_counter() + 60)
+    relaxed = whole.search.solve_relaxation(whole.primary, simplex_first=True) * whole.formulation.time_unit
+    assert bound is not None and bound <= relaxed * (1 + 1e-9)
+    unsplit = evaluate(problem, whole.formulation.replicated()).step_time_s
+    assert figures.time_floor_s <= bound <= unsplit
+    with pytest.raises(NoBetterPlan) as ruled_out:
+        solve(SearchRequest(problem, "time", memory_budget_bytes=BUDGET, time_limit_s=60, cutoff=bound))
+    assert ruled_out.value.by == TIME_ROWS_BOUND and ruled_out.value.bound == pytest.approx(bound)
+
+
+def test_a_llama_view_is_ruled_out_by_the_step_times_relaxation_on_its_own_rows():
+    """LLaMA-3 8B on 8x8 with recomputation, the fastest plan within 80 GiB, both views: the
+    view 8x2x4 (108k columns whole) is ruled out by its step time's relaxation without the
+    memory rows, which reaches the 8x8 plan's step time; its record says so, with that bound
+    at or above the plan's step time less the gap."""
+    plan = memshard.plan("llama3-8b", "8x8", objective="time", memory_budget="80GiB", batch=64, seq=8192,
+                         recompute="auto")
+    view = [r for r in plan.solver.stages if r.scope == "mesh 8x2x4"]
+    assert [(r.name, r.stopped) for r in view] == [(UNIT_SEARCH, f"no better plan, by {TIME_ROWS_BOUND}")]
+    assert view[0].bound >= plan.step_time_s * (1 - DEFAULT_GAP)
+    assert plan.solver.status == "optimal"

@@ -82,14 +82,19 @@ class Formulation:
     def add_plan_constraints(self, points: list[int], reshard_rows: bool = True) -> None:
         """Every family that makes a solution a plan and prices its peak at ``points`` (the
         reshard rows too unless they are added lazily); the budgets are the caller's."""
+        self.add_time_constraints()
+        self.add_memory_constraints(points)
+        if reshard_rows:
+            self.add_reshard_constraints()
+
+    def add_time_constraints(self) -> None:
+        """Every family that makes a solution a plan and prices its step time: the plan's rows
+        without its memory rows (alone, a relaxation of the step time)."""
         self.add_choice_constraints()
         self.add_link_constraints()
         self.add_conflict_constraints()
         self.add_edge_constraints()
         self.add_overlap_constraints()
-        self.add_memory_constraints(points)
-        if reshard_rows:
-            self.add_reshard_constraints()
 
     # -- row families --------------------------------------------------------------------------
     def add_choice_constraints(self) -> None:

@@ -63,7 +63,13 @@ from memshard.search.stages import BLEND, MEMORY, TIME, StageLog, StageRecord
 
 OBJECTIVES = ("memory", "time")
 SEARCHES = ("staged", "plain")  # the staged search, and the plain single MIP it is checked against
+TIME_ROWS_BOUND = "the step time's relaxation without memory rows"  # (``NoBetterPlan.by``)
 TIE_SLACK = 2e-3  # the most a loose floor's tie-break pass lets the peak exceed its bound by
+# The tie-break pass's time: at most TIE_BREAK_SHARE of the first pass's, and at least
+# TIE_BREAK_LEAST_S (within the time limit): a lower secondary objective at the same primary
+# one is worth less than the primary one cost.
+TIE_BREAK_SHARE = 1.0
+TIE_BREAK_LEAST_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -245,6 +251,7 @@ class Solver:
         self.relaxed_peak: RelaxationBeside | None = None  # its bound there (``start_relaxation_beside``)
         self.cutoff = math.inf  # the primary objective (model units) another plan reaches
         self.last_priced: tuple[np.ndarray, Evaluation, set[int]] | None = None
+        self.first_pass_started = math.nan  # (``first_pass_rounds``; the tie-break pass's share of time)
 
     def pin(self, selection: Selection, deadline: float) -> None:
         """Price ``selection`` next, as a request with it ``fixed`` would: the formulation's
@@ -412,6 +419,7 @@ def first_pass_rounds(solver: Solver, given: FirstPassInput) -> Outcome:
     the stage "first pass", each round of rows the stage "lazy rows"); out of time before any
     plan, the ``start`` it was given, where that one meets the budgets."""
     rounds = RoundsSoFar(given.fallback)
+    solver.first_pass_started = time.perf_counter()
     while True:
         started = time.perf_counter()
         try:
@@ -485,7 +493,9 @@ def settle_round(solver: Solver, found: Solution, rounds: RoundsSoFar) -> tuple[
 def tie_break_pass(solver: Solver, outcome: Outcome) -> Outcome:
     """The tie-break pass (the stage "tie-break pass"), where the first pass could not show
     its ties resolved and time is left: hold the primary objective within the gap of the best
-    bound, minimise the other one. The slack is at least the rows' feasibility tolerance
+    bound, minimise the other one, for at most TIE_BREAK_SHARE of the first pass's time (at
+    least TIE_BREAK_LEAST_S; its share spent, its best plan so far, the primary objective's
+    gap as proved). The slack is at least the rows' feasibility tolerance
     accumulated along the chain of live-byte variables (≈1e-6 of the peak); ties finer than
     TIE_RESOLUTION of the primary objective are broken by the secondary one. (The first
     pass's plan meets every row, so its optimum holds with the reshard rows too.)"""
@@ -509,10 +519,18 @@ def tie_break_pass(solver: Solver, outcome: Outcome) -> Outcome:
     # branch and bound (``dive_proved``), the dive alone: a branch and bound after it only
     # proved its plan.
     solver.search.dive_again()
+    deadline = solver.search.deadline
+    share = max(TIE_BREAK_SHARE * (started - solver.first_pass_started), TIE_BREAK_LEAST_S)
+    solver.search.deadline, timed_out = min(deadline, started + share), outcome.timed_out
     try:
         outcome, stopped = break_ties(solver, outcome, objective, tolerance)
     except SolverTimeLimit:
         stopped = "time limit: the first pass's plan stands"
+    finally:
+        solver.search.deadline, share_spent = deadline, time.perf_counter() >= started + share
+    if share_spent and time.perf_counter() < deadline:  # its share spent, not the search's time
+        stopped = stopped.replace("time limit", "its share of time spent")
+        outcome = replace(outcome, timed_out=timed_out)
     secondary = TIME if solver.objective == MEMORY else MEMORY
     solver.stages.add("tie-break pass", secondary, started, stopped, found=value_of(solver.secondary, outcome.values),
                       start=first)
@@ -567,11 +585,19 @@ def solve(request: SearchRequest) -> SolveResult:
         floor = figures.least_peak_bytes if objective == "memory" else figures.time_floor_s
         if rules_out(floor, request.cutoff, request.mip_gap):
             raise NoBetterPlan(floor, by="the plan-independent floor")
+    relaxed_time = None
+    if request.cutoff is not None and objective == "time" and request.fixed is None:
+        # the step time's relaxation on its own rows: a fraction of the whole model's work
+        relaxed_time = step_time_relaxation(problem, figures, started + request.time_limit_s)
+        if relaxed_time is not None and rules_out(relaxed_time, request.cutoff, request.mip_gap):
+            raise NoBetterPlan(relaxed_time, by=TIME_ROWS_BOUND)
     solver = Solver(request, figures, started + request.time_limit_s)
     f = solver.formulation
     unit = f.bytes_unit if objective == "memory" else f.time_unit
     if request.cutoff is not None:
         solver.cutoff = request.cutoff / unit
+    if relaxed_time is not None:
+        solver.floor = max(solver.floor, relaxed_time / unit)
     if request.on_formulated is not None:
         request.on_formulated()
     if request.fixed is not None:
@@ -641,6 +667,20 @@ def rules_out(bound: float, cutoff: float, mip_gap: float) -> bool:
     """Whether ``bound`` shows that no plan is more than the gap below ``cutoff``, the
     objective a plan found elsewhere reaches: a search given that cutoff stops there."""
     return bound >= cutoff * (1 - max(mip_gap, TIE_RESOLUTION))
+
+
+def step_time_relaxation(problem: Problem, figures: Reference, deadline: float) -> float | None:
+    """A lower bound on ``problem``'s least step time (seconds), None where not found by
+    ``deadline``: the LP relaxation of the step time on the rows that price it alone
+    (``Formulation.add_time_constraints``: no memory rows, no budget; fewer rows, so a bound
+    on the whole model's relaxation), by dual simplex. Where the memory rows do not bind
+    the relaxation, it equals the whole model's, formulated and solved in a fraction of its
+    time."""
+    formulation = Formulation(problem, figures)
+    formulation.add_time_constraints()
+    search = HighsSearch(formulation.model, deadline)
+    bound = search.solve_relaxation(formulation.time_expression(), simplex_first=True, kind=TIME)
+    return None if bound is None else bound * formulation.time_unit
 
 
 def relaxed_floor(problem: Problem, figures: Reference, deadline: float, max_step_time_s: float | None = None,
