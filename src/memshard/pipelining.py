@@ -21,13 +21,15 @@ layout alone. The least memory is the largest of the stages' peaks, and the step
 with each stage's time.
 
 The step: each stage's time for one micro-batch is its planned step (``micro_batches`` of
-them, the search's own figure) less its optimizer step, over the micro-batches; the forward
-takes its kernels' share of the stage's compute (``forward_share``), the backward the rest,
-replays included. The schedule's
-timeline (``problem.pipeline.simulate``) runs them, a micro-batch's activations crossing to
-the next stage over the pipeline axis's link; the slowest stage's optimizer step follows.
-Collectives a stage runs once per step (its data-parallel reductions under accumulation) are
-spread over its micro-batches there: the fill and drain see a share of them.
+them, the search's own figure) less its optimizer step and its once-a-step collectives, over
+the micro-batches; the forward takes its kernels' share of the stage's compute
+(``forward_share``), the backward the rest, replays included. The schedule's timeline
+(``problem.pipeline.simulate``) runs them, a micro-batch's activations crossing to the next
+stage over the pipeline axis's link. The collectives a stage runs once a step go where torch's
+schedule runs them (``OncePerStep``): its gradient reductions (ZeRO-0/1) after its last
+backward, beside that backward at most (torch's stage syncs gradients there only), its updated
+shards' all-gathers (ZeRO-1/2) before its first forward, beside it at most; a stage's fill and
+drain hide them where they are long enough. The slowest stage's optimizer step follows.
 
 Views: where the options search views, every stage lies on one view of the stage mesh
 (``best_view``, ``core.mesh.mesh_views``), so that a stage receives on the axes the stage
@@ -50,11 +52,13 @@ from memshard.job import Job, TracedModule
 from memshard.planner import SearchOptions, plan_job
 from memshard.plans.pipelined import PipelinedPlan, StagePlan
 from memshard.plans.plan import Plan, build_plan
+from memshard.problem import comm
 from memshard.problem.kernels import op_time
 from memshard.problem.memory import tensor_bytes
 from memshard.problem.pipeline import StageTimes, build_schedule, peak_held_counts, simulate
 from memshard.problem.pricing import build_problem, receive_time
 from memshard.problem.records import OpGroup, PipelineStage, Problem, without_partial
+from memshard.problem.storage import once_a_step
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")  # one stage per rank; the interleaved ones hold several
 SPLITS = ("even", "balanced")  # the layers split evenly, or the split searched (``balanced_split``)
@@ -173,9 +177,12 @@ def best_view(job: Job, options: SearchOptions, pipeline: PipelineOptions,
               counts: tuple[int, ...]) -> tuple[StageSearch, PipelinedPlan]:
     """The best pipelined plan of the split ``counts`` over ``stage_views``, with its search:
     every stage on one view (a stage receives in the layout the one before sends, on the same
-    axes). A pipelined step is no shorter than any of its stages' planned steps, and its peak no
-    lower than any stage's, so each view's stages are searched under the best plan's figure so
-    far (``StageSearch.cutoff``): a stage with no plan below it by the gap ends that view."""
+    axes). A pipelined plan's peak is no lower than any stage's, and its step no shorter than
+    its first stage's planned step (stage 0 runs the step's first forward and its last backward,
+    so no fill or drain hides its once-a-step collectives: ``OncePerStep``, whose plan counts
+    them hidden under one micro-batch at most, as torch runs them). So a view's stages (for the
+    time, its first stage) are searched under the best plan's figure so far
+    (``StageSearch.cutoff``): one with no plan below it by the gap ends that view."""
     memory = options.objective == "memory"
     figure = (lambda p: p.peak_bytes) if memory else (lambda p: p.step_time_s)
     best: tuple[StageSearch, PipelinedPlan] | None = None
@@ -224,8 +231,9 @@ class StageSearch:
         """The stage's plan, receiving each tensor in ``received`` (None: as it chooses)."""
         key = (stage, tuple(sorted(received.items())) if received else None)
         if key not in self.plans:  # (a plan found under the cutoff is the one found without it)
+            bounds = received is None or self.options.objective == "memory"  # (``best_view``: stage 0's step)
             searched = plan_job(self.stage_job, self.stage_options, problem=self.problem(stage, received),
-                                cutoff=self.cutoff)
+                                cutoff=self.cutoff if bounds else None)
             self.plans[key] = searched if received is None else on_problem(searched, self.problem(stage, None))
         return self.plans[key]
 
@@ -451,24 +459,91 @@ def _priced(job: Job, objective: str | None, schedule_name: str, mesh: Mesh, sta
             plans: list[tuple[PipelineStage, Plan]], strategy: str = "memshard",
             typed_stage_mesh: Mesh | None = None) -> PipelinedPlan:
     """The stages' plans (searched for ``objective``, or a baseline's: ``strategy``) run by the
-    schedule: each stage's micro-batch times, the timeline (``typed_stage_mesh``: the stage mesh
-    as typed, where ``stage_mesh`` is another view of its devices)."""
+    schedule: each stage's micro-batch times, the timeline, then each stage's once-a-step
+    collectives where torch's schedule runs them (``OncePerStep``): its gathers before its first
+    forward, its reductions after its last backward (``typed_stage_mesh``: the stage mesh as
+    typed, where ``stage_mesh`` is another view of its devices)."""
     m = job.micro_batches
-    times, optimizer = [], 0.0
+    times, optimizer, once = [], 0.0, []
     for _, plan in plans:
         optimizer_s = plan.compute_by_kind.get("optimizer step", 0.0)
-        per_micro_batch = (plan.step_time_s - optimizer_s) / m
+        once.append(once_per_step(plan))
+        per_micro_batch = (plan.step_time_s - optimizer_s - once[-1].in_step_s) / m
         forward = per_micro_batch * forward_share(plan)
         times.append(StageTimes(forward, per_micro_batch - forward, 0.0))
         optimizer = max(optimizer, optimizer_s)
     transfers = [_transfer_s(plan, mesh) for _, plan in plans[:-1]]
     schedule = build_schedule(schedule_name, len(plans), m, 1)
     timeline = simulate(schedule.actions, times, max(transfers))
+    # a stage waits for its gathers only past its fill; its reductions end its part of the step
+    late = max(0.0, *(o.before_first_forward_s(t.forward_s) - starts[0]
+                      for o, t, starts in zip(once, times, timeline.starts_s)))
+    makespan = late + max(ends[-1] + o.after_last_backward_s(t.backward_input_s)
+                          for o, t, ends in zip(once, times, timeline.ends_s))
     stages = tuple(StagePlan(stage.first_layer, stage.end_layer, stage.held_micro_batches, plan,
                              float(t.forward_s), float(t.backward_input_s), float(transfer), float(idle))
                    for (stage, plan), t, transfer, idle in zip(plans, times, [*transfers, 0.0], timeline.idle_s))
-    return PipelinedPlan(job, objective, schedule_name, mesh, stage_mesh, stages, float(timeline.makespan_s),
+    return PipelinedPlan(job, objective, schedule_name, mesh, stage_mesh, stages, float(makespan),
                          float(optimizer), strategy, typed_stage_mesh)
+
+
+@dataclass(frozen=True)
+class OncePerStep:
+    """A stage's collectives that run once a step, not once a micro-batch: the gradient
+    reductions of its ZeRO-0 and ZeRO-1 parameters, run in the step's last backward (torch's
+    stage syncs gradients there only), and the updated-shard all-gathers of its ZeRO-1 and
+    ZeRO-2 parameters, run at the step's start (``problem.storage.once_a_step``). ``*_beside_s``:
+    of them, what the stage's framework runs beside the compute (``Choice.overlapped_once_s``);
+    ``credited_s``: what the stage plan's step counts hidden of them (beside one micro-batch's
+    forward and backward together; torch's schedule runs the gathers beside the first forward,
+    the reductions beside the last backward)."""
+
+    reductions_s: float
+    reductions_beside_s: float
+    gathers_s: float
+    gathers_beside_s: float
+    credited_s: float
+
+    @property
+    def in_step_s(self) -> float:
+        """What they add to the stage plan's step (their time less the part counted hidden)."""
+        return self.reductions_s + self.gathers_s - self.credited_s
+
+    def after_last_backward_s(self, backward_s: float) -> float:
+        """The reductions past the last backward, which hides those beside it up to its length."""
+        return self.reductions_s - min(self.reductions_beside_s, backward_s)
+
+    def before_first_forward_s(self, forward_s: float) -> float:
+        """The gathers before the first forward can start (those beside it hidden up to its length)."""
+        return self.gathers_s - min(self.gathers_beside_s, forward_s)
+
+
+def once_per_step(plan: Plan) -> OncePerStep:
+    """``plan``'s :class:`OncePerStep`, from its storage choices' collectives
+    (``problem.storage.once_a_step``): a ZeRO-0/1 option reduces once a step, a ZeRO-2/3 one each
+    micro-batch; a ZeRO-1/2 option gathers its updated shards once, a ZeRO-3 one each use. Of
+    them, a choice's ``overlapped_once_s`` runs beside the compute (split between its
+    reductions and gathers by their times); the plan counts hidden of them what its evaluation
+    hides, up to one micro-batch's compute (``evaluate.hidden_communication``)."""
+    problem, selection = plan.problem, plan.selection
+    figures = [0.0, 0.0, 0.0, 0.0]  # reductions, beside; gathers, beside
+    compute = 0.0
+    for group, k in zip(problem.groups, selection.choices):
+        choice = group.choices[k]
+        if isinstance(group, OpGroup):
+            compute += group.instances * choice.compute_s
+            continue
+        stage = group.options[k][1].stage
+        once = [(call.kind, comm.collective_time(call, problem.mesh)) for call in choice.calls
+                if once_a_step(call, stage)]
+        total = sum(t for _, t in once)
+        beside = choice.overlapped_once_s / total if total > 0 and problem.overlaps else 0.0
+        reductions = sum(t for kind, t in once if kind != comm.ALL_GATHER)
+        for i, seconds in ((0, reductions), (2, total - reductions)):
+            figures[i] += group.instances * seconds
+            figures[i + 1] += group.instances * seconds * beside
+    credited = min(plan.evaluation.hidden_communication_s, figures[1] + figures[3], compute / problem.micro_batches)
+    return OncePerStep(*figures, credited_s=credited)
 
 
 def forward_share(plan: Plan) -> float:

@@ -100,15 +100,19 @@ def test_the_first_stage_holds_what_its_second_micro_batch_adds():
 
 
 def test_the_step_is_the_schedules_makespan_then_the_slowest_optimizer_step(least):
+    from memshard.pipelining import once_per_step
+
     m, p = TINY.micro_batches, len(least.stages)
     slowest = max(s.forward_s + s.backward_s for s in least.stages)
     transfer = max(s.transfer_s for s in least.stages)
-    assert m * slowest <= least.makespan_s <= (m + p - 1) * slowest + 2 * (p - 1) * transfer + 1e-12
+    once = [once_per_step(s.plan) for s in least.stages]
+    ends = sum(o.reductions_s + o.gathers_s for o in once)
+    assert m * slowest <= least.makespan_s <= (m + p - 1) * slowest + 2 * (p - 1) * transfer + ends + 1e-12
     optimizer = max(s.plan.compute_by_kind["optimizer step"] for s in least.stages)
     assert least.step_time_s == pytest.approx(least.makespan_s + optimizer)
-    for s in least.stages:  # a stage's micro-batches and optimizer step are its planned step
-        assert m * (s.forward_s + s.backward_s) + s.plan.compute_by_kind["optimizer step"] == pytest.approx(
-            s.plan.step_time_s)
+    for s, o in zip(least.stages, once):  # its micro-batches, once-a-step collectives and optimizer step:
+        assert m * (s.forward_s + s.backward_s) + o.in_step_s + s.plan.compute_by_kind[  # its planned step
+            "optimizer step"] == pytest.approx(s.plan.step_time_s)
         assert s.idle_s >= least.bubble_s > 0
     assert least.stages[0].transfer_s > 0 and least.stages[-1].transfer_s == 0
 
@@ -324,3 +328,29 @@ def test_the_cli_plans_stages_on_a_view_and_auto_keeps_it(on_views, tmp_path, ca
     assert data["step_time_s"] == pytest.approx(on_views.step_time_s)
     assert main([*argv[:-4], "off", "--brief"]) == 0
     assert "each on mesh 8" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_stages_once_a_step_collectives_end_its_step_as_torchs_schedule_runs_them():
+    """Torch's stage syncs gradients in its last backward only, and under 1F1B stage 0 runs the
+    step's last backward: a ZeRO-1 (distributed optimizer) stage's gradient reduce-scatter runs
+    once, after it, beside that backward alone, not spread over the micro-batches (where the fill
+    and drain would count it (m + p − 1)/m times); its updated shards are gathered once, before
+    its first forward."""
+    from memshard.pipelining import once_per_step, pipelined_baseline
+    from memshard.problem.pipeline import StageTimes, build_schedule, simulate
+
+    job = Job("tiny-gpt", "2x4", batch=16, seq=128, micro_batches=8)
+    plan = pipelined_baseline(job, "megatron-tp2-pp2-dp2-sp-distopt")
+    once = [once_per_step(s.plan) for s in plan.stages]
+    assert all(o.reductions_s > 0 and o.gathers_s > 0 for o in once)  # ZeRO-1: reduce-scatter, all-gather
+    for o in once:  # not beside the compute (no -overlap): all of it in the step
+        assert o.credited_s == 0 and o.in_step_s == pytest.approx(o.reductions_s + o.gathers_s)
+    times = [StageTimes(s.forward_s, s.backward_s, 0.0) for s in plan.stages]
+    timeline = simulate(build_schedule("1f1b", 2, 8, 1).actions, times, plan.stages[0].transfer_s)
+    assert timeline.ends_s[0][-1] == timeline.makespan_s  # stage 0 runs the last backward
+    # its gathers delay the whole pipeline, its reductions follow it (stage 1's end within the drain)
+    assert plan.makespan_s == pytest.approx(once[0].gathers_s + timeline.makespan_s + once[0].reductions_s)
+    spread = simulate(build_schedule("1f1b", 2, 8, 1).actions,
+                      [StageTimes(t.forward_s, t.backward_input_s + (o.in_step_s / 8), 0.0)
+                       for t, o in zip(times, once)], plan.stages[0].transfer_s).makespan_s
+    assert plan.makespan_s < spread  # counted once, not once per slot of the schedule

@@ -18,6 +18,7 @@ from memshard.pipelining import (
     PipelineOptions,
     held_micro_batches,
     megatron_held_micro_batches,
+    once_per_step,
     pipelined_baseline,
     pipelined_baselines,
     plan_pipelined,
@@ -139,15 +140,19 @@ def test_stage_0s_activations_are_megatrons_first_stage_term_term_by_term():
 
 def test_the_step_is_priced_as_memshards_pipelined_plans(distopt):
     """The same schedule and pricing as memshard's own pipelined plans: the step is the
-    makespan and the slowest optimizer step; memshard's fastest pipelined plan of the same
-    degree, each stage searched, is no slower (the recipe is one point of its search)."""
+    makespan (once-a-step collectives at its ends, ``once_per_step``) and the slowest optimizer
+    step; memshard's fastest pipelined plan of the same degree, each stage searched, is no
+    slower (the recipe is one point of its search)."""
     m, p = JOB.micro_batches, 2
     slowest = max(s.forward_s + s.backward_s for s in distopt.stages)
     transfer = max(s.transfer_s for s in distopt.stages)
-    assert m * slowest <= distopt.makespan_s <= (m + p - 1) * slowest + 2 * (p - 1) * transfer + 1e-12
-    for s in distopt.stages:
-        assert m * (s.forward_s + s.backward_s) + s.plan.compute_by_kind.get("optimizer step", 0.0) == (
-            pytest.approx(s.plan.step_time_s))
+    once = [once_per_step(s.plan) for s in distopt.stages]
+    ends = sum(o.reductions_s + o.gathers_s for o in once)
+    assert all(o.reductions_s > 0 and o.gathers_s > 0 for o in once)  # (the distributed optimizer: ZeRO-1)
+    assert m * slowest <= distopt.makespan_s <= (m + p - 1) * slowest + 2 * (p - 1) * transfer + ends + 1e-12
+    for s, o in zip(distopt.stages, once):
+        assert m * (s.forward_s + s.backward_s) + o.in_step_s + s.plan.compute_by_kind.get(
+            "optimizer step", 0.0) == pytest.approx(s.plan.step_time_s)
     assert distopt.step_time_s == pytest.approx(distopt.makespan_s + distopt.optimizer_s)
     fastest = plan_pipelined(JOB, SearchOptions(objective="time", memory_budget=float("inf")), PipelineOptions(2))
     assert fastest.step_time_s <= distopt.step_time_s * (1 + SearchOptions().gap)
