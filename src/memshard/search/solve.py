@@ -65,11 +65,10 @@ OBJECTIVES = ("memory", "time")
 SEARCHES = ("staged", "plain")  # the staged search, and the plain single MIP it is checked against
 TIME_ROWS_BOUND = "the step time's relaxation without memory rows"  # (``NoBetterPlan.by``)
 TIE_SLACK = 2e-3  # the most a loose floor's tie-break pass lets the peak exceed its bound by
-# The tie-break pass's time: at most TIE_BREAK_SHARE of the first pass's, and at least
-# TIE_BREAK_LEAST_S (within the time limit): a lower secondary objective at the same primary
-# one is worth less than the primary one cost.
-TIE_BREAK_SHARE = 1.0
-TIE_BREAK_LEAST_S = 1.0
+# The tie-break pass runs its dive alone (no branch and bound) on a model of at least this many
+# nonzeros: there the root of its branch and bound alone took longer than the whole first pass
+# (docs/search.md, *The fastest plan*). A count, not a time: the same input, the same plan.
+TIE_BREAK_NONZEROS = 150_000
 
 
 @dataclass(frozen=True)
@@ -251,7 +250,6 @@ class Solver:
         self.relaxed_peak: RelaxationBeside | None = None  # its bound there (``start_relaxation_beside``)
         self.cutoff = math.inf  # the primary objective (model units) another plan reaches
         self.last_priced: tuple[np.ndarray, Evaluation, set[int]] | None = None
-        self.first_pass_started = math.nan  # (``first_pass_rounds``; the tie-break pass's share of time)
 
     def pin(self, selection: Selection, deadline: float) -> None:
         """Price ``selection`` next, as a request with it ``fixed`` would: the formulation's
@@ -419,7 +417,6 @@ def first_pass_rounds(solver: Solver, given: FirstPassInput) -> Outcome:
     the stage "first pass", each round of rows the stage "lazy rows"); out of time before any
     plan, the ``start`` it was given, where that one meets the budgets."""
     rounds = RoundsSoFar(given.fallback)
-    solver.first_pass_started = time.perf_counter()
     while True:
         started = time.perf_counter()
         try:
@@ -493,12 +490,11 @@ def settle_round(solver: Solver, found: Solution, rounds: RoundsSoFar) -> tuple[
 def tie_break_pass(solver: Solver, outcome: Outcome) -> Outcome:
     """The tie-break pass (the stage "tie-break pass"), where the first pass could not show
     its ties resolved and time is left: hold the primary objective within the gap of the best
-    bound, minimise the other one, for at most TIE_BREAK_SHARE of the first pass's time (at
-    least TIE_BREAK_LEAST_S; its share spent, its best plan so far, the primary objective's
-    gap as proved). The slack is at least the rows' feasibility tolerance
+    bound, minimise the other one. The slack is at least the rows' feasibility tolerance
     accumulated along the chain of live-byte variables (≈1e-6 of the peak); ties finer than
     TIE_RESOLUTION of the primary objective are broken by the secondary one. (The first
-    pass's plan meets every row, so its optimum holds with the reshard rows too.)"""
+    pass's plan meets every row, so its optimum holds with the reshard rows too.) Its dive
+    alone after a first pass without branch and bound, or on a model of TIE_BREAK_NONZEROS."""
     if outcome.ties_resolved or solver.search.expired():
         return outcome
     started, first = time.perf_counter(), value_of(solver.secondary, outcome.values)
@@ -519,31 +515,26 @@ def tie_break_pass(solver: Solver, outcome: Outcome) -> Outcome:
     # branch and bound (``dive_proved``), the dive alone: a branch and bound after it only
     # proved its plan.
     solver.search.dive_again()
-    deadline = solver.search.deadline
-    share = max(TIE_BREAK_SHARE * (started - solver.first_pass_started), TIE_BREAK_LEAST_S)
-    solver.search.deadline, timed_out = min(deadline, started + share), outcome.timed_out
+    dive_only = outcome.dive_proved or solver.search.highs.getNumNz() >= TIE_BREAK_NONZEROS
     try:
-        outcome, stopped = break_ties(solver, outcome, objective, tolerance)
+        outcome, stopped = break_ties(solver, outcome, objective, tolerance, dive_only)
     except SolverTimeLimit:
         stopped = "time limit: the first pass's plan stands"
-    finally:
-        solver.search.deadline, share_spent = deadline, time.perf_counter() >= started + share
-    if share_spent and time.perf_counter() < deadline:  # its share spent, not the search's time
-        stopped = stopped.replace("time limit", "its share of time spent")
-        outcome = replace(outcome, timed_out=timed_out)
     secondary = TIME if solver.objective == MEMORY else MEMORY
     solver.stages.add("tie-break pass", secondary, started, stopped, found=value_of(solver.secondary, outcome.values),
                       start=first)
     return outcome
 
 
-def break_ties(solver: Solver, outcome: Outcome, objective: Expression, tolerance: float) -> tuple[Outcome, str]:
-    """Minimise the tie-break pass's ``objective`` from ``outcome``'s plan, round after
-    round of lazy rows: the outcome with its plan where it is no worse on the secondary
-    objective and meets every row (else ``outcome``), and why the pass stopped."""
+def break_ties(solver: Solver, outcome: Outcome, objective: Expression, tolerance: float,
+               dive_only: bool) -> tuple[Outcome, str]:
+    """Minimise the tie-break pass's ``objective`` from ``outcome``'s plan (by its dive alone
+    where ``dive_only``), round after round of lazy rows: the outcome with its plan where it
+    is no worse on the secondary objective and meets every row (else ``outcome``), and why
+    the pass stopped."""
     f, start = solver.formulation, outcome.values
     while True:
-        second = solver.search.minimise(objective, tolerance, start=start, dive_only=outcome.dive_proved, kind=BLEND)
+        second = solver.search.minimise(objective, tolerance, start=start, dive_only=dive_only, kind=BLEND)
         if second.halted:
             return outcome, "dive unsettled: the first pass's plan stands"
         over = f.points_over_peak(second.values) if solver.lazy else set()
@@ -555,7 +546,8 @@ def break_ties(solver: Solver, outcome: Outcome, objective: Expression, toleranc
                 gap = max(gap, relative_gap(value_of(solver.primary, second.values), outcome.lower))
             return replace(outcome, values=second.values, evaluation=None, gap=gap,
                            timed_out=outcome.timed_out or second.timed_out), (
-                "time limit" if second.timed_out else "proved")
+                "time limit" if second.timed_out else "dive alone" if dive_only and not outcome.dive_proved
+                else "proved")
         if second.timed_out or solver.search.expired():
             return outcome, "time limit: the first pass's plan stands"
         solver.add_reshard_rows(over)
