@@ -12,15 +12,15 @@ from memshard.core.errors import MemshardError
 from memshard.planner import SearchOptions, plan_job
 from memshard.plans.plan import load_plan
 
-JOB = dict(batch=8, seq=2048)  # GPT-3 6.7B on one node of 8: 2 × 4 beats any flat layout
+MODEL, JOB = "gpt3-13b", dict(batch=8, seq=2048)  # on one node of 8: 2 × 4 beats any flat layout
 
 
 @pytest.fixture(scope="module")
 def fastest():
     """The fastest plan, views searched (the default for the time objective), and the
     fastest on each view alone."""
-    found = memshard.plan("gpt3-6.7b", "8", objective="time", **JOB)
-    alone = {mesh: memshard.plan("gpt3-6.7b", mesh, objective="time", mesh_views=False, **JOB)
+    found = memshard.plan(MODEL, "8", objective="time", **JOB)
+    alone = {mesh: memshard.plan(MODEL, mesh, objective="time", mesh_views=False, **JOB)
              for mesh in ("8", "2x4")}
     return found, alone
 
@@ -45,16 +45,18 @@ def test_the_views_are_not_searched_for_the_least_memory_alone_unless_asked():
 
 
 def test_views_asked_for_under_a_step_time_budget(fastest):
-    """Under a step-time budget only the view meets (a hair over its fastest plan), the
-    least-memory plan with views asked for lies on that view; on the mesh as typed (the
-    default for the least memory) no plan meets it."""
+    """Under a step-time budget only the view meets within the device's memory (a hair over its
+    fastest plan), the least-memory plan with views asked for lies on that view and fits; on the
+    mesh as typed (the default for the least memory) the plan that meets it needs more memory
+    than the device has (its ZeRO-1 data parallelism is fast, and large)."""
     found, alone = fastest
     budget = found.step_time_s * 1.01
     assert alone["8"].step_time_s > budget
-    plan = memshard.plan("gpt3-6.7b", "8", max_step_time_s=budget, mesh_views=True, **JOB)
+    plan = memshard.plan(MODEL, "8", max_step_time_s=budget, mesh_views=True, **JOB)
     assert str(plan.job.mesh) == "2x4" and plan.step_time_s <= budget * (1 + 1e-9)
-    with pytest.raises(MemshardError, match="the fastest plan takes"):
-        memshard.plan("gpt3-6.7b", "8", max_step_time_s=budget, **JOB)
+    assert plan.peak_bytes <= plan.job.mesh.device_memory_bytes
+    typed = memshard.plan(MODEL, "8", max_step_time_s=budget, **JOB)
+    assert str(typed.job.mesh) == "8" and typed.peak_bytes > typed.job.mesh.device_memory_bytes
 
 
 def test_a_plan_on_a_view_reads_back_the_same(fastest, tmp_path):
