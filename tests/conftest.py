@@ -25,10 +25,11 @@ KINDS = ("unit", "planner", "baselines", "runtime", "trace", "docs")
 TESTS = Path(__file__).resolve().parent
 
 # Files whose tests are independent: each its own unit, but for those in TOGETHER.
-SPLIT = frozenset({"docs/test_readme.py", "planner/test_fit.py"})
+SPLIT = frozenset({"docs/test_readme.py", "planner/test_fit.py", "planner/test_time_search.py"})
 TOGETHER = {  # test (file::function) → the unit it shares with the others that read the same state
     "docs/test_readme.py::test_the_readme_api_block_runs": "searched once",  # (the searched_once fixture)
     "docs/test_readme.py::test_the_guide_api_blocks_run": "searched once",
+    "planner/test_time_search.py::test_the_fastest_plan_over_both_views_is_proved": "searched once",  # (the README's)
     "planner/test_fit.py::test_the_largest_batch_is_the_last_one_a_full_scan_fits": "largest batch in 4 MiB",
     "planner/test_fit.py::test_the_cli_writes_the_answers_and_the_plot": "largest batch in 4 MiB",
 }

@@ -55,11 +55,12 @@ def test_the_root_lp_of_branch_and_bound_ends(solver):
     assert plan.step_time_s == pytest.approx(found.objective * solver.formulation.time_unit, rel=1e-6)
 
 
-def test_the_fastest_plan_over_both_views_is_proved():
+def test_the_fastest_plan_over_both_views_is_proved(searched_once):
     """The plan of ``memshard.plan`` (both views searched, the README's example) is proved
     within the default gap, and it is no slower than the fastest plan of the view 8 alone,
     which the relaxation proves at once. (Before, the 2 × 4 view took the whole time limit
-    and the plan was that view's, slower than the view 8's.)"""
+    and the plan was that view's, slower than the view 8's.) The README's call, searched once
+    (``searched_once``)."""
     plan = memshard.plan("gpt2", "2x4", objective="time", memory_budget="80GiB", **JOB)
     assert plan.solver.status == "optimal" and plan.solver.gap <= DEFAULT_GAP
     alone = memshard.plan("gpt2", "8", objective="time", memory_budget="80GiB", mesh_views=False, **JOB)
