@@ -19,23 +19,12 @@ from memshard.models import build_graph
 from memshard.problem import comm
 from memshard.problem.evaluate import evaluate
 from memshard.problem.pricing import build_problem
-from memshard.problem.records import OpGroup, StorageGroup
+from memshard.problem.records import StorageGroup
 from memshard.search.solve import SearchRequest, solve
 from tests.unit.test_ilp_pricing import random_plan
+from tests.unit.test_overlap import overlapped_and_window
 
 SLOW = parse_mesh("8").with_links((2e9,))  # links slow enough that the reductions outlast a micro-batch
-
-
-def overlapped_and_compute(plan) -> tuple[float, float]:
-    """(the layers' collectives the framework runs beside the compute, the ops' compute)."""
-    overlapped = compute = 0.0
-    for group, k in zip(plan.problem.groups, plan.selection.choices):
-        choice = group.choices[k]
-        if isinstance(group, OpGroup):
-            compute += group.instances * choice.compute_s
-        else:
-            overlapped += group.instances * choice.overlapped_s
-    return overlapped, compute
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "megatron-tp1-dp8-distopt-overlap"])
@@ -44,7 +33,7 @@ def test_a_once_a_step_reduction_hides_under_one_micro_batch(strategy):
     step: with 4 micro-batches at most a quarter of the compute hides them; with one, all of it."""
     one, four = (memshard.strategy_plan("tiny-gpt", SLOW, strategy, batch=32, micro_batches=m) for m in (1, 4))
     for plan, m in ((one, 1), (four, 4)):
-        overlapped, compute = overlapped_and_compute(plan)
+        overlapped, _, compute = overlapped_and_window(plan)
         assert overlapped > compute / 4 > 0
         assert plan.hidden_communication_s == pytest.approx(min(overlapped, compute / m))
         assert plan.step_time_s == pytest.approx(plan.compute_time_s + plan.communication_time_s
@@ -57,7 +46,7 @@ def test_fsdp2s_collectives_every_micro_batch_hide_under_the_whole_step():
     plan = memshard.strategy_plan("tiny-gpt", SLOW, "fsdp2", batch=32, micro_batches=4)
     groups = [(g, g.choices[k]) for g, k in zip(plan.problem.groups, plan.selection.choices)]
     assert all(c.overlapped_once_s == 0 for g, c in groups if isinstance(g, StorageGroup))
-    overlapped, compute = overlapped_and_compute(plan)
+    overlapped, _, compute = overlapped_and_window(plan)
     assert plan.hidden_communication_s == pytest.approx(min(overlapped, compute))
 
 
