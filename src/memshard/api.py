@@ -79,6 +79,7 @@ def plan(
     pipeline: int | str | None = None,
     schedule: str | None = None,
     stage_layers: str | tuple[int, ...] | None = None,
+    virtual_stages: int | None = None,
     **model_overrides,
 ) -> Plan | PipelinedPlan:
     """Find the plan with the least per-device peak memory (``objective="memory"``, optionally
@@ -110,7 +111,8 @@ def plan(
     of 8 as 2 × 4; ``core.mesh.mesh_views``); None: for the fastest plan (objective time)
     only. The plan lies on the best view (``Plan.job.mesh``). ``pipeline``: that many
     pipeline stages along the outermost mesh axis, run by ``schedule`` (``1f1b``, the default,
-    or ``gpipe``; docs/pipelining.md): a :class:`PipelinedPlan`, each stage searched for the
+    ``gpipe``, or with ``virtual_stages`` stages per rank ``interleaved-1f1b``,
+    ``interleaved-zb`` or ``zbv``; docs/pipelining.md): a :class:`PipelinedPlan`, each stage searched for the
     objective; ``"auto"``: the best of no pipeline and every number of stages. ``stage_layers``:
     how the layers split into stages, ``"even"`` (the default), ``"balanced"`` (a local search
     over splits for the objective) or a count per stage.
@@ -119,7 +121,7 @@ def plan(
                             mip_gap, top, recompute, mesh_views=mesh_views)
     job = make_job(model, mesh, example_inputs=example_inputs, batch=batch, seq=seq, micro_batches=micro_batches,
                    **model_overrides)
-    return plan_with_pipeline(job, options, pipeline, schedule, start, stage_layers)
+    return plan_with_pipeline(job, options, pipeline, schedule, start, stage_layers, virtual_stages)
 
 
 def job_and_options(model: Model | Job, mesh: str | Mesh, arguments: dict) -> tuple[Job, SearchOptions]:

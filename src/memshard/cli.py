@@ -297,6 +297,10 @@ def _write_json(path: str, data) -> None:
     write_text_atomically(path, json.dumps(data, indent=2) + "\n")
 
 
+# the pipeline schedules (``pipelining.PIPELINE_SCHEDULES``; ``memshard --help`` imports neither)
+SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb", "zbv")
+
+
 # -- commands --------------------------------------------------------------------------------------
 def _cmd_plan(args, console) -> None:
     from memshard.pipelining import plan_with_pipeline
@@ -306,7 +310,8 @@ def _cmd_plan(args, console) -> None:
     _check_json_path(args.json)
     job, options = job_of(args), options_of(args)
     with console.status("solving…"):
-        result = plan_with_pipeline(job, options, args.pipeline, args.schedule, split=args.stage_layers)
+        result = plan_with_pipeline(job, options, args.pipeline, args.schedule, split=args.stage_layers,
+                                    stages_per_rank=args.virtual_stages)
     if args.json is not None:
         _write_json(args.json, result.to_dict())
     render = render_plan if isinstance(result, Plan) else render_pipelined
@@ -381,7 +386,7 @@ def _runtime_plan(args):
 
     if args.plan is not None:
         given = [f"--{d.replace('_', '-')}" for d in (*JOB_DESTS, *SEARCH_DESTS, "strategy", "pipeline", "schedule",
-                                                         "stage_layers")
+                                                         "stage_layers", "virtual_stages")
                  if getattr(args, d, None) not in (None, False)]
         if given:
             raise MemshardError(f"--plan replaces the job, its search and its strategy: give no {', '.join(given)}")
@@ -401,10 +406,11 @@ def _runtime_plan(args):
         from memshard.pipelining import plan_with_pipeline
 
         return plan_with_pipeline(job_of(args), options_of(args, gap=0.02), args.pipeline, args.schedule,
-                                  split=args.stage_layers)
-    if args.schedule is not None or args.stage_layers is not None:
-        raise MemshardError(f"{'--schedule' if args.schedule is not None else '--stage-layers'} orders or divides a "
-                            "pipeline's stages: give --pipeline too")
+                                  split=args.stage_layers, stages_per_rank=args.virtual_stages)
+    if args.schedule is not None or args.stage_layers is not None or args.virtual_stages is not None:
+        flag = next(f for f, d in (("--schedule", "schedule"), ("--stage-layers", "stage_layers"),
+                                   ("--virtual-stages", "virtual_stages")) if getattr(args, d) is not None)
+        raise MemshardError(f"{flag} orders or divides a pipeline's stages: give --pipeline too")
     return runtime_plan(job_of(args), args.strategy or "memshard", options_of(args, gap=0.02))
 
 
@@ -512,7 +518,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", type=_pipeline, metavar="N|auto|none",
                    help="split the layers into N pipeline stages along the outermost mesh axis, or search every "
                         "N and none for the best (auto); default none (docs/pipelining.md)")
-    p.add_argument("--schedule", choices=("1f1b", "gpipe"), help="the pipeline's schedule (default 1f1b)")
+    p.add_argument("--schedule", choices=SCHEDULE_CHOICES, help="the pipeline's schedule (default 1f1b)")
+    p.add_argument("--virtual-stages", type=_positive_int, metavar="V",
+                   help="stages per pipeline rank of an interleaved schedule (default 2; zbv: 2)")
     p.add_argument("--stage-layers", type=_stage_split, metavar="even|balanced|N,N,…",
                    help="how the pipeline's layers split: evenly (default), balanced (a split searched for the "
                         "objective), or a count per stage")
@@ -535,7 +543,9 @@ def _add_runtime_parsers(sub) -> None:
         r.add_argument("--pipeline", type=_positive_int, metavar="N",
                        help="N pipeline stages along the outermost mesh axis (memshard's pipelined plan; "
                             "docs/pipelining.md)")
-        r.add_argument("--schedule", choices=("1f1b", "gpipe"), help="the pipeline's schedule (default 1f1b)")
+        r.add_argument("--schedule", choices=SCHEDULE_CHOICES, help="the pipeline's schedule (default 1f1b)")
+        r.add_argument("--virtual-stages", type=_positive_int, metavar="V",
+                       help="stages per pipeline rank of an interleaved schedule (default 2)")
         r.add_argument("--stage-layers", type=_stage_split, metavar="even|balanced|N,N,…",
                        help="how the pipeline's layers split (default even)")
         if name == "run":

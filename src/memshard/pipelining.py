@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 from memshard.baselines.names import Kind, parse_strategy
 from memshard.baselines.recipes import baselines
 from memshard.core.errors import MemshardError, NoBetterPlan
-from memshard.core.graph import Graph
+from memshard.core.graph import Graph, TensorKind
 from memshard.core.mesh import Mesh, make_mesh, mesh_views
 from memshard.core.placement import Layout
 from memshard.job import Job, TracedModule
@@ -53,14 +53,24 @@ from memshard.planner import SearchOptions, plan_job
 from memshard.plans.pipelined import PipelinedPlan, StagePlan
 from memshard.plans.plan import Plan, build_plan
 from memshard.problem import comm
-from memshard.problem.kernels import op_time
+from memshard.problem.kernels import GEMM_KINDS, op_time
 from memshard.problem.memory import tensor_bytes
-from memshard.problem.pipeline import StageTimes, build_schedule, peak_held_counts, simulate
+from memshard.problem.pipeline import (
+    DEFAULT_STAGES_PER_RANK,
+    StageTimes,
+    build_schedule,
+    check_schedule,
+    held_stages,
+    peak_held_counts,
+    simulate,
+)
 from memshard.problem.pricing import build_problem, receive_time
 from memshard.problem.records import OpGroup, PipelineStage, Problem, without_partial
 from memshard.problem.storage import once_a_step
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")  # one stage per rank; the interleaved ones hold several
+# one stage per rank (1f1b, gpipe); several (``PipelineOptions.stages_per_rank``) for the others
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb", "zbv")
+ZERO_BUBBLE_SCHEDULES = ("interleaved-zb", "zbv")  # their backward split into I and W
 SPLITS = ("even", "balanced")  # the layers split evenly, or the split searched (``balanced_split``)
 # The baselines listed with a pipeline: Megatron-LM's, and torchtitan's fully_shard alone or
 # under parallelize_module
@@ -69,13 +79,16 @@ PIPELINED_KINDS = (Kind.MEGATRON, Kind.FSDP2, Kind.TORCH_TP)
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """``stages`` pipeline ranks (at least 2) running ``schedule``, the layers split ``split``:
+    """``stages`` pipeline ranks (at least 2) running ``schedule``, each rank holding
+    ``stages_per_rank`` stages (v; None: the schedule's default, ``DEFAULT_STAGES_PER_RANK``:
+    1 for 1f1b and gpipe, 2 for the others; zbv exactly 2), the layers split ``split``:
     ``even`` (``stage_layers``), ``balanced`` (searched: ``balanced_split``), or each stage's
-    number of layers."""
+    number of layers (p·v counts, in model order)."""
 
     stages: int
     schedule: str = "1f1b"
     split: str | tuple[int, ...] = "even"
+    stages_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
@@ -83,14 +96,30 @@ class PipelineOptions:
         if self.schedule not in PIPELINE_SCHEDULES:
             raise MemshardError(f"the pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
                                 f"got {self.schedule!r}")
+        v = self.stages_per_rank
+        if v is None:
+            object.__setattr__(self, "stages_per_rank", v := DEFAULT_STAGES_PER_RANK[self.schedule])
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise MemshardError(f"a pipeline rank holds at least 1 stage (--virtual-stages), got {v!r}")
+        if self.schedule in ("1f1b", "gpipe") and v != 1:
+            raise MemshardError(f"{self.schedule} runs one stage per rank, not {v} (--virtual-stages): choose "
+                                "--schedule interleaved-1f1b, interleaved-zb or zbv")
+        if self.schedule == "zbv" and v != 2:
+            raise MemshardError(f"zbv runs exactly 2 stages per rank (its V), not {v} (--virtual-stages)")
+        count = self.num_stages
         if isinstance(self.split, str):
             if self.split not in SPLITS:
                 raise MemshardError(f"a pipeline's layers split {' or '.join(SPLITS)}, or as a count per stage, "
                                     f"got {self.split!r}")
-        elif len(self.split) != self.stages or not all(
+        elif len(self.split) != count or not all(
                 isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.split):
-            raise MemshardError(f"{self.stages} pipeline stages take {self.stages} layer counts of at least 1 each, "
+            raise MemshardError(f"{count} pipeline stages take {count} layer counts of at least 1 each, "
                                 f"got {', '.join(map(str, self.split))}")
+
+    @property
+    def num_stages(self) -> int:
+        """p·v: the stages the layers are split into."""
+        return self.stages * self.stages_per_rank
 
 
 def pipeline_meshes(mesh: Mesh, stages: int) -> tuple[Mesh, Mesh]:
@@ -128,10 +157,14 @@ def stage_layers(num_layers: int, stages: int) -> tuple[tuple[int, int], ...]:
     return tuple(zip([0, *ends[:-1]], ends))
 
 
-def held_micro_batches(schedule: str, stages: int, micro_batches: int) -> tuple[int, ...]:
-    """Per stage, the micro-batches its rank holds at its peak, from the schedule's actions."""
-    plan = build_schedule(schedule, stages, micro_batches, 1)
-    return tuple(peak_held_counts(actions)[0] for actions in plan.actions)
+def held_micro_batches(schedule: str, stages: int, micro_batches: int, stages_per_rank: int = 1) -> tuple[int, ...]:
+    """Per stage (p·v of them, in model order), the most micro-batches of it its rank holds at
+    once, from the schedule's actions (``problem.pipeline.peak_held_counts``)."""
+    plan = build_schedule(schedule, stages, micro_batches, stages_per_rank)
+    held = {}
+    for actions in plan.actions:
+        held.update(zip(held_stages(actions), peak_held_counts(actions)))
+    return tuple(held[s] for s in range(plan.num_stages))
 
 
 def plan_pipelined(job: Job, options: SearchOptions, pipeline: PipelineOptions) -> PipelinedPlan:
@@ -156,7 +189,7 @@ def _plan_pipelined(job: Job, options: SearchOptions, pipeline: PipelineOptions)
         raise MemshardError(f"the stages' layer counts ({', '.join(map(str, pipeline.split))}) add up to "
                             f"{sum(pipeline.split)}, not the model's {num_layers} layers")
     counts = pipeline.split if isinstance(pipeline.split, tuple) else tuple(
-        end - first for first, end in stage_layers(num_layers, pipeline.stages))
+        end - first for first, end in stage_layers(num_layers, pipeline.num_stages))
     search, plan = best_view(job, options, pipeline, counts)
     if pipeline.split != "balanced":
         return plan
@@ -219,7 +252,8 @@ class StageSearch:
         self.stage_job = _stage_job(job, self.typed_stage_mesh)  # (its plans record the mesh as typed)
         # one ZeRO-3 unit: a second would be searched on the whole model (``planner.candidates``)
         self.stage_options = replace(options, mesh_views=False, zero3_unit=options.zero3_units[0])
-        self.held = held_micro_batches(pipeline.schedule, pipeline.stages, job.micro_batches)
+        self.held = held_micro_batches(pipeline.schedule, pipeline.stages, job.micro_batches,
+                                       pipeline.stages_per_rank)
         self.plans: dict[tuple, Plan] = {}
 
     def problem(self, stage: PipelineStage, received: dict[str, Layout] | None) -> Problem:
@@ -252,7 +286,8 @@ class StageSearch:
                 raise MemshardError(f"pipeline stage {index} (layers {stage.first_layer}–{stage.end_layer - 1}): "
                                     f"{e}") from None
         return _priced(self.job, self.options.objective, self.pipeline.schedule, self.mesh, self.stage_mesh, plans,
-                       typed_stage_mesh=self.typed_stage_mesh if self.stage_mesh is not self.typed_stage_mesh else None)
+                       typed_stage_mesh=self.typed_stage_mesh if self.stage_mesh is not self.typed_stage_mesh else None,
+                       stages_per_rank=self.pipeline.stages_per_rank)
 
 
 def balanced_split(search: StageSearch, plan: PipelinedPlan) -> PipelinedPlan:
@@ -390,6 +425,11 @@ def _pipeline_of(job: Job, pipeline: PipelineOptions) -> tuple[Mesh, Mesh]:
     if pipeline.schedule == "1f1b" and job.micro_batches < pipeline.stages:
         raise MemshardError(f"1F1B over {pipeline.stages} stages needs at least {pipeline.stages} micro-batches "
                             f"(--micro-batches), got {job.micro_batches}")
+    p, v = pipeline.stages, pipeline.stages_per_rank
+    if v > 1 and job.graph.num_layers < p * v:
+        raise MemshardError(f"{p} pipeline ranks of {v} stages each need at least {p * v} layers; the model has "
+                            f"{job.graph.num_layers}")
+    check_schedule(pipeline.schedule, p, job.micro_batches, v)
     return meshes
 
 
@@ -405,25 +445,37 @@ def _stages(job: Job, pipeline: PipelineOptions, held: tuple[int, ...]) -> list[
             for (first, end), k in zip(stage_layers(job.graph.num_layers, pipeline.stages), held)]
 
 
-def pipeline_degrees(job: Job, schedule: str = "1f1b") -> tuple[int, ...]:
+def pipeline_degrees(job: Job, schedule: str = "1f1b", stages_per_rank: int = 1) -> tuple[int, ...]:
     """The pipeline degrees ``plan_auto`` tries on ``job``: each divisor p ≥ 2 of the outermost
-    mesh axis that leaves a stage more than one device, at most one layer per stage, and, for
-    1F1B, no more stages than micro-batches."""
+    mesh axis that leaves a stage more than one device, at most one layer per stage (p·v
+    stages), and micro-batches the schedule takes (``problem.pipeline.check_schedule``: for
+    1F1B no more stages than micro-batches)."""
     mesh, layers = job.mesh, job.graph.num_layers
+
+    def takes(p: int) -> bool:
+        try:
+            check_schedule(schedule, p, job.micro_batches, stages_per_rank)
+        except MemshardError:
+            return False
+        return True
+
     return tuple(p for p in range(2, mesh.shape[0] + 1)
-                 if mesh.shape[0] % p == 0 and mesh.num_devices // p > 1 and p <= layers
-                 and (schedule != "1f1b" or p <= job.micro_batches))
+                 if mesh.shape[0] % p == 0 and mesh.num_devices // p > 1 and p * stages_per_rank <= layers
+                 and takes(p))
 
 
 def plan_with_pipeline(job: Job, options: SearchOptions, pipeline: int | str | None, schedule: str | None,
-                       start: Plan | None = None, split: str | tuple[int, ...] | None = None) -> Plan | PipelinedPlan:
+                       start: Plan | None = None, split: str | tuple[int, ...] | None = None,
+                       stages_per_rank: int | None = None) -> Plan | PipelinedPlan:
     """The plan ``memshard plan`` and ``memshard.plan`` make: without a pipeline (``pipeline``
-    None or ``"none"``; ``start``: a plan the search starts from), with ``pipeline`` stages run
-    by ``schedule`` (None: 1F1B) and their layers split ``split`` (None: evenly), or the best of
-    both (``"auto"``)."""
+    None or ``"none"``; ``start``: a plan the search starts from), with ``pipeline`` ranks run
+    by ``schedule`` (None: 1F1B), each holding ``stages_per_rank`` stages (None: the schedule's
+    default), their layers split ``split`` (None: evenly), or the best of both (``"auto"``)."""
     if pipeline in (None, "none"):
-        if schedule is not None or split is not None:
-            what = "a schedule (--schedule) orders" if schedule is not None else "a split (--stage-layers) divides"
+        if schedule is not None or split is not None or stages_per_rank is not None:
+            what = ("a schedule (--schedule) orders" if schedule is not None else
+                    "a split (--stage-layers) divides" if split is not None else
+                    "stages per rank (--virtual-stages) divide")
             raise MemshardError(f"{what} a pipeline's stages: give --pipeline too")
         return plan_job(job, options, start)
     if start is not None:
@@ -432,59 +484,97 @@ def plan_with_pipeline(job: Job, options: SearchOptions, pipeline: int | str | N
         if isinstance(split, tuple):
             raise MemshardError("--pipeline auto tries every number of stages: split them even or balanced, "
                                 "not by counts")
-        return plan_auto(job, options, schedule or "1f1b", split or "even")
-    return plan_pipelined(job, options, PipelineOptions(pipeline, schedule or "1f1b", split or "even"))
+        return plan_auto(job, options, schedule, split or "even", stages_per_rank)
+    return plan_pipelined(job, options, PipelineOptions(pipeline, schedule or "1f1b", split or "even",
+                                                        stages_per_rank))
 
 
-def plan_auto(job: Job, options: SearchOptions, schedule: str = "1f1b", split: str = "even") -> Plan | PipelinedPlan:
+def auto_schedules(options: SearchOptions, schedule: str | None,
+                   stages_per_rank: int | None) -> tuple[tuple[str, int], ...]:
+    """The (schedule, stages per rank) ``plan_auto`` tries: the one given, or with none given
+    1F1B and, for the fastest step, interleaved 1F1B of 2 stages per rank. (Not for the least
+    memory: on equal layers interleaving's first rank holds (1 + (p − 1)/(p·v)) times 1F1B's
+    first stage's activations, Megatron-LM's factor, so it never lowers the peak.)"""
+    if schedule is not None:
+        return ((schedule, PipelineOptions(2, schedule, stages_per_rank=stages_per_rank).stages_per_rank),)
+    if stages_per_rank is not None:
+        raise MemshardError("--virtual-stages divides an interleaved schedule's ranks: give --schedule too")
+    if options.objective == "memory":
+        return (("1f1b", 1),)
+    return ("1f1b", 1), ("interleaved-1f1b", 2)
+
+
+def plan_auto(job: Job, options: SearchOptions, schedule: str | None = None, split: str = "even",
+              stages_per_rank: int | None = None) -> Plan | PipelinedPlan:
     """The best of the plan without a pipeline and the pipelined plans of every degree
-    ``pipeline_degrees`` gives: the least peak, or the fastest step (within the memory budget,
-    where a degree has no stage plan within it, it is left out). Ties go to fewer stages."""
+    ``pipeline_degrees`` gives, under each of ``auto_schedules``: the least peak, or the fastest
+    step (within the memory budget, where a degree has no stage plan within it, it is left out).
+    Ties go to fewer stages, then to 1F1B. Each pipelined plan is the stage-by-stage search's,
+    so the best is the best of those plans, not a joint optimum."""
     if isinstance(job.model, TracedModule) or options.max_step_time_s is not None:
         raise MemshardError("--pipeline auto searches built-in and Hugging Face models for the least memory or the "
                             "fastest step; give no step-time budget")
+    tried = auto_schedules(options, schedule, stages_per_rank)
     best: Plan | PipelinedPlan = plan_job(job, options)
     objective = (lambda plan: plan.peak_bytes) if options.objective == "memory" else (lambda plan: plan.step_time_s)
-    for degree in pipeline_degrees(job, schedule):
-        try:
-            pipelined = _plan_pipelined(job, options, PipelineOptions(degree, schedule, split))
-        except MemshardError:  # under a memory budget: some stage has no plan within it
-            continue
-        if objective(pipelined) < objective(best):
-            best = pipelined
+    for name, v in tried:
+        for degree in pipeline_degrees(job, name, v):
+            try:
+                pipelined = _plan_pipelined(job, options, PipelineOptions(degree, name, split, v))
+            except MemshardError:  # under a memory budget: some stage has no plan within it
+                continue
+            if objective(pipelined) < objective(best):
+                best = pipelined
     return best
 
 
 def _priced(job: Job, objective: str | None, schedule_name: str, mesh: Mesh, stage_mesh: Mesh,
             plans: list[tuple[PipelineStage, Plan]], strategy: str = "memshard",
-            typed_stage_mesh: Mesh | None = None) -> PipelinedPlan:
+            typed_stage_mesh: Mesh | None = None, stages_per_rank: int = 1) -> PipelinedPlan:
     """The stages' plans (searched for ``objective``, or a baseline's: ``strategy``) run by the
     schedule: each stage's micro-batch times, the timeline, then each stage's once-a-step
     collectives where torch's schedule runs them (``OncePerStep``): its gathers before its first
     forward, its reductions after its last backward (``typed_stage_mesh``: the stage mesh as
-    typed, where ``stage_mesh`` is another view of its devices)."""
+    typed, where ``stage_mesh`` is another view of its devices). ``stages_per_rank``: v, the
+    stages each rank runs (``plans`` lists p·v of them in model order)."""
     m = job.micro_batches
     times, optimizer, once = [], 0.0, []
+    zero_bubble = schedule_name in ZERO_BUBBLE_SCHEDULES
     for _, plan in plans:
         optimizer_s = plan.compute_by_kind.get("optimizer step", 0.0)
         once.append(once_per_step(plan))
         per_micro_batch = (plan.step_time_s - optimizer_s - once[-1].in_step_s) / m
         forward = per_micro_batch * forward_share(plan)
-        times.append(StageTimes(forward, per_micro_batch - forward, 0.0))
+        weight = min(per_micro_batch - forward, per_micro_batch * weight_share(plan)) if zero_bubble else 0.0
+        times.append(StageTimes(forward, per_micro_batch - forward - weight, weight))
         optimizer = max(optimizer, optimizer_s)
     transfers = [_transfer_s(plan, mesh) for _, plan in plans[:-1]]
-    schedule = build_schedule(schedule_name, len(plans), m, 1)
+    schedule = build_schedule(schedule_name, len(plans) // stages_per_rank, m, stages_per_rank)
     timeline = simulate(schedule.actions, times, max(transfers))
+    first, last = _first_and_last(schedule.actions, timeline)
     # a stage waits for its gathers only past its fill; its reductions end its part of the step
-    late = max(0.0, *(o.before_first_forward_s(t.forward_s) - starts[0]
-                      for o, t, starts in zip(once, times, timeline.starts_s)))
-    makespan = late + max(ends[-1] + o.after_last_backward_s(t.backward_input_s)
-                          for o, t, ends in zip(once, times, timeline.ends_s))
+    late = max(0.0, *(o.before_first_forward_s(t.forward_s) - first[s]
+                      for s, (o, t) in enumerate(zip(once, times))))
+    makespan = late + max(last[s] + o.after_last_backward_s(t.backward_input_s + t.backward_weight_s)
+                          for s, (o, t) in enumerate(zip(once, times)))
+    idle = [timeline.idle_s[r] for r in schedule.stage_ranks]
     stages = tuple(StagePlan(stage.first_layer, stage.end_layer, stage.held_micro_batches, plan,
-                             float(t.forward_s), float(t.backward_input_s), float(transfer), float(idle))
-                   for (stage, plan), t, transfer, idle in zip(plans, times, [*transfers, 0.0], timeline.idle_s))
+                             float(t.forward_s), float(t.backward_input_s + t.backward_weight_s), float(transfer),
+                             float(waiting))
+                   for (stage, plan), t, transfer, waiting in zip(plans, times, [*transfers, 0.0], idle))
     return PipelinedPlan(job, objective, schedule_name, mesh, stage_mesh, stages, float(makespan),
-                         float(optimizer), strategy, typed_stage_mesh)
+                         float(optimizer), strategy, typed_stage_mesh, stages_per_rank)
+
+
+def _first_and_last(actions, timeline) -> tuple[dict[int, float], dict[int, float]]:
+    """Per stage, when its first forward starts and when its last action ends."""
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for rank_actions, starts, ends in zip(actions, timeline.starts_s, timeline.ends_s):
+        for action, start, end in zip(rank_actions, starts, ends):
+            first.setdefault(action.stage, start)
+            last[action.stage] = max(last.get(action.stage, 0.0), end)
+    return first, last
 
 
 @dataclass(frozen=True)
@@ -559,6 +649,24 @@ def forward_share(plan: Plan) -> float:
             forward += group.instances * kernels.forward_s
             every += group.instances * group.choices[k].compute_s / problem.micro_batches
     return forward / every if every > 0 else 0.0
+
+
+def weight_share(plan: Plan) -> float:
+    """The weight gradients' share (W of the zero-bubble schedules) of a stage's compute: of
+    each op that multiplies by a weight (``kernels.GEMM_KINDS`` with a parameter input), half
+    its backward, the GEMM of the weight's gradient, of the forward's FLOPs (the other half,
+    the input's gradient, is I's with everything else, replays included)."""
+    problem, selection = plan.problem, plan.selection
+    graph = problem.graph
+    weight = every = 0.0
+    for group, k in zip(problem.groups, selection.choices):
+        if isinstance(group, OpGroup):
+            op = graph.ops[group.ops[0]]
+            every += group.instances * group.choices[k].compute_s / problem.micro_batches
+            if op.kind in GEMM_KINDS and any(graph.tensors[x.tensor].kind is TensorKind.PARAMETER for x in op.inputs):
+                kernels = op_time(op, graph, group.strategies[k].local_sizes, problem.mesh.hardware)
+                weight += group.instances * kernels.backward_s / 2
+    return weight / every if every > 0 else 0.0
 
 
 def _transfer_s(plan: Plan, mesh: Mesh) -> float:

@@ -6,6 +6,14 @@ A stage's plan is an ordinary :class:`~memshard.plans.plan.Plan` of that stage's
 layers, the micro-batches it holds at its peak); the pipelined plan adds what the stages do
 together: the step's timeline (``problem.pipeline.simulate``), its bubble and transfers.
 
+A rank may hold several stages (``stages_per_rank`` v > 1: the interleaved schedules, ZBV):
+``stages`` then lists all p·v stages in model order, stage s on the rank the schedule places it
+(``problem.pipeline.stage_ranks``). A rank's peak is counted from its action list
+(``problem.pipeline.rank_peak_bytes``) with each of its stages' :class:`ChunkMemory`, read
+from the stage's priced plan (:func:`chunk_memory`); a plan of one stage per rank keeps its
+stage's own peak. Such a plan is written as ``PIPELINE_SCHEMA_V`` (``stages_per_rank``
+added); one stage per rank is still written, and read, as ``PIPELINE_SCHEMA``.
+
 ``PipelinedPlan.from_dict`` reads the JSON back: each stage's plan rebuilt on its stage's
 problem with its recorded choices; ``load_any_plan`` reads either kind of plan file (what
 ``memshard run`` and the torchrun worker accept).
@@ -13,17 +21,27 @@ problem with its recorded choices; ``load_any_plan`` reads either kind of plan f
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memshard.core.errors import MemshardError
 from memshard.core.files import read_json, write_text_atomically
+from memshard.core.graph import TensorKind
 from memshard.core.mesh import Mesh
 from memshard.job import Job, mesh_from_dict, mesh_to_dict
 from memshard.plans.plan import PIPELINE_SCHEMA, Plan, plan_from_dict
-from memshard.problem.records import PipelineStage
+from memshard.problem.evaluate import Evaluation, evaluate
+from memshard.problem.memory import CATEGORIES, tensor_bytes
+from memshard.problem.pipeline import ChunkMemory, ChunkPhase, build_schedule, rank_peak_bytes
+from memshard.problem.pricing import build_problem
+from memshard.problem.records import PipelineStage, without_partial
+
+PIPELINE_SCHEMA_V = "memshard.pipeline/2"  # several stages per rank (``stages_per_rank``)
+CATEGORY_ACTIVATIONS = CATEGORIES.index("activations")
+SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")  # one stage per rank, its peak its stage's own
 
 
 @dataclass(frozen=True)
@@ -68,19 +86,47 @@ class PipelinedPlan:
     optimizer_s: float  # the slowest stage's optimizer step, after the last backward
     strategy: str = "memshard"
     typed_stage_mesh: Mesh | None = None
+    stages_per_rank: int = 1  # v: the pipeline has len(stages) / v ranks
 
     @property
     def step_time_s(self) -> float:
         return self.makespan_s + self.optimizer_s
 
     @property
+    def ranks(self) -> int:
+        """p: the ranks along the pipeline axis."""
+        return len(self.stages) // self.stages_per_rank
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """The pipeline rank each stage runs on."""
+        return build_schedule(self.schedule, self.ranks, self.job.micro_batches, self.stages_per_rank).stage_ranks
+
+    @functools.cached_property
+    def rank_peaks(self) -> tuple[float, ...]:
+        """Each pipeline rank's peak: its stage's own, or with several stages per rank (or a
+        zero-bubble schedule) counted from its action list (``problem.pipeline.rank_peak_bytes``)."""
+        if self.schedule in SINGLE_STAGE_SCHEDULES:
+            return tuple(stage.plan.peak_bytes for stage in self.stages)
+        schedule = build_schedule(self.schedule, self.ranks, self.job.micro_batches, self.stages_per_rank)
+        zero_bubble = any(a.kind == "W" for actions in schedule.actions for a in actions)
+        chunks = {s: chunk_memory(stage.plan, zero_bubble) for s, stage in enumerate(self.stages)}
+        return tuple(rank_peak_bytes(actions, chunks) for actions in schedule.actions)
+
+    @property
     def peak_bytes(self) -> float:
-        return max(stage.plan.peak_bytes for stage in self.stages)
+        return max(self.rank_peaks)
 
     @property
     def peak_stage(self) -> StagePlan:
-        """The stage whose ranks hold the most (the first of equals)."""
+        """The stage whose plan's own peak is the largest (the first of equals); with one
+        stage per rank, the stage whose ranks hold the most."""
         return max(self.stages, key=lambda stage: stage.plan.peak_bytes)
+
+    @property
+    def peak_rank(self) -> int:
+        """The pipeline rank that holds the most (the first of equals)."""
+        return max(range(self.ranks), key=lambda r: (self.rank_peaks[r], -r))
 
     @property
     def bubble_s(self) -> float:
@@ -89,22 +135,26 @@ class PipelinedPlan:
 
     @property
     def fits(self) -> bool:
-        return all(stage.plan.memory.fits for stage in self.stages)
+        if self.schedule in SINGLE_STAGE_SCHEDULES:
+            return all(stage.plan.memory.fits for stage in self.stages)
+        return self.peak_bytes <= self.stage_mesh.device_memory_bytes
 
     def to_dict(self) -> dict[str, Any]:
         job = self.job.to_dict()
+        several = {"stages_per_rank": self.stages_per_rank} if self.schedule not in SINGLE_STAGE_SCHEDULES else {}
         return {
-            "schema": PIPELINE_SCHEMA,
+            "schema": PIPELINE_SCHEMA_V if several else PIPELINE_SCHEMA,
             "strategy": self.strategy,
             "objective": self.objective,
             "model": {"name": self.job.graph.name, **job["model"]}, "job_mesh": job["mesh"],
             "pipeline": {"stages": len(self.stages), "schedule": self.schedule,
                          "micro_batches": self.job.micro_batches, "mesh": mesh_to_dict(self.mesh),
-                         "stage_mesh": mesh_to_dict(self.stage_mesh),
+                         "stage_mesh": mesh_to_dict(self.stage_mesh), **several,
                          **({"typed_stage_mesh": mesh_to_dict(self.typed_stage_mesh)}
                             if self.typed_stage_mesh is not None else {})},
             "step_time_s": self.step_time_s, "makespan_s": self.makespan_s, "optimizer_s": self.optimizer_s,
             "bubble_s": self.bubble_s, "peak_bytes_per_device": self.peak_bytes, "fits": self.fits,
+            **({"rank_peak_bytes": list(self.rank_peaks)} if several else {}),
             "stages": [{"layers": [stage.first_layer, stage.end_layer],
                         "held_micro_batches": stage.held_micro_batches, "forward_s": stage.forward_s,
                         "backward_s": stage.backward_s, "transfer_s": stage.transfer_s, "idle_s": stage.idle_s,
@@ -122,8 +172,9 @@ class PipelinedPlan:
         """The plan :meth:`to_dict` wrote: each stage's plan rebuilt with its recorded choices
         (``plan_from_dict``). A file without the job's model and mesh (written before they were
         recorded) takes them from its first stage's plan, on the pipelined mesh."""
-        if not isinstance(data, dict) or data.get("schema") != PIPELINE_SCHEMA:
-            raise MemshardError(f"not a pipelined memshard plan (expected schema {PIPELINE_SCHEMA!r})")
+        if not isinstance(data, dict) or data.get("schema") not in (PIPELINE_SCHEMA, PIPELINE_SCHEMA_V):
+            raise MemshardError(f"not a pipelined memshard plan (expected schema {PIPELINE_SCHEMA!r} or "
+                                f"{PIPELINE_SCHEMA_V!r})")
         try:
             return _read(data)
         except (KeyError, TypeError, ValueError, IndexError) as e:
@@ -147,12 +198,64 @@ def _read(data: dict[str, Any]) -> PipelinedPlan:
     return PipelinedPlan(job, data.get("objective"), pipeline["schedule"], mesh, mesh_from_dict(pipeline["stage_mesh"]),
                          tuple(stages), float(data["makespan_s"]), float(data["optimizer_s"]),
                          data.get("strategy", "memshard"),
-                         mesh_from_dict(pipeline["typed_stage_mesh"]) if "typed_stage_mesh" in pipeline else None)
+                         mesh_from_dict(pipeline["typed_stage_mesh"]) if "typed_stage_mesh" in pipeline else None,
+                         int(pipeline.get("stages_per_rank", 1)))
 
 
 def load_any_plan(path: str) -> Plan | PipelinedPlan:
     """The plan saved at ``path``: a pipelined plan (``PIPELINE_SCHEMA``) or an ordinary one."""
     data = read_json(path, "plan")
-    if isinstance(data, dict) and data.get("schema") == PIPELINE_SCHEMA:
+    if isinstance(data, dict) and data.get("schema") in (PIPELINE_SCHEMA, PIPELINE_SCHEMA_V):
         return PipelinedPlan.from_dict(data)
     return plan_from_dict(data)
+
+
+def chunk_memory(plan: Plan, zero_bubble: bool = False) -> ChunkMemory:
+    """A stage's :class:`ChunkMemory` from its priced plan: its two phases from the plan on its
+    stage's problem holding all m micro-batches (every forward first: no gradient accumulated
+    in the first backward) and holding fewer (the gradients held from the start, a new one
+    beside them in each backward), whichever of them the plan is of evaluated again on the
+    other (``phase_evaluation``); S from the plan's own; ``zero_bubble``: G, the output gradient
+    of every op that reads a weight, in its output layout (torch keeps them from I to W)."""
+    problem = plan.problem
+    m, k = problem.micro_batches, problem.stage.held_micro_batches
+    first = plan.evaluation if k == m else phase_evaluation(plan, m)
+    later = plan.evaluation if k < m or m == 1 else phase_evaluation(plan, m - 1)
+    weight_inputs = 0.0
+    if zero_bubble:
+        graph = problem.graph
+        for i, op in enumerate(graph.ops):
+            if any(graph.tensors[x.tensor].kind is TensorKind.PARAMETER for x in op.inputs):
+                layout = without_partial(problem.strategy(plan.selection, problem.op_group[i]).output_layout)
+                weight_inputs += tensor_bytes(graph.tensors[op.output.tensor], layout, problem.mesh)
+    ev = plan.evaluation
+    return ChunkMemory(_phase(problem, first, m), _phase(problem, later, max(1, m - 1) if k == m else k),
+                       float(ev.boundary_activation_bytes), weight_inputs,
+                       float(later.live_bytes[problem.schedule.optimizer]))
+
+
+def phase_evaluation(plan: Plan, held: int) -> Evaluation:
+    """``plan``'s choices priced on its stage's problem holding ``held`` micro-batches (the
+    same groups and choices: the phases differ in when gradients are held, not in what is
+    chosen)."""
+    problem = plan.problem
+    other = build_problem(problem.graph, problem.mesh, shared_layers=problem.shared_layers,
+                          micro_batches=problem.micro_batches, zero3_unit=problem.zero3_unit,
+                          recompute=problem.recompute, framework=problem.framework,
+                          stage=replace(problem.stage, held_micro_batches=held))
+    if [len(g.choices) for g in other.groups] != [len(g.choices) for g in problem.groups]:
+        raise MemshardError(f"stage {problem.graph.name}: its problem holding {held} micro-batches has other "
+                            "choices; its phases cannot be priced alike")
+    return evaluate(other, plan.selection)
+
+
+def _phase(problem, evaluation: Evaluation, held: int) -> ChunkPhase:
+    """One phase of a stage from an evaluation of its problem holding ``held`` micro-batches:
+    one micro-batch's live bytes (the held − 1 others' S taken off), the least of them less
+    its activations (its idle bytes), their worst over the forward's and the backward's points."""
+    schedule = problem.schedule
+    boundary, optimizer = schedule.boundary, schedule.optimizer
+    waiting = (held - 1) * evaluation.boundary_activation_bytes
+    live = evaluation.live_bytes[:optimizer] - waiting
+    activations = evaluation.category_bytes[CATEGORY_ACTIVATIONS, :optimizer] - waiting
+    return ChunkPhase(float((live - activations).min()), float(live[:boundary].max()), float(live[boundary:].max()))

@@ -67,16 +67,21 @@ def render_pipelined(plan: PipelinedPlan, console: Console, top: int = 10, show_
                   f"({counted(mesh.num_devices, 'device')}), "
                   f"{'objective' if plan.objective else 'strategy'} [bold]{plan.objective or plan.strategy}[/]: "
                   f"{len(plan.stages)} pipeline stages, {plan.schedule.upper()}, each on mesh {plan.stage_mesh}"
+                  + (f", {plan.stages_per_rank} per rank on {plan.ranks} ranks" if plan.stages_per_rank > 1 else "")
                   + (f" (the best view of mesh {plan.typed_stage_mesh})" if plan.typed_stage_mesh is not None else ""))
-    t = _table("Pipeline stages", ("stage", "layers", "micro-batches held", "peak memory", "forward / backward",
-                                   "send", "idle"))
+    several = plan.stages_per_rank > 1
+    t = _table("Pipeline stages", ("stage", *(("rank",) if several else ()), "layers", "micro-batches held",
+                                   "peak memory", "forward / backward", "send", "idle"))
     for i, stage in enumerate(plan.stages):
         layers = str(stage.first_layer) if stage.num_layers == 1 else f"{stage.first_layer}–{stage.end_layer - 1}"
-        t.add_row(str(i), layers, str(stage.held_micro_batches),
+        t.add_row(str(i), *((str(plan.stage_ranks[i]),) if several else ()), layers, str(stage.held_micro_batches),
                   format_bytes(stage.plan.peak_bytes),
                   f"{format_seconds(stage.forward_s)} / {format_seconds(stage.backward_s)}",
                   format_seconds(stage.transfer_s) if i + 1 < len(plan.stages) else "-", format_seconds(stage.idle_s))
     console.print(t)
+    if several:
+        console.print("each rank's peak, its stages' at the schedule's worst point: " + ", ".join(
+            f"rank {r} {format_bytes(peak)}" for r, peak in enumerate(plan.rank_peaks)))
     fits = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
     console.print(f"estimated step time {format_seconds(plan.step_time_s)}: the schedule "
                   f"{format_seconds(plan.makespan_s)} (bubble {format_seconds(plan.bubble_s)}), then the optimizer "

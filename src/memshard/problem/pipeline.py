@@ -47,6 +47,24 @@ interleaved 1F1B with p | m and m ≥ 2p: ``w_r + 1 = (v − 1)·p + 2(p − 1 �
 (``v·p + p − 1`` on rank 0); interleaved ZB with p | m: ``v·p`` on every rank (its shorter
 warm-up and its Ws, delayed r steps, cancel); ZBV ``2p`` on every rank once m ≥ 2p.
 
+**A rank's memory.** A rank holding several stages (chunks) holds, at the k-th action of its
+list, every chunk's idle bytes (weights, gradients, optimizer states, buffers), and per chunk
+``c`` its micro-batches in flight: ``a_c(k)`` past their F and before their B or I, each
+holding ``S_c`` (what one micro-batch holds at the boundary), and ``w_c(k)`` past their I and
+before their W (ZB schedules only), each holding ``S_c + G_c``, ``G_c`` the gradients arriving at
+the weights' ops, which torch keeps for W. The running action's chunk holds its running peak
+``R_s`` (one micro-batch at the worst point of its forward, for an F, or of its backward) in
+place of its idle bytes and of the one micro-batch the action runs::
+
+    M(k) = R_s + (a_s + w_s − 1)·S_s + w_s·G_s + Σ_{c ≠ s} (idle_c + a_c·S_c + w_c·(S_c + G_c))
+
+(a running W counts its micro-batch's ``G_s`` too, the bytes its kernels read). Each chunk's
+idle and running bytes are of one of two phases: until its first backward (or W) has ended,
+no gradient of it is accumulated yet (that backward makes them); after it every gradient is
+held, and each backward makes a new one beside it. The rank's peak
+is the largest ``M(k)`` and its optimizer step (every chunk's idle bytes plus the largest
+chunk's optimizer transients): :func:`rank_peak_bytes`.
+
 **Step time.** :func:`simulate` replays the lists: each rank runs its actions in list order
 on one compute stream; an action starts when the previous one of its rank has ended and
 
@@ -448,3 +466,86 @@ def simulate(actions: Sequence[Sequence[Action]], stage_times: StageTimes | Sequ
     makespan = max((e[-1] for e in ends if e), default=0.0)
     return StepTimeline(tuple(map(tuple, starts)), tuple(map(tuple, ends)), makespan, busy,
                         tuple(makespan - b for b in busy))
+
+
+# -- a rank's memory ----------------------------------------------------------------------------
+
+def held_phases(actions: Sequence[Action]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """At each action of a rank's list, per stage (positions as :func:`held_stages`), the
+    micro-batches (a, w) held: a past their F and not past their B or I, w past their I and not
+    past their W; the running action's own micro-batch included (in w for a W)."""
+    stages = held_stages(actions)
+    position = {s: i for i, s in enumerate(stages)}
+    forward, weight = [0] * len(stages), [0] * len(stages)
+    out = []
+    for a in actions:
+        i = position[a.stage]
+        if a.kind == "F":
+            forward[i] += 1
+        elif a.kind not in KINDS:
+            raise MemshardError(f"action {a}: kind {a.kind!r} is none of {', '.join(KINDS)}")
+        out.append(tuple(zip(forward, weight)))
+        if a.kind in ("B", "I"):
+            forward[i] -= 1
+        if a.kind == "I":
+            weight[i] += 1
+        elif a.kind == "W":
+            weight[i] -= 1
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ChunkPhase:
+    """What one stage of a rank holds in one phase of the step, bytes per device: ``idle_bytes``
+    with none of its micro-batches in flight (weights, gradients, optimizer states, buffers),
+    ``forward_bytes`` and ``backward_bytes`` at the worst point of one micro-batch's forward and
+    backward (its idle bytes included)."""
+
+    idle_bytes: float
+    forward_bytes: float
+    backward_bytes: float
+
+
+@dataclass(frozen=True)
+class ChunkMemory:
+    """One stage (chunk) of a rank (the module's "A rank's memory"): ``first`` until its first
+    backward (or W) has ended, no gradient accumulated yet (that backward makes them), ``later``
+    after it, every gradient held and autograd's new one beside it in each backward; S
+    (``held_bytes``) per micro-batch waiting for its backward, G (``weight_input_bytes``) per
+    micro-batch waiting for its W, and its bytes at the optimizer step."""
+
+    first: ChunkPhase
+    later: ChunkPhase
+    held_bytes: float
+    weight_input_bytes: float
+    optimizer_bytes: float
+
+
+def rank_memory_bytes(actions: Sequence[Action], chunks: dict[int, ChunkMemory]) -> tuple[float, ...]:
+    """``M(k)`` at each action of a rank's list (``chunks``: each of its stages' memory)."""
+    stages = held_stages(actions)
+    done: set[int] = set()  # the stages whose first backward (or W) has ended
+    out = []
+    for action, phases in zip(actions, held_phases(actions)):
+        total = 0.0
+        for stage, (waiting, weights) in zip(stages, phases):
+            c = chunks[stage]
+            phase = c.later if stage in done else c.first
+            if stage == action.stage:
+                running = phase.forward_bytes if action.kind == "F" else phase.backward_bytes
+                total += running + (waiting + weights - 1) * c.held_bytes + weights * c.weight_input_bytes
+            else:
+                total += phase.idle_bytes + waiting * c.held_bytes + weights * (c.held_bytes + c.weight_input_bytes)
+        out.append(total)
+        if action.kind in ("B", "W"):
+            done.add(action.stage)
+    return tuple(out)
+
+
+def rank_peak_bytes(actions: Sequence[Action], chunks: dict[int, ChunkMemory]) -> float:
+    """A rank's peak: the largest :func:`rank_memory_bytes`, or its optimizer step (every
+    chunk's idle bytes, the largest chunk's optimizer transients above its idle bytes)."""
+    stages = held_stages(actions)
+    idle = sum(chunks[s].later.idle_bytes for s in stages)
+    optimizer = idle + max(chunks[s].optimizer_bytes - chunks[s].later.idle_bytes for s in stages)
+    return max(*rank_memory_bytes(actions, chunks), optimizer)
