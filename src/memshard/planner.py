@@ -18,7 +18,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from memshard.baselines.names import parse_strategy
-from memshard.baselines.recipes import as_run_by, baselines, layer_split, split_baseline
+from memshard.baselines.recipes import (
+    as_run_by,
+    baselines,
+    layer_split,
+    priced_as_run,
+    split_baseline,
+)
 from memshard.core.errors import Infeasible, MemshardError, NoBetterPlan, SolverTimeLimit
 from memshard.core.mesh import Mesh, mesh_views
 from memshard.core.quantities import check_bytes, format_bytes, format_seconds, parse_bytes
@@ -486,7 +492,8 @@ def _overlapped(split: Plan, job: Job) -> Plan:
     """A Megatron-LM layer split with ``-overlap``: the same layers recomputed as ``split``'s
     (the overlap moves no memory), priced with its collectives beside the compute."""
     name = replace(parse_strategy(split.strategy), overlap=True)
-    return build_plan(as_run_by(split.problem, MEGATRON_OVERLAP), split.selection, job, strategy=str(name),
+    overlapped = priced_as_run(as_run_by(split.problem, MEGATRON_OVERLAP), split.selection, name)  # (its buckets)
+    return build_plan(overlapped, split.selection, job, strategy=str(name),
                       advice=False)
 
 

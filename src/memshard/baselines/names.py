@@ -129,6 +129,7 @@ PARTS = (
     Part("sequence_parallel", "-sp", (Kind.MEGATRON,)),
     Part("distributed_optimizer", "-distopt", (Kind.MEGATRON,)),
     Part("overlap", "-overlap", (Kind.MEGATRON,)),
+    Part("tp_overlap", "-tpoverlap", (Kind.MEGATRON,)),
     Part("bucket_view", "-bucket-view", (Kind.DDP,)),
     Part("reshard_after_forward", "-noreshard", (Kind.FSDP2, Kind.TORCH_TP), flag=False),
     Part("reshard_after_forward", "-reshard{}", (Kind.FSDP2,)),
@@ -155,7 +156,8 @@ class StrategyName:
     FSDP's), None where the name leaves it out (``fitting.family``: the recipe on any number of
     devices); ``zero_stage``: ``zero<k>``; ``sequence_parallel``, ``distributed_optimizer``:
     Megatron-LM's ``-sp``, ``-distopt`` (``--use-distributed-optimizer``); ``overlap``: its
-    ``-overlap`` (``--overlap-grad-reduce --overlap-param-gather``); ``bucket_view``: DDP's
+    ``-overlap`` (``--overlap-grad-reduce --overlap-param-gather``); ``tp_overlap``: its
+    ``-tpoverlap`` (``--tp-comm-overlap``, with ``-sp`` only); ``bucket_view``: DDP's
     ``gradient_as_bucket_view=True``; ``reshard_after_forward``: ``fully_shard``'s, False
     (``-noreshard``) or a group of devices (``-reshard<N>``); ``prefetch``: the blocks each
     ``fully_shard`` prefetches explicitly each way; ``torchtitan_units``: the embedding and the
@@ -173,6 +175,7 @@ class StrategyName:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     overlap: bool = False
+    tp_overlap: bool = False
     bucket_view: bool = False
     reshard_after_forward: bool | int = True
     prefetch: int = 0
@@ -222,6 +225,8 @@ class StrategyName:
             return "memshard's plan is the fastest or the least memory within a time slack, not both"
         if self.overlap and not self.distributed_optimizer:
             return "Megatron-LM overlaps its weight gathers with the distributed optimizer: -distopt-overlap"
+        if self.tp_overlap and not self.sequence_parallel:
+            return "Megatron-LM overlaps its TP communication with the GEMMs under sequence parallelism: -sp…-tpoverlap"
         if self.pipeline_parallel > 1 and (self.prefetch or not isinstance(reshard, bool)):
             return ("a pipelined fully_shard keeps its weights gathered from its first backward to the step's last "
                     "(torch's PipelineStage): it takes no -prefetch<N> or -reshard<N>")

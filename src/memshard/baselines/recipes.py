@@ -69,6 +69,7 @@ from memshard.baselines.rules import (
 from memshard.core.graph import AUTOCAST, PRECISIONS
 from memshard.core.mesh import Mesh
 from memshard.core.placement import local_numel
+from memshard.problem.buckets import bucketed, data_axes_of
 from memshard.problem.pricing import build_problem
 from memshard.problem.recompute import core_attention, mlp_module, op_level_replayed, replayable_ops
 from memshard.problem.records import (
@@ -92,6 +93,7 @@ from memshard.problem.records import (
     explicit_prefetch,
 )
 from memshard.problem.tensor_parallel import REDISTRIBUTE, tensor_parallel_dim, tensor_parallel_dims
+from memshard.problem.tp_overlap import tp_overlapped
 
 
 @dataclass(frozen=True)
@@ -281,6 +283,18 @@ def split_framework(name: StrategyName, problem: Problem) -> str:
     return problem.framework
 
 
+def priced_as_run(problem: Problem, selection: Selection, name: StrategyName) -> Problem:
+    """``problem`` priced for baseline ``name``'s plan ``selection`` as its framework runs its
+    collectives: the data-parallel ones per bucket (DDP's, Megatron-LM's: ``problem.buckets``),
+    its data-parallel axes those outside its tensor parallelism; with ``-tpoverlap`` the layer
+    linears' TP collectives beside their GEMMs (``problem.tp_overlap``)."""
+    data_axes = data_axes_of(problem.mesh.shape, name.tensor_parallel)
+    problem = bucketed(problem, selection, data_axes)
+    if name.tp_overlap:
+        problem = tp_overlapped(problem, selection, tuple(a for a in range(problem.mesh.ndim) if a not in data_axes))
+    return problem
+
+
 def split_innermost(mesh: Mesh, tp: int) -> Mesh:
     """The same devices with the innermost axis (a node) viewed as (m/tp) × tp, both parts
     with the node's links: how Megatron runs TP < GPUs per node."""
@@ -315,11 +329,12 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
                 for recipe in ("", TORCH_RECIPE, MEGATRON_RECIPE)}
 
     def add(base: StrategyName, make, on: Callable[[], Problem] = lambda: problem,
-            recipe: str = ""):
+            recipe: str = "", asked_only: bool = False):
+        """(``asked_only``: built only where ``wanted`` asks for it by name)"""
         bases.append(base)
         named = [replace(base, recompute=policy) for policy in policies[recipe]]
         names = [(str(name), name) for name in named]
-        names = [(text, name) for text, name in names if wanted is None or wanted(text)]
+        names = [(text, name) for text, name in names if (not asked_only if wanted is None else wanted(text))]
         if problem.graph.precision == AUTOCAST:
             refused = [(text, why) for text, name in names
                        if (why := unpriced_under_autocast(name, recipe))]
@@ -339,7 +354,7 @@ def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None
             if clash is not None:
                 skipped.append((full_name, f"{clash}; recompute with ZeRO-3 gathered per layer (--zero3-unit layer)"))
             else:
-                out.append(Baseline(full_name, selection, on))
+                out.append(Baseline(full_name, selection, priced_as_run(on, selection, name)))
 
     add(StrategyName(Kind.DP), ddp)
     # torchtitan's per-op policy where no activation collective runs in a block (with tensor
@@ -409,18 +424,23 @@ def add_tensor_parallel(problem: Problem, add: Callable) -> None:
                                 data_parallel=dp if dp > 1 else None)
         as_megatron = functools.cache(lambda on=on: as_run_by(on(), MEGATRON))
         add(megatron, lambda p, r, k=k: megatron_tp(p, k, replayed=r), as_megatron, MEGATRON_RECIPE)
+        # each sequence-parallel layout also with --tp-comm-overlap, where asked for by name
+        tp_overlaps = (False, True) if tp > 1 else (False,)
         if tp > 1:
-            add(replace(megatron, sequence_parallel=True), lambda p, r, k=k: megatron_tp_sp(p, k, r),
-                as_megatron, MEGATRON_RECIPE)
+            for tp_overlap in tp_overlaps:
+                add(replace(megatron, sequence_parallel=True, tp_overlap=tp_overlap),
+                    lambda p, r, k=k: megatron_tp_sp(p, k, r), as_megatron, MEGATRON_RECIPE, tp_overlap)
         if dp > 1:
             distopt = replace(megatron, sequence_parallel=tp > 1, distributed_optimizer=True)
 
             def sharded_optimizer(p, r, k=k, sp=tp > 1):
                 return megatron_tp(p, k, sequence_parallel=sp, distributed_optimizer=True, replayed=r)
-            add(distopt, sharded_optimizer, as_megatron, MEGATRON_RECIPE)
-            add(replace(distopt, overlap=True), sharded_optimizer,  # (Megatron-LM's problem, relabelled)
-                functools.cache(lambda megatron=as_megatron: as_run_by(megatron(), MEGATRON_OVERLAP)),
-                MEGATRON_RECIPE)
+            overlapped = functools.cache(lambda megatron=as_megatron: as_run_by(megatron(), MEGATRON_OVERLAP))
+            for tp_overlap in tp_overlaps:
+                add(replace(distopt, tp_overlap=tp_overlap), sharded_optimizer, as_megatron, MEGATRON_RECIPE,
+                    tp_overlap)
+                add(replace(distopt, overlap=True, tp_overlap=tp_overlap), sharded_optimizer,  # (relabelled)
+                    overlapped, MEGATRON_RECIPE, tp_overlap)
         if dp > 1 and tp > 1:
             add(StrategyName(Kind.TP_FSDP, tensor_parallel=tp, data_parallel=dp),
                 lambda p, r, k=k: tp_fsdp(p, k, r), on)

@@ -91,7 +91,7 @@ PARALLELIZE = ("run it with memshard.parallelize(model, plan) (README: \"Using a
 
 @dataclass(frozen=True)
 class MegatronLayout:
-    """The layout a ``megatron-tp<T>[-pp<P>][-dp<D>][-sp][-distopt[-overlap]]`` baseline's name says."""
+    """The layout a ``megatron-tp<T>[-pp<P>][-dp<D>][-sp][-distopt[-overlap]][-tpoverlap]`` baseline's name says."""
 
     tensor_parallel: int
     data_parallel: int
@@ -99,6 +99,7 @@ class MegatronLayout:
     distributed_optimizer: bool
     overlap: bool = False
     pipeline_parallel: int = 1
+    tp_overlap: bool = False  # --tp-comm-overlap
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class ExportTarget:
         if name.kind is not Kind.MEGATRON:
             return None
         return MegatronLayout(name.tensor_parallel, name.data_parallel or 1, name.sequence_parallel,
-                              name.distributed_optimizer, name.overlap, name.pipeline_parallel)
+                              name.distributed_optimizer, name.overlap, name.pipeline_parallel, name.tp_overlap)
 
     @property
     def option(self) -> str:
@@ -668,6 +669,7 @@ def megatron_arguments(target: ExportTarget, plan: Plan | PipelinedPlan) -> list
     args += ["--sequence-parallel"] * layout.sequence_parallel
     args += ["--use-distributed-optimizer"] * layout.distributed_optimizer
     args += ["--overlap-grad-reduce", "--overlap-param-gather"] * layout.overlap
+    args += ["--tp-comm-overlap"] * layout.tp_overlap  # (Transformer Engine's userbuffers)
     args += [f"--num-layers {cfg.num_layers}", f"--hidden-size {cfg.hidden}",
              f"--num-attention-heads {cfg.heads}", f"--ffn-hidden-size {cfg.ffn}",
              f"--seq-length {job.seq_length}", f"--max-position-embeddings {cfg.max_positions}"]
@@ -706,7 +708,8 @@ def megatron_script(target: ExportTarget, plan: Plan | PipelinedPlan) -> list[st
              + (" with sequence parallelism" if layout.sequence_parallel else "")
              + f", data parallelism {layout.data_parallel}"
              + (" with the distributed optimizer" if layout.distributed_optimizer else "")
-             + (", its collectives overlapped" if layout.overlap else "") + ",",
+             + (", its collectives overlapped" if layout.overlap else "")
+             + (", its TP communication overlapped with the GEMMs" if layout.tp_overlap else "") + ",",
              (f"# {layout.pipeline_parallel} pipeline stages of {plan.job.config.num_layers // layout.pipeline_parallel} layers "
               "under 1F1B (no virtual stages)" if layout.pipeline_parallel > 1 else "# no pipeline")
              + ", Adam (Megatron-LM's default optimizer).",

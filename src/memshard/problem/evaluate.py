@@ -118,9 +118,12 @@ def hidden_communication(problem: Problem, selection: Selection) -> float:
     forward) up to one micro-batch's compute, C/m. With O overlapped, O₁ of them once a step::
 
         exposed = max(0, O − C, O₁ − C/m)        hidden = O − exposed
+
+    plus what the choices' own compute hides apart (``Choice.hidden_s``: ``tp_overlap.py``).
     """
+    own = sum(group.instances * group.choices[k].hidden_s for group, k in zip(problem.groups, selection.choices))
     if not problem.overlaps:
-        return 0.0
+        return own
     overlapped = once = compute = 0.0
     for group, k in zip(problem.groups, selection.choices):
         choice = group.choices[k]
@@ -128,7 +131,7 @@ def hidden_communication(problem: Problem, selection: Selection) -> float:
         once += group.instances * choice.overlapped_once_s
         if isinstance(group, OpGroup):
             compute += group.instances * choice.compute_s
-    return overlapped - max(0.0, overlapped - compute, once - compute / problem.micro_batches)
+    return own + overlapped - max(0.0, overlapped - compute, once - compute / problem.micro_batches)
 
 
 def step_time(problem: Problem, selection: Selection) -> float:

@@ -189,6 +189,9 @@ class Choice:
     # reductions of the backward that syncs (the last micro-batch's) and the updated shards'
     # gathers before the first forward; they hide under one micro-batch's compute at most
     overlapped_once_s: float = 0.0
+    # per instance: of the collectives beside it, the seconds its own compute hides (a layer
+    # linear's TP collectives under its GEMMs, ``tp_overlap.py``; a fixed plan's only)
+    hidden_s: float = 0.0
 
 
 @dataclass
