@@ -105,11 +105,6 @@ def test_hf_model_under_its_plan_equals_the_model(family, hf_runs):
         plan.job.model.source, plan.job.precision, plan.job.model.attn_implementation, plan.job.hf_overrides()))
 
 
-# A family whose simulated peaks the model misses, and why (each still checked, within 4%).
-# llama-mixed: every rank's peak is the reshard of the last backward op's input gradients. The
-# runtime holds the embedding's reduced fp32 gradient shard (ZeRO-3, the root's) there, 16 KiB,
-# +3.6%; the model has it from the optimizer step on. Not yet explained (found 2026-12-07).
-PEAK_MISSES = {"llama-mixed": 0.04}
 
 
 @pytest.mark.parametrize("family", sorted(RUNS))
@@ -126,8 +121,7 @@ def test_hf_model_peak_memory_is_the_planned_one(family, hf_runs):
         if rank != 0 and real["measured"]["peak_bytes"] == pytest.approx(real["predicted"]["peak_bytes"], rel=0.02):
             continue
         r = simulate(plans[family], rank=rank)
-        tolerance = PEAK_MISSES.get(family, 0.02)
-        assert r["measured"]["peak_bytes"] == pytest.approx(r["predicted"]["peak_bytes"], rel=tolerance), rank
+        assert r["measured"]["peak_bytes"] == pytest.approx(r["predicted"]["peak_bytes"], rel=0.02), rank
 
 
 def test_a_traced_llama_at_its_default_length_allocates_what_it_plans():

@@ -391,6 +391,10 @@ class StoragePricing:
         if before_reshards:  # reduced before the reshards at ``at``: .grad while they run
             self.draft.slot(gid, at, at, "transients", nbytes * out, red * out, phase=BEFORE_RESHARDS)
             self.draft.slot(gid, at, at, "gradients", nbytes * scattered, red * scattered, phase=DURING_RESHARDS)
+            # a cast shard (``out`` < 1) is made while autograd still holds the whole gradient
+            # and the reduced one: .grad before the reshards too
+            cast = scattered * (out < 1)
+            self.draft.slot(gid, at, at, "gradients", nbytes * cast, red * cast, phase=BEFORE_RESHARDS)
         else:  # (``after_copy_in``: the point's second moment, once the inputs are freed)
             self.draft.slot(gid, at, at, "transients", nbytes * out, red * out,
                       phase=DURING_RESHARDS if after_copy_in else ALWAYS)
