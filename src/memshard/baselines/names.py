@@ -122,6 +122,7 @@ PARTS = (
     Part("time_slack", " ≤{}× fastest", (Kind.MEMSHARD,), FLOAT, float, "g"),
     Part("fastest", " fastest", (Kind.MEMSHARD,)),
     Part("pipeline_parallel", "-pp{}", (Kind.MEGATRON, Kind.FSDP2, Kind.TORCH_TP)),
+    Part("virtual_pipeline", "-vpp{}", (Kind.MEGATRON,)),
     Part("", "-fsdp", (Kind.TORCH_TP,)),  # torch-tp<T>[-pp<P>]-fsdp[<D>]
     Part("data_parallel", "-dp{}", (Kind.MEGATRON,)),
     Part("data_parallel", "{}", (Kind.TP_FSDP, Kind.TORCH_TP)),
@@ -150,7 +151,9 @@ class StrategyName:
     the sequence); ``pipeline_parallel``: Megatron-LM's ``-pp<P>``
     (``--pipeline-model-parallel-size``), torchtitan's (``fsdp2-pp<P>``, ``torch-tp<T>-pp<P>-fsdp<D>``:
     ``pipeline_parallel_degree``, each stage under torch.distributed.pipelining): P stages along
-    the outermost mesh axis, the rest of the name each stage's recipe; 1: no pipeline; a
+    the outermost mesh axis, the rest of the name each stage's recipe; 1: no pipeline;
+    ``virtual_pipeline``: Megatron-LM's ``-vpp<V>``, V stages per pipeline rank, interleaved
+    (``--num-layers-per-virtual-pipeline-stage`` L/(P·V)); a
     pipelined ``fully_shard`` takes no ``-prefetch<N>`` or ``-reshard<N>``); ``data_parallel``: ``-dp<D>`` (Megatron-LM's,
     within a stage; None: 1) or ``-fsdp<D>`` (TP ×
     FSDP's), None where the name leaves it out (``fitting.family``: the recipe on any number of
@@ -170,6 +173,7 @@ class StrategyName:
     kind: Kind
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    virtual_pipeline: int = 1
     data_parallel: int | None = None
     zero_stage: int = 0
     sequence_parallel: bool = False
@@ -205,8 +209,8 @@ class StrategyName:
                  if f.name not in taken and getattr(self, f.name) != f.default]
         if extra:
             return f"{self.kind.value} strategies have no {' or '.join(extra)}"
-        least = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "prefetch": 0, "block": 0,
-                 "every": 0}
+        least = {"tensor_parallel": 1, "pipeline_parallel": 1, "virtual_pipeline": 1, "data_parallel": 1,
+                 "prefetch": 0, "block": 0, "every": 0}
         for field, low in least.items():
             value = getattr(self, field)
             if not (value is None and field == "data_parallel") and not whole(value, low):
@@ -230,6 +234,8 @@ class StrategyName:
         if self.pipeline_parallel > 1 and (self.prefetch or not isinstance(reshard, bool)):
             return ("a pipelined fully_shard keeps its weights gathered from its first backward to the step's last "
                     "(torch's PipelineStage): it takes no -prefetch<N> or -reshard<N>")
+        if self.virtual_pipeline > 1 and self.pipeline_parallel == 1:
+            return "an interleaved pipeline (-vpp<V>) needs a pipeline (-pp<P>, P ≥ 2)"
         if (self.block or self.every) and (self.recompute != "full" or (self.block and self.every)):
             return ("some layers are recomputed in full as +full-block<N> or +full-every<N>, "
                     "one of them")
@@ -250,7 +256,7 @@ class StrategyName:
     @property
     def stage_recipe(self) -> StrategyName:
         """What each pipeline stage runs: the same strategy without its pipeline degree."""
-        return replace(self, pipeline_parallel=1)
+        return replace(self, pipeline_parallel=1, virtual_pipeline=1)
 
 
 def whole(value: Any, least: int) -> bool:
