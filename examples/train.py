@@ -5,7 +5,8 @@
     torchrun --nproc-per-node 4 examples/train.py --config examples/tiny_llama.json --mesh 4 \\
         --steps 4 --checkpoint ckpt --resume
 
-Every rank plans the job (planning is deterministic: every rank gets the same plan), builds the
+Every rank plans the job (planning is deterministic: every rank gets the same plan), or loads
+the plan given with ``--plan`` (saved with ``memshard plan --json`` or ``Plan.save``), builds the
 model from its config with the same seed, and hands both to ``memshard.parallelize``. Then it
 is the usual loop: AdamW over the sharded model's parameters, a warm-up schedule, gradient
 clipping (torch's own, the global norm), and a DCP checkpoint (model and optimizer by the
@@ -35,8 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="examples/tiny_llama.json", help="a Hugging Face config.json")
     p.add_argument("--mesh", default="4", help="the device mesh, e.g. 4 or 2x2 (its size: the ranks)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--plan", help="a saved plan of this job to load (default: every rank plans it)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (with --plan: the plan's)")
+    p.add_argument("--seq", type=int, default=32, help="tokens per sequence (with --plan: the plan's)")
     p.add_argument("--steps", type=int, default=4, help="train up to this step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=2, help="steps of linear learning-rate warm-up")
@@ -48,10 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def batch(vocab: int, args, step: int, device) -> torch.Tensor:
-    """Step ``step``'s token ids, the same on every rank."""
+def batch(vocab: int, job, step: int, device) -> torch.Tensor:
+    """Step ``step``'s token ids (the plan's batch and length), the same on every rank."""
     generator = torch.Generator().manual_seed(step)
-    return torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(device)
+    return torch.randint(0, vocab, (job.global_batch, job.seq), generator=generator).to(device)
 
 
 def save(path: str, sharded, optimizer, scheduler, step: int) -> None:
@@ -86,8 +88,11 @@ def main(argv=None) -> None:
 
 def train(args, device: str) -> None:
     """The loop: plan, shard, train, checkpoint; the losses to ``args.losses``."""
-    plan = memshard.plan(memshard.HFModel(args.config), args.mesh, batch=args.batch, seq=args.seq,
-                         precision="fp32")
+    if args.plan:
+        plan = memshard.load_plan(args.plan)
+    else:
+        plan = memshard.plan(memshard.HFModel(args.config), args.mesh, batch=args.batch, seq=args.seq,
+                             precision="fp32")
     mesh = init_device_mesh(device, plan.problem.mesh.shape)
     job = plan.job
     module = seeded_model(job.model.source, job.precision, job.model.attn_implementation, job.hf_overrides(),
@@ -100,7 +105,7 @@ def train(args, device: str) -> None:
     start = load(args.checkpoint, sharded, optimizer, scheduler) if args.resume else 0
     losses = {}
     for step in range(start, args.steps):
-        ids = batch(vocab, args, step, device)
+        ids = batch(vocab, job, step, device)
         loss = sharded(ids, labels=ids)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(sharded.parameters(), args.clip)  # the global norm

@@ -33,7 +33,8 @@ from memshard.plans.plan import Plan, load_plan
 from memshard.search import highs, passes, reference, solve, stages
 from memshard.search.formulation import Formulation
 
-PLANS = Path(__file__).resolve().parent / "data" / "plans"
+ROOT = Path(__file__).resolve().parents[1]
+PLANS = ROOT / "tests" / "data" / "plans"
 INPUTS = PLANS / "inputs.json"  # search name → the fingerprint of its input when its plan was written
 BATCH = 8
 # every search's limit, far above the time the tests' searches take: the plan is the same on a
@@ -46,10 +47,11 @@ SEARCH_STAGES = (solve, passes, highs, stages, reference)
 
 @dataclass(frozen=True)
 class Search:
-    """One ``memshard.plan`` call. A time plan's memory budget is ``budget`` times the peak of
-    the least-memory plan of the same job without recomputation (which is also its start, when
-    ``start`` is set); it is searched on the mesh as typed (no other view: the runtime's tests
-    are about the mesh they name)."""
+    """One ``memshard.plan`` call. ``model``: a preset's name, or a Hugging Face config.json
+    (its path from the repository's root: the model traced). A time plan's memory budget is
+    ``budget`` times the peak of the least-memory plan of the same job without recomputation
+    (which is also its start, when ``start`` is set); it is searched on the mesh as typed (no
+    other view: the runtime's tests are about the mesh they name)."""
 
     model: str
     mesh: str
@@ -66,8 +68,17 @@ class Search:
     gpu: str | None = None  # None: the default GPU
 
     @property
+    def source(self) -> str | memshard.HFModel:
+        """What ``memshard.plan`` is given: the preset's name, or the Hugging Face model traced
+        from the config's contents (as a saved plan holds it: the same plan from any checkout)."""
+        if not self.model.endswith(".json"):
+            return self.model
+        return memshard.HFModel(json.loads((ROOT / self.model).read_text()))
+
+    @property
     def name(self) -> str:
-        parts = [self.model, self.mesh, self.objective, self.precision, f"unit-{self.zero3_unit}",
+        model = f"hf-{Path(self.model).stem}" if self.model.endswith(".json") else self.model
+        parts = [model, self.mesh, self.objective, self.precision, f"unit-{self.zero3_unit}",
                  f"recompute-{self.recompute}", f"b{self.batch}"]
         if self.seq:
             parts.append(f"s{self.seq}")
@@ -101,6 +112,12 @@ def fastest(model: str, mesh: str, budget: float, unit: str = "op", precision: s
                   start=start)
 
 
+def traced(config: str, mesh: str, batch: int, seq: int) -> Search:
+    """The least-memory plan of a Hugging Face model in fp32 (``config``: its config.json from
+    the repository's root), searched to a 2% gap."""
+    return Search(config, mesh, seq=seq, batch=batch, mip_gap=0.02)
+
+
 def job_options(search: Search) -> dict:
     """``memshard.plan``'s keywords for ``search``, less the objective, budget and start."""
     return dict(batch=search.batch, seq=search.seq, precision=search.precision, zero3_unit=search.zero3_unit,
@@ -117,9 +134,9 @@ def fresh(search: Search) -> Plan:
     """The plan ``search`` finds now."""
     options = job_options(search)
     if search.objective == "memory":
-        return memshard.plan(search.model, search.mesh, **options)
+        return memshard.plan(search.source, search.mesh, **options)
     base = fresh(search.least_memory())
-    return memshard.plan(search.model, search.mesh, objective="time", memory_budget=memory_budget(search, base),
+    return memshard.plan(search.source, search.mesh, objective="time", memory_budget=memory_budget(search, base),
                          start=base if search.start else None, mesh_views=False, **options)
 
 
@@ -206,7 +223,7 @@ def fingerprint(search: Search) -> str:
     checked, where saved). The search is deterministic (each saved plan not in ``LONG`` is
     found again by a fresh search, in another process; test_cli's two plans are byte for
     byte the same): the same fingerprint, the same plan."""
-    job = make_job(search.model, search.mesh, batch=search.batch, seq=search.seq, gpu=search.gpu,
+    job = make_job(search.source, search.mesh, batch=search.batch, seq=search.seq, gpu=search.gpu,
                    precision=search.precision)
     options = SearchOptions(search.objective, zero3_unit=search.zero3_unit, time_limit_s=search.time_limit_s,
                             mip_gap=search.mip_gap, recompute=search.recompute, mesh_views=False)
@@ -231,16 +248,28 @@ def recorded_fingerprints() -> dict[str, str]:
     return json.loads(INPUTS.read_text()) if INPUTS.exists() else {}
 
 
+def saved_path(search: Search) -> Path:
+    """Where the plan of ``search`` is saved."""
+    return PLANS / f"{search.name}.json"
+
+
 @functools.cache
 def saved(search: Search) -> Plan:
     """The plan saved for ``search`` (written by :func:`write`)."""
-    path = PLANS / f"{search.name}.json"
+    path = saved_path(search)
     if not path.exists():
         raise FileNotFoundError(f"no saved plan {path.name}: add its Search to SEARCHES and run `{REWRITE}`")
     return load_plan(str(path))
 
 
-# Every searched plan the runtime tests run (tests/runtime/test_runtime.py and test_simulate.py).
+# The README's tiny LLaMA (examples/tiny_llama.json), traced: the standard loop's run
+# (tests/runtime/test_training_loop.py), and examples/train.py's on 2 ranks, whose every rank
+# would search it otherwise.
+TINY_LLAMA_LOOP = traced("examples/tiny_llama.json", "4", 4, 16)
+TINY_LLAMA_EXAMPLE = traced("examples/tiny_llama.json", "2", 8, 32)
+
+# Every searched plan the runtime tests run (tests/runtime/test_runtime.py, test_simulate.py and
+# test_training_loop.py).
 SEARCHES = (
     *(least_memory(m, mesh) for m in ("tiny-gpt", "tiny-llama") for mesh in ("4", "2x2", "1x4", "2x2x2")),
     fastest("tiny-gpt", "2x2", 2.0), fastest("tiny-llama", "1x4", 1.3), fastest("tiny-llama", "2x2x2", 1.3),
@@ -254,6 +283,7 @@ SEARCHES = (
     fastest("tiny-llama", "1x4", 1.3, precision="mixed"),
     Search("gpt3-6.7b", "8x8", batch=64, seq=2048, precision="mixed", mip_gap=0.02),
     Search("llama3-8b", "4x8", batch=32, seq=2048, mip_gap=0.02),
+    TINY_LLAMA_LOOP, TINY_LLAMA_EXAMPLE,
 )
 
 # The searches that take longest (tiny models: their LP bound is loose, and branch and bound
@@ -267,6 +297,7 @@ LONG = frozenset({
     least_memory("tiny-gpt", "1x4", recompute="auto", seq=128, time_limit_s=120),
     fastest("tiny-llama", "1x4", 1.02, recompute="auto", start=False),
     fastest("tiny-llama", "2x2x2", 1.3), fastest("tiny-llama", "1x4", 1.3, precision="mixed"),
+    TINY_LLAMA_LOOP, TINY_LLAMA_EXAMPLE,  # (traced and priced, then several seconds of search)
 })
 
 
@@ -280,7 +311,7 @@ def without_timing(plan: Plan | dict) -> dict:
 
 def saved_json(search: Search) -> dict:
     """The saved plan's file as written (``saved`` prices its choices again)."""
-    return json.loads((PLANS / f"{search.name}.json").read_text())
+    return json.loads(saved_path(search).read_text())
 
 
 def write(searches=SEARCHES) -> None:
@@ -288,7 +319,7 @@ def write(searches=SEARCHES) -> None:
     PLANS.mkdir(parents=True, exist_ok=True)
     fingerprints = recorded_fingerprints()
     for search in searches:
-        fresh(search).save(str(PLANS / f"{search.name}.json"))
+        fresh(search).save(str(saved_path(search)))
         saved.cache_clear()  # (a time plan's fingerprint reads its least-memory plan as saved)
         fingerprints[search.name] = fingerprint(search)
         print("wrote", search.name)

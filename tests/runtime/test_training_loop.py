@@ -37,7 +37,14 @@ from memshard.plans.plan import runnable
 from memshard.runtime import loop
 from memshard.runtime.executor import GraphModel, make_batch
 from tests.runtime_harness import BATCH, INSPECT_STEP, assert_gradients_close, forked_world
-from tests.runtime_plans import fastest, least_memory, saved
+from tests.runtime_plans import (
+    TINY_LLAMA_EXAMPLE,
+    TINY_LLAMA_LOOP,
+    fastest,
+    least_memory,
+    saved,
+    saved_path,
+)
 
 STEPS = 3
 WORLD = 4
@@ -255,10 +262,11 @@ def _checkpoint_runs(out_dir: Path) -> dict:
             "state_dict": names_and_kinds}
 
 
-@functools.cache
 def traced_plan():
-    """memshard's plan of the README's Hugging Face LLaMA (examples/tiny_llama.json), traced."""
-    return memshard.plan(memshard.HFModel(str(TINY_LLAMA)), "4", batch=4, seq=16, precision="fp32", mip_gap=0.02)
+    """memshard's plan of the README's Hugging Face LLaMA (examples/tiny_llama.json), traced:
+    ``memshard.plan(memshard.HFModel("examples/tiny_llama.json"), "4", batch=4, seq=16,
+    precision="fp32", mip_gap=0.02)``, searched once and saved (tests/runtime_plans.py)."""
+    return saved(TINY_LLAMA_LOOP)
 
 
 def traced_module(plan):
@@ -554,10 +562,12 @@ def test_a_checkpoint_moves_between_memshard_and_fsdp2(runs):
 def test_the_example_trains_saves_and_resumes(tmp_path):
     """examples/train.py under torchrun on 2 gloo ranks: 4 steps with a checkpoint after the
     second, then the same command resumed from it: the resumed steps' losses are the first
-    run's (the model, AdamW's states, the scheduler and the step restored)."""
+    run's (the model, AdamW's states, the scheduler and the step restored). Each rank loads
+    the example's job's plan (``--plan``: 8 sequences of 32 tokens on 2 ranks, searched once
+    and saved, tests/runtime_plans.py) instead of searching it again."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(EXAMPLES / "train.py"), "--config", str(TINY_LLAMA), "--mesh", "2", "--steps", "4",
-               "--checkpoint", str(tmp_path / "checkpoint")]
+               "--plan", str(saved_path(TINY_LLAMA_EXAMPLE)), "--checkpoint", str(tmp_path / "checkpoint")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for extra in (["--save-at", "2", "--losses", str(tmp_path / "straight.json")],
                   ["--resume", "--losses", str(tmp_path / "resumed.json")]):
