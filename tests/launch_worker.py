@@ -1,8 +1,15 @@
-"""A minimal rank for the launcher tests: gloo all-reduces, with ways to fail on purpose.
+"""A minimal rank for the launcher tests: all-reduces, with ways to fail on purpose.
 
 Run by ``memshard.runtime.launch.launch("tests.launch_worker", args, n)``. Each rank adds
 ``(rank + 1) * (step + 1)`` over ``LAUNCH_TEST_STEPS`` all-reduce steps and writes
 ``{"rank", "world_size", "sum", "args", "out_dir"}`` to ``$MEMSHARD_OUT_DIR/rank{RANK}.json``.
+
+The all-reduce is a sum through rank 0 over TCP at the launcher's ``MASTER_ADDR`` and
+``MASTER_PORT`` (where gloo's store would listen), each socket timing out after
+``MEMSHARD_COLLECTIVE_TIMEOUT_S``: a rank waits on its peers as in a gloo collective, and a
+peer's death breaks its wait. No torch: the launcher is what these tests check, and a rank
+starts in a fraction of a second instead of importing torch. (Ranks that run gloo under the
+launcher: ``memshard run`` in tests/runtime/test_run_cli.py and test_signals.py.)
 
 Test knobs (environment):
 ``LAUNCH_TEST_PID_DIR``        write ``rank{RANK}.pid`` there first thing;
@@ -21,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,34 +52,78 @@ def run(argv: list[str]) -> None:
             f.write(str(child.pid))
     time.sleep(float(os.environ.get("LAUNCH_TEST_SLEEP_S", "0")))
 
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
     from memshard.core.files import write_text_atomically
 
-    seconds = float(os.environ.get("MEMSHARD_COLLECTIVE_TIMEOUT_S", "60"))
-    timeout = datetime.timedelta(seconds=seconds)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    peers = _connect(rank, world, float(os.environ.get("MEMSHARD_COLLECTIVE_TIMEOUT_S", "60")))
     total = 0.0
     kill = (_env_int("LAUNCH_TEST_KILL_RANK"), _env_int("LAUNCH_TEST_KILL_STEP", 1))
     fail = (_env_int("LAUNCH_TEST_RAISE_RANK"), _env_int("LAUNCH_TEST_RAISE_STEP", 1))
     for step in range(_env_int("LAUNCH_TEST_STEPS", 3)):
-        t = torch.tensor([float((rank + 1) * (step + 1))])
+        value = float((rank + 1) * (step + 1))
         if (rank, step) == kill:
             time.sleep(0.3)  # let the other ranks enter the all-reduce first
             os.kill(os.getpid(), signal.SIGKILL)
         if (rank, step) == fail:
             time.sleep(0.3)
             raise RuntimeError(f"launch test failure on rank {rank} in step {step}")
-        dist.all_reduce(t)
-        total += float(t.item())
-    dist.destroy_process_group()
+        total += _all_reduce(value, rank, peers)
+    for peer in peers:
+        peer.close()
     if rank != _env_int("LAUNCH_TEST_NO_RESULT_RANK"):
         out_dir = os.environ["MEMSHARD_OUT_DIR"]
         result = {"rank": rank, "world_size": world, "sum": total, "args": argv, "out_dir": out_dir}
         write_text_atomically(os.path.join(out_dir, f"rank{rank}.json"), json.dumps(result))
+
+
+def _connect(rank: int, world: int, timeout_s: float) -> list:
+    """Rank 0: every other rank's connection (in rank order); another rank: its connection to
+    rank 0. Each reads and writes lines, and times out after ``timeout_s``."""
+    address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    if rank == 0:
+        with socket.create_server(address) as server:
+            server.settimeout(timeout_s)
+            by_rank = {}
+            for _ in range(world - 1):
+                connection, _ = server.accept()
+                connection.settimeout(timeout_s)
+                peer = connection.makefile("rw")
+                by_rank[int(_read(peer))] = peer
+        return [by_rank[r] for r in sorted(by_rank)]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            connection = socket.create_connection(address, timeout=timeout_s)
+            break
+        except OSError:  # rank 0 not listening yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    peer = connection.makefile("rw")
+    _write(peer, rank)
+    return [peer]
+
+
+def _read(peer) -> str:
+    line = peer.readline()
+    if not line:
+        raise ConnectionError("a peer closed its connection in the all-reduce")
+    return line
+
+
+def _write(peer, value) -> None:
+    peer.write(f"{value!r}\n")
+    peer.flush()
+
+
+def _all_reduce(value: float, rank: int, peers: list) -> float:
+    """The sum of every rank's ``value``, on every rank (rank 0 adds them and sends it back)."""
+    if rank != 0:
+        _write(peers[0], value)
+        return float(_read(peers[0]))
+    total = value + sum(float(_read(peer)) for peer in peers)
+    for peer in peers:
+        _write(peer, total)
+    return total
 
 
 def main() -> None:
