@@ -37,7 +37,7 @@ from memshard.problem.evaluate import Evaluation, evaluate
 from memshard.problem.memory import CATEGORIES, tensor_bytes
 from memshard.problem.pipeline import ChunkMemory, ChunkPhase, build_schedule, rank_peak_bytes
 from memshard.problem.pricing import build_problem
-from memshard.problem.records import PipelineStage, without_partial
+from memshard.problem.records import MEGATRON_FRAMEWORKS, MEMSHARD, PipelineStage, without_partial
 
 PIPELINE_SCHEMA_V = "memshard.pipeline/2"  # several stages per rank (``stages_per_rank``)
 CATEGORY_ACTIVATIONS = CATEGORIES.index("activations")
@@ -216,11 +216,16 @@ def chunk_memory(plan: Plan, zero_bubble: bool = False) -> ChunkMemory:
     in the first backward) and holding fewer (the gradients held from the start, a new one
     beside them in each backward), whichever of them the plan is of evaluated again on the
     other (``phase_evaluation``); S from the plan's own; ``zero_bubble``: G, the output gradient
-    of every op that reads a weight, in its output layout (torch keeps them from I to W)."""
+    of every op that reads a weight, in its output layout (torch keeps them from I to W); R, the
+    input gradient its backward sends back, which torch's multi-stage schedules keep to the
+    step's end (none under Megatron-LM's schedule, which frees what it sent). A baseline's stage
+    (Megatron-LM's, whose gradient buffer is held all step) has the one phase its problem
+    prices."""
     problem = plan.problem
     m, k = problem.micro_batches, problem.stage.held_micro_batches
-    first = plan.evaluation if k == m else phase_evaluation(plan, m)
-    later = plan.evaluation if k < m or m == 1 else phase_evaluation(plan, m - 1)
+    alike = problem.framework != MEMSHARD  # (a baseline's stage: its framework's graph, one phase)
+    first = plan.evaluation if k == m or alike else phase_evaluation(plan, m)
+    later = plan.evaluation if k < m or m == 1 or alike else phase_evaluation(plan, m - 1)
     weight_inputs = 0.0
     if zero_bubble:
         graph = problem.graph
@@ -231,7 +236,21 @@ def chunk_memory(plan: Plan, zero_bubble: bool = False) -> ChunkMemory:
     ev = plan.evaluation
     return ChunkMemory(_phase(problem, first, m), _phase(problem, later, max(1, m - 1) if k == m else k),
                        float(ev.boundary_activation_bytes), weight_inputs,
-                       float(later.live_bytes[problem.schedule.optimizer]))
+                       float(later.live_bytes[problem.schedule.optimizer]),
+                       0.0 if problem.framework in MEGATRON_FRAMEWORKS else received_bytes(plan))
+
+
+def received_bytes(plan: Plan) -> float:
+    """What one micro-batch of a stage receives (and sends back the gradient of): each received
+    tensor in its ``RECEIVE`` op's layout, bytes per device (0 on the first stage)."""
+    problem = plan.problem
+    graph = problem.graph
+    out = 0.0
+    for name in graph.received:
+        i, j = graph.consumers[name][0]
+        layout = problem.strategy(plan.selection, problem.op_group[i]).input_layouts[j]
+        out += tensor_bytes(graph.tensors[name], layout, problem.mesh)
+    return out
 
 
 def phase_evaluation(plan: Plan, held: int) -> Evaluation:
@@ -243,7 +262,8 @@ def phase_evaluation(plan: Plan, held: int) -> Evaluation:
                           micro_batches=problem.micro_batches, zero3_unit=problem.zero3_unit,
                           recompute=problem.recompute, framework=problem.framework,
                           stage=replace(problem.stage, held_micro_batches=held))
-    if [len(g.choices) for g in other.groups] != [len(g.choices) for g in problem.groups]:
+    if [len(g.choices) for g in other.groups] != [len(g.choices) for g in problem.groups] or len(
+            other.edges) != len(problem.edges):
         raise MemshardError(f"stage {problem.graph.name}: its problem holding {held} micro-batches has other "
                             "choices; its phases cannot be priced alike")
     return evaluate(other, plan.selection)

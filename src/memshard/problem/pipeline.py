@@ -58,7 +58,12 @@ place of its idle bytes and of the one micro-batch the action runs::
 
     M(k) = R_s + (a_s + w_s − 1)·S_s + w_s·G_s + Σ_{c ≠ s} (idle_c + a_c·S_c + w_c·(S_c + G_c))
 
-(a running W counts its micro-batch's ``G_s`` too, the bytes its kernels read). Each chunk's
+(a running W counts its micro-batch's ``G_s`` too, the bytes its kernels read). Torch's
+multi-stage schedules (``PipelineScheduleMulti``) keep each input gradient a stage sends back
+until the step ends (measured under gloo: every one alive, no Python object referring to it;
+``Schedule1F1B`` frees each when it sends the next): after ``b_s`` backwards (B or I) of a
+stage that receives its input, ``b_s`` of them, ``R_s`` each, of which its later phase
+counts one. Each chunk's
 idle and running bytes are of one of two phases: until its first backward (or W) has ended,
 no gradient of it is accumulated yet (that backward makes them); after it every gradient is
 held, and each backward makes a new one beside it. The rank's peak
@@ -512,25 +517,30 @@ class ChunkMemory:
     backward (or W) has ended, no gradient accumulated yet (that backward makes them), ``later``
     after it, every gradient held and autograd's new one beside it in each backward; S
     (``held_bytes``) per micro-batch waiting for its backward, G (``weight_input_bytes``) per
-    micro-batch waiting for its W, and its bytes at the optimizer step."""
+    micro-batch waiting for its W, its bytes at the optimizer step, and R
+    (``sent_gradient_bytes``), the input gradient each of its backwards sends back, which
+    torch's multi-stage schedules keep until the step ends (``rank_memory_bytes``)."""
 
     first: ChunkPhase
     later: ChunkPhase
     held_bytes: float
     weight_input_bytes: float
     optimizer_bytes: float
+    sent_gradient_bytes: float = 0.0  # the input gradient one backward sends back (0 on the first stage)
 
 
 def rank_memory_bytes(actions: Sequence[Action], chunks: dict[int, ChunkMemory]) -> tuple[float, ...]:
     """``M(k)`` at each action of a rank's list (``chunks``: each of its stages' memory)."""
     stages = held_stages(actions)
     done: set[int] = set()  # the stages whose first backward (or W) has ended
+    sent: dict[int, int] = dict.fromkeys(stages, 0)  # input gradients sent back so far, per stage
     out = []
     for action, phases in zip(actions, held_phases(actions)):
         total = 0.0
         for stage, (waiting, weights) in zip(stages, phases):
             c = chunks[stage]
             phase = c.later if stage in done else c.first
+            total += max(0, sent[stage] - 1) * c.sent_gradient_bytes  # (the later phase holds one)
             if stage == action.stage:
                 running = phase.forward_bytes if action.kind == "F" else phase.backward_bytes
                 total += running + (waiting + weights - 1) * c.held_bytes + weights * c.weight_input_bytes
@@ -539,6 +549,8 @@ def rank_memory_bytes(actions: Sequence[Action], chunks: dict[int, ChunkMemory])
         out.append(total)
         if action.kind in ("B", "W"):
             done.add(action.stage)
+        if action.kind in ("B", "I"):
+            sent[action.stage] += 1
     return tuple(out)
 
 

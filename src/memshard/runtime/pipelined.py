@@ -6,8 +6,9 @@
 each piece is the one the plan's model describes:
 
 - **Ranks.** The world ``DeviceMesh`` is the plan's mesh, pipeline axis first. A rank's stage
-  is its pipeline coordinate; the other axes are the stage's mesh, on which the stage's own
-  plan runs. Where the stages lie on another view of the stage's devices (a node of 8 as
+  is its pipeline coordinate (with several stages per rank, the stages the schedule places
+  there: ``PipelinedPlan.stage_ranks``, s mod p); the other axes are the stage's mesh, on which
+  the stage's own plan runs. Where the stages lie on another view of the stage's devices (a node of 8 as
   2 × 4 …: ``PipelinedPlan.typed_stage_mesh``), the plan's mesh is the pipeline axis and the
   view's axes, so the world mesh lays each stage out on its view, as ``train`` lays an
   unpipelined plan out on its view. Point-to-point goes between ranks of neighbouring stages.
@@ -17,7 +18,8 @@ each piece is the one the plan's model describes:
   so a stage holds the values the one-process model of the whole graph starts from.
 - **The schedule** is torch's: the stage is wrapped in torch's ``PipelineStage`` and run by
   ``Schedule1F1B`` or ``ScheduleGPipe`` with the plan's micro-batches, ``return_outputs=False``
-  as torchtitan calls it. Its receive buffers (one per micro-batch, kept), its kept outputs and
+  as torchtitan calls it; a rank of several stages wraps each and ``ScheduleInterleaved1F1B``
+  runs them all (a :class:`Chunk` per stage, one optimizer and one meter over them). Its receive buffers (one per micro-batch, kept), its kept outputs and
   its pending sends are what the stage's memory model counts (docs/design.md "Pipeline stages").
   The stage's shapes are given to torch (static metadata): torch's shape inference would run a
   forward and a backward through the executor, accumulating gradients and reducing them.
@@ -42,10 +44,11 @@ each piece is the one the plan's model describes:
 - **Measurement.** As ``train.py``: ``LeanAdam``, the last of ``steps`` steps measured by
   ``MemoryMeter`` (torch's receive buffers, made in the first step, handed to it) and
   ``CommCounter`` (collectives); the point-to-point bytes the rank sends are counted by its
-  stage (``report.P2P``), against the plan's activations times micro-batches.
+  stage (``report.P2P``), against the plan's activations times micro-batches. A rank of several
+  stages is predicted its ``PipelinedPlan.rank_peaks`` entry and the sums of its stages' bytes.
 
-Out of scope: interleaved and zero-bubble schedules (several stages per rank), traced modules,
-and ``memshard simulate`` (torch's stage moves its shapes and tensors by point-to-point, which
+Out of scope: the zero-bubble schedules (``UNRUN`` says why), traced modules, and
+``memshard simulate`` (torch's stage moves its shapes and tensors by point-to-point, which
 the fake process group does not).
 """
 
@@ -61,7 +64,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 
 from memshard.core.errors import MemshardError
 from memshard.core.graph import RECEIVE, Origin, TensorKind
@@ -78,7 +86,12 @@ from memshard.runtime.report import P2P, measured_figures, predicted_figures
 from memshard.runtime.reshard import without_partial
 from memshard.runtime.stores import compute_dtype
 
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved-1f1b": ScheduleInterleaved1F1B}
+# The schedules the runtime refuses, and why (docs/pipelining.md, "Running a pipelined plan")
+ZERO_BUBBLE_WHY = (": torch's split backward (stage_backward_input, then stage_backward_weight) over memshard's "
+                   "executor gives weight gradients other than the one-process run's, and torch's MemTracker cannot "
+                   "measure its autograd.grad")
+UNRUN = {"interleaved-zb": ZERO_BUBBLE_WHY, "zbv": ZERO_BUBBLE_WHY}
 # memshard's kernels and a stage's RECEIVE op: its output is the received piece itself
 STAGE_KERNELS = KernelTable({**KERNELS.kernels, RECEIVE: lambda ctx, x: x})
 
@@ -216,8 +229,9 @@ class StageModule(nn.Module):
         if self.ends.received is None:
             return self.model(Shares(zip(self.data, tensors)))
         (piece,) = tensors
+        mine = {name: value for name, value in data.items() if name in self.data}  # (a rank's stages share them)
         # (a callable: the executor reads it as it is, no copy of its own: ``executor.load``)
-        return self.model(Shares(data, **{self.ends.received: lambda: piece}))
+        return self.model(Shares(mine, **{self.ends.received: lambda: piece}))
 
 
 class Stage(PipelineStage):
@@ -267,38 +281,59 @@ def _stage_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class RankStage:  # (built by ``build_rank``)
-    """What one rank runs: its stage's index, plan, ends and executor, torch's stage and
-    schedule around them, its data inputs, and the groups its tied gradients are summed over."""
+class Chunk:  # (built by ``build_rank``)
+    """One stage a rank runs: its index, plan, ends and executor, torch's stage around them,
+    its data inputs, and the parameters another stage holds too."""
 
     index: int
     plan: object  # the stage's Plan, as the runtime runs it
     ends: StageEnds
     module: StageModule
     stage: Stage
-    schedule: object
     data: tuple[str, ...]
-    coordinate: tuple[int, ...]  # on the stage mesh
-    pipeline_group: object
-    ties: tuple[Tie, ...]  # the parameters another stage holds too
+    ties: tuple[Tie, ...]
 
     @property
     def model(self) -> ShardedGraphModel:
         return self.module.model
 
+
+@dataclass
+class RankStage:  # (built by ``build_rank``)
+    """What one rank runs: its stages (one, or several for the interleaved schedules), torch's
+    schedule around them, its coordinate on the stage mesh, and its pipeline group."""
+
+    chunks: tuple[Chunk, ...]
+    schedule: object
+    coordinate: tuple[int, ...]  # on the stage mesh
+    pipeline_group: object
+    rank: int  # on the pipeline axis
+    last_rank: int  # the pipeline rank of the last stage
+
     @property
-    def is_last(self) -> bool:
-        return self.stage.is_last
+    def first(self) -> Chunk | None:
+        """The model's first stage, where this rank runs it."""
+        return next((c for c in self.chunks if c.ends.received is None), None)
+
+    @property
+    def last(self) -> Chunk | None:
+        """The model's last stage, where this rank runs it."""
+        return next((c for c in self.chunks if c.stage.is_last), None)
+
+    @property
+    def modules(self) -> nn.ModuleList:
+        return nn.ModuleList([c.module for c in self.chunks])
 
 
 def build_rank(plan, world: DeviceMesh, seed: int) -> RankStage:
-    """This rank's stage of ``plan`` (a ``PipelinedPlan``) on ``world`` (its mesh, pipeline axis
+    """This rank's stages of ``plan`` (a ``PipelinedPlan``) on ``world`` (its mesh, pipeline axis
     first), or one MemshardError line saying why the runtime cannot run it."""
     if plan.job.graph.origin is Origin.TRACED:
         raise MemshardError("a pipelined plan of a traced or Hugging Face model: the runtime runs the stages of "
                             "built-in models")
     if plan.schedule not in SCHEDULES:
-        raise MemshardError(f"the runtime runs the schedules {', '.join(SCHEDULES)}, not {plan.schedule}")
+        why = UNRUN.get(plan.schedule, "")
+        raise MemshardError(f"the runtime runs the schedules {', '.join(SCHEDULES)}, not {plan.schedule}{why}")
     if tuple(world.shape) != plan.mesh.shape:
         raise MemshardError(f"device mesh {tuple(world.shape)} ≠ the pipelined plan's mesh {plan.mesh.shape}")
     plans = [runnable(stage.plan) for stage in plan.stages]
@@ -309,27 +344,33 @@ def build_rank(plan, world: DeviceMesh, seed: int) -> RankStage:
     ends = [stage_ends(p) for p in plans]
     check_boundaries(ends)
     coords = tuple(world.get_coordinate())
-    index, me = coords[0], coords[1:]
+    rank, me = coords[0], coords[1:]
     names = world.mesh_dim_names
     stage_mesh = world[names[1]] if len(names) == 2 else world[tuple(names[1:])]
-    mine, graph = plans[index], plans[index].problem.graph
-    reference = GraphModel(graph, seed)
-    reference.kernels = STAGE_KERNELS
-    model = parallelize(reference, mine, stage_mesh)
-    model.replicate_loss = index < len(plans) - 1  # a partial output is summed before it is sent
-    data = tuple(n for n, t in graph.tensors.items() if t.kind is TensorKind.INPUT and n not in graph.received)
-    module = StageModule(model, ends[index], data)
+    owners = plan.stage_ranks
 
     def rank_of(stage: int) -> Callable[[tuple[int, ...]], int]:
-        return lambda c: int(world.mesh[(stage, *c)].item())
+        return lambda c: int(world.mesh[(owners[stage], *c)].item())
 
     device = torch.device(world.device_type, torch.cuda.current_device()) if world.device_type == "cuda" \
         else torch.device(world.device_type)
-    stage = Stage(module, index, len(plans), device, world.get_group(0), _shapes(mine, ends[index], data, me),
-                  plan.job.micro_batches)
-    schedule = SCHEDULES[plan.schedule](stage, plan.job.micro_batches, loss_fn=_stage_loss, scale_grads=False)
-    return RankStage(index, mine, ends[index], module, stage, schedule, data, me, world.get_group(0),
-                     _ties(plans, index, me, rank_of, world.get_group(0)))
+    chunks = []
+    for index in (s for s, r in enumerate(owners) if r == rank):
+        mine, graph = plans[index], plans[index].problem.graph
+        reference = GraphModel(graph, seed)
+        reference.kernels = STAGE_KERNELS
+        model = parallelize(reference, mine, stage_mesh)
+        model.replicate_loss = index < len(plans) - 1  # a partial output is summed before it is sent
+        data = tuple(n for n, t in graph.tensors.items() if t.kind is TensorKind.INPUT and n not in graph.received)
+        module = StageModule(model, ends[index], data)
+        stage = Stage(module, index, len(plans), device, world.get_group(0), _shapes(mine, ends[index], data, me),
+                      plan.job.micro_batches)
+        chunks.append(Chunk(index, mine, ends[index], module, stage, data,
+                            _ties(plans, owners, index, me, rank_of, world.get_group(0))))
+    kind = SCHEDULES[plan.schedule]
+    schedule = kind(chunks[0].stage if len(chunks) == 1 and plan.stages_per_rank == 1 else [c.stage for c in chunks],
+                    plan.job.micro_batches, loss_fn=_stage_loss, scale_grads=False)
+    return RankStage(tuple(chunks), schedule, me, world.get_group(0), rank, owners[-1])
 
 
 def _meta(shape: tuple[int, ...], layout: Layout, mesh_shape, me, dtype, grad: bool = False) -> torch.Tensor:
@@ -380,17 +421,21 @@ class Tie:
     receive: tuple[Link, ...] = ()
 
 
-def _ties(plans, index: int, me, rank_of, pipeline_group) -> tuple[Tie, ...]:
+def _ties(plans, owners: tuple[int, ...], index: int, me, rank_of, pipeline_group) -> tuple[Tie, ...]:
     """This stage's :class:`Tie` s, or one MemshardError line for a parameter the runtime cannot
-    sum: held by more than two stages, or stored by ZeRO stages 1–3 in different layouts."""
+    sum: held by more than two stages, by two stages of one rank, or stored by ZeRO stages 1–3
+    in different layouts. ``owners``: each stage's pipeline rank."""
     out = []
     for name in plans[index].problem.graph.parameters:
         having = tuple(s for s, p in enumerate(plans) if name in p.problem.graph.parameters)
         if len(having) == 1:
             continue
+        if len({owners[s] for s in having}) < len(having):
+            raise MemshardError(f"stages {', '.join(map(str, having))} hold {name} on one rank: the runtime sums a "
+                                "tied weight's gradients over two ranks")
         storage = {s: _storage(plans[s], name) for s in having}
-        if len(set(storage.values())) == 1 and len(plans) == 2:
-            out.append(Tie(name, pipeline_group))
+        if len(set(storage.values())) == 1 and len(having) == 2 and len(set(owners)) == 2:
+            out.append(Tie(name, pipeline_group))  # (the pipeline group is the two ranks)
             continue
         if len(having) > 2 or any(stage for _, stage, _ in storage.values()):
             raise MemshardError(f"stages {', '.join(map(str, having))} hold {name} in different layouts or more than "
@@ -433,30 +478,35 @@ def sum_tied_gradients(model: ShardedGraphModel, ties: tuple[Tie, ...]) -> None:
 
 
 def train_pipelined(plan, device_mesh: DeviceMesh, steps: int = 2, seed: int = 0, lr: float = 1e-3) -> dict:
-    """Run ``steps`` steps of this rank's stage of ``plan`` (a ``PipelinedPlan``) on
+    """Run ``steps`` steps of this rank's stages of ``plan`` (a ``PipelinedPlan``) on
     ``device_mesh`` (the world mesh, pipeline axis first); measure the last one. Returns this
-    rank's report in ``train``'s shape, plus its ``stage`` and the point-to-point bytes
-    (``report.P2P``) predicted and measured; the losses are the whole model's, on every rank."""
+    rank's report in ``train``'s shape, plus its ``stage`` (a list where it runs several) and the
+    point-to-point bytes (``report.P2P``) predicted and measured; the losses are the whole
+    model's, on every rank."""
     if steps < 2:
         raise MemshardError("run at least 2 steps: the last one is measured with optimizer states in place")
     rank = build_rank(plan, device_mesh, seed)
-    model, stage = rank.model, rank.stage
-    optimizer = LeanAdam(model.parameters(), lr=lr)
+    chunks, last = rank.chunks, rank.last
+    optimizer = LeanAdam(list(itertools.chain.from_iterable(c.model.parameters() for c in chunks)), lr=lr)
+    modules = rank.modules
     losses, times = [], []
     for step in range(steps):
-        last = step == steps - 1
-        meter = MemoryMeter(rank.module, optimizer, *stage.receive_buffers()) if last else None
+        measured = step == steps - 1
+        buffers = [b for c in chunks for b in c.stage.receive_buffers()]
+        meter = MemoryMeter(modules, optimizer, *buffers) if measured else None
         counter = CommCounter()
         args, kwargs = _step_inputs(rank, plan, seed + step)  # the data loader's read: not measured
-        stage.step_index, stage.sent_bytes = step, 0
         held: list[torch.Tensor] = []
         start = time.perf_counter()
-        with meter or nullcontext(), counter if last else nullcontext():
-            model.step = step
-            model.watch_gradients(meter.mark_gradient if last else None)
-            rank.schedule.step(*args, target=kwargs[rank.data[0]] if rank.is_last else None,
-                               losses=held if rank.is_last else None, return_outputs=False, **kwargs)
-            sum_tied_gradients(model, rank.ties)
+        with meter or nullcontext(), counter if measured else nullcontext():
+            for c in chunks:
+                c.stage.step_index, c.stage.sent_bytes = step, 0
+                c.model.step = step
+                c.model.watch_gradients(meter.mark_gradient if measured else None)
+            rank.schedule.step(*args, target=kwargs[last.data[0]] if last is not None else None,
+                               losses=held if last is not None else None, return_outputs=False, **kwargs)
+            for c in chunks:
+                sum_tied_gradients(c.model, c.ties)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
@@ -464,13 +514,29 @@ def train_pipelined(plan, device_mesh: DeviceMesh, steps: int = 2, seed: int = 0
     return {
         "rank": dist.get_rank(),
         "coordinate": list(device_mesh.get_coordinate()),
-        "stage": rank.index,
+        "stage": chunks[0].index if len(chunks) == 1 else [c.index for c in chunks],
         "strategy": plan.strategy,
         "losses": losses,
         "step_times_s": times,
-        "predicted": {**predicted_figures(rank.plan), P2P: predicted_sends(rank.plan, rank.ends,
-                                                                          plan.job.micro_batches)},
-        "measured": {**measured_figures(meter, counter), P2P: stage.sent_bytes},
+        "predicted": {**_predicted(plan, rank), P2P: sum(predicted_sends(c.plan, c.ends, plan.job.micro_batches)
+                                                          for c in chunks)},
+        "measured": {**measured_figures(meter, counter), P2P: sum(c.stage.sent_bytes for c in chunks)},
+    }
+
+
+def _predicted(plan, rank: RankStage) -> dict:
+    """The rank's predicted figures: its stage plan's, or over its several stages the rank's
+    peak (``PipelinedPlan.rank_peaks``), the stages' breakdowns at their own peaks summed, and
+    their collectives summed."""
+    if len(rank.chunks) == 1 and plan.stages_per_rank == 1:
+        return predicted_figures(rank.chunks[0].plan)
+    figures = [predicted_figures(c.plan) for c in rank.chunks]
+    return {
+        "peak_bytes": plan.rank_peaks[rank.rank],
+        "breakdown": {k: sum(f["breakdown"][k] for f in figures) for k in figures[0]["breakdown"]},
+        "communication_bytes": sum(f["communication_bytes"] for f in figures),
+        "communication_by_kind": {k: sum(f["communication_by_kind"][k] for f in figures)
+                                  for k in figures[0]["communication_by_kind"]},
     }
 
 
@@ -478,22 +544,25 @@ def _step_inputs(rank: RankStage, plan, seed: int) -> tuple[tuple, dict]:
     """This rank's data for a step: the global batch's micro-batches, drawn alike on every rank
     (``make_batch`` of the whole graph: the one process's numbers), each cut to this rank's
     share and stacked along the first dim, which torch cuts back into the micro-batches. The
-    first stage takes them as arguments, the others as keywords."""
-    batches = make_batch(plan.job.graph, plan.job.micro_batches, seed, rank.model.device)
-    stacked = {name: torch.cat([_data_share(rank.plan, name, b[name], rank.coordinate) for b in batches])
-               for name in rank.data}
-    if rank.ends.received is None:
-        return tuple(stacked[name] for name in rank.data), {}
-    return (), stacked
+    first stage takes them as arguments, the last (the labels) as keywords."""
+    batches = make_batch(plan.job.graph, plan.job.micro_batches, seed, rank.chunks[0].model.device)
+
+    def stacked(chunk: Chunk) -> dict[str, torch.Tensor]:
+        return {name: torch.cat([_data_share(chunk.plan, name, b[name], rank.coordinate) for b in batches])
+                for name in chunk.data}
+
+    first, last = rank.first, rank.last
+    args = tuple(stacked(first).values()) if first is not None else ()
+    return args, stacked(last) if last is not None and last is not first else {}
 
 
 def _step_loss(rank: RankStage, held: list[torch.Tensor], micro_batches: int) -> float:
-    """The step's loss (the mean over its micro-batches), from the last stage to every rank
-    (outside the measured step)."""
-    value = torch.zeros(1, dtype=torch.float64, device=rank.model.device)
-    if rank.is_last:
-        value += sum(rank.model.loss_value(loss) for loss in held) / micro_batches
-    dist.broadcast(value, group=rank.pipeline_group, group_src=rank.stage.num_stages - 1)
+    """The step's loss (the mean over its micro-batches), from the last stage's rank to every
+    rank (outside the measured step)."""
+    value = torch.zeros(1, dtype=torch.float64, device=rank.chunks[0].model.device)
+    if rank.last is not None:
+        value += sum(rank.last.model.loss_value(loss) for loss in held) / micro_batches
+    dist.broadcast(value, group=rank.pipeline_group, group_src=rank.last_rank)
     return float(value.item())
 
 
