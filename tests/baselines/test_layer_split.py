@@ -84,8 +84,9 @@ def test_block_recomputation_keeps_megatrons_bytes_per_layer():
     root = build_problem(graph, parse_mesh("4"), recompute="auto")
     fixed = split_baseline(root, "megatron-tp4-sp", count)
     activations = evaluate(fixed.problem, fixed.selection).category_bytes[CATEGORIES.index("activations")]
-    first = [min(i for i, op in enumerate(graph.ops) if op.layer == k) for k in range(layers)]
-    held = [activations[root.schedule.reshard_in(i)] for i in first]
+    ops = fixed.problem.graph.ops  # (Megatron-LM's framework graph: its fused GEMMs' gathers)
+    first = [min(i for i, op in enumerate(ops) if op.layer == k) for k in range(layers)]
+    held = [activations[fixed.problem.schedule.reshard_in(i)] for i in first]
     assert [held[k + 1] - held[k] for k in range(layers - 1)] == pytest.approx(
         [2 * s * b * h / t] * count + [s * b * h / t * (34 + 5 * a * s / h)] * (layers - 1 - count))
 

@@ -92,7 +92,7 @@ from memshard.problem.records import (
     complete_selection,
     explicit_prefetch,
 )
-from memshard.problem.tensor_parallel import REDISTRIBUTE, tensor_parallel_dim, tensor_parallel_dims
+from memshard.problem.tensor_parallel import GATHERS, tensor_parallel_dim, tensor_parallel_dims
 from memshard.problem.tp_overlap import tp_overlapped
 
 
@@ -120,7 +120,7 @@ def megatron_tp(
 
     def per_op(op):
         tp_dim = tensor_parallel_dim(op, tp_dims)
-        if tp_dim is None and sequence_parallel and "s" in op.dims and op.kind != REDISTRIBUTE:
+        if tp_dim is None and sequence_parallel and "s" in op.dims and op.kind not in GATHERS:
             tp_dim = "s"
         return tuple(
             None if mesh.shape[a] == 1 else (tp_dim if a in tp else ("b" if "b" in op.dims else None))

@@ -88,7 +88,7 @@ from memshard.problem.strategies import (
     input_grad_layout,
     parameter_inputs,
 )
-from memshard.problem.tensor_parallel import REDISTRIBUTIONS, redistribute_grad_layout
+from memshard.problem.tensor_parallel import FUSED_GATHER, REDISTRIBUTIONS, redistribute_grad_layout
 
 
 def _role_key(op: Op, shared: bool) -> str:
@@ -550,8 +550,10 @@ class _Builder(ProblemDraft):
 
 
 def receive_time(op: Op) -> KernelTime | None:
-    """A ``RECEIVE`` op's seconds: none (the piece torch received, as it is); None for another op."""
-    return KernelTime(0.0, 0.0) if op.kind == RECEIVE else None
+    """A ``RECEIVE`` op's seconds: none (the piece torch received, as it is); a
+    ``FUSED_GATHER``'s: none (the all-gather writes the buffer the fused GEMM reads, whose one
+    input gradient needs no sum); None for another op."""
+    return KernelTime(0.0, 0.0) if op.kind in (RECEIVE, FUSED_GATHER) else None
 
 
 def build_problem(graph: Graph, mesh: Mesh, shared_layers: bool = True, micro_batches: int = 1,

@@ -85,7 +85,9 @@ SAVED = "saved"  # a consumer's saved copy: consumer layout, or producer layout 
 # parallelize_module with torchtitan's plan (``tensor_parallel.with_input_gathers``: each
 # block's attention and MLP input gathered once) × fully_shard as FSDP2 (TORCH_TP_NO_RESHARD: with
 # ``reshard_after_forward=False``; TORCH_TP_TORCHTITAN: with torchtitan's units, as
-# FSDP2_TORCHTITAN); MEGATRON: Megatron-LM's
+# FSDP2_TORCHTITAN); MEGATRON: Megatron-LM's fused GEMMs (``tensor_parallel.with_input_gathers``
+# with ``saved_split``: QKV's and fc1's input gathered once, saved split, gathered again in
+# backward, its gradient reduced once) and its
 # gradient buffer (``pricing.build_problem``: every local gradient in fp32, all step, reduced in
 # fp32; MEGATRON_OVERLAP: the same with ``--overlap-grad-reduce --overlap-param-gather``). Not a
 # search option: memshard's runtime executes "memshard" plans only.
@@ -131,6 +133,8 @@ def framework_graph(graph: Graph, framework: str) -> Graph:
     if framework in TORCH_TP_FRAMEWORKS:
         graph = with_input_gathers(with_output_scatters(graph))
     if framework in MEGATRON_FRAMEWORKS:  # bf16 training accumulates and reduces gradients in fp32 (main_grad)
+        # (the projections Megatron-LM fuses into one GEMM gather their input once, save it split)
+        graph = with_input_gathers(graph, saved_split=True)
         graph = replace(graph, precision=replace(graph.precision, grad_bytes=4))
     if framework in FSDP2_FRAMEWORKS and graph.precision.name == MIXED.name:
         # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathered

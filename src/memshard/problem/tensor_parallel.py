@@ -5,7 +5,12 @@
 - :func:`with_input_gathers`: the graph as PyTorch's ``parallelize_module`` runs it with
   torchtitan's plan, where ``PrepareModuleInput`` gathers a sequence-parallel activation once
   for every projection reading it (q, k, v; gate and up): one :data:`REDISTRIBUTE` op before
-  them, whose output they all read, save and send their gradients to;
+  them, whose output they all read, save and send their gradients to; with ``saved_split``
+  the graph as Megatron-LM runs it, where those projections are one fused GEMM (QKV; gate and
+  up as fc1) whose ``LinearWithGradAccumulationAndAsyncCommunication`` gathers its input once
+  into a buffer, saves the input as it came (split over the sequence) and gathers it again in
+  backward: one :data:`FUSED_GATHER` op that saves its input, its readers saving none of its
+  output;
 - :func:`with_output_scatters`: where a row-parallel op's partial output (the vocabulary-parallel
   embedding's) has several readers, ``RowwiseParallel(output_layouts=Shard(1))`` reduce-scatters
   it once: one :data:`SCATTER` op after it, whose output they all read (and a checkpointed
@@ -28,7 +33,9 @@ from memshard.core.placement import PARTIAL, REPLICATE, Layout
 TP_DIMS = ("v", "f", "e", "n")  # a built model's dims tensor parallelism splits, first found in the op
 REDISTRIBUTE = "redistribute"  # op kind: an input gathered once for several readers
 SCATTER = "redistribute_scatter"  # op kind: a partial output reduce-scattered once for several readers
-REDISTRIBUTIONS = frozenset({REDISTRIBUTE, SCATTER})
+FUSED_GATHER = "redistribute_fused"  # op kind: a fused GEMM's input gathered once, saved as it came
+REDISTRIBUTIONS = frozenset({REDISTRIBUTE, SCATTER, FUSED_GATHER})
+GATHERS = frozenset({REDISTRIBUTE, FUSED_GATHER})  # an input gathered once for several readers
 
 
 def tensor_parallel_dims(graph: Graph) -> tuple[str, ...]:
@@ -71,12 +78,16 @@ def tensor_parallel_dim(op: Op, dims: tuple[str, ...]) -> str | None:
     return next((d for d in dims if d in op.dims and d not in op.unsplittable_dims), None)
 
 
-def with_input_gathers(graph: Graph) -> Graph:
+def with_input_gathers(graph: Graph, saved_split: bool = False) -> Graph:
     """``graph`` with a :data:`REDISTRIBUTE` op before every activation that two or more
     projections read in one layer without a tensor-parallel dim of their own input
     (``ColwiseParallel`` projections, whose weight carries the split), those readers rewired
-    to its output: ``PrepareModuleInput`` before a block's attention and MLP."""
+    to its output: ``PrepareModuleInput`` before a block's attention and MLP. With
+    ``saved_split``, a :data:`FUSED_GATHER` op instead, as Megatron-LM's fused GEMM runs: it
+    saves its input (kept split where the producer's layout is, and gathered again in
+    backward: ``Edge.can_keep``), and the readers save none of its output."""
     dims = tensor_parallel_dims(graph)
+    kind, saves = (FUSED_GATHER, (0,)) if saved_split else (REDISTRIBUTE, ())
     additions = []
     for name, readers in graph.consumers.items():
         if graph.tensors[name].kind is not TensorKind.ACTIVATION:
@@ -88,12 +99,12 @@ def with_input_gathers(graph: Graph) -> Graph:
         gathered = f"{name}.gathered"
         dims_of = first.inputs[projections[0][1]].dims
         module = first.name.rsplit(".", 1)[0] if "." in first.name else first.name
-        gather = Op(name=f"{module}/gather#{name}", kind=REDISTRIBUTE, inputs=(Operand(name, dims_of),),
-                    output=Operand(gathered, dims_of), flops_per_point=0.0, backward_flops_ratio=0.0,
+        gather = Op(name=f"{module}/gather#{name}", kind=kind, inputs=(Operand(name, dims_of),),
+                    output=Operand(gathered, dims_of), saves_inputs=saves, flops_per_point=0.0, backward_flops_ratio=0.0,
                     layer=first.layer, role=None if first.role is None else f"{first.role}/gather",
                     layer_class=first.layer_class)
         additions.append((projections[0][0], gather, projections))
-    return _with_redistributions(graph, additions)
+    return _with_redistributions(graph, additions, saved_by_readers=not saved_split)
 
 
 def with_output_scatters(graph: Graph) -> Graph:
@@ -116,16 +127,19 @@ def with_output_scatters(graph: Graph) -> Graph:
     return _with_redistributions(graph, additions)
 
 
-def _with_redistributions(graph: Graph, additions: list[tuple[int, Op, list[tuple[int, int]]]]) -> Graph:
+def _with_redistributions(graph: Graph, additions: list[tuple[int, Op, list[tuple[int, int]]]],
+                          saved_by_readers: bool = True) -> Graph:
     """``graph`` with each ``(position, redistribution, readers)``: the op inserted before
-    ``position``, its output a tensor like its input, each reader's input ``j`` rewired to it."""
+    ``position``, its output a tensor like its input, each reader's input ``j`` rewired to it
+    (and, unless ``saved_by_readers``, no longer saved by it)."""
     ops, tensors = list(graph.ops), dict(graph.tensors)
     for _, op, readers in additions:
         out = op.output.tensor
         tensors[out] = replace(graph.tensors[op.inputs[0].tensor], name=out)
         for i, j in readers:
             ops[i] = replace(ops[i], inputs=tuple(Operand(out, o.dims) if k == j else o
-                                                  for k, o in enumerate(ops[i].inputs)))
+                                                  for k, o in enumerate(ops[i].inputs)),
+                             saves_inputs=tuple(k for k in ops[i].saves_inputs if saved_by_readers or k != j))
     for position, op, _ in sorted(additions, key=lambda x: x[0], reverse=True):
         ops.insert(position, op)
     return replace(graph, ops=tuple(ops), tensors=tensors)
