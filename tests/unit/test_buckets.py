@@ -80,20 +80,41 @@ def test_ddp_pays_one_all_reduce_latency_per_bucket_of_torchs_rule():
     assert after.communication_time_s < before.communication_time_s
 
 
+def _megatron_buckets(problem, selection, data_parallel: int) -> int:
+    """Megatron-LM's buckets with ``--overlap-grad-reduce`` (``param_and_grad_buffer.py``): the
+    local parameters in reverse order, a bucket closed once it holds max(40M, 1M × DP) elements."""
+    first_use = {}
+    for i, op in enumerate(problem.graph.ops):
+        for t in op.inputs:
+            if t.tensor in problem.graph.parameters:
+                first_use.setdefault(t.tensor, i)
+    cap, held, buckets = max(40_000_000, 1_000_000 * data_parallel), 0, 0
+    for name in sorted(first_use, key=lambda n: -first_use[n]):
+        gid = problem.storage_group[name]
+        G, _ = problem.groups[gid].options[selection.choices[gid]]
+        held += local_numel(problem.graph.tensors[name].shape, param_layout(G), problem.mesh.shape)
+        if held >= cap:
+            buckets, held = buckets + 1, 0
+    return buckets + (held > 0)
+
+
 def test_megatron_reduces_per_bucket_with_overlap_and_in_one_without():
     """Megatron-LM: ``--overlap-grad-reduce`` buckets of max(40M, 1M × DP) parameters; without
-    it one bucket for the whole buffer (its distributed optimizer's gathers alike)."""
-    job = make_job("gpt3-1.3b", "2x4", batch=8, num_layers=4)
-    for name, buckets in (("megatron-tp2-dp4-sp-distopt", 1), ("megatron-tp2-dp4-sp-distopt-overlap", None)):
-        _, b = _baseline(job, name)
-        calls = evaluate(b.problem, b.selection).communication_by_kind
-        if buckets is None:  # ~1.3B / TP 2 parameters in 40M buckets
-            local = sum(local_numel(b.problem.graph.tensors[n].shape, param_layout(
-                b.problem.groups[b.problem.storage_group[n]].options[b.selection.choices[b.problem.storage_group[n]]][0]),
-                b.problem.mesh.shape) for n in b.problem.storage_group)
-            assert calls["reduce_scatter"]["calls"] >= local // 40_000_000 > 1
-        else:
-            assert calls["all_gather"]["calls"] >= 1
+    it one bucket for the whole buffer; its distributed optimizer's gathers per bucket alike."""
+    job = make_job("gpt3-1.3b", "2x4", batch=8, num_layers=8)
+    _, in_line = _baseline(job, "megatron-tp2-dp4-sp-distopt")
+    _, overlapped = _baseline(job, "megatron-tp2-dp4-sp-distopt-overlap")
+    expected = _megatron_buckets(overlapped.problem, overlapped.selection, 4)
+    assert expected > 1
+    for b, buckets in ((in_line, 1), (overlapped, expected)):
+        data_axes = set(b.problem.mesh.to_real_axes(tuple(range(b.problem.mesh.ndim - 1))))
+        calls = {comm.REDUCE_SCATTER: 0.0, comm.ALL_GATHER: 0.0}
+        for group, k in zip(b.problem.groups, b.selection.choices):
+            if isinstance(group, StorageGroup):
+                for c in group.choices[k].calls:
+                    if set(c.axes) <= data_axes:
+                        calls[c.kind] += group.instances * c.share
+        assert calls == {comm.REDUCE_SCATTER: pytest.approx(buckets), comm.ALL_GATHER: pytest.approx(buckets)}
 
 
 def test_tpoverlap_is_a_name_part_with_sequence_parallelism_only():
