@@ -16,7 +16,7 @@ from memshard.runtime.report import error
 from memshard.runtime.simulate import simulate
 from tests.runtime_harness import BATCH, INSPECT_STEP, assert_gradients_close, reference, run_cases
 
-STEPS = 2
+STEPS = 3  # (the gradients are read at the second step, INSPECT_STEP, which must not be the last)
 CONFIG = get_config("tiny-gpt", fused_attention=True)
 # (the attention heads split by TP, the sequence by SP and by data parallelism; ZeRO-3)
 STRATEGIES = {"megatron-tp2-dp2-sp": "2x2", "tp2-fsdp2": "2x2", "zero3-fsdp": "4"}
@@ -43,6 +43,7 @@ def test_a_fused_attention_plan_trains_as_one_process(strategy):
     for r in reports:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     grads = reports[0]["gradients"]
+    assert set(grads) == set(ref_grads)
     assert_gradients_close({n: torch.from_numpy(g).double() for n, g in grads.items()}, ref_grads, exact,
                            (strategy, INSPECT_STEP))
 
