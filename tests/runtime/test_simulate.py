@@ -62,6 +62,12 @@ def _close(measured: float, predicted: float, tol: float) -> bool:
 # ------------------------------------------------------------------ simulate == real gloo
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """Megatron-LM's TP × DP with sequence parallelism, tiny GPT on 2x2 (made once)."""
+    return strategy_plan("tiny-gpt", "2x2", "megatron-tp2-dp2-sp", batch=8)
+
+
 def _train_command_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """One rank of ``python -m memshard.runtime.train --plan plan.json --steps 2`` as the
     launcher starts it (its environment), forked: its report to ``out_dir/rank<r>.json``."""
@@ -76,10 +82,10 @@ def _train_command_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     assert main(["--plan", os.path.join(out_dir, "plan.json"), "--steps", "2"]) == 0
 
 
-def test_a_simulated_rank_measures_what_the_real_gloo_rank_measures(tmp_path) -> None:
+def test_a_simulated_rank_measures_what_the_real_gloo_rank_measures(tmp_path, tiny) -> None:
     # 4 real gloo ranks (the train command's own code, forked: no interpreter started per
     # rank; the launcher is tests/runtime/test_launch.py's), then the same 4 ranks simulated.
-    plan = strategy_plan("tiny-gpt", "2x2", "megatron-tp2-dp2-sp", batch=8)
+    plan = tiny
     plan.save(str(tmp_path / "plan.json"))
     real = forked_world(_train_command_rank, 4, tmp_path)
     for rank in range(4):
@@ -121,11 +127,6 @@ def test_zero3_per_layer_on_a_big_model_matches_the_plan() -> None:
 
 
 # ------------------------------------------------------------------------ refusals, cleanup
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return strategy_plan("tiny-gpt", "2x2", "megatron-tp2-dp2-sp", batch=8)
 
 
 def test_simulate_refuses_a_rank_outside_the_mesh(tiny) -> None:
