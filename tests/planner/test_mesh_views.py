@@ -80,22 +80,24 @@ def test_the_fastest_plan_is_no_slower_than_any_baselines_layout_run_by_memshard
     viewed as 4 × 2 and 2 × 4, FSDP, ZeRO, DDP…), run by memshard's runtime (its selection
     priced as memshard runs it), is no faster than memshard's fastest plan that fits. (Four
     layers of GPT-3 6.7B: on the mesh as typed alone, a TP 4 layout is faster.)"""
-    from memshard.baselines.recipes import as_run_by, baselines
+    from memshard.baselines.recipes import as_run_by, baselines, run_by_memshard
     from memshard.core.mesh import parse_mesh
     from memshard.models import build_graph
     from memshard.problem.evaluate import evaluate
     from memshard.problem.pricing import build_problem
-    from memshard.problem.records import MEMSHARD
+    from memshard.problem.records import MEGATRON_FRAMEWORKS, MEMSHARD
 
     shape = dict(batch=8, seq=2048, num_layers=4)
     fastest = memshard.plan("gpt3-6.7b", "8", objective="time", **shape)
     found, _ = baselines(build_problem(build_graph("gpt3-6.7b", **shape), parse_mesh("8")))
     meshes, timed = set(), []
     for b in found:
-        run_by_memshard = as_run_by(b.problem, MEMSHARD)
-        ev = evaluate(run_by_memshard, b.selection)
+        # (Megatron-LM's fused GEMMs' gathers undone: memshard's runtime runs each projection on its own)
+        ours, selection = (run_by_memshard(b.problem, b.selection) if b.problem.framework in MEGATRON_FRAMEWORKS
+                           else (as_run_by(b.problem, MEMSHARD), b.selection))
+        ev = evaluate(ours, selection)
         meshes.add(str(b.problem.mesh))
-        if ev.peak_bytes <= run_by_memshard.mesh.device_memory_bytes:
+        if ev.peak_bytes <= ours.mesh.device_memory_bytes:
             timed.append((ev.step_time_s, b.name))
     assert meshes == {"8", "4x2", "2x4"} and len(timed) > 10
     assert fastest.step_time_s <= min(timed)[0] * (1 + fastest.solver.gap) + 1e-12, min(timed)

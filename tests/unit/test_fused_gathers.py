@@ -11,8 +11,10 @@ import pytest
 
 from memshard.api import make_job, strategy_plan
 from memshard.core.graph import TensorKind
+from memshard.models import build_graph
+from memshard.plans.plan import runnable
 from memshard.problem.evaluate import evaluate
-from memshard.problem.tensor_parallel import FUSED_GATHER
+from memshard.problem.tensor_parallel import FUSED_GATHER, with_input_gathers, without_fused_gathers
 
 # megatron/core/tensor_parallel/layers.py and mappings.py, per GEMM and micro-batch:
 # ``ColumnParallelLinear`` (``LinearWithGradAccumulationAndAsyncCommunication``): with sequence
@@ -101,3 +103,29 @@ def test_the_gathered_input_is_saved_split_and_no_reader_saves_the_gathered_one(
         assert "s" in problem.strategy(selection, problem.op_group[graph.producer[op.inputs[0].tensor]]).assignment
         assert layouts.producer != layouts.consumer
     assert evaluate(problem, selection).peak_bytes == pytest.approx(plan.peak_bytes)
+
+
+@pytest.mark.parametrize("model", ["tiny-gpt", "tiny-llama"])
+def test_memshards_runtime_runs_each_projection_on_its_own(model):
+    """The runtime fuses no GEMMs: undoing the gathers gives back memshard's graph, and a
+    Megatron-LM baseline runs there with each op's strategy as chosen, every projection
+    keeping its input split where its gather kept its own."""
+    graph = build_graph(model, batch=4, seq=32)
+    fused = with_input_gathers(graph, saved_split=True)
+    assert fused != graph and without_fused_gathers(fused) == graph
+    plan = strategy_plan(model, "2x2", "megatron-tp2-dp2-sp", batch=8)
+    run = runnable(plan)
+    assert run.problem.framework == "memshard" and not any(op.kind == FUSED_GATHER for op in run.problem.graph.ops)
+    chosen = {op.name: plan.problem.strategy(plan.selection, plan.problem.op_group[i])
+              for i, op in enumerate(plan.problem.graph.ops)}
+    for i, op in enumerate(run.problem.graph.ops):
+        assert run.problem.strategy(run.selection, run.problem.op_group[i]) == chosen[op.name]
+    old = plan.problem.graph
+    for i, op in enumerate(old.ops):
+        if op.kind != FUSED_GATHER:
+            continue
+        kept = plan.selection.keeps[plan.problem.edge_of_input[(i, 0)]]
+        assert kept
+        for reader, j in old.consumers[op.output.tensor]:
+            k = next(n for n, o in enumerate(run.problem.graph.ops) if o.name == old.ops[reader].name)
+            assert run.selection.keeps[run.problem.edge_of_input[(k, j)]] == kept

@@ -87,12 +87,20 @@ from memshard.problem.records import (
     TORCH_TP,
     TORCH_TP_NO_RESHARD,
     TORCH_TP_TORCHTITAN,
+    OpGroup,
     Problem,
     Selection,
+    StorageGroup,
     complete_selection,
     explicit_prefetch,
 )
-from memshard.problem.tensor_parallel import GATHERS, tensor_parallel_dim, tensor_parallel_dims
+from memshard.problem.tensor_parallel import (
+    FUSED_GATHER,
+    GATHERS,
+    tensor_parallel_dim,
+    tensor_parallel_dims,
+    without_fused_gathers,
+)
 from memshard.problem.tp_overlap import tp_overlapped
 
 
@@ -314,6 +322,33 @@ def as_run_by(problem: Problem, framework: str) -> Problem:
         graph = replace(graph, precision=PRECISIONS[graph.precision.name])
     return build_problem(graph, problem.mesh, problem.shared_layers, problem.micro_batches,
                          problem.zero3_unit, problem.recompute, framework, problem.stage)
+
+
+def run_by_memshard(problem: Problem, selection: Selection) -> tuple[Problem, Selection]:
+    """A Megatron-LM baseline's ``selection`` of ``problem`` as memshard's runtime runs it: its
+    graph without the fused GEMMs' gathers (``tensor_parallel.without_fused_gathers``: the
+    runtime runs each projection on its own), each op's strategy and each parameter's storage
+    as chosen, a projection keeping its input where its gather kept its own."""
+    old_graph = problem.graph
+    run = as_run_by(replace(problem, graph=without_fused_gathers(old_graph)), MEMSHARD)
+    group_of = {op.name: problem.op_group[i] for i, op in enumerate(old_graph.ops)}
+    kept = {(old_graph.ops[i].name, j): selection.keeps[e] for (i, j), e in problem.edge_of_input.items()}
+    for op in old_graph.ops:
+        if op.kind == FUSED_GATHER:
+            for reader, j in old_graph.consumers[op.output.tensor]:
+                kept[(old_graph.ops[reader].name, j)] = kept[(op.name, 0)]
+    storage_of = {grp.key: g for g, grp in enumerate(problem.groups) if isinstance(grp, StorageGroup)}
+    strategies, storage = {}, {}
+    for g, grp in enumerate(run.groups):
+        if isinstance(grp, OpGroup):
+            old = group_of[run.graph.ops[grp.ops[0]].name]
+            label = problem.groups[old].choices[selection.choices[old]].label
+            strategies[g] = [c.label for c in grp.choices].index(label)
+        else:
+            old = storage_of[grp.key]
+            storage[g] = problem.groups[old].options[selection.choices[old]][1]
+    keeps = {e: kept[(run.graph.ops[i].name, j)] for (i, j), e in run.edge_of_input.items()}
+    return run, complete_selection(run, strategies, storage, keeps)
 
 
 def baselines(problem: Problem, wanted: Callable[[str], bool] | None = None

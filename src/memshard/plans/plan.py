@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from memshard.baselines.names import Kind, parse_strategy
-from memshard.baselines.recipes import as_run_by
+from memshard.baselines.recipes import run_by_memshard
 from memshard.core.errors import MemshardError
 from memshard.core.files import read_json, write_text_atomically
 from memshard.core.graph import AUTOCAST, Origin
@@ -221,13 +221,13 @@ def check_runnable_precision(precision: str | None) -> None:
 def runnable(plan: Plan) -> Plan:
     """The plan memshard's runtime executes for ``plan``: ``plan`` itself, or a Megatron-LM
     baseline's layout priced as memshard's runtime runs it (no gradient buffer, its gradients
-    in the job's precision). Refused: the baselines priced as PyTorch's implementations run
+    in the job's precision, no fused GEMMs: ``recipes.run_by_memshard``). Refused: the baselines priced as PyTorch's implementations run
     them (``fsdp2``, ``ddp``, ``torch-tp*``)."""
     framework = plan.problem.framework
     check_runnable_precision(plan.model.precision)
-    if framework in MEGATRON_FRAMEWORKS:
-        return build_plan(as_run_by(plan.problem, MEMSHARD), plan.selection, plan.job, strategy=plan.strategy,
-                          advice=False)
+    if framework in MEGATRON_FRAMEWORKS:  # (each projection on its own: the runtime fuses no GEMMs)
+        problem, selection = run_by_memshard(plan.problem, plan.selection)
+        return build_plan(problem, selection, plan.job, strategy=plan.strategy, advice=False)
     if framework != MEMSHARD:
         if framework in TORCH_TP_FRAMEWORKS:
             idealised = replace(parse_strategy(plan.strategy), kind=Kind.TP_FSDP,

@@ -10,7 +10,7 @@
   up as fc1) whose ``LinearWithGradAccumulationAndAsyncCommunication`` gathers its input once
   into a buffer, saves the input as it came (split over the sequence) and gathers it again in
   backward: one :data:`FUSED_GATHER` op that saves its input, its readers saving none of its
-  output;
+  output (:func:`without_fused_gathers` undoes it, for memshard's runtime, which fuses none);
 - :func:`with_output_scatters`: where a row-parallel op's partial output (the vocabulary-parallel
   embedding's) has several readers, ``RowwiseParallel(output_layouts=Shard(1))`` reduce-scatters
   it once: one :data:`SCATTER` op after it, whose output they all read (and a checkpointed
@@ -105,6 +105,26 @@ def with_input_gathers(graph: Graph, saved_split: bool = False) -> Graph:
                     layer_class=first.layer_class)
         additions.append((projections[0][0], gather, projections))
     return _with_redistributions(graph, additions, saved_by_readers=not saved_split)
+
+
+def without_fused_gathers(graph: Graph) -> Graph:
+    """``graph`` without its :data:`FUSED_GATHER` ops, as runs that fuse no GEMMs run it (memshard's
+    runtime): each reader reads the gathered input, and saves it, on its own."""
+    gathers = {op.output.tensor: op.inputs[0].tensor for op in graph.ops if op.kind == FUSED_GATHER}
+    if not gathers:
+        return graph
+    ops = []
+    for op in graph.ops:
+        if op.kind == FUSED_GATHER:
+            continue
+        rewired = {j for j, o in enumerate(op.inputs) if o.tensor in gathers}
+        if rewired:
+            op = replace(op, inputs=tuple(Operand(gathers[o.tensor], o.dims) if o.tensor in gathers else o
+                                          for o in op.inputs),
+                         saves_inputs=tuple(sorted({*op.saves_inputs, *rewired})))
+        ops.append(op)
+    tensors = {name: spec for name, spec in graph.tensors.items() if name not in gathers}
+    return replace(graph, ops=tuple(ops), tensors=tensors)
 
 
 def with_output_scatters(graph: Graph) -> Graph:
