@@ -101,8 +101,15 @@ def make_plan(case: Case):
         return saved(least_memory(case.model, case.mesh, case.unit, recompute=case.recompute))
     if case.strategy == "time":
         return saved(fastest(case.model, case.mesh, 1.3, case.unit))
-    return runnable(strategy_plan(case.model, case.mesh, case.strategy, batch=BATCH, precision="fp32",
-                                  zero3_unit=case.unit, recompute=case.recompute))
+    return baseline(case.model, case.mesh, case.strategy, case.unit, case.recompute)
+
+
+@functools.cache
+def baseline(model: str, mesh: str, strategy: str, unit: str, recompute: str):
+    """A Megatron-LM or FSDP layout as memshard's runtime runs it, made once for the cases
+    that share it (another optimizer, clipping or micro-batches)."""
+    return runnable(strategy_plan(model, mesh, strategy, batch=BATCH, precision="fp32", zero3_unit=unit,
+                                  recompute=recompute))
 
 
 def make_optimizer(kind: str, params):
