@@ -31,6 +31,15 @@ backward, beside that backward at most (torch's stage syncs gradients there only
 shards' all-gathers (ZeRO-1/2) before its first forward, beside it at most; a stage's fill and
 drain hide them where they are long enough. The slowest stage's optimizer step follows.
 
+Several stages per rank (``PipelineOptions.stages_per_rank`` v > 1: ``interleaved-1f1b``,
+``interleaved-zb``, ``zbv``): the layers split into p·v stages, stage s on the rank the
+schedule places it (s mod p; ZBV's V), each searched as above holding the most micro-batches
+of it its rank holds at once. A rank's peak is then counted from its action list
+(``PipelinedPlan.rank_peaks``: ``problem.pipeline.rank_peak_bytes``), not searched: each stage
+is optimal for its own peak, not for its rank's. The zero-bubble schedules split each stage's
+backward into I and W (``weight_share``: of each op that multiplies by a weight, half its
+backward, the weight gradient's GEMM) for the timeline.
+
 Views: where the options search views, every stage lies on one view of the stage mesh
 (``best_view``, ``core.mesh.mesh_views``), so that a stage receives on the axes the stage
 before sends on.
@@ -365,7 +374,7 @@ def pipelined_baseline(job: Job, strategy: str, zero3_unit: str = "op", recomput
         raise MemshardError(f"{strategy} is not a pipelined baseline (megatron-tp<T>-pp<P>…, fsdp2-pp<P>…, "
                             "torch-tp<T>-pp<P>-fsdp…)")
     found, skipped = pipelined_baselines(job, name.pipeline_parallel, lambda text: text == strategy, zero3_unit,
-                                         recompute, exact)
+                                         recompute, exact, name.virtual_pipeline)
     if found:
         return found[0]
     degree, recipe = name.pipeline_parallel, str(name.stage_recipe)
@@ -375,7 +384,7 @@ def pipelined_baseline(job: Job, strategy: str, zero3_unit: str = "op", recomput
 
 
 def pipelined_baselines(job: Job, degree: int, wanted: Callable[[str], bool] | None = None, zero3_unit: str = "op",
-                        recompute: str = "none", exact: bool = False
+                        recompute: str = "none", exact: bool = False, virtual: int = 1
                         ) -> tuple[list[PipelinedPlan], list[tuple[str, str]]]:
     """Every Megatron-LM configuration and torchtitan recipe (PyTorch's ``fully_shard``, alone or
     under ``parallelize_module``, in stages of torch.distributed.pipelining) of pipeline degree
@@ -387,23 +396,31 @@ def pipelined_baselines(job: Job, degree: int, wanted: Callable[[str], bool] | N
     alike); on each stage's problem the rest of the name, laid out on the stage mesh as
     ``baselines`` lays it out on a flat mesh (a ``fully_shard`` as torch's ``PipelineStage``
     runs it: ``gathers.pipelined_units``); the step as memshard's own pipelined plans are
-    priced (``_priced``)."""
-    pipeline = PipelineOptions(degree)
+    priced (``_priced``). ``virtual``: Megatron-LM's interleaved pipeline of that many stages per
+    rank (``-vpp<V>``, its ``--num-layers-per-virtual-pipeline-stage``): p·v stages, each holding
+    what the interleaved 1F1B's action list makes it hold (Megatron-LM's warm-up,
+    ``(p − r − 1)·2 + (v − 1)·g``, is torch's), Megatron-LM's recipes alone."""
+    schedule = "interleaved-1f1b" if virtual > 1 else "1f1b"
+    pipeline = PipelineOptions(degree, schedule, stages_per_rank=virtual)
     mesh, stage_mesh = _pipeline_of(job, pipeline)
     stage_job = _stage_job(job, stage_mesh)
+    held = megatron_held_micro_batches(degree, job.micro_batches) if virtual == 1 else held_micro_batches(
+        schedule, degree, job.micro_batches, virtual)
 
     def pipelined(recipe: str) -> str:
-        return str(replace(parse_strategy(recipe), pipeline_parallel=degree))
+        return str(replace(parse_strategy(recipe), pipeline_parallel=degree, virtual_pipeline=virtual))
 
     def accepted(recipe: str) -> bool:
         name = parse_strategy(recipe)
         if name.kind not in PIPELINED_KINDS or name.prefetch or not isinstance(name.reshard_after_forward, bool):
             return False  # (a pipelined fully_shard's gathers are torch's PipelineStage's)
+        if virtual > 1 and name.kind is not Kind.MEGATRON:
+            return False
         return wanted(pipelined(recipe)) if wanted is not None else not (name.block or name.every or name.tp_overlap)
 
     stages: dict[str, list[tuple[PipelineStage, Plan]]] = {}
     skipped: dict[str, str] = {}
-    for stage in _stages(job, pipeline, megatron_held_micro_batches(degree, job.micro_batches)):
+    for stage in _stages(job, pipeline, held):
         problem = build_problem(job.graph, stage_mesh, shared_layers=not exact, micro_batches=job.micro_batches,
                                 zero3_unit=zero3_unit, recompute=recompute, stage=stage)
         fixed, refused = baselines(problem, accepted)
@@ -411,8 +428,8 @@ def pipelined_baselines(job: Job, degree: int, wanted: Callable[[str], bool] | N
         for b in fixed:
             stages.setdefault(pipelined(b.name), []).append(
                 (stage, build_plan(b.problem, b.selection, stage_job, strategy=pipelined(b.name), advice=False)))
-    plans = [_priced(job, None, pipeline.schedule, mesh, stage_mesh, plans, name)
-             for name, plans in stages.items() if name not in skipped and len(plans) == degree]
+    plans = [_priced(job, None, pipeline.schedule, mesh, stage_mesh, plans, name, stages_per_rank=virtual)
+             for name, plans in stages.items() if name not in skipped and len(plans) == pipeline.num_stages]
     return plans, list(skipped.items())
 
 
@@ -442,7 +459,7 @@ def _stage_job(job: Job, stage_mesh: Mesh) -> Job:
 def _stages(job: Job, pipeline: PipelineOptions, held: tuple[int, ...]) -> list[PipelineStage]:
     """Each stage's layers and the micro-batches ``held`` says its ranks hold."""
     return [PipelineStage(first, end, k)
-            for (first, end), k in zip(stage_layers(job.graph.num_layers, pipeline.stages), held)]
+            for (first, end), k in zip(stage_layers(job.graph.num_layers, pipeline.num_stages), held)]
 
 
 def pipeline_degrees(job: Job, schedule: str = "1f1b", stages_per_rank: int = 1) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memshard.baselines.names import parse_strategy
 from memshard.cli import SCHEDULE_CHOICES, main
 from memshard.core.errors import MemshardError
 from memshard.job import Job
@@ -19,6 +20,7 @@ from memshard.pipelining import (
     auto_schedules,
     held_micro_batches,
     pipeline_degrees,
+    pipelined_baseline,
     plan_pipelined,
     weight_share,
 )
@@ -285,3 +287,53 @@ def test_the_cli_plans_and_reports_an_interleaved_pipeline(tmp_path, capsys):
     assert "2 per rank on 2 ranks" in out and "rank 0" in out and "rank 1" in out
     data = json.loads(path.read_text())
     assert data["pipeline"]["stages_per_rank"] == 2 and len(data["stages"]) == 4
+
+
+# -- Megatron-LM's interleaved pipeline (-vpp<V>) ---------------------------------------------------
+
+def test_a_megatron_name_takes_its_virtual_stages_after_its_pipeline():
+    name = parse_strategy("megatron-tp8-pp8-vpp2-dp4-sp-distopt")
+    assert (name.pipeline_parallel, name.virtual_pipeline, name.data_parallel) == (8, 2, 4)
+    assert str(name) == "megatron-tp8-pp8-vpp2-dp4-sp-distopt"
+    assert str(name.stage_recipe) == "megatron-tp8-dp4-sp-distopt"
+    with pytest.raises(MemshardError, match="needs a pipeline"):
+        parse_strategy("megatron-tp2-vpp2")
+    with pytest.raises(MemshardError):
+        parse_strategy("fsdp2-pp2-vpp2")
+
+
+@pytest.fixture(scope="module")
+def megatron_interleaved() -> PipelinedPlan:
+    return pipelined_baseline(FOUR, "megatron-tp2-pp2-vpp2")
+
+
+def test_megatrons_interleaving_is_priced_with_the_interleaved_schedule(megatron_interleaved):
+    plan = megatron_interleaved
+    assert plan.strategy == "megatron-tp2-pp2-vpp2" and plan.schedule == "interleaved-1f1b"
+    assert plan.stages_per_rank == 2 and len(plan.stages) == 4
+    assert tuple(s.held_micro_batches for s in plan.stages) == held_micro_batches("interleaved-1f1b", 2, 4, 2)
+    assert all(s.plan.problem.framework.startswith("megatron") for s in plan.stages)
+
+
+def test_megatrons_first_rank_holds_its_theoretical_memory_usage_factor(megatron_interleaved):
+    """Megatron-LM's ``theoretical_memory_usage.py`` multiplies the first stage's activations
+    by 1 + (p − 1)/(p·v) under interleaving (p in-flight micro-batches of L/p layers without):
+    rank 0's most layer-micro-batches held at once, counted from its action list and the
+    plan's stages, is L·(1 + (p − 1)/(p·v))."""
+    plan, p, v = megatron_interleaved, 2, 2
+    layers = FOUR.graph.num_layers
+    actions = build_schedule(plan.schedule, p, FOUR.micro_batches, v).actions[0]
+    stages = sorted({a.stage for a in actions})
+    held = max(sum(n * plan.stages[s].num_layers for s, n in zip(stages, counts)) for counts in held_counts(actions))
+    assert held == layers * (1 + (p - 1) / (p * v))
+    # and the plan's peak on rank 0 exceeds the non-interleaved pipeline's first stage's
+    assert plan.rank_peaks[0] > pipelined_baseline(FOUR, "megatron-tp2-pp2").rank_peaks[0]
+
+
+def test_export_writes_megatrons_virtual_stages(megatron_interleaved):
+    from memshard.plans.export import export_target, render
+
+    text = render(export_target("megatron-tp2-pp2-vpp2"), megatron_interleaved)
+    assert "--pipeline-model-parallel-size 2" in text
+    assert "--num-layers-per-virtual-pipeline-stage 1" in text  # 4 layers over 2 ranks × 2
+    assert "pipeline rank 0 of 2 (stages 0, 2)" in text

@@ -100,6 +100,7 @@ class MegatronLayout:
     overlap: bool = False
     pipeline_parallel: int = 1
     tp_overlap: bool = False  # --tp-comm-overlap
+    virtual_pipeline: int = 1  # stages per pipeline rank, interleaved
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,8 @@ class ExportTarget:
         if name.kind is not Kind.MEGATRON:
             return None
         return MegatronLayout(name.tensor_parallel, name.data_parallel or 1, name.sequence_parallel,
-                              name.distributed_optimizer, name.overlap, name.pipeline_parallel, name.tp_overlap)
+                              name.distributed_optimizer, name.overlap, name.pipeline_parallel, name.tp_overlap,
+                              name.virtual_pipeline)
 
     @property
     def option(self) -> str:
@@ -254,7 +256,7 @@ def check_exportable(target: ExportTarget, job: Job) -> None:
         raise MemshardError(f"{target.strategy}: Megatron-LM arguments are written for GPT and LLaMA presets, "
                             f"not {job.config.family}")
     layout, n = target.megatron, job.mesh.num_devices
-    stages = layout.pipeline_parallel
+    stages = layout.pipeline_parallel * layout.virtual_pipeline
     if stages > 1 and job.config.num_layers % stages:
         raise MemshardError(f"{target.strategy}: Megatron-LM splits the {job.config.num_layers} layers evenly over "
                             f"{stages} pipeline stages; give a layer count that {stages} divides")
@@ -301,6 +303,10 @@ def header(plan: Plan | PipelinedPlan) -> list[str]:
         name, num_parameters, precision = job.graph.name, job.graph.num_parameters, stage.plan.model.precision
         peak_at = (f"stage {plan.stages.index(stage)} of {len(plan.stages)} (layers {stage.first_layer}-"
                    f"{stage.end_layer - 1}), at {stage.plan.memory.peak_at}")
+        if plan.stages_per_rank > 1:
+            rank = plan.peak_rank
+            mine = [str(i) for i, r in enumerate(plan.stage_ranks) if r == rank]
+            peak_at = f"pipeline rank {rank} of {plan.ranks} (stages {', '.join(mine)})"
     else:
         name, num_parameters, precision = plan.model.name, plan.model.num_parameters, plan.model.precision
         peak_at = f"at {plan.memory.peak_at}"
@@ -666,6 +672,9 @@ def megatron_arguments(target: ExportTarget, plan: Plan | PipelinedPlan) -> list
     cfg = job.config
     args = [f"--tensor-model-parallel-size {layout.tensor_parallel}",
             f"--pipeline-model-parallel-size {layout.pipeline_parallel}"]
+    if layout.virtual_pipeline > 1:  # (Megatron-LM's interleaved schedule)
+        per_stage = cfg.num_layers // (layout.pipeline_parallel * layout.virtual_pipeline)
+        args += [f"--num-layers-per-virtual-pipeline-stage {per_stage}"]
     args += ["--sequence-parallel"] * layout.sequence_parallel
     args += ["--use-distributed-optimizer"] * layout.distributed_optimizer
     args += ["--overlap-grad-reduce", "--overlap-param-gather"] * layout.overlap
@@ -711,7 +720,10 @@ def megatron_script(target: ExportTarget, plan: Plan | PipelinedPlan) -> list[st
              + (", its collectives overlapped" if layout.overlap else "")
              + (", its TP communication overlapped with the GEMMs" if layout.tp_overlap else "") + ",",
              (f"# {layout.pipeline_parallel} pipeline stages of {plan.job.config.num_layers // layout.pipeline_parallel} layers "
-              "under 1F1B (no virtual stages)" if layout.pipeline_parallel > 1 else "# no pipeline")
+              "under 1F1B (no virtual stages)" if layout.pipeline_parallel > 1 and layout.virtual_pipeline == 1 else
+              f"# {layout.pipeline_parallel} pipeline ranks of {layout.virtual_pipeline} virtual stages of "
+              f"{plan.job.config.num_layers // (layout.pipeline_parallel * layout.virtual_pipeline)} layers, "
+              "interleaved 1F1B" if layout.pipeline_parallel > 1 else "# no pipeline")
              + ", Adam (Megatron-LM's default optimizer).",
              f"# Add your data, tokenizer (the vocabulary is {job.config.vocab:,} tokens; Megatron-LM pads it to a "
              "multiple of 128 × TP),",
