@@ -56,15 +56,27 @@ def test_run_refuses_an_unknown_strategy(capsys):
     assert "unknown strategy" in capsys.readouterr().err
 
 
-def test_memshard_run_runs_a_mixed_precision_plan(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def zero3_mixed_run(tmp_path_factory) -> tuple[str, dict]:
+    """``memshard run`` of ZeRO-3 over 2 ranks in mixed precision, once for the tests that read
+    it: what it printed and its ``--json``."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("run") / "run.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["run", "--model", "tiny-gpt", "--mesh", "2", "--strategy", "zero3-fsdp", "--precision", "mixed",
+                     "--steps", "2", "--json", str(out)])
+    assert code == 0
+    return printed.getvalue(), json.loads(out.read_text())
+
+
+def test_memshard_run_runs_a_mixed_precision_plan(zero3_mixed_run):
     """ZeRO-3 in mixed precision keeps the fp32 master as the weight shard (4 bytes per element,
     half of each over 2 ranks) beside its moments (8 bytes), gathered in bf16: the command runs
     them as planned."""
-    out = tmp_path / "run.json"
-    assert main(["run", "--model", "tiny-gpt", "--mesh", "2", "--strategy", "zero3-fsdp", "--precision", "mixed",
-                 "--steps", "2", "--json", str(out)]) == 0
-    capsys.readouterr()
-    rank = json.loads(out.read_text())["ranks"][0]
+    rank = zero3_mixed_run[1]["ranks"][0]
     numel = memshard.build_graph("tiny-gpt", batch=2, precision="mixed").num_parameters
     breakdown = rank["measured"]["breakdown"]
     assert 2 * numel <= breakdown["parameters"] <= 2 * numel + 4 * 64
@@ -72,13 +84,10 @@ def test_memshard_run_runs_a_mixed_precision_plan(tmp_path, capsys):
     assert 4 * numel <= breakdown["optimizer_states"] <= 4 * numel + 8 * 64
 
 
-def test_memshard_run_trains_and_reports_every_rank(tmp_path, capsys):
-    out = tmp_path / "run.json"
-    assert main(["run", "--model", "tiny-gpt", "--mesh", "2", "--strategy", "zero3-fsdp", "--steps", "2",
-                 "--json", str(out)]) == 0
-    text = capsys.readouterr().out
+def test_memshard_run_trains_and_reports_every_rank(zero3_mixed_run):
+    """(The mixed-precision run: its weight shards are fp32 masters, as an fp32 run's are.)"""
+    text, data = zero3_mixed_run
     assert "predicted vs measured" in text and "rank 1" in text
-    data = json.loads(out.read_text())
     assert data["schema"] == "memshard.run/1" and [r["rank"] for r in data["ranks"]] == [0, 1]
     first = data["ranks"][0]
     assert len(first["losses"]) == 2 and first["losses"] == data["ranks"][1]["losses"]
