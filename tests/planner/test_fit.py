@@ -15,7 +15,7 @@ from memshard.core.errors import MemshardError
 from memshard.core.hardware import hardware_from_dict
 from memshard.fitting import KNOBS, FitResult, KnobSearch, Probe, Prober, family, fit_job, job_at
 from memshard.job import Job
-from memshard.planner import SearchOptions, plan_job
+from memshard.planner import SearchOptions, baseline_plans, plan_job
 from tests.planner.test_cli import run
 
 MIB = 2**20
@@ -135,13 +135,21 @@ def test_a_search_starting_where_the_recipe_stops_comes_back():
     assert answer.value == 104
 
 
-def test_megatron_reaches_the_node_count_where_its_data_parallel_degree_is_the_batch():
+def test_megatron_reaches_the_node_count_where_its_data_parallel_degree_is_the_batch(monkeypatch):
     """Megatron-LM's TP 2 × DP runs a batch of 8 on at most 8 nodes of 2 (the scan: it lays
-    out nothing larger); its column is the first node count a scan fits."""
+    out nothing larger); its column is the first node count a scan fits. (The fit and the
+    scan lay out that recipe alone: each column is its own family's search, and the others'
+    recipes, built at every node count, were most of the time.)"""
+    def megatron_tp2_only(job, problem, wanted=None, **kwargs):
+        return baseline_plans(job, problem, lambda n: family(n) == "megatron-tp2" and (wanted is None or wanted(n)),
+                              **kwargs)
+
+    monkeypatch.setattr("memshard.fitting.baseline_plans", megatron_tp2_only)
     mesh = memshard.parse_mesh("1x2", device_memory_bytes=int(4.5 * MIB))
     job = Job("tiny-gpt", mesh, batch=8, precision="fp32")
     coarse = SearchOptions(mip_gap=0.02)  # memshard's own column is not what is checked here: a 2% gap is quick
     result = fit_job(job, "devices", coarse)
+    assert [a.strategy for a in result.answers] == ["memshard", "megatron-tp2"]
     answer = next(a for a in result.answers if a.strategy == "megatron-tp2")
     prober = Prober(job, "devices", coarse, mesh.device_memory_bytes)
     scan = {v: prober.baseline("megatron-tp2", v)[0] for v in range(2, 34, 2)}

@@ -5,6 +5,7 @@ is refused."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -23,6 +24,13 @@ from memshard.trace.hf import trace_hf  # noqa: E402
 from tests.planner.test_cli import assert_one_line_error, run  # noqa: E402
 
 GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 64}
+
+
+@functools.cache
+def traced_gpt2(precision: str):
+    """The small GPT-2 of ``GPT2`` (batch 4, 32 tokens) traced in ``precision``, once in this
+    process: a graph is a frozen record, and the tests only read it."""
+    return trace_hf("gpt2", batch=4, seq=32, precision=precision, **GPT2)
 
 
 def header_lists() -> dict[str, set[str]]:
@@ -70,8 +78,7 @@ def test_a_weights_autocast_copy_is_priced_as_its_consumers_saved_buffer():
     """The bf16 copy of a weight is no activation of its own: the consumer reads the weight, so
     the gradient (partial across the data-parallel ranks) and a tied weight's layout stay the
     weight's; the copy it saves for backward is its buffer, 2 bytes an element."""
-    graph = trace_hf("gpt2", batch=4, seq=32, precision="autocast", **GPT2)
-    fp32 = trace_hf("gpt2", batch=4, seq=32, precision="fp32", **GPT2)
+    graph, fp32 = traced_gpt2("autocast"), traced_gpt2("fp32")
     assert graph.precision.name == "autocast" and graph.num_layers == 2
     weights = {name for name, t in graph.tensors.items() if t.kind is TensorKind.PARAMETER}
     assert weights == {name for name, t in fp32.tensors.items() if t.kind is TensorKind.PARAMETER}
@@ -88,19 +95,18 @@ def test_a_weights_autocast_copy_is_priced_as_its_consumers_saved_buffer():
 def test_autocast_is_priced_for_traced_models_and_run_by_none():
     assert "traced" in assert_one_line_error(run("plan", "--model", "tiny-gpt", "--mesh", "2", "--precision",
                                                  "autocast"))
-    graph = trace_hf("gpt2", batch=2, seq=32, precision="autocast", **GPT2)
+    graph = traced_gpt2("autocast")  # (the batch the plan is made for is not what is refused)
     with pytest.raises(MemshardError, match="autocast plan"):
         runnable(memshard.strategy_plan(graph, "2", "ddp"))
-    # (the rows' names and the reasons are checked here, not memshard's plans: a loose gap)
-    compared = memshard.compare(trace_hf("gpt2", batch=4, seq=32, precision="autocast", **GPT2), "2x2",
-                                mip_gap=0.5)
+    # (the rows' names, the reasons and the notes are checked here, not memshard's plans: a loose gap)
+    compared = memshard.compare(graph, "2x2", mip_gap=0.5)
     names = {row["strategy"]: row for row in compared["skipped"]}
     assert "autocast" in names["megatron-tp2-dp2"]["reason"]
     assert {"fsdp2-noreshard", "torch-tp2-fsdp2"} <= set(names)  # measured off, or not checked, under it
     offered = {row["strategy"] for row in compared["rows"]}
     assert {"ddp", "ddp-bucket-view", "fsdp2", "fsdp2-torchtitan", "zero3-fsdp"} <= offered
     assert not compared["notes"]
-    mixed = memshard.compare(trace_hf("gpt2", batch=2, seq=32, precision="mixed", **GPT2), "2")
+    mixed = memshard.compare(traced_gpt2("mixed"), "2", mip_gap=0.5)
     assert any("--precision autocast" in note for note in mixed["notes"])  # what its ddp row is not
 
 
