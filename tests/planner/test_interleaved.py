@@ -92,36 +92,42 @@ def test_held_phases_count_what_each_action_list_holds(name, ranks, rounds, v):
 def _chunk(s: int) -> ChunkMemory:
     base = 100.0 * (s + 1)
     return ChunkMemory(ChunkPhase(base, base + 5, base + 7 + s), ChunkPhase(base + 30, base + 36, base + 40 + s),
-                       10.0 + s, 3.0 + s, base + 50)
+                       10.0 + s, 3.0 + s, base + 50, 2.0 + s)
+
+
+def counted(actions, chunks: dict[int, ChunkMemory]) -> list[float]:
+    """A rank's bytes at each action, summed from the in-flight sets: the running stage's
+    forward or backward for one micro-batch, every other micro-batch's S (and G past its I),
+    every other stage idle, each stage in its first phase until a backward (or W) of it has
+    ended; the input gradients it sent back, all but the one its later phase holds."""
+    out = []
+    for k, (a, sets) in enumerate(zip(actions, in_flight(actions))):
+        total = 0.0
+        for s in sorted({b.stage for b in actions}):
+            c = chunks[s]
+            ended = any(b.stage == s and b.kind in ("B", "W") for b in actions[:k])
+            sent = sum(b.stage == s and b.kind in ("B", "I") for b in actions[:k])
+            phase = c.later if ended else c.first
+            forward, weight = sets.get(s, (set(), set()))
+            running = a.microbatch if s == a.stage else None
+            if running is None:
+                total += phase.idle_bytes
+            else:
+                total += phase.forward_bytes if a.kind == "F" else phase.backward_bytes
+            total += sum(c.held_bytes + (c.weight_input_bytes if b in weight else 0.0)
+                         for b in forward | weight if b != running)
+            if running is not None and a.kind == "W":
+                total += c.weight_input_bytes
+            total += max(0, sent - 1) * c.sent_gradient_bytes
+        out.append(total)
+    return out
 
 
 def test_a_rank_holds_its_stages_worst_point_from_the_action_list():
-    """M(k) against a direct sum over the in-flight sets: the running stage's forward or
-    backward for one micro-batch, every other micro-batch's S (and G past its I), every other
-    stage idle; each stage in its first phase until a backward (or W) of it has ended."""
     chunks = {s: _chunk(s) for s in range(4)}
     for name in ("interleaved-1f1b", "interleaved-zb", "zbv"):
-        schedule = build_schedule(name, 2, 4, 2)
-        for actions in schedule.actions:
-            expected = []
-            for k, (a, sets) in enumerate(zip(actions, in_flight(actions))):
-                total = 0.0
-                for s in schedule.stages_of(schedule.stage_ranks[a.stage]):
-                    c = chunks[s]
-                    ended = any(b.stage == s and b.kind in ("B", "W") for b in actions[:k])
-                    phase = c.later if ended else c.first
-                    forward, weight = sets.get(s, (set(), set()))
-                    running = a.microbatch if s == a.stage else None
-                    if running is None:
-                        total += phase.idle_bytes
-                    else:
-                        total += phase.forward_bytes if a.kind == "F" else phase.backward_bytes
-                    total += sum(c.held_bytes + (c.weight_input_bytes if b in weight else 0.0)
-                                 for b in forward | weight if b != running)
-                    if running is not None and a.kind == "W":
-                        total += c.weight_input_bytes
-                expected.append(total)
-            assert rank_memory_bytes(actions, chunks) == pytest.approx(expected)
+        for actions in build_schedule(name, 2, 4, 2).actions:
+            assert rank_memory_bytes(actions, chunks) == pytest.approx(counted(actions, chunks))
 
 
 @pytest.mark.parametrize("name,p,v", [("interleaved-1f1b", 2, 2), ("interleaved-1f1b", 4, 2), ("interleaved-1f1b", 4, 3),
@@ -153,17 +159,18 @@ def test_each_stage_is_searched_holding_its_most_micro_batches(interleaved):
 
 
 def test_a_ranks_peak_is_counted_from_its_action_list(interleaved):
+    """Each rank's peak: the most of ``counted`` over its actions, or its optimizer step (every
+    stage idle, the largest optimizer transient above it)."""
     plan = interleaved
     schedule = build_schedule(plan.schedule, 2, 4, 2)
     zero_bubble = plan.schedule != "interleaved-1f1b"
     chunks = {s: chunk_memory(stage.plan, zero_bubble) for s, stage in enumerate(plan.stages)}
+    assert chunks[0].sent_gradient_bytes == 0 < chunks[1].sent_gradient_bytes
     for rank, actions in enumerate(schedule.actions):
         mine = [s for s, r in enumerate(plan.stage_ranks) if r == rank]
-        assert plan.rank_peaks[rank] >= max(rank_memory_bytes(actions, chunks))
-        assert plan.rank_peaks[rank] >= sum(chunks[s].later.idle_bytes for s in mine)
-        for s in mine:  # a rank holds at least each of its stages' later backward beside the others idle
-            others = sum(chunks[o].first.idle_bytes for o in mine if o != s)
-            assert plan.rank_peaks[rank] >= chunks[s].later.backward_bytes + others
+        idle = sum(chunks[s].later.idle_bytes for s in mine)
+        optimizer = idle + max(chunks[s].optimizer_bytes - chunks[s].later.idle_bytes for s in mine)
+        assert plan.rank_peaks[rank] == pytest.approx(max(*counted(actions, chunks), optimizer))
     assert plan.peak_bytes == max(plan.rank_peaks)
 
 

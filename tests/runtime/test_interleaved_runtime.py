@@ -3,7 +3,8 @@
 (``runtime/pipelined.py``).
 
 Each case plans a tiny model of 4 layers (8 sequences of 32 tokens, 4 micro-batches, fp32) on
-2 pipeline ranks of 2 stages each, and runs 3 steps on forked ranks (one OpenMP thread each);
+2 pipeline ranks of 2 stages each (tiny GPT, its tied weights on ranks 0 and 1; tiny LLaMA,
+each stage on 2 ranks of data parallelism), and runs 2 steps on forked ranks (one OpenMP thread each);
 every rank's report is compared with
 
 - the single process (``GraphModel`` and ``torch.optim.Adam``, the micro-batches' gradients
@@ -36,12 +37,11 @@ from memshard.problem.memory import param_layout, tensor_bytes
 from memshard.runtime.report import P2P, error
 from tests.runtime_harness import forked_world
 
-STEPS = 3
+STEPS = 2  # the second measured, its loss after one update
 BATCH, SEQ, LAYERS, MICRO_BATCHES = 8, 32, 4, 4
 # id → (model, mesh): 2 pipeline ranks, each of the mesh's other axis
 CASES = {
     "gpt-2x1": ("tiny-gpt", "2x1"),  # a tied embedding and head, on stages 0 and 3 (ranks 0 and 1)
-    "llama-2x1": ("tiny-llama", "2x1"),
     "llama-2x2": ("tiny-llama", "2x2"),  # each stage on 2 ranks
 }
 
@@ -168,7 +168,7 @@ def test_the_zero_bubble_schedules_are_refused_in_one_line(schedule):
 
     from memshard.runtime.pipelined import build_rank
 
-    plan = _plan("llama-2x1", schedule)
+    plan = _plan("gpt-2x1", schedule)
     with pytest.raises(memshard.MemshardError, match="split backward") as raised:
         build_rank(plan, object.__new__(DeviceMesh), 0)
     assert "\n" not in str(raised.value)
