@@ -444,8 +444,8 @@ def _pipeline_of(job: Job, pipeline: PipelineOptions) -> tuple[Mesh, Mesh]:
                             f"(--micro-batches), got {job.micro_batches}")
     p, v = pipeline.stages, pipeline.stages_per_rank
     if v > 1 and job.graph.num_layers < p * v:
-        raise MemshardError(f"{p} pipeline ranks of {v} stages each need at least {p * v} layers; the model has "
-                            f"{job.graph.num_layers}")
+        raise MemshardError(f"{p} pipeline ranks of {v} stages each (--virtual-stages) need at least {p * v} layers; "
+                            f"the model has {job.graph.num_layers}")
     check_schedule(pipeline.schedule, p, job.micro_batches, v)
     return meshes
 

@@ -44,7 +44,7 @@ CLI = {
     "schedule-with-no-pipeline": (PIPELINED + ["--pipeline", "none", "--schedule", "gpipe"], "--pipeline"),
     "pipeline-word": (PIPELINED + ["--pipeline", "many"], "many"),
     "pipeline-auto-step-time-budget": (PIPELINED + ["--pipeline", "auto", "--max-step-time", "1s"], "budget"),
-    "schedule-unknown": (PIPELINED + ["--pipeline", "2", "--schedule", "zbv"], "zbv"),
+    "schedule-unknown": (PIPELINED + ["--pipeline", "2", "--schedule", "looped-bfs"], "looped-bfs"),
     "compare-pipeline-not-dividing": (["compare", *PIPELINED[1:], "--pipeline", "3"], "do not divide"),
     "compare-pipeline-too-few-micro-batches": (["compare", *PIPELINED[1:-2], "--micro-batches", "1", "--pipeline",
                                                 "2"], "needs at least 2 micro-batches"),
@@ -265,6 +265,8 @@ NUMERIC = {
     "export-hidden": (EXPORT, "--hidden", "--hidden", COUNTS),
     "pipeline": (GPT, "--pipeline", "--pipeline", COUNTS),
     "stage-layers": (PIPELINED + ["--pipeline", "2"], "--stage-layers", "--stage-layers", (*COUNTS, "2,0", "1,,1")),
+    "virtual-stages": (PIPELINED + ["--pipeline", "2", "--schedule", "interleaved-1f1b"], "--virtual-stages",
+                       "--virtual-stages", COUNTS),
 }
 NUMERIC_CASES = {f"{case}={value}": (args + [option, value], expect)
                  for case, (args, option, expect, values) in NUMERIC.items() for value in values}

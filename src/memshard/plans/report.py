@@ -88,7 +88,8 @@ def render_pipelined(plan: PipelinedPlan, console: Console, top: int = 10, show_
                   f"step {format_seconds(plan.optimizer_s)}; peak {format_bytes(plan.peak_bytes)} per device, "
                   f"{format_bytes(plan.mesh.device_memory_bytes)} each: {fits}")
     peak = plan.peak_stage
-    console.print(f"\n[bold]Stage {plan.stages.index(peak)}[/] (the largest peak), its plan on mesh {plan.stage_mesh}:")
+    largest = "the largest stage plan's peak" if several else "the largest peak"
+    console.print(f"\n[bold]Stage {plan.stages.index(peak)}[/] ({largest}), its plan on mesh {plan.stage_mesh}:")
     render_plan(peak.plan, console, top=top, show_strategy=show_strategy, show_stages=show_stages)
 
 
