@@ -15,6 +15,8 @@ DOCS = ROOT / "docs"
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 GENERATED = re.compile(r"<!-- (\S+):begin -->.*?<!-- \1:end -->", re.S)
 SHELL = ("", "sh", "bash", "console")
+# the timings an output block shows, masked on both sides
+TIMINGS = (re.compile(r"(solver: HiGHS \w+), [0-9.]+ s,"), re.compile(r"(found in) [0-9.]+ m?s$"))
 
 
 @dataclass(frozen=True)
@@ -103,3 +105,19 @@ def links(path: Path) -> list[str]:
     """The targets of the page's markdown links, outside code."""
     text = re.sub(r"`[^`\n]*`", "", BLOCK.sub("", path.read_text()))
     return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def masked(lines) -> list[str]:
+    for timing in TIMINGS:
+        lines = [timing.sub(r"\1 …", line) for line in lines]
+    return list(lines)
+
+
+def assert_prints_the_block(shown: OutputBlock, printed: list[str]) -> None:
+    """``printed`` (what ``shown.command`` printed, line by line) is what the block shows, the
+    timings masked; of a partial block, the lines it shows come first and more follow."""
+    printed, expected = masked(printed), masked(shown.lines)
+    if shown.partial:
+        assert len(printed) > len(expected), "the block ends with … but shows everything"
+        printed = printed[:len(expected)]
+    assert printed == expected, f"{shown.page}: {shown.command}"

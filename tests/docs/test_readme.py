@@ -13,14 +13,21 @@ commands of docs/ are parsed in test_docs.py.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 import memshard
 from memshard.cli import main
 from memshard.core.quantities import format_bytes
-from tests.docs.markdown import README, ROOT, blocks, commands, output_block, page_name, pages
+from tests.docs.markdown import (
+    README,
+    ROOT,
+    assert_prints_the_block,
+    blocks,
+    commands,
+    output_block,
+    page_name,
+    pages,
+)
 
 README_BLOCKS = blocks(README)
 ALL_BLOCKS = [block for page in pages() for block in blocks(page)]
@@ -28,15 +35,16 @@ OUTPUT_BLOCKS = [shown for block in ALL_BLOCKS if (shown := output_block(block))
 
 WORKED = "memshard plan --model gpt3-6.7b --mesh 2x4 --batch 16 --seq 2048 --brief"
 SIMULATED = "memshard simulate --model gpt3-1.3b --mesh 2x4 --batch 8 --seq 1024"
+PIPELINED_FIT = ("memshard fit --model tiny-gpt --mesh 2x2 --batch 8 --micro-batches 4 --max batch --pipeline 2 "
+                 "--device-memory 6MiB")
 COMPARED_ELSEWHERE = {
     SIMULATED: "a billion-parameter simulate: its predicted column is checked against the plan instead",
     "memshard export --hf-config examples/tiny_llama.json --mesh 4 --batch 4 --seq 32 --strategy fsdp2":
         "run and compared with its output block in tests/baselines/test_export.py",
     "memshard export --model gpt3-6.7b --mesh 2x4 --batch 16 --seq 2048 --strategy megatron-tp4-dp2-sp-distopt":
         "run and compared with its output block in tests/baselines/test_export.py",
+    PIPELINED_FIT: "run and compared with its output block in tests/planner/test_fit.py, whose fit it is",
 }
-# the timings an output block shows, masked on both sides
-TIMINGS = (re.compile(r"(solver: HiGHS \w+), [0-9.]+ s,"), re.compile(r"(found in) [0-9.]+ m?s$"))
 
 # command (in the README or docs/) → pytest marks; it runs in a fresh folder and must exit with 0
 COMMANDS = {
@@ -105,12 +113,6 @@ def test_the_command_runs(command, tmp_path, monkeypatch, capsys):
         assert not [line for line in out if line.startswith("! rank")], out
 
 
-def masked(lines) -> list[str]:
-    for timing in TIMINGS:
-        lines = [timing.sub(r"\1 …", line) for line in lines]
-    return list(lines)
-
-
 COMPARED = [b for b in OUTPUT_BLOCKS if b.command not in COMPARED_ELSEWHERE]
 
 
@@ -125,12 +127,7 @@ def test_the_output_blocks_are_where_they_should_be():
 def test_the_output_block_is_what_memshard_prints(shown, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     error = shown.lines[0].startswith("memshard: error:")
-    printed = masked(_run(shown.command.split()[1:], capsys, code=2 if error else 0))
-    expected = masked(shown.lines)
-    if shown.partial:
-        assert len(printed) > len(expected), "the block ends with … but shows everything"
-        printed = printed[:len(expected)]
-    assert printed == expected, f"{shown.page}: {shown.command}"
+    assert_prints_the_block(shown, _run(shown.command.split()[1:], capsys, code=2 if error else 0))
 
 
 def test_the_shipped_llama_config_plans(capsys):

@@ -251,14 +251,32 @@ def test_the_cli_and_the_module_list_the_same_knobs():
 
 
 # -- with a pipeline ---------------------------------------------------------------------------------
-def test_a_pipelined_fit_is_the_boundary_of_pipelined_plans_for_memshard_and_megatron():
+def test_a_pipelined_fit_is_the_boundary_of_pipelined_plans_for_memshard_and_megatron(monkeypatch, capsys):
     """``pipeline=2``: memshard's pipelined least-memory plan and each pipelined Megatron-LM
-    configuration at its largest batch fits, and the next batch, planned again, does not."""
+    configuration at its largest batch fits, and the next batch, planned again, does not.
+    The fit is docs/fit.md's pipelined example, made once: run as the page types it, what it
+    prints compared with the page's block (tests/docs/test_readme.py's check), its result read
+    here."""
+    from memshard.cli import main
     from memshard.pipelining import PipelineOptions, pipelined_baseline, plan_pipelined
+    from tests.docs.markdown import assert_prints_the_block, blocks, output_block, pages
+    from tests.docs.test_readme import PIPELINED_FIT
 
-    mesh = memshard.parse_mesh("2x2", device_memory_bytes=6 * MIB)
-    job = Job("tiny-gpt", mesh, batch=8, micro_batches=4, precision="fp32")
-    result = fit_job(job, "batch", pipeline=2)
+    made = []
+
+    def recorded(job, *args, **kwargs):
+        made.append((job, fit_job(job, *args, **kwargs)))
+        return made[-1][1]
+
+    monkeypatch.setattr("memshard.fitting.fit_job", recorded)
+    (shown,) = [b for page in pages() for block in blocks(page) if (b := output_block(block)) and b.command == PIPELINED_FIT]
+    capsys.readouterr()
+    assert main(shown.command.split()[1:]) == 0
+    assert_prints_the_block(shown, [line.rstrip() for line in capsys.readouterr().out.splitlines()])
+    ((job, result),) = made
+    mesh = job.mesh
+    assert (job.model, mesh.shape, mesh.device_memory_bytes) == ("tiny-gpt", (2, 2), 6 * MIB)
+    assert (job.global_batch, job.micro_batches, job.graph.precision.name) == (8, 4, "fp32")
     assert result.pipeline == 2 and result.to_dict()["pipeline"] == 2
     names = [a.strategy for a in result.answers]
     assert names[0] == "memshard" and len(names) > 2
