@@ -26,7 +26,7 @@ from memshard.pipelining import (
 )
 from memshard.planner import SearchOptions, plan_job
 from memshard.plans.pipelined import PipelinedPlan
-from memshard.plans.plan import PIPELINE_SCHEMA, SCHEMA
+from memshard.plans.plan import PIPELINE_SCHEMA, SCHEMA, Plan
 from memshard.plans.report import render_pipelined
 from memshard.problem.evaluate import evaluate
 from memshard.problem.pricing import build_problem
@@ -38,6 +38,38 @@ TINY = Job("tiny-gpt", "4", batch=8, micro_batches=4)
 @pytest.fixture(scope="module")
 def least():
     return plan_pipelined(TINY, SearchOptions(), PipelineOptions(2))
+
+
+@pytest.fixture
+def searched_once(monkeypatch):
+    """In this test, each search made once (the search is deterministic): a stage's, by its
+    job, options, view, layers, micro-batches held, layouts received and cutoff
+    (``StageSearch.stage_plan``), and a whole job's without a pipeline (``plan_job`` as
+    ``pipelining`` calls it, and the function returned, for the test's own). A split or an
+    ``auto`` search asks again for what the test or another split already searched."""
+    stages: dict[tuple, Plan] = {}
+    stage_plan = StageSearch.stage_plan
+
+    def stage_once(self, stage, received):
+        key = (repr(self.stage_job), repr(self.stage_options), self.stage_mesh, stage,
+               tuple(sorted(received.items())) if received else None, self.cutoff)
+        if key not in stages:
+            stages[key] = stage_plan(self, stage, received)
+        return stages[key]
+
+    jobs: dict[str, Plan] = {}
+
+    def job_once(job, options, start=None, problem=None, cutoff=None):
+        if start is not None or problem is not None or cutoff is not None:
+            return plan_job(job, options, start, problem, cutoff)
+        key = repr((job, options))
+        if key not in jobs:
+            jobs[key] = plan_job(job, options)
+        return jobs[key]
+
+    monkeypatch.setattr(StageSearch, "stage_plan", stage_once)
+    monkeypatch.setattr("memshard.pipelining.plan_job", job_once)
+    return job_once
 
 
 def test_the_pipeline_runs_along_the_outermost_axis_across_nodes():
@@ -175,9 +207,9 @@ def test_auto_tries_every_degree_the_mesh_layers_and_micro_batches_allow():
 
 
 @pytest.mark.parametrize("objective", ["memory", "time"])
-def test_auto_keeps_the_better_of_no_pipeline_and_each_degree(objective, least):
+def test_auto_keeps_the_better_of_no_pipeline_and_each_degree(objective, least, searched_once):
     options = SearchOptions(objective=objective)
-    flat = plan_job(TINY, options)
+    flat = searched_once(TINY, options)
     pipelined = least if objective == "memory" else plan_pipelined(TINY, options, PipelineOptions(2))
     best = plan_auto(TINY, options)
     figure = (lambda p: p.peak_bytes) if objective == "memory" else (lambda p: p.step_time_s)
@@ -232,22 +264,11 @@ def test_a_split_by_counts_gives_each_stage_its_layers():
     assert plan.stages[1].plan.problem.graph.num_layers == 4
 
 
-def test_the_balanced_split_of_two_stages_is_the_best_of_every_split(monkeypatch):
+def test_the_balanced_split_of_two_stages_is_the_best_of_every_split(searched_once):
     """Two stages: each stage's peak grows with its layers, so moving a layer off the binding
     stage until it no longer helps reaches the least of the peaks over every split, which the
-    splits searched one by one show. (Each stage, by its layers, micro-batches held and layouts
-    received, searched once in this test: the balanced search's splits are among those searched
-    one by one, and the search is deterministic.)"""
-    searched: dict[tuple, object] = {}
-    stage_plan = StageSearch.stage_plan
-
-    def searched_once(self, stage, received):
-        key = (stage, tuple(sorted(received.items())) if received else None, self.cutoff, self.stage_mesh)
-        if key not in searched:
-            searched[key] = stage_plan(self, stage, received)
-        return searched[key]
-
-    monkeypatch.setattr(StageSearch, "stage_plan", searched_once)
+    splits searched one by one show. (``searched_once``: the balanced search's splits are
+    among those searched one by one.)"""
     options = SearchOptions()
     every = {n: plan_pipelined(SIX_LAYERS, options, PipelineOptions(2, split=(n, 6 - n))).peak_bytes
              for n in range(1, 6)}
