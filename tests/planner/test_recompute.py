@@ -162,13 +162,21 @@ def _recomputing_plan_1_3b():
     return memshard.plan("gpt3-1.3b", "8", recompute="auto", zero3_unit="layer", mip_gap=0.01, **SHAPE_1_3B)
 
 
+@functools.cache
+def _least_memory_1_3b():
+    """memshard's least-memory plan of ``SHAPE_1_3B`` without recomputation, to a 1% gap:
+    searched once, read by the two tests below (the least memory is searched on the mesh as
+    typed, mesh views or not: ``SearchOptions.mesh_views``)."""
+    return memshard.plan("gpt3-1.3b", "8", mip_gap=0.01, time_limit_s=30, **SHAPE_1_3B)
+
+
 def test_search_uses_recomputation():
     """The least-memory plan with recomputation searched needs less than without, and no
     more than full recomputation; its step time pays the replays. (Searched with ZeRO-3 by
     layer: no more than full recomputation over both units. The leaner of both units is
     test_planner's ``test_the_least_memory_with_recomputation_is_the_leaner_of_both_zero3_units``.)"""
     kw = dict(SHAPE_1_3B, mip_gap=0.01, time_limit_s=30)
-    none = memshard.plan("gpt3-1.3b", "8", **kw)
+    none = _least_memory_1_3b()
     full = memshard.plan("gpt3-1.3b", "8", recompute="full", **kw)
     auto = _recomputing_plan_1_3b()
     assert full.peak_bytes < 0.8 * none.peak_bytes
@@ -182,7 +190,7 @@ def test_time_objective_recomputes_only_what_the_budget_needs():
     least-memory plan, proved within 1%), the fastest plan recomputes some ops, fits the
     budget and is no slower than full recomputation's fastest plan."""
     kw = dict(batch=8, seq=1024, num_layers=2, precision="mixed", mip_gap=0.01, time_limit_s=30, mesh_views=False)
-    least = memshard.plan("gpt3-1.3b", "8", **kw)
+    least = _least_memory_1_3b()  # (the same job and search)
     budget = 0.95 * least.peak_bytes
     full = memshard.plan("gpt3-1.3b", "8", objective="time", memory_budget=budget, recompute="full", **kw)
     auto = memshard.plan("gpt3-1.3b", "8", objective="time", memory_budget=budget, recompute="auto", **kw)
