@@ -27,8 +27,9 @@ frameworks'. A collective over other axes too (Megatron-LM's all-reduce of a seq
 norm's gradient over the TP and DP axes at once, without ``-distopt``) stays one call per weight.
 
 The buckets depend on every weight's local size, so on the plan: :func:`bucketed` prices a
-fixed plan's problem (the baselines'). memshard's own runtime issues one collective per
-weight, and is priced so (``storage.py``).
+fixed plan's problem (the baselines'). memshard's own runtime buckets its ZeRO-0 all-reduces by
+DDP's rule, written once in ``storage.py`` (``DDP_BUCKET_CAPS``, ``assign_buckets``,
+``ready_order``), which prices them as the ILP can: before the plan is known (``zero0_shares``).
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ from memshard.problem.records import (
     Selection,
     StorageGroup,
 )
-from memshard.problem.storage import once_a_step
+from memshard.problem.storage import (  # DDP's rule, which memshard's runtime shares (``storage.py``)
+    DDP_BUCKET_CAPS,
+    assign_buckets,
+    with_calls,
+)
+from memshard.problem.storage import ready_order as graph_ready_order
 
-MIB = 1 << 20
-DDP_FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
-DDP_BUCKET_BYTES = 25 * MIB  # torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB
 MEGATRON_BUCKET_PARAMETERS = 40_000_000  # max(40M, 1M × DP) parameters with --overlap-grad-reduce
 MEGATRON_BUCKET_PER_DATA_RANK = 1_000_000
 BUCKETED_KINDS = (comm.ALL_REDUCE, comm.REDUCE_SCATTER, comm.ALL_GATHER)
@@ -62,7 +65,7 @@ def bucket_caps(problem: Problem, data_parallel: int) -> tuple[str, tuple[float,
     """How ``problem``'s framework fills its buckets: ("bytes" or "elements", the caps of the
     first buckets, the last repeated); None where it runs one collective per weight."""
     if problem.framework in DDP_FRAMEWORKS:
-        return "bytes", (DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES)
+        return "bytes", DDP_BUCKET_CAPS
     if problem.framework == MEGATRON or (problem.framework == MEGATRON_OVERLAP and problem.stage is not None
                                          and problem.stage.first_layer > 0):
         return "elements", (math.inf,)
@@ -71,28 +74,10 @@ def bucket_caps(problem: Problem, data_parallel: int) -> tuple[str, tuple[float,
     return None
 
 
-def assign_buckets(sizes: list[float], caps: tuple[float, ...]) -> list[int]:
-    """Each size's bucket, sizes in the order they are packed: a bucket closes once it holds
-    its cap (``caps[k]`` for the k-th bucket, the last cap for every later one)."""
-    out, bucket, held = [], 0, 0.0
-    for size in sizes:
-        out.append(bucket)
-        held += size
-        if held >= caps[min(bucket, len(caps) - 1)]:
-            bucket, held = bucket + 1, 0.0
-    return out
-
-
 def ready_order(problem: Problem) -> list[str]:
     """The parameters in the order the backward makes their gradients: by their first use,
-    last first."""
-    first_use: dict[str, int] = {}
-    for i, op in enumerate(problem.graph.ops):
-        for t in op.inputs:
-            if t.tensor in problem.storage_group:
-                first_use.setdefault(t.tensor, i)
-    names = [n for n in reversed(problem.graph.parameters) if n in first_use]
-    return sorted(names, key=lambda n: -first_use[n])
+    last first (``storage.ready_order``, memshard's runtime's order too)."""
+    return graph_ready_order(problem.graph)
 
 
 def bucket_shares(problem: Problem, selection: Selection, data_axes: tuple[int, ...]) -> dict[int, float]:
@@ -142,12 +127,8 @@ def shared_choice(problem: Problem, group: StorageGroup, k: int, share: float, d
     choice, mesh = group.choices[k], problem.mesh
     real = set(mesh.to_real_axes(data_axes))
     calls = tuple(replace(c, share=share) if _in_bucket(c, real) else c for c in choice.calls)
-    stage = group.options[k][1].stage
     beside = calls if choice.overlapped_s > 0 else ()
-    once = tuple(c for c in beside if once_a_step(c, stage))
-    before, after = comm.total_time(choice.calls, mesh), comm.total_time(calls, mesh)
-    return replace(choice, calls=calls, time_s=choice.time_s - before + after,
-                   overlapped_s=comm.total_time(beside, mesh), overlapped_once_s=comm.total_time(once, mesh))
+    return with_calls(choice, calls, beside, group.options[k][1].stage, mesh)
 
 
 def data_axes_of(mesh_shape: tuple[int, ...], tensor_parallel: int) -> tuple[int, ...]:

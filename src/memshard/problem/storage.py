@@ -8,6 +8,14 @@ micro-batches hold it, ZeRO-3's gathered weight around each use or over its laye
 spans (FSDP2's flat buffers among them), the reductions' and gathers' collectives — and the
 links and conflicts that tie it to its ops, added to a :class:`~memshard.problem.draft.ProblemDraft`
 (whose context it reads and whose records it extends).
+
+memshard's runtime all-reduces its ZeRO-0 gradients per bucket, by DDP's rule (written once
+here: :data:`DDP_BUCKET_CAPS`, :func:`assign_buckets`, in :func:`ready_order`), each bucket in
+one coalesced call. A choice is priced before the other weights' choices are known, so a
+ZeRO-0 all-reduce is the share of its bucket's call it would be were every weight ZeRO-0 and
+split as this one (:func:`zero0_shares`): exact where all are, split alike (data parallelism);
+an estimate elsewhere, where a bucket holding only some of those weights runs one call but is
+priced at their shares. The evaluator and the ILP read the same shares.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from memshard.core.graph import Precision, TensorSpec
+from memshard.core.graph import Graph, Precision, TensorKind, TensorSpec
 from memshard.core.mesh import Mesh
 from memshard.core.placement import PARTIAL, REPLICATE, Shard, local_numel, replication
 from memshard.problem import comm
@@ -51,6 +59,60 @@ from memshard.problem.reshard_memory import reshard_peak_bytes
 from memshard.problem.strategies import grad_layout, parameter_inputs
 
 ADAM_SQRT_BYTES = 4  # one fp32 element per parameter element: torch Adam's sqrt(exp_avg_sq)
+# PyTorch DDP's bucket caps (``buckets.py``), by which memshard's runtime buckets its ZeRO-0
+# all-reduces too: the first bucket holds 1 MiB of gradient bytes, every later one 25 MiB.
+MIB = 1 << 20
+DDP_FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+DDP_BUCKET_BYTES = 25 * MIB  # torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB
+DDP_BUCKET_CAPS = (DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES)
+
+
+def assign_buckets(sizes: list[float], caps: tuple[float, ...] = DDP_BUCKET_CAPS) -> list[int]:
+    """Each size's bucket, sizes in the order they are packed: a bucket closes once it holds
+    its cap (``caps[k]`` for the k-th bucket, the last cap for every later one)."""
+    out, bucket, held = [], 0, 0.0
+    for size in sizes:
+        out.append(bucket)
+        held += size
+        if held >= caps[min(bucket, len(caps) - 1)]:
+            bucket, held = bucket + 1, 0.0
+    return out
+
+
+def ready_order(graph: Graph) -> list[str]:
+    """The parameters in the order the backward makes their gradients final: by their first
+    use, last first (a parameter no op reads: left out)."""
+    first_use: dict[str, int] = {}
+    for i, op in enumerate(graph.ops):
+        for t in op.inputs:
+            if graph.tensors[t.tensor].kind is TensorKind.PARAMETER:
+                first_use.setdefault(t.tensor, i)
+    names = [n for n in reversed(graph.parameters) if n in first_use]
+    return sorted(names, key=lambda n: -first_use[n])
+
+
+def zero0_shares(graph: Graph, fraction: float, reduce_bytes: int) -> dict[str, float]:
+    """Parameter → the share of its bucket's call that its ZeRO-0 all-reduce is, where every
+    parameter is ZeRO-0 with ``fraction`` of its elements local: its elements over its
+    bucket's, the buckets packed in :func:`ready_order` by :func:`assign_buckets`, as memshard's
+    runtime packs them (``runtime/stores.py``). The shares of a bucket sum to 1."""
+    names = ready_order(graph)
+    numel = [graph.tensors[n].numel for n in names]
+    buckets = assign_buckets([n * fraction * reduce_bytes for n in numel])
+    totals: dict[int, int] = {}
+    for b, n in zip(buckets, numel):
+        totals[b] = totals.get(b, 0) + n
+    return {name: n / totals[b] for name, b, n in zip(names, buckets, numel)}
+
+
+def with_calls(choice: Choice, calls: tuple[comm.Collective, ...], beside: tuple[comm.Collective, ...],
+               stage: int, mesh: Mesh) -> Choice:
+    """``choice`` with ``calls`` for its collectives (``beside``: those of them run beside the
+    compute), its seconds priced again."""
+    once = tuple(c for c in beside if once_a_step(c, stage))
+    before, after = comm.total_time(choice.calls, mesh), comm.total_time(calls, mesh)
+    return replace(choice, calls=calls, time_s=choice.time_s - before + after,
+                   overlapped_s=comm.total_time(beside, mesh), overlapped_once_s=comm.total_time(once, mesh))
 
 
 # What memshard's runtime runs beside the compute (``runtime/stores.py`` says how), of a weight
@@ -127,7 +189,27 @@ class StoragePricing:
             self.storage_slots(gid, name, uses)
             self.replay_conflicts(gid, name, uses, op_group)
         self.link_layer_units(storage_group)
+        if self.draft.framework == MEMSHARD:
+            for gid in dict.fromkeys(storage_group.values()):
+                self.bucket_zero0(gid)
         return storage_group
+
+    def bucket_zero0(self, gid: int) -> None:
+        """A group's ZeRO-0 choices with each all-reduce a share of its bucket's call
+        (:func:`zero0_shares`, every parameter split as this choice splits its weights; the
+        mean over the group's instances): latency once per bucket, the bytes as they were."""
+        grp, mesh, graph = self.draft.groups[gid], self.draft.mesh, self.draft.graph
+        spec = graph.tensors[grp.params[0]]
+        for k, (G, opt) in enumerate(grp.options):
+            choice = grp.choices[k]
+            if opt.stage != 0 or not choice.calls:
+                continue
+            fraction = local_numel(spec.shape, param_layout(G), mesh.shape) / spec.numel
+            shares = self.draft.cached(("zero-0 shares", fraction), lambda fraction=fraction: zero0_shares(
+                graph, fraction, graph.precision.reduce_bytes))
+            share = sum(shares[name] for name in grp.params) / len(grp.params)
+            calls = tuple(replace(c, share=share) if c.kind == comm.ALL_REDUCE else c for c in choice.calls)
+            grp.choices[k] = with_calls(choice, calls, calls if choice.overlapped_s > 0 else (), opt.stage, mesh)
 
     def replay_conflicts(self, gid: int, name: str, uses: list[tuple[int, int]], op_group: list[int]) -> None:
         """A ZeRO-3 weight gathered per op cannot serve a replay (gathered a third time, around

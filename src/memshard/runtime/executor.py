@@ -54,11 +54,12 @@ from memshard.core.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
 from memshard.problem.gathers import layer_units
 from memshard.problem.memory import param_layout
 from memshard.problem.records import Problem, Selection
+from memshard.problem.storage import ready_order
 from memshard.problem.strategies import Strategy, input_grad_layout
 from memshard.runtime import checkpoint, loop, ops
 from memshard.runtime.replay import LayerReplay, ReplayLinks, again_hooks, storage_id
 from memshard.runtime.reshard import Reshard, local_of, reshard_local, to_torch, without_partial
-from memshard.runtime.stores import GatherUnit, ParamStore, compute_dtype, made
+from memshard.runtime.stores import GatherUnit, ParamStore, compute_dtype, made, reduction_buckets
 
 INIT_STD = 0.02
 
@@ -273,6 +274,8 @@ class ShardedGraphModel(nn.Module):
         # on CUDA, where a gradient's all-reduce over a second axis waits for the first's
         # (``stores.start_all_reduces``): not the compute stream
         self.reduction_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # ZeRO-0 gradients all-reduced together, per bucket (``stores.reduction_buckets``)
+        self.reduction_buckets = reduction_buckets(self.stores, ready_order(graph), graph.precision.reduce_bytes)
         self.replicate_loss = True  # forward returns the global loss on every rank
         for store in self.stores.values():
             if store.stage <= 1:

@@ -7,12 +7,21 @@ What runs beside the compute (``problem/storage.py``'s ``reduction_overlaps`` an
 ``gather_overlaps`` say which weights; it prices exactly this, the layers' weights only, the
 root's conservatively in line):
 
-- A ZeRO-0 weight's gradient all-reduces. In the backward that syncs gradients (the last
-  micro-batch's), once the gradient is final, they start at once, in place on the gradient and
-  asynchronously (:meth:`ParamStore.start_reduction`), as DDP starts a bucket's all-reduce; the
-  end of the backward waits for them before the reduced gradient is used
-  (:meth:`ParamStore.finish_gradients`). That holds nothing longer than the in-line reduction
-  did: the gradient is kept until the end of the backward either way.
+- A ZeRO-0 weight's gradient all-reduces, per bucket (:class:`ReductionBucket`), as DDP runs
+  them: the ZeRO-0 weights, in the order the backward makes their gradients final
+  (``storage.ready_order``), are packed into buckets by DDP's caps (1 MiB of local gradient
+  first, 25 MiB after: ``storage.assign_buckets``; weights reduced over other process groups
+  apart). In the backward that syncs gradients (the last micro-batch's), once the last
+  gradient of a bucket is final, the bucket's all-reduces start together, in place and
+  asynchronously: one coalesced call per process group (``dist._coalescing_manager``; on NCCL
+  one grouped launch, no copy). The end of the backward waits for them before the reduced
+  gradients are used (:meth:`ParamStore.finish_gradients`); a bucket some of whose gradients
+  never came reduces them in line then. That holds nothing longer than the in-line reduction
+  did: each gradient is kept until the end of the backward either way. (gloo's
+  ``allreduce_coalesced`` copies the bucket into one flat buffer on its own thread and back:
+  on CPU a bucket's bytes more while it runs, which memory tracking on the caller's thread
+  does not see and the model, pricing NCCL, does not hold.) ``problem/storage.py`` prices each
+  weight's all-reduce as a share of its bucket's call.
 - A ZeRO-1 weight's reduction, off a pipeline, where it is stored over one mesh axis that
   splits its local weight evenly and its gradient is a partial sum there: the same, its all-reduces (over the
   other partial axes) then its reduce-scatter into a new shard. The shard exists from the start
@@ -53,7 +62,7 @@ from torch.distributed.tensor import Shard as TorchShard
 
 from memshard.core.graph import Graph
 from memshard.core.placement import PARTIAL, REPLICATE, Layout, Partial, Shard
-from memshard.problem.storage import gather_overlaps, reduction_overlaps
+from memshard.problem.storage import assign_buckets, gather_overlaps, reduction_overlaps
 from memshard.runtime.reshard import local_of, reshard_local, to_torch
 
 
@@ -103,14 +112,29 @@ def gather_flat(shard: torch.Tensor, numel: int, mesh: DeviceMesh, axes: tuple[i
     return out
 
 
-def start_all_reduces(flat: torch.Tensor, groups: tuple, stream: torch.cuda.Stream | None = None,
+def all_reduce_together(flats: list[torch.Tensor], group: dist.ProcessGroup):
+    """Start the all-reduces of ``flats`` in place over ``group`` as one coalesced call
+    (``allreduce_coalesced``: on NCCL one grouped launch; gloo copies them into one flat buffer
+    on its thread and back) and return its handle (one ``dist.Work`` for all) without waiting."""
+    with dist._coalescing_manager(group, async_ops=True) as together:
+        for flat in flats:
+            dist.all_reduce(flat, group=group, async_op=True)
+    (work,) = together.works  # (the coalesced call's: torch's fast path for all-reduces)
+    return work
+
+
+def start_all_reduces(flat: torch.Tensor | list[torch.Tensor], groups: tuple, stream: torch.cuda.Stream | None = None,
                       scatter: tuple[torch.Tensor, dist.ProcessGroup] | None = None) -> dist.Work | None:
-    """Start the all-reduces of ``flat`` in place over ``groups`` in order, then (``scatter``:
-    an output and a group) its reduce-scatter into that output, each once the one before has
-    completed, and return the last one's handle (a ``dist.Work``; ``None`` for none) without
-    waiting for it. A later one waits for the one before on ``stream`` (a side CUDA stream)
-    where one is given, else in the caller (gloo's handles)."""
-    calls = [functools.partial(dist.all_reduce, flat, group=group, async_op=True) for group in groups]
+    """Start the all-reduces of ``flat`` (a list: all-reduced together, :func:`all_reduce_together`)
+    in place over ``groups`` in order, then (``scatter``: an output and a group) its
+    reduce-scatter into that output, each once the one before has completed, and return the last
+    one's handle (a ``dist.Work``; ``None`` for none) without waiting for it. A later one waits
+    for the one before on ``stream`` (a side CUDA stream) where one is given, else in the caller
+    (gloo's handles)."""
+    if isinstance(flat, list):
+        calls = [functools.partial(all_reduce_together, flat, group) for group in groups]
+    else:
+        calls = [functools.partial(dist.all_reduce, flat, group=group, async_op=True) for group in groups]
     if scatter is not None:
         out, group = scatter
         calls.append(functools.partial(dist.reduce_scatter_single, out, flat, group=group, async_op=True))
@@ -133,6 +157,53 @@ class StartedReduction:
 
     reduced: torch.Tensor
     work: dist.Work | None
+
+
+class ReductionBucket:
+    """ZeRO-0 weights whose gradients are all-reduced together (:func:`reduction_buckets`): once
+    the last of them is final in the backward that syncs, one coalesced call per process group
+    (:func:`all_reduce_together`, chained as :func:`start_all_reduces` chains), in place."""
+
+    def __init__(self, stores: list[ParamStore]):
+        self.stores = stores
+        self.arrived = 0
+        for store in stores:
+            store.bucket = self
+
+    def gradient_final(self, stream: torch.cuda.Stream | None = None) -> None:
+        """One member's gradient is final: start the bucket's all-reduces if it was the last."""
+        self.arrived += 1
+        if self.arrived < len(self.stores):
+            return
+        self.arrived = 0
+        flats = [store.local_gradient() for store in self.stores]
+        work = start_all_reduces(flats, self.stores[0].all_reduce_groups, stream)
+        for store, flat in zip(self.stores, flats):
+            store.started = StartedReduction(flat, work)
+
+    def reset(self) -> None:
+        """Forget the members that arrived (the backward ended before the last did: they reduce
+        in line, :meth:`ParamStore.finish_gradients`)."""
+        self.arrived = 0
+
+
+def reduction_buckets(stores: dict[str, ParamStore], order: list[str], reduce_bytes: int) -> list[ReductionBucket]:
+    """The ZeRO-0 weights of ``stores`` that all-reduce their gradients beside the backward,
+    bucketed as ``problem/storage.py`` prices them: in ``order`` (the order their gradients
+    become final, ``storage.ready_order``), apart by process groups and dtype, a bucket closing at DDP's
+    caps (``storage.assign_buckets``) of their local gradients in the reduce dtype
+    (``reduce_bytes`` an element)."""
+    by_groups: dict[tuple, list[ParamStore]] = {}
+    for name in order:
+        store = stores.get(name)
+        if store is not None and store.stage == 0 and store.reduces_beside and store.all_reduce_groups:
+            by_groups.setdefault((store.all_reduce_groups, store.compute_dtype), []).append(store)
+    buckets = []
+    for members in by_groups.values():
+        index = assign_buckets([store.numel * reduce_bytes for store in members])
+        for b in range(index[-1] + 1):
+            buckets.append(ReductionBucket([store for store, k in zip(members, index) if k == b]))
+    return buckets
 
 
 class ParamStore:
@@ -168,6 +239,7 @@ class ParamStore:
         # finishes the reductions when the backward ends)
         self.on_local_gradient: Callable[[ParamStore], None] | None = None
         self.started: StartedReduction | None = None  # stages 0 and 1: a reduction running
+        self.bucket: ReductionBucket | None = None  # stage 0: the weights all-reduced with this one
         # What runs beside the compute (``problem.storage``'s rules, which price it): the
         # gradient's reduction, and (stages 1 and 2) the gather of the updated shards.
         local_numel = math.prod(self.local_shape)
@@ -268,8 +340,10 @@ class ParamStore:
         shard, beside the rest of the backward (``start_all_reduces``; ``stream``: the side
         stream that chains them on CUDA). :meth:`finish_gradients` waits for them; the
         gradient is kept until then, as in line."""
-        g = self.param.grad
-        flat = (g.to_local() if isinstance(g, DTensor) else g).reshape(-1)
+        if self.bucket is not None:
+            self.bucket.gradient_final(stream)
+            return
+        flat = self.local_gradient()
         if self.stage == 0:
             self.started = StartedReduction(flat, start_all_reduces(flat, self.all_reduce_groups, stream))
             return
@@ -277,15 +351,24 @@ class ParamStore:
         work = start_all_reduces(flat, self.all_reduce_groups, stream, (shard, self.mesh.get_group(self.axes[0])))
         self.started = StartedReduction(shard, work)
 
+    def local_gradient(self) -> torch.Tensor:
+        """The compute weight's local gradient, flat (a view)."""
+        g = self.param.grad
+        return (g.to_local() if isinstance(g, DTensor) else g).reshape(-1)
+
     def drop_started(self) -> None:
         """Forget the all-reduces a backward started and did not finish (it raised): their
         collectives go on and free their buffers when done."""
         self.started = None
+        if self.bucket is not None:
+            self.bucket.reset()
 
     def finish_gradients(self) -> None:
         """After the last micro-batch's backward (stages 0 and 1): wait for the collectives it
         started, or reduce now; the reduced gradient goes to the shard's."""
         started, self.started = self.started, None
+        if self.bucket is not None:
+            self.bucket.reset()
         if started is not None:
             if started.work is not None:
                 started.work.wait()
