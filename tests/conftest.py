@@ -36,11 +36,13 @@ TOGETHER = {  # test (file::function) → the unit it shares with the others tha
 # The costliest files, most first (from `pytest --durations=0`); the rest follow in collection order.
 HEAVIEST_FIRST = (
     "docs/test_readme.py", "planner/test_fit.py", "runtime/test_training_loop.py", "runtime/test_simulate.py",
-    "baselines/test_baselines.py", "runtime/test_runtime.py", "baselines/test_conformance.py",
+    "baselines/test_baselines.py", "runtime/test_runtime.py", "baselines/test_conformance.py", "planner/test_cli.py",
     "planner/test_recompute.py", "runtime/test_traced_runtime.py", "planner/test_highs_search.py",
-    "planner/test_planner.py", "baselines/test_export.py", "planner/test_cli.py", "trace/test_trace.py",
-    "planner/test_pipelined.py", "baselines/test_layer_split.py", "planner/test_job.py",
-)
+    "planner/test_planner.py", "baselines/test_export.py", "trace/test_trace.py", "planner/test_pipelined.py",
+    "planner/test_solver_bruteforce.py", "planner/test_pipeline_stage_search.py", "planner/test_job.py",
+    "trace/test_autocast.py", "baselines/test_layer_split.py",
+)  # (test_cli: its determinism test alone is two searches in two processes; test_solver_bruteforce and
+# test_pipeline_stage_search: one long test each, which, collected late, would end one worker's run alone)
 
 
 def unit_of(nodeid: str) -> str:
