@@ -297,8 +297,9 @@ def test_a_split_without_a_pipeline_is_refused():
 
 # -- mesh views inside the stages ---------------------------------------------------------------------
 # Two stages of one node of 8: a stage mesh of 8, whose view 2 × 4 (``core.mesh.mesh_views``)
-# holds plans one axis of 8 does not
-ONE_NODE_STAGES = Job("tiny-gpt", "2x8", batch=64, seq=128, micro_batches=4)
+# holds plans one axis of 8 does not (at batch 16 the view's stages are about 28% faster; at
+# batch 64 both views' fastest is data parallelism, its ZeRO-0 all-reduces one coalesced bucket)
+ONE_NODE_STAGES = Job("tiny-gpt", "2x8", batch=16, seq=128, micro_batches=4)
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +313,7 @@ def test_the_fastest_stages_lie_on_the_view_that_planning_each_view_by_hand_find
     stage's mesh is the view), the view's plan is strictly faster, and it is the one kept."""
     gap = SearchOptions().gap
     typed = plan_pipelined(ONE_NODE_STAGES, SearchOptions(objective="time", mesh_views=False), PipelineOptions(2))
-    by_hand = plan_pipelined(Job("tiny-gpt", "2x2x4", batch=64, seq=128, micro_batches=4),
+    by_hand = plan_pipelined(Job("tiny-gpt", "2x2x4", batch=16, seq=128, micro_batches=4),
                              SearchOptions(objective="time", mesh_views=False), PipelineOptions(2))
     assert typed.stage_mesh.shape == (8,) and typed.typed_stage_mesh is None
     def links(mesh):
@@ -356,7 +357,7 @@ def test_views_follow_the_objective_and_mesh_views_as_without_a_pipeline():
 
 def test_the_cli_plans_stages_on_a_view_and_auto_keeps_it(on_views, tmp_path, capsys):
     path = tmp_path / "plan.json"
-    argv = ["plan", "--model", "tiny-gpt", "--mesh", "2x8", "--batch", "64", "--seq", "128", "--micro-batches", "4",
+    argv = ["plan", "--model", "tiny-gpt", "--mesh", "2x8", "--batch", "16", "--seq", "128", "--micro-batches", "4",
             "--pipeline", "2", "--objective", "time", "--mesh-views", "on", "--brief", "--json", str(path)]
     assert main(argv) == 0
     assert "each on mesh 2x4 (the best view of mesh 8)" in " ".join(capsys.readouterr().out.split())
