@@ -178,7 +178,7 @@ def test_the_cli_plans_a_pipeline_and_writes_it(tmp_path, capsys):
             "--pipeline", "2", "--schedule", "gpipe", "--brief", "--json", str(path)]
     assert main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())  # (the console wraps its lines)
-    assert "2 pipeline stages, GPIPE, each on mesh 2" in out and "(the largest peak)" in out
+    assert "2 pipeline stages, GPipe, each on mesh 2" in out and "(the largest peak)" in out
     data = json.loads(path.read_text())
     assert data["pipeline"]["schedule"] == "gpipe" and len(data["stages"]) == 2
     api = memshard.plan("tiny-gpt", "4", batch=8, micro_batches=4, pipeline=2, schedule="gpipe")

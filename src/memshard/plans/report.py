@@ -22,6 +22,7 @@ from memshard.plans.advice import (
 )
 from memshard.plans.pipelined import PipelinedPlan
 from memshard.plans.plan import Plan
+from memshard.problem.pipeline import SCHEDULE_TITLES
 
 CATEGORY_LABELS = {
     "parameters": "parameters",
@@ -66,7 +67,7 @@ def render_pipelined(plan: PipelinedPlan, console: Console, top: int = 10, show_
                   f"{counted(job.micro_batches, 'micro-batch', 'micro-batches')}) on mesh [bold]{job.mesh}[/] "
                   f"({counted(mesh.num_devices, 'device')}), "
                   f"{'objective' if plan.objective else 'strategy'} [bold]{plan.objective or plan.strategy}[/]: "
-                  f"{len(plan.stages)} pipeline stages, {plan.schedule.upper()}, each on mesh {plan.stage_mesh}"
+                  f"{len(plan.stages)} pipeline stages, {SCHEDULE_TITLES[plan.schedule]}, each on mesh {plan.stage_mesh}"
                   + (f", {plan.stages_per_rank} per rank on {plan.ranks} ranks" if plan.stages_per_rank > 1 else "")
                   + (f" (the best view of mesh {plan.typed_stage_mesh})" if plan.typed_stage_mesh is not None else ""))
     several = plan.stages_per_rank > 1
@@ -355,7 +356,7 @@ def render_comparison(result: dict, console: Console, job: Job | None = None) ->
     pipeline, stages = result.get("pipeline"), ""
     if pipeline:
         stage_mesh = "x".join(map(str, pipeline["stage_mesh"]["shape"]))
-        stages = (f" in {pipeline['stages']} pipeline stages ({pipeline['schedule'].upper()}, "
+        stages = (f" in {pipeline['stages']} pipeline stages ({SCHEDULE_TITLES[pipeline['schedule']]}, "
                   f"{pipeline['micro_batches']} micro-batches), each on mesh {stage_mesh}")
     console.print(f"[bold]{model['name']}[/]{figures} on mesh [bold]{'x'.join(map(str, mesh['shape']))}[/]{stages}: "
                   "every strategy priced by the same memory and communication model")

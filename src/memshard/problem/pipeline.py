@@ -108,6 +108,9 @@ TORCH_SCHEDULE_CLASSES = {
     "zbv": "ScheduleZBVZeroBubble",
 }
 # Stages per rank when none is given: torchtitan's default of 2 for the multi-stage classes.
+# How reports name each schedule.
+SCHEDULE_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B",
+                   "interleaved-zb": "interleaved zero bubble", "zbv": "ZBV"}
 DEFAULT_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "interleaved-zb": 2, "zbv": 2}
 KINDS = ("F", "B", "I", "W")
 
