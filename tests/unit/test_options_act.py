@@ -55,6 +55,7 @@ PLAN = {
     "--pipeline": (["--pipeline", "2"], "refused"),
     "--schedule": (["--schedule", "gpipe"], "refused"),  # it orders a pipeline's stages
     "--stage-layers": (["--stage-layers", "balanced"], "refused"),  # it divides a pipeline's layers
+    "--virtual-stages": (["--virtual-stages", "2"], "refused"),  # it divides a pipeline's stages among its ranks
 }
 JOB_SOURCES = {"--model", "--hf-config", "--hf-model", "--json", "--help"}
 
