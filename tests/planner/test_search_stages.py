@@ -54,7 +54,11 @@ def test_a_plans_stage_record_says_what_each_stage_did_and_stays_out_of_its_json
     assert all(stage.time_s >= 0 and stage.stopped for stage in stages)
     last = [stage for stage in stages if stage.name == "first pass"][-1]
     assert last.objective == "memory" and last.bound <= last.found * (1 + 1e-9)
-    assert last.found == pytest.approx(plan.peak_bytes, rel=1e-4)
+    # the plan is the first pass's, or the tie-break pass's held within the gap of its bound
+    # (``solve.second_pass_cap``: a faster plan for a little more memory)
+    if last.found != pytest.approx(plan.peak_bytes, rel=1e-4):
+        assert "tie-break pass" in {stage.name for stage in stages}
+        assert last.found < plan.peak_bytes <= last.bound / (1 - SearchOptions().gap) + 1e-6
     assert plan.peak_bytes * (1 - plan.solver.gap) <= last.found
     text = json.dumps(plan.to_dict())
     assert "stages" not in text and "first pass" not in text
