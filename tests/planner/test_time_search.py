@@ -94,7 +94,8 @@ def test_a_solution_of_a_presolved_branch_and_bound_is_priced_at_its_own_objecti
 def test_the_fastest_llama_plan_with_recomputation_is_proved_by_the_first_pass_at_its_own_step_time():
     """LLaMA-3 8B on 8x8 with recomputation, the fastest plan within 80 GiB (plan_speed's row):
     the step time's relaxation by dual simplex (interior point took seconds more), the dive's
-    plan within 0.22% of it, and branch and bound with reduced-cost pins proving it. No stage
+    plan within 0.22% of it, proved by the dive's own bound or by branch and bound with
+    reduced-cost pins. No stage
     finds a plan below a bound another one proved, and the plan found is priced at the
     evaluator's step time. (Before, HiGHS's presolved branch and bound reported the dive's
     plan 1.4% below its own step time, "proved" it there, and the tie-break pass searched
@@ -114,7 +115,9 @@ def test_the_fastest_llama_plan_with_recomputation_is_proved_by_the_first_pass_a
     proved = max(r.bound for r in records if r.bound is not None and r.objective == "time"
                  and r.name in ("relaxation", "dive", "branch and bound"))  # (bounds on every plan)
     assert all(r.found >= proved * (1 - 1e-9) for r in records if r.found is not None and r.objective == "time")
-    assert [r.stopped for r in records if r.name == "branch and bound"] == ["gap closed"]
+    # proved by the last search stage that ran: the dive where its own bound closes the gap
+    # (with ZeRO-0's all-reduces in buckets it does), else branch and bound
+    assert [r.stopped for r in records if r.name in ("dive", "branch and bound")][-1] == "gap closed"
 
 
 def test_the_step_times_relaxation_on_its_own_rows_bounds_every_plan_and_rules_a_cutoff_out():
