@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn, optim
+from torch._C._distributed_c10d import FakeWork
 from torch._guards import active_fake_mode
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
@@ -670,6 +671,14 @@ def init_fake_world(rank: int, world_size: int) -> dist.ProcessGroup:
     group = dist.group.WORLD
     assert group is not None
     return group
+
+
+@torch.library.register_fake("c10d::allreduce_coalesced_")
+def _fake_allreduce_coalesced(tensors, process_group, reduce_op, async_op=True, timeout=-1):
+    """Under fake tensors, the coalesced all-reduce memshard's runtime starts per bucket
+    (``stores.all_reduce_together``), which torch gives no fake kernel: in place, a finished
+    handle, as the fake process group's other collectives."""
+    return FakeWork().boxed()
 
 
 def destroy() -> None:
