@@ -68,7 +68,7 @@ class PassRules:
     its ties unresolved; ``simplex_bound``: the primary objective's relaxation by dual
     simplex from the basis the model has first; ``speculative``: the dive alone (halted UNSETTLED
     where its plan is not proved); ``on_branching``: called where the blend's dive leaves its
-    gap open (a long search follows); ``needs_rows``: whether a plan breaks lazy rows (halted
+    gap open, or its plan goes on to the primary objective alone (a long search follows); ``needs_rows``: whether a plan breaks lazy rows (halted
     ROWS_NEEDED with the dive's plan that does; the blend's returned unproved: no search of
     a model about to change); ``relax_first``: the primary objective's relaxation before the
     blend's branch and bound, which is skipped where the relaxation leaves the dive's plan
@@ -200,6 +200,8 @@ class FirstPass:
             return Solution(values, value, floor_gap, True, False)
         if floor_gap <= gap:
             return Solution(values, value, floor_gap, False, ties_resolved)
+        if rules.on_branching is not None:
+            rules.on_branching()
         # a dive on the primary objective alone first, not on a loose floor's peak: simplex
         # solves its relaxation slowly (docs/search.md, *Measurements*)
         return primary_alone(search, objectives, gap, Solution(values, value, floor_gap, False, ties_resolved),
