@@ -52,9 +52,9 @@ from memshard.problem.records import (
 from memshard.problem.storage import (  # DDP's rule, which memshard's runtime shares (``storage.py``)
     DDP_BUCKET_CAPS,
     assign_buckets,
+    ready_order,
     with_calls,
 )
-from memshard.problem.storage import ready_order as graph_ready_order
 
 MEGATRON_BUCKET_PARAMETERS = 40_000_000  # max(40M, 1M × DP) parameters with --overlap-grad-reduce
 MEGATRON_BUCKET_PER_DATA_RANK = 1_000_000
@@ -74,12 +74,6 @@ def bucket_caps(problem: Problem, data_parallel: int) -> tuple[str, tuple[float,
     return None
 
 
-def ready_order(problem: Problem) -> list[str]:
-    """The parameters in the order the backward makes their gradients: by their first use,
-    last first (``storage.ready_order``, memshard's runtime's order too)."""
-    return graph_ready_order(problem.graph)
-
-
 def bucket_shares(problem: Problem, selection: Selection, data_axes: tuple[int, ...]) -> dict[int, float]:
     """Storage group → the mean share of its bucket's call that each of its weights' bucketed
     collectives is (its local elements over the bucket's), under ``selection``; ``data_axes``:
@@ -89,7 +83,7 @@ def bucket_shares(problem: Problem, selection: Selection, data_axes: tuple[int, 
     if caps is None or data_parallel == 1:
         return {}
     unit, limits = caps
-    names = [n for n in ready_order(problem) if _bucketed(_choice(problem, selection, n).calls, problem, data_axes)]
+    names = [n for n in ready_order(problem.graph) if _bucketed(_choice(problem, selection, n).calls, problem, data_axes)]
     numel = [_local_numel(problem, selection, n) for n in names]
     per_element = [problem.graph.precision.reduce_bytes if unit == "bytes" else 1] * len(names)
     buckets = assign_buckets([n * b for n, b in zip(numel, per_element)], limits)
