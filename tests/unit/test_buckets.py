@@ -7,8 +7,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from memshard.api import export, make_job
 from memshard.baselines.names import parse_strategy
@@ -20,6 +18,7 @@ from memshard.problem.evaluate import evaluate
 from memshard.problem.memory import param_layout
 from memshard.problem.pricing import build_problem
 from memshard.problem.records import DDP, StorageGroup
+from tests.unit.test_zero0_buckets import torch_buckets
 
 
 def _baseline(job, name):
@@ -29,32 +28,11 @@ def _baseline(job, name):
     return problem, found[0]
 
 
-def _torch_buckets(problem, selection) -> int:
-    """How many buckets PyTorch's DDP packs the local gradients into: its reducer's rebuilt
-    buckets (1 MiB first, then 25 MiB, the defaults), the gradients in the order the backward
-    makes them (by their first use, last first)."""
-    first_use = {}
-    for i, op in enumerate(problem.graph.ops):
-        for t in op.inputs:
-            if t.tensor in problem.graph.parameters:
-                first_use.setdefault(t.tensor, i)
-    order = sorted(first_use, key=lambda n: -first_use[n])
-    tensors = []
-    for name in order:
-        gid = problem.storage_group[name]
-        G, _ = problem.groups[gid].options[selection.choices[gid]]
-        numel = local_numel(problem.graph.tensors[name].shape, param_layout(G), problem.mesh.shape)
-        tensors.append(torch.empty(numel, dtype=torch.float32, device="meta"))
-    caps = [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 1024 * 1024]  # torch's _DEFAULT_BUCKET_CAP_MB
-    buckets, _ = dist._compute_bucket_assignment_by_size(tensors, caps)
-    return len(buckets)
-
-
 def test_ddp_pays_one_all_reduce_latency_per_bucket_of_torchs_rule():
     job = make_job("gpt3-1.3b", "2x4", batch=8, precision="fp32", num_layers=4)
     problem, ddp = _baseline(job, "ddp")
     assert ddp.problem.graph.precision.reduce_bytes == 4  # (the meta tensors' fp32)
-    expected = _torch_buckets(ddp.problem, ddp.selection)
+    expected = len(torch_buckets(ddp.problem, ddp.selection))  # (its rule: test_zero0_buckets)
     assert 1 < expected < len(job.graph.parameters)
     mesh = ddp.problem.mesh
     latency = shares = 0.0

@@ -34,7 +34,7 @@ def _dp_plan():
     return strategy_plan(job, strategy="dp")
 
 
-def _torch_buckets(problem, selection) -> list[list[str]]:
+def torch_buckets(problem, selection) -> list[list[str]]:
     """The buckets PyTorch's DDP packs the local gradients into (1 MiB first, then 25 MiB),
     the gradients in the order the backward makes them (by first use, last first; those of
     one op as DDP first orders them, the module's parameters reversed)."""
@@ -69,7 +69,7 @@ def test_a_plan_pays_one_all_reduce_latency_per_bucket_of_torchs_rule_and_the_sa
     plan = _dp_plan()
     problem, selection = plan.problem, plan.selection
     assert problem.graph.precision.reduce_bytes == 4  # (the meta tensors' fp32)
-    buckets = _torch_buckets(problem, selection)
+    buckets = torch_buckets(problem, selection)
     assert 1 < len(buckets) < len(problem.graph.parameters)
     calls = _all_reduces(problem, selection)
     mesh = problem.mesh
@@ -94,7 +94,7 @@ def test_the_shares_of_each_bucket_sum_to_one_and_split_it_by_elements():
     graph = problem.graph
     shares = zero0_shares(graph, 1.0, 4)
     assert set(shares) == set(graph.parameters)
-    buckets = _torch_buckets(problem, _dp_plan().selection)
+    buckets = torch_buckets(problem, _dp_plan().selection)
     for bucket in buckets:
         assert sum(shares[name] for name in bucket) == pytest.approx(1.0)
         total = sum(graph.tensors[name].numel for name in bucket)
