@@ -648,12 +648,15 @@ class HighsSearch:
     def solve_branch(self, state: DiveProgress, basis, cutoff: float, fallback: float, depth: int) -> float:
         """Solve the relaxation as fixed now, from ``basis``, stopped at ``cutoff``; keep its
         solution if integral and better, else branch on below the dive's depth: a lower bound on
-        the branch (``fallback`` if none was found)."""
+        the branch (``fallback`` if none was found). Dual simplex runs without its cost
+        perturbation here: perturbed, a branch of a model whose costs span ten orders of
+        magnitude can meet bad basis change after bad basis change (docs/search.md)."""
         highs = self.highs
         highs.setBasis(basis)
         highs.setOptionValue("objective_bound", cutoff)
         self.limit_time()
-        highs.run()
+        with _options(highs, {"dual_simplex_cost_perturbation_multiplier": 0.0}):
+            highs.run()
         status, info = highs.getModelStatus(), highs.getInfo()
         state.branches += 1
         state.iterations += max(info.simplex_iteration_count, 1)
