@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from memshard.baselines.names import Kind, parse_strategy
-from memshard.baselines.recipes import run_by_memshard
+from memshard.baselines.recipes import priced_as_run, run_by_memshard
 from memshard.core.errors import MemshardError
 from memshard.core.files import read_json, write_text_atomically
 from memshard.core.graph import AUTOCAST, Origin
@@ -480,9 +480,12 @@ def _rebuild(data: dict, stage: PipelineStage | None) -> Plan:
                             micro_batches=job.micro_batches, zero3_unit=solver.get("zero3_unit", "op"),
                             recompute=solver.get("recompute", "none"), framework=solver.get("framework", MEMSHARD),
                             stage=stage)
-    rebuilt = build_plan(problem, _recorded_selection(problem, data), job,
+    selection, strategy = _recorded_selection(problem, data), data.get("strategy", "memshard")
+    if problem.framework != MEMSHARD:  # a baseline: its collectives priced as its framework runs them
+        problem = priced_as_run(problem, selection, parse_strategy(strategy))
+    rebuilt = build_plan(problem, selection, job,
                          budgets=Budgets(**data["constraints"]) if data.get("constraints") else None,
-                         strategy=data.get("strategy", "memshard"), advice=False)
+                         strategy=strategy, advice=False)
     # as the search reported it when the plan was made
     return replace(rebuilt, objective=data.get("objective"), solver=SolverSummary(**solver))
 
