@@ -452,12 +452,15 @@ def unpriced_under_autocast(name: StrategyName, recipe: str) -> str | None:
 
 def add_tensor_parallel(problem: Problem, add: Callable) -> None:
     """Give ``add`` (``baselines``' own) every Megatron-LM layout, without tensor parallelism
-    too (its data parallelism, its gradient buffer), and the TP × FSDP recipes."""
-    for on, k, tp in [(lambda: problem, 0, 1)] * (problem.mesh.num_devices > 1) + tensor_parallel_layouts(problem):
+    too (its data parallelism, its gradient buffer), and the TP × FSDP recipes. The layouts on
+    ``problem``'s own mesh (TP 1, whole inner axes) share one problem priced as Megatron-LM runs
+    it, built once."""
+    as_megatron_of: dict[Callable[[], Problem], Callable[[], Problem]] = {}  # a layout's problem → as Megatron-LM's
+    for on, k, tp in tensor_parallel_layouts(problem):
         dp = problem.mesh.num_devices // tp
         megatron = StrategyName(Kind.MEGATRON, tensor_parallel=tp,
                                 data_parallel=dp if dp > 1 else None)
-        as_megatron = functools.cache(lambda on=on: as_run_by(on(), MEGATRON))
+        as_megatron = as_megatron_of.setdefault(on, functools.cache(lambda on=on: as_run_by(on(), MEGATRON)))
         add(megatron, lambda p, r, k=k: megatron_tp(p, k, replayed=r), as_megatron, MEGATRON_RECIPE)
         # each sequence-parallel layout also with --tp-comm-overlap, where asked for by name
         tp_overlaps = (False, True) if tp > 1 else (False,)
@@ -486,9 +489,14 @@ def add_tensor_parallel(problem: Problem, add: Callable) -> None:
 
 def tensor_parallel_layouts(problem: Problem) -> list[tuple[Callable[[], Problem], int, int]]:
     """(the problem it is laid out on, built once when first asked for; tensor-parallel mesh
-    axes; degree) of every tensor-parallel degree: those dividing the node on a finer view of
-    it, then whole inner axes."""
-    mesh, layouts = problem.mesh, []
+    axes; degree) of every tensor-parallel degree: 1 (none) where the mesh has more than one
+    device, those dividing the node on a finer view of it, then whole inner axes (those on
+    ``problem``'s own mesh give the same callable)."""
+    def itself() -> Problem:
+        return problem
+
+    mesh = problem.mesh
+    layouts = [(itself, 0, 1)] * (mesh.num_devices > 1)
     node = mesh.shape[-1]
     for tp in range(2, node):
         if node % tp == 0:
@@ -499,5 +507,5 @@ def tensor_parallel_layouts(problem: Problem) -> list[tuple[Callable[[], Problem
     for k in range(1, mesh.ndim + 1):
         tp = math.prod(mesh.shape[mesh.ndim - k:])
         if tp > 1 and (k == 1 or mesh.shape[mesh.ndim - k] > 1):
-            layouts.append((lambda: problem, k, tp))
+            layouts.append((itself, k, tp))
     return layouts
