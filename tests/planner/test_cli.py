@@ -1,4 +1,9 @@
-"""The command line, run as a user runs it: a subprocess, its exit code, stdout and stderr."""
+"""The command line, run as a user runs it: a subprocess, its exit code, stdout and stderr.
+
+The bad inputs are refused in this process, by ``memshard.cli.main`` (the code a subprocess
+runs, without an interpreter started for each): its exit status, stdout and stderr. A
+subprocess's exit status 2 and its one line are checked by the refusals after them (an
+infeasible budget, a too-short time limit, an unwritable path)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import time
 import pytest
 
 import memshard
+from memshard.cli import main
 from memshard.models import PRESETS
 
 # Small knobs that keep a plan to a second or two (one mesh axis; see test_planner.py).
@@ -163,13 +169,23 @@ def assert_one_line_error(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def run_here(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """``memshard <args>`` run by ``main`` in this process, as a subprocess's result."""
+    capsys.readouterr()
+    code = main(args)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_input_is_one_line_exit_2_and_leaves_json_alone(case, tmp_path):
+def test_bad_input_is_one_line_exit_2_and_leaves_json_alone(case, tmp_path, capsys):
     target = tmp_path / "plan.json"
     target.write_text("precious\n")
     args = BAD[case] + (["--json", str(target)] if BAD[case] else [])
     # a bad input must be refused before any solving: a few seconds at most
-    r = run(*args, timeout=10)
+    start = time.perf_counter()
+    r = run_here(args, capsys)
+    assert time.perf_counter() - start < 10
     line = assert_one_line_error(r)
     assert target.read_text() == "precious\n"
     assert list(tmp_path.iterdir()) == [target]  # no temporary file left behind either
