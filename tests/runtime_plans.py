@@ -267,9 +267,12 @@ def saved(search: Search) -> Plan:
 # would search it otherwise.
 TINY_LLAMA_LOOP = traced("examples/tiny_llama.json", "4", 4, 16)
 TINY_LLAMA_EXAMPLE = traced("examples/tiny_llama.json", "2", 8, 32)
+# The traced LLaMA that tests/baselines/test_baselines.py lays out for tensor parallelism: its
+# least-memory plan, against which the baselines are checked (a long branch and bound).
+LLAMA_TP = traced("tests/data/configs/llama_tp.json", "2x2", 4, 32)
 
 # Every searched plan the runtime tests run (tests/runtime/test_runtime.py, test_simulate.py and
-# test_training_loop.py).
+# test_training_loop.py), and LLAMA_TP.
 SEARCHES = (
     *(least_memory(m, mesh) for m in ("tiny-gpt", "tiny-llama") for mesh in ("4", "2x2", "1x4", "2x2x2")),
     fastest("tiny-gpt", "2x2", 2.0), fastest("tiny-llama", "1x4", 1.3), fastest("tiny-llama", "2x2x2", 1.3),
@@ -283,7 +286,7 @@ SEARCHES = (
     fastest("tiny-llama", "1x4", 1.3, precision="mixed"),
     Search("gpt3-6.7b", "8x8", batch=64, seq=2048, precision="mixed", mip_gap=0.02),
     Search("llama3-8b", "4x8", batch=32, seq=2048, mip_gap=0.02),
-    TINY_LLAMA_LOOP, TINY_LLAMA_EXAMPLE,
+    TINY_LLAMA_LOOP, TINY_LLAMA_EXAMPLE, LLAMA_TP,
 )
 
 # The searches that take longest (tiny models: their LP bound is loose, and branch and bound
@@ -297,7 +300,7 @@ LONG = frozenset({
     least_memory("tiny-gpt", "1x4", recompute="auto", seq=128, time_limit_s=120),
     fastest("tiny-llama", "1x4", 1.02, recompute="auto", start=False),
     fastest("tiny-llama", "2x2x2", 1.3), fastest("tiny-llama", "1x4", 1.3, precision="mixed"),
-    TINY_LLAMA_LOOP, TINY_LLAMA_EXAMPLE,  # (traced and priced, then several seconds of search)
+    TINY_LLAMA_LOOP, TINY_LLAMA_EXAMPLE, LLAMA_TP,  # (traced and priced, then several seconds of search)
 })
 
 

@@ -19,6 +19,7 @@ from memshard.problem.pricing import build_problem
 from memshard.problem.records import MEMSHARD
 from memshard.problem.schedule import Schedule
 from memshard.search.solve import SearchRequest, solve_fixed
+from tests.runtime_plans import LLAMA_TP, saved
 
 SMALL = dict(num_layers=2, hidden=128, heads=8, vocab=512, ffn=512)
 
@@ -96,10 +97,28 @@ def test_every_baseline_is_in_the_search_space_and_memshard_is_no_worse():
         assert best.peak_bytes <= direct.peak_bytes * (1 + 1e-3), b.name
 
 
-def test_compare_rows_and_json_shape():
-    result = memshard.compare("gpt2", "4", batch=4, seq=32, num_layers=1, hidden=64, heads=2,
-                                  vocab=128, ffn=128)
-    rows = result["rows"]
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory) -> tuple[int, dict, str]:
+    """``memshard compare`` run once: its exit code, the JSON it wrote and what it printed. A
+    GPT-2 of one layer (hidden 64, 4 heads: Megatron's TP 4 lays it out), 4 sequences of 32
+    tokens on 4 devices: what the tests read (the rows' order and figures against each other,
+    the file's shape, the table) holds at any size; a small model's searches are quick."""
+    import contextlib
+    import io
+    import json
+
+    from memshard.cli import main
+
+    out = tmp_path_factory.mktemp("compare") / "compare.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["compare", "--model", "gpt2", "--mesh", "4", "--batch", "4", "--seq", "32", "--layers", "1",
+                     "--hidden", "64", "--heads", "4", "--vocab", "128", "--ffn", "128", "--json", str(out)])
+    return code, json.loads(out.read_text()), printed.getvalue()
+
+
+def test_compare_rows_and_json_shape(compared):
+    rows = compared[1]["rows"]
     assert rows[0]["strategy"] == "memshard"
     assert rows[1]["strategy"].startswith("memshard ≤1.1×")
     baseline_rows = rows[2:]
@@ -113,18 +132,28 @@ def test_compare_rows_and_json_shape():
     assert peaks == sorted(peaks)
 
 
-def test_compare_command_writes_json(tmp_path, capsys):
-    import json
-
-    from memshard.cli import main
-
-    out = tmp_path / "compare.json"
-    code = main(["compare", "--model", "gpt2", "--mesh", "4", "--batch", "4", "--seq", "32", "--json", str(out)])
+def test_compare_command_writes_json(compared):
+    code, data, printed = compared
     assert code == 0
-    data = json.loads(out.read_text())
     assert data["schema"] == "memshard.compare/1"
     assert [r["strategy"] for r in data["rows"][:1]] == ["memshard"]
-    assert "megatron-tp4-sp" in capsys.readouterr().out
+    assert "megatron-tp4-sp" in printed
+
+
+def traced_and_best(family: str):
+    """The traced model's graph (4 sequences of 32 tokens, fp32) and memshard's least peak on
+    2x2, searched to a 2% gap (the default 0.1% costs several times as long on these tiny traced
+    models). The LLaMA's plan is searched once and saved (``tests/runtime_plans.LLAMA_TP``, its
+    config tests/data/configs/llama_tp.json: its search is a long branch and bound), its graph
+    traced as it loads; GPT-2's is searched here."""
+    from memshard.trace.hf import trace_hf
+
+    if family == "llama":
+        plan = saved(LLAMA_TP)
+        return plan.job.graph, plan.peak_bytes
+    graph = trace_hf(family, batch=4, seq=32, precision="fp32", n_layer=2, n_embd=128, n_head=4, vocab_size=512,
+                     n_positions=64)
+    return graph, memshard.plan(graph, "2x2", mip_gap=0.02).peak_bytes
 
 
 @pytest.mark.parametrize("family, sizes", [
@@ -136,12 +165,8 @@ def test_compare_command_writes_json(tmp_path, capsys):
 ])
 def test_a_traced_model_is_laid_out_for_tensor_parallelism_by_its_weights(family, sizes):
     from memshard.problem.tensor_parallel import tensor_parallel_dims
-    from memshard.trace.hf import trace_hf
 
-    configs = {"llama": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             intermediate_size=256, vocab_size=512),
-               "gpt2": dict(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64)}
-    graph = trace_hf(family, batch=4, seq=32, precision="fp32", **configs[family])
+    graph, best = traced_and_best(family)
     dims = tensor_parallel_dims(graph)
     size = {d: n for op in graph.ops for d, n in graph.dim_sizes(op).items()}
     assert [size[d] for d in dims] == sizes
@@ -157,9 +182,7 @@ def test_a_traced_model_is_laid_out_for_tensor_parallelism_by_its_weights(family
         whole = p["names"][0].endswith(("norm.weight", "ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias",
                                         "ln_f.weight", "ln_f.bias", "wpe.weight", "c_proj.bias"))
         assert (p["layout"] == "RR") == whole, p
-    # Searched to a 2% gap (the default 0.1% costs several times as long on this tiny traced
-    # model): no worse than any baseline here, the default's plan is no worse within its gap.
-    best = memshard.plan(graph, "2x2", mip_gap=0.02).peak_bytes
+    # no worse than any baseline here, the default gap's plan no worse within its gap
     forced = forced_through_ilp(found)
     for b in found:
         direct = evaluate(b.problem, b.selection)
