@@ -2,7 +2,8 @@
 
 ``run_plans(plans, steps)`` runs every plan of one mesh shape in one forked world, so the
 ranks start once; each rank returns ``train``'s report plus the full gradients of every
-parameter at the second step (rank 0 only). ``reference(graph, steps)`` is the unsharded
+parameter at the second step (rank 0 only). ``run_pipelined`` does the same for pipelined
+plans (``train_pipelined``'s reports). ``reference(graph, steps)`` is the unsharded
 model with ``torch.optim.Adam`` (on fp32 master weights under mixed precision): an independent
 optimizer, so the check covers LeanAdam too. (The plans searched for these tests are saved:
 ``tests/runtime_plans.py``.)
@@ -223,6 +224,40 @@ def _failure(procs, message: str) -> RuntimeError:
     if crashed:
         return RankCrashed(f"rank {crashed[0]} died of signal {-procs[crashed[0]].exitcode}")
     return RuntimeError(message)
+
+
+def _pipelined_rank(rank: int, world: int, port: int, out: str, plans: dict, steps: int) -> None:
+    """One rank of every pipelined plan in ``plans`` (one world size), in turn: each report to
+    ``out/rank<r>.json``, by case."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memshard.runtime.pipelined import train_pipelined
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    reports = {}
+    for case, plan in plans.items():
+        mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.axis_names)
+        reports[case] = train_pipelined(plan, mesh, steps=steps)
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(reports, f)
+    dist.destroy_process_group()
+
+
+def run_pipelined(plans: dict, steps: int, out_dir) -> dict[str, list[dict]]:
+    """Every named pipelined plan's reports (rank order), ``steps`` steps each: one forked world
+    per world size (the plans made before the fork: the ranks inherit them)."""
+    by_world: dict[int, dict] = {}
+    for case, plan in plans.items():
+        by_world.setdefault(plan.mesh.num_devices, {})[case] = plan
+    out: dict[str, list[dict]] = {}
+    for world, cases in sorted(by_world.items()):
+        folder = Path(out_dir) / f"world{world}"
+        folder.mkdir(parents=True, exist_ok=True)
+        ranks = forked_world(lambda r, w, p, o, cases=cases: _pipelined_rank(r, w, p, o, cases, steps), world, folder)
+        out.update({c: [r[c] for r in ranks] for c in cases})
+    return out
 
 
 def run_cases(plans: dict, steps: int = 3) -> dict[str, list[dict]]:

@@ -19,14 +19,10 @@ The zero-bubble schedules are refused in one line, saying why.
 
 from __future__ import annotations
 
-import datetime
 import functools
-import json
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import memshard
 from memshard.api import make_job
@@ -35,7 +31,7 @@ from memshard.planner import SearchOptions
 from memshard.plans.pipelined import PipelinedPlan
 from memshard.problem.memory import param_layout, tensor_bytes
 from memshard.runtime.report import P2P, error
-from tests.runtime_harness import forked_world
+from tests.runtime_harness import run_pipelined
 
 STEPS = 2  # the second measured, its loss after one update
 BATCH, SEQ, LAYERS, MICRO_BATCHES = 8, 32, 4, 4
@@ -54,35 +50,10 @@ def _plan(case: str, schedule: str = "interleaved-1f1b") -> PipelinedPlan:
     return plan_with_pipeline(job, SearchOptions(mip_gap=0.02), 2, schedule)
 
 
-def _worker(rank: int, world: int, port: int, out: str, cases: tuple[str, ...]) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from memshard.runtime.pipelined import train_pipelined
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    reports = {}
-    for case in cases:
-        plan = _plan(case)
-        mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.axis_names)
-        reports[case] = train_pipelined(plan, mesh, steps=STEPS)
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(reports, f)
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, list[dict]]:
-    root = str(tmp_path_factory.mktemp("interleaved"))
-    out: dict[str, list[dict]] = {}
-    for world in (2, 4):
-        cases = tuple(c for c in CASES if _plan(c).mesh.num_devices == world)  # (planned before the fork)
-        folder = f"{root}/world{world}"
-        os.makedirs(folder, exist_ok=True)
-        ranks = forked_world(lambda r, w, p, o, cases=cases: _worker(r, w, p, o, cases), world, folder)
-        out.update({c: [r[c] for r in ranks] for c in cases})
-    return out
+    """Every case's reports (rank order): one forked world per world size."""
+    return run_pipelined({case: _plan(case) for case in CASES}, STEPS, tmp_path_factory.mktemp("interleaved"))
 
 
 def test_every_rank_runs_two_stages_as_the_plan_places_them(results):

@@ -22,19 +22,16 @@ it.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
-import os
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import memshard
 from memshard.api import make_job
-from memshard.core.graph import RECEIVE
+from memshard.core.graph import RECEIVE, Graph
 from memshard.core.placement import Replicate, Shard
 from memshard.pipelining import plan_with_pipeline
 from memshard.planner import SearchOptions
@@ -43,7 +40,7 @@ from memshard.problem.memory import param_layout, tensor_bytes
 from memshard.runtime.executor import GraphModel, make_batch
 from memshard.runtime.launch import KILL_ENV, launch
 from memshard.runtime.report import P2P, error
-from tests.runtime_harness import forked_world
+from tests.runtime_harness import run_pipelined
 
 STEPS = 3
 BATCH, SEQ = 8, 32
@@ -80,48 +77,17 @@ def _plan(case: str) -> PipelinedPlan:
     return plan_with_pipeline(job, SearchOptions(mip_gap=0.02, objective=objective), 2, schedule)
 
 
-def _worker(rank: int, world: int, port: int, out: str, cases: tuple[str, ...]) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from memshard.runtime.pipelined import train_pipelined
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    reports = {}
-    for case in cases:
-        plan = _plan(case)
-        mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.axis_names)
-        reports[case] = train_pipelined(plan, mesh, steps=STEPS)
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(reports, f)
-    dist.destroy_process_group()
-
-
-@functools.cache
-def _results(tmp_root: str) -> dict[str, list[dict]]:
-    """Every case's reports (rank order): one forked world per world size."""
-    out: dict[str, list[dict]] = {}
-    for world in (2, 4, 8):
-        cases = tuple(c for c in CASES if _plan(c).mesh.num_devices == world)
-        for c in cases:
-            _plan(c)  # planned before the fork
-        folder = f"{tmp_root}/world{world}"
-        os.makedirs(folder, exist_ok=True)
-        ranks = forked_world(lambda r, w, p, o, cases=cases: _worker(r, w, p, o, cases), world, folder)
-        out.update({c: [r[c] for r in ranks] for c in cases})
-    return out
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, list[dict]]:
-    return _results(str(tmp_path_factory.mktemp("pipelined")))
+    """Every case's reports (rank order): one forked world per world size."""
+    return run_pipelined({case: _plan(case) for case in CASES}, STEPS, tmp_path_factory.mktemp("pipelined"))
 
 
 @functools.cache
-def _reference(case: str) -> list[float]:
-    """The single process: each step's loss, the mean over its micro-batches."""
-    model, _, _, m, _ = CASES[case]
+def _single_process(model: str, micro_batches: int) -> tuple[Graph, list[float]]:
+    """The single process of every case of ``model`` in ``micro_batches`` (the job's graph, the
+    same on any mesh): each step's loss, the mean over its micro-batches."""
+    case = next(c for c, (name, *_, m, _) in CASES.items() if (name, m) == (model, micro_batches))
     graph = _plan(case).job.graph
     reference = GraphModel(graph, seed=0)
     optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3)
@@ -129,13 +95,21 @@ def _reference(case: str) -> list[float]:
     for step in range(STEPS):
         reference.step = step
         total = 0.0
-        for batch in make_batch(graph, m, step):
+        for batch in make_batch(graph, micro_batches, step):
             loss = reference(batch)
             loss.backward()
             total += loss.item()
-        losses.append(total / m)
+        losses.append(total / micro_batches)
         optimizer.step()
         optimizer.zero_grad()
+    return graph, losses
+
+
+def _reference(case: str) -> list[float]:
+    """The case's single-process losses (run once for the cases of the same graph)."""
+    model, _, _, m, _ = CASES[case]
+    graph, losses = _single_process(model, m)
+    assert _plan(case).job.graph == graph
     return losses
 
 
