@@ -183,6 +183,10 @@ def _all_to_all(local: torch.Tensor, shape, mesh: DeviceMesh, current: Layout, a
     out_shape = list(local.shape)
     out_shape[i], out_shape[j] = sum(pieces_i), pieces_j[me]
     out = recv.new_empty(out_shape)
+    if len(set(pieces_i)) == 1:  # every rank's piece alike: one copy, dim i split as (rank, piece)
+        blocks = recv.view([m, pieces_i[0], *moved[1:]]).movedim((0, 1), (i, i + 1))
+        out.unflatten(i, (m, pieces_i[0])).copy_(blocks)
+        return out
     start = 0
     for r, p in enumerate(recv.split(out_sizes)):
         out.narrow(i, start, pieces_i[r]).copy_(p.view([pieces_i[r], *moved[1:]]).movedim(0, i))
