@@ -282,6 +282,27 @@ MEASURED = {"fsdp2": fully_sharded_peak, "ddp": ddp_peak,
             "ddp+selective-op": functools.partial(ddp_peak, parallelize=checkpointed(data_parallel, per_op=True))}
 
 
+@functools.cache
+def measured_peak(baseline: str, family: str, world: int, rank: int, seq: int = SEQ, autocast: bool = False) -> int:
+    """``MEASURED[baseline]``'s peak on rank ``rank``, measured once in this module: a fake
+    rank's run allocates the same in every run, and some tests read the same one."""
+    return MEASURED[baseline](family, world, rank, seq=seq, autocast=autocast)
+
+
+PLANS: dict[tuple, tuple] = {}  # (the graph's id, mesh, strategy, zero3_unit, recompute) → (graph, plan)
+
+
+def baseline_plan(graph: Graph, mesh: str, strategy: str, zero3_unit: str = "op", recompute: str = "none"):
+    """``memshard.strategy_plan(graph, mesh, strategy, …)``, priced once in this module: the
+    tests that read the same baseline of the same traced graph (one object, ``traced_graph``)
+    share it."""
+    key = (id(graph), mesh, strategy, zero3_unit, recompute)
+    if key not in PLANS:
+        PLANS[key] = graph, memshard.strategy_plan(graph, mesh, strategy, zero3_unit=zero3_unit,
+                                                    recompute=recompute)
+    return PLANS[key][1]
+
+
 def recompute_of(baseline: str) -> str:
     """The recomputation a baseline is built under: its suffix's, ``auto`` for the per-op one."""
     return {"full": "full", "selective-op": "auto"}.get(baseline.partition("+")[2], "none")
@@ -386,9 +407,9 @@ def test_a_baseline_is_what_its_pytorch_implementation_allocates(baseline, famil
     when backward first unpacks one of its saved tensors, after FSDP2 has gathered its
     weights.)"""
     graph = traced_graph(family, batch=world, seq=SEQ, precision="fp32", **FAMILIES[family])
-    predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute_of(baseline)).peak_bytes
+    predicted = baseline_plan(graph, str(world), baseline, recompute=recompute_of(baseline)).peak_bytes
     for rank in (0, world - 1):
-        assert MEASURED[baseline](family, world, rank) == pytest.approx(predicted, rel=0.02), rank
+        assert measured_peak(baseline, family, world, rank) == pytest.approx(predicted, rel=0.02), rank
 
 
 @pytest.mark.parametrize("baseline", sorted(MEASURED))
@@ -396,8 +417,8 @@ def test_a_baseline_is_what_its_pytorch_implementation_allocates_at_256_tokens(b
     """Where activations, the loss's buffers and the recomputation matter more than the
     weights: LLaMA (GPT-2's config has 64 positions), 4 ranks, 256 tokens per sequence."""
     graph = traced_graph("llama", batch=4, seq=256, precision="fp32", **FAMILIES["llama"])
-    predicted = memshard.strategy_plan(graph, "4", baseline, recompute=recompute_of(baseline)).peak_bytes
-    assert MEASURED[baseline]("llama", 4, 0, seq=256) == pytest.approx(predicted, rel=0.02)
+    predicted = baseline_plan(graph, "4", baseline, recompute=recompute_of(baseline)).peak_bytes
+    assert measured_peak(baseline, "llama", 4, 0, seq=256) == pytest.approx(predicted, rel=0.02)
 
 
 @pytest.mark.parametrize("every", [2, 3])
@@ -408,11 +429,11 @@ def test_checkpointing_every_nth_block_is_what_pytorch_allocates(every):
     FSDP2 without and with every block checkpointed."""
     graph = traced_graph("llama", batch=4, seq=256, precision="fp32", **config("llama", 4))
     name = f"fsdp2+full-every{every}"
-    predicted = memshard.strategy_plan(graph, "4", name, recompute="auto")
+    predicted = baseline_plan(graph, "4", name, recompute="auto")
     assert predicted.solver.layer_classes == tuple(0 if k % every == 0 else 1 for k in range(4))
     measured = fully_sharded_peak("llama", 4, 0, checkpointed(fully_shard_blocks, every), seq=256, layers=4)
     assert measured == pytest.approx(predicted.peak_bytes, rel=0.02)
-    bounds = [memshard.strategy_plan(graph, "4", b, recompute="auto").peak_bytes for b in ("fsdp2+full", "fsdp2")]
+    bounds = [baseline_plan(graph, "4", b, recompute="auto").peak_bytes for b in ("fsdp2+full", "fsdp2")]
     assert bounds[0] < predicted.peak_bytes < bounds[1]
 
 
@@ -425,7 +446,7 @@ def test_ddp_bucket_size_changes_no_memory(baseline, parallelize):
 
     for seq in (SEQ, 256):
         graph = traced_graph("llama", batch=4, seq=seq, precision="fp32", **FAMILIES["llama"])
-        predicted = memshard.strategy_plan(graph, "4", baseline).peak_bytes
+        predicted = baseline_plan(graph, "4", baseline).peak_bytes
         assert ddp_peak("llama", 4, 0, parallelize=small_buckets, seq=seq) == pytest.approx(predicted, rel=0.02), seq
 
 
@@ -434,8 +455,8 @@ def test_ddp_bucket_views_hold_the_gradients_once():
     of the gradients, in PyTorch and in the baselines alike."""
     graph = traced_graph("llama", batch=4, seq=SEQ, precision="fp32", **FAMILIES["llama"])
     gradients = sum(graph.tensors[p].nbytes for p in graph.parameters)
-    predicted = {name: memshard.strategy_plan(graph, "4", name).peak_bytes for name in ("ddp", "ddp-bucket-view")}
-    measured = {name: MEASURED[name]("llama", 4, 0) for name in predicted}
+    predicted = {name: baseline_plan(graph, "4", name).peak_bytes for name in ("ddp", "ddp-bucket-view")}
+    measured = {name: measured_peak(name, "llama", 4, 0) for name in predicted}
     assert predicted["ddp"] - predicted["ddp-bucket-view"] == gradients
     assert measured["ddp"] - measured["ddp-bucket-view"] == gradients
 
@@ -445,8 +466,8 @@ def test_fsdp2_holds_more_than_the_idealised_zero3():
     all step, the prefetched next layer, its flat buffers) is real memory: more than the
     idealised per-layer ZeRO-3 memshard's own runtime executes, for less communication."""
     graph = traced_graph("llama", batch=4, seq=SEQ, precision="fp32", **FAMILIES["llama"])
-    fsdp2 = memshard.strategy_plan(graph, "4", "fsdp2")
-    ideal = memshard.strategy_plan(graph, "4", "zero3-fsdp", zero3_unit="layer")
+    fsdp2 = baseline_plan(graph, "4", "fsdp2")
+    ideal = baseline_plan(graph, "4", "zero3-fsdp", zero3_unit="layer")
     assert fsdp2.peak_bytes > 1.1 * ideal.peak_bytes
     # The root is gathered once a step (not again for backward): its weights backward reads
     # (lm_head, the final norm) are all-gathered once less, (N−1)/N of their bytes each.
@@ -458,8 +479,8 @@ def test_fsdp2_holds_more_than_the_idealised_zero3():
                                                  ("qwen2", 2, 2, 256), ("qwen2", 4, 2, SEQ)])
 def test_torch_tensor_parallel_times_fsdp2_is_what_pytorch_allocates(family, dp, tp, seq):
     graph = traced_graph(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
-    predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}").peak_bytes
-    idealised = memshard.strategy_plan(graph, f"{dp}x{tp}", f"tp{tp}-fsdp{dp}").peak_bytes
+    predicted = baseline_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}").peak_bytes
+    idealised = baseline_plan(graph, f"{dp}x{tp}", f"tp{tp}-fsdp{dp}").peak_bytes
     for rank in (0, dp * tp - 1):
         measured = tp_fsdp2_peak(dp, tp, rank, seq, family)
         assert measured == pytest.approx(predicted, rel=0.02), rank
@@ -476,8 +497,8 @@ def test_torch_tensor_parallel_times_fsdp2_kept_after_forward_is_what_pytorch_al
 
     graph = traced_graph(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
     name = f"torch-tp{tp}-fsdp{dp}"
-    predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", name + "-noreshard").peak_bytes
-    assert predicted > memshard.strategy_plan(graph, f"{dp}x{tp}", name).peak_bytes
+    predicted = baseline_plan(graph, f"{dp}x{tp}", name + "-noreshard").peak_bytes
+    assert predicted > baseline_plan(graph, f"{dp}x{tp}", name).peak_bytes
     kept = functools.partial(tensor_parallel_fsdp2, shard=functools.partial(fully_shard, reshard_after_forward=False))
     for rank in (0, dp * tp - 1):
         assert tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize=kept) == pytest.approx(predicted, rel=0.02), rank
@@ -516,7 +537,7 @@ def test_fsdp2_on_real_gloo_ranks_is_what_the_baseline_predicts(tmp_path):
     graph = traced_graph("llama", batch=4, seq=256, precision="fp32", **FAMILIES["llama"])
     reports = forked_world(_gloo_worker, 4, tmp_path)
     for baseline in ("fsdp2", "fsdp2+full"):
-        predicted = memshard.strategy_plan(graph, "4", baseline, recompute=recompute_of(baseline)).peak_bytes
+        predicted = baseline_plan(graph, "4", baseline, recompute=recompute_of(baseline)).peak_bytes
         for rank, peaks in enumerate(reports):
             print(f"gloo {baseline} rank {rank}: measured {peaks[baseline]:,} B, predicted {round(predicted):,} B, "
                   f"{predicted / peaks[baseline] - 1:+.2%}")
@@ -528,7 +549,7 @@ def test_torch_tensor_parallel_with_checkpointing_is_what_pytorch_allocates(fami
     """``torch-tp…+full``: TP × FSDP2 with every block under ``torch.utils.checkpoint``; the
     block's input is the embedding's output reduce-scattered once (``RowwiseParallel``)."""
     graph = traced_graph(family, batch=dp, seq=seq, precision="fp32", **FAMILIES[family])
-    predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}+full", recompute="full").peak_bytes
+    predicted = baseline_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}+full", recompute="full").peak_bytes
     for rank in (0, dp * tp - 1):
         measured = tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize=checkpointed_tensor_parallel_fsdp2)
         assert measured == pytest.approx(predicted, rel=0.02), rank
@@ -544,7 +565,7 @@ def test_fsdp2_in_mixed_precision_is_what_pytorch_allocates(family, world, seq, 
     input in fp32 (``fsdp2-noreshard``: with ``reshard_after_forward=False``)."""
     graph = traced_graph(family, batch=world, seq=seq, precision="mixed", **FAMILIES[family])
     baseline = ("fsdp2" if reshard else "fsdp2-noreshard") + ("+full" if recompute == "full" else "")
-    predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute).peak_bytes
+    predicted = baseline_plan(graph, str(world), baseline, recompute=recompute).peak_bytes
     parallelize = functools.partial(mixed_precision, parallelize=fully_shard_blocks if reshard else kept_after_forward)
     parallelize = parallelize if recompute == "none" else checkpointed(parallelize)
     for rank in (0, world - 1):
@@ -555,7 +576,7 @@ def test_fsdp2_in_mixed_precision_is_what_pytorch_allocates(family, world, seq, 
 @pytest.mark.parametrize("family, dp, tp, seq", [("llama", 2, 2, 256), ("qwen2", 4, 2, SEQ)])
 def test_torch_tensor_parallel_times_fsdp2_in_mixed_precision_is_what_pytorch_allocates(family, dp, tp, seq):
     graph = traced_graph(family, batch=dp, seq=seq, precision="mixed", **FAMILIES[family])
-    predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}").peak_bytes
+    predicted = baseline_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}").peak_bytes
     parallelize = functools.partial(mixed_precision, parallelize=tensor_parallel_fsdp2)
     for rank in (0, dp * tp - 1):
         assert tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize) == pytest.approx(predicted, rel=0.02), rank
@@ -568,7 +589,7 @@ def check_fully_sharded(baseline: str, wrap, family: str, world: int, layers: in
     allocates on the first and the last rank, within 2%: (the traced graph, the last rank's peak)."""
     graph = traced_graph(family, batch=world, seq=seq, precision=precision, **config(family, layers))
     suffix = "+full" if recompute == "full" else ""
-    predicted = memshard.strategy_plan(graph, str(world), baseline + suffix, recompute=recompute).peak_bytes
+    predicted = baseline_plan(graph, str(world), baseline + suffix, recompute=recompute).peak_bytes
     parallelize = wrap if precision == "fp32" else functools.partial(mixed_precision, parallelize=wrap)
     parallelize = checkpointed(parallelize) if recompute == "full" else parallelize
     for rank in (0, world - 1):
@@ -588,7 +609,7 @@ def test_fsdp2_with_explicit_prefetching_is_what_pytorch_allocates(family, world
     graph, measured = check_fully_sharded("fsdp2-prefetch2", explicitly_prefetched, family, world, layers, seq,
                                           precision, recompute)
     if (family, layers, seq) == ("llama", 4, SEQ):
-        default = memshard.strategy_plan(graph, str(world), "fsdp2").peak_bytes
+        default = baseline_plan(graph, str(world), "fsdp2").peak_bytes
         assert fully_sharded_peak(family, world, 0, seq=seq, layers=layers) == pytest.approx(default, rel=0.02)
         assert measured > 1.05 * default
 
@@ -605,15 +626,15 @@ def test_fsdp2_wrapped_as_torchtitan_wraps_a_decoder_is_what_pytorch_allocates(f
     graph, measured = check_fully_sharded("fsdp2-torchtitan", torchtitan_wrapped, family, world, layers, seq,
                                           precision, recompute)
     if (family, layers, seq) == ("llama", 4, SEQ):
-        assert measured < 0.9 * memshard.strategy_plan(graph, str(world), "fsdp2").peak_bytes
+        assert measured < 0.9 * baseline_plan(graph, str(world), "fsdp2").peak_bytes
 
 
 def test_fsdp2_wrapped_as_torchtitan_with_tied_embeddings_is_fsdp2():
     """Tied embeddings: torchtitan puts the embedding, final norm and output layer in one
     unit not resharded after forward, which is gathered and reduced as the root is."""
     graph = traced_graph("gpt2", batch=4, seq=SEQ, precision="fp32", **FAMILIES["gpt2"])
-    assert (memshard.strategy_plan(graph, "4", "fsdp2-torchtitan").peak_bytes
-            == memshard.strategy_plan(graph, "4", "fsdp2").peak_bytes)
+    assert (baseline_plan(graph, "4", "fsdp2-torchtitan").peak_bytes
+            == baseline_plan(graph, "4", "fsdp2").peak_bytes)
     text = memshard.export(graph, "4", strategy="fsdp2-torchtitan")  # and exported as fsdp2's blocks and root
     assert text.count("fully_shard(") == 2 and "tied embedding" in text
 
@@ -625,13 +646,13 @@ def test_torch_tensor_parallel_times_fsdp2_wrapped_as_torchtitan_is_what_pytorch
     """``torch-tp<T>-fsdp<D>-torchtitan``: torchtitan's 2-D recipe with its FSDP2 units (the
     embedding and the output layers apart from the root), 5–11% below ``torch-tp<T>-fsdp<D>``."""
     graph = traced_graph(family, batch=dp, seq=seq, precision=precision, **FAMILIES[family])
-    predicted = memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}-torchtitan").peak_bytes
+    predicted = baseline_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}-torchtitan").peak_bytes
     parallelize = tensor_parallel_torchtitan_wrapped if precision == "fp32" else functools.partial(
         mixed_precision, parallelize=tensor_parallel_torchtitan_wrapped)
     for rank in (0, dp * tp - 1):
         measured = tp_fsdp2_peak(dp, tp, rank, seq, family, parallelize)
         assert measured == pytest.approx(predicted, rel=0.02), rank
-    assert measured < 0.96 * memshard.strategy_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}").peak_bytes
+    assert measured < 0.96 * baseline_plan(graph, f"{dp}x{tp}", f"torch-tp{tp}-fsdp{dp}").peak_bytes
 
 
 @pytest.mark.parametrize("family, mesh, layers, seq, precision, recompute", [
@@ -645,7 +666,7 @@ def test_fsdp2_resharded_within_a_node_after_forward_is_what_pytorch_allocates(f
     world, node = math.prod(map(int, mesh.split("x"))), int(mesh.split("x")[-1])
     graph = traced_graph(family, batch=world, seq=seq, precision=precision, **config(family, layers))
     suffix = "+full" if recompute == "full" else ""
-    predicted = memshard.strategy_plan(graph, mesh, f"fsdp2-reshard{node}{suffix}", recompute=recompute).peak_bytes
+    predicted = baseline_plan(graph, mesh, f"fsdp2-reshard{node}{suffix}", recompute=recompute).peak_bytes
     parallelize = resharded_within(node)
     parallelize = parallelize if precision == "fp32" else functools.partial(mixed_precision, parallelize=parallelize)
     parallelize = checkpointed(parallelize) if recompute == "full" else parallelize
@@ -653,7 +674,7 @@ def test_fsdp2_resharded_within_a_node_after_forward_is_what_pytorch_allocates(f
         measured = fully_sharded_peak(family, world, rank, parallelize=parallelize, seq=seq, layers=layers)
         assert measured == pytest.approx(predicted, rel=0.02), rank
     if (family, layers, seq) == ("llama", 4, SEQ):  # more than resharding to all ranks
-        assert measured > 1.05 * memshard.strategy_plan(graph, mesh, "fsdp2").peak_bytes
+        assert measured > 1.05 * baseline_plan(graph, mesh, "fsdp2").peak_bytes
 
 
 @pytest.mark.parametrize("baseline, family, world, seq", [
@@ -666,9 +687,9 @@ def test_ddp_and_fsdp2_under_autocast_are_what_pytorch_allocates(baseline, famil
     autocast here, so the trace takes CPU's op lists (``device="cpu"``; CUDA's are
     checked against a GPU's measurements below)."""
     graph = traced_graph(family, batch=world, seq=seq, precision="autocast", device="cpu", **FAMILIES[family])
-    predicted = memshard.strategy_plan(graph, str(world), baseline, recompute=recompute_of(baseline)).peak_bytes
+    predicted = baseline_plan(graph, str(world), baseline, recompute=recompute_of(baseline)).peak_bytes
     for rank in (0, world - 1):
-        measured = MEASURED[baseline](family, world, rank, seq=seq, autocast=True)
+        measured = measured_peak(baseline, family, world, rank, seq=seq, autocast=True)
         assert measured == pytest.approx(predicted, rel=0.02), rank
 
 
@@ -684,7 +705,7 @@ def predicted_on(run: dict, device: str) -> float:
     precision, baseline, recompute = GPU_BASELINES[run["run"]]
     graph = traced_graph(run["family"], batch=run["world"], seq=run["seq"], precision=precision, device=device,
                      **run["config"])
-    return memshard.strategy_plan(graph, str(run["world"]), baseline, recompute=recompute).peak_bytes
+    return baseline_plan(graph, str(run["world"]), baseline, recompute=recompute).peak_bytes
 
 
 @pytest.mark.parametrize("run", GPU_RUNS["runs"], ids=lambda run: f"{run['run']}-{run['family']}-{run['world']}x{run['seq']}")

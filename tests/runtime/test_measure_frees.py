@@ -50,15 +50,44 @@ def _c10d(group: Any) -> MemoryMeter:
     return meter
 
 
+def _c10d_beside(group: Any) -> MemoryMeter:
+    """A c10d all-reduce of a temporary (4 kB) started beside y (4 kB), waited, its handle
+    dropped; then z (16 kB): the peak is y + z (24 kB if the temporary outlived the handle)."""
+    with MemoryMeter() as meter:
+        work = dist.all_reduce(torch.ones(N), group=group, async_op=True)
+        y = torch.ones(N)
+        work.wait()
+        del work
+        z = torch.ones(4 * N)
+        del y, z
+    return meter
+
+
+def _reduce_scatter(group: Any) -> MemoryMeter:
+    """A c10d reduce-scatter of x (8 kB) into y (4 kB) over 2 ranks, started and waited: the
+    peak is x + y. (gloo all-reduces a copy of x on its thread and copies this rank's chunk
+    of it into y in the wait: its buffer, not counted, as under the fake process group.)"""
+    with MemoryMeter() as meter:
+        x = torch.ones(2 * N)
+        y = torch.empty(N)
+        work = dist.reduce_scatter_single(y, x, group=group, async_op=True)
+        work.wait()
+        del work, x
+    assert torch.equal(y, torch.full((N,), 2.0))
+    return meter
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         group = dist.group.WORLD
-        res: dict[str, list] = {"functional": [], "c10d": [], "unsettled": []}
+        steps = {"functional": _functional, "c10d": _c10d, "c10d_beside": _c10d_beside,
+                 "reduce_scatter": _reduce_scatter}
+        res: dict[str, list] = {**{kind: [] for kind in steps}, "unsettled": []}
         for _ in range(REPEATS):
-            for kind, step in (("functional", _functional), ("c10d", _c10d)):
+            for kind, step in steps.items():
                 meter = step(group)
                 res[kind].append(meter.peak_bytes)
                 res["unsettled"].append(meter.unsettled)
@@ -80,6 +109,16 @@ def test_a_functional_collectives_input_is_freed_at_its_wait(peaks):
 def test_a_c10d_collectives_temporary_is_freed_before_the_next_op(peaks):
     for res in peaks:
         assert res["c10d"] == [4 * N * F32] * REPEATS
+
+
+def test_a_c10d_collective_started_beside_frees_its_temporary_when_its_handle_is_dropped(peaks):
+    for res in peaks:
+        assert res["c10d_beside"] == [5 * N * F32] * REPEATS
+
+
+def test_a_reduce_scatters_internal_copy_is_not_counted_at_its_wait(peaks):
+    for res in peaks:
+        assert res["reduce_scatter"] == [3 * N * F32] * REPEATS
 
 
 def test_every_work_settled(peaks):

@@ -483,13 +483,14 @@ class ShardedGraphModel(nn.Module):
         """Before a step of an optimizer holding the parameters of ids ``held`` (keeping fp32
         master weights of low-precision ones or not): raise if it cannot be right for this
         model (``loop.check_step``)."""
-        mine = {id(p) for p in self.parameters()}
+        params = list(self.parameters())  # (every optimizer step visits every registered model)
+        mine = {id(p) for p in params}
         if held & mine:
             self.wait_gathered()  # (the step writes the shards that a running gather reads)
-        has_gradients = self.local_gradients or any(p.grad is not None for p in self.parameters())
+        has_gradients = self.local_gradients or any(p.grad is not None for p in params)
         low = set()
         if self.graph.precision.master_bytes and not keeps_masters:
-            low = {id(p) for p in self.parameters() if p.dtype != torch.float32}
+            low = {id(p) for p in params if p.dtype != torch.float32}
         loop.check_step(self.source, held, mine, has_gradients, self.local_gradients, low)
 
     def after_optimizer_step(self, held: set[int]) -> None:

@@ -30,11 +30,19 @@ This module owns the measuring side of memshard's verification
   ``Work`` a moment after the collective completes, when it gets the GIL: a buffer only that
   ``Work`` still held would then be freed at a random later moment, several allocations
   after the wait, and one rank's peak would come out a few percent high in one run and not
-  the next. The meter therefore waits, at each collective's wait (a functional collective's
-  ``wait_tensor``; a c10d collective before the next op), with the GIL released, until the
-  ``Work`` is gone: its buffers are freed at the wait, on this thread, in every run, as under
-  the fake process group. MemTracker counts storages at ``numel · element_size``
-  on CPU (fake or real), rounded up to 512 bytes on CUDA; it counts DTensor local shards.
+  the next. The meter therefore waits, at each collective's wait, with the GIL released,
+  until the ``Work`` is gone: its buffers are freed at the wait, on this thread, in every
+  run, as under the fake process group. A functional collective's wait is its
+  ``wait_tensor``; a c10d collective's is the first op after the caller dropped its handle
+  (a blocking call drops it before it returns; one started beside the compute, once it has
+  been waited): while the caller holds the ``Work`` nothing it holds can be freed, and the
+  meter does not wait. The ops a ``Work.wait()`` runs on the caller's thread are the
+  backend's, not the program's, and are not tracked: gloo's reduce-scatter all-reduces a
+  copy of its input on its own thread and, in the wait, copies this rank's chunk of that
+  copy into the output; the copy is gloo's buffer, as invisible to the meter as its others
+  (and as the same collective's through ``wait_tensor``). MemTracker counts storages at
+  ``numel · element_size`` on CPU (fake or real), rounded up to 512 bytes on CUDA; it counts
+  DTensor local shards.
   Under ``FakeTensorMode`` the meter ignores the global-shape fake tensors DTensor's sharding
   propagation creates (MemTracker would count them). On CUDA the meter also records
   ``torch.cuda.max_memory_allocated`` over the region.
@@ -46,6 +54,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping
@@ -317,6 +327,30 @@ def _flag_sharding_propagation(tracker: _LoggingMemTracker) -> Iterator[None]:
         Prop._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _flag_work_waits(tracker: _LoggingMemTracker) -> Iterator[None]:
+    """Note in ``tracker.waiting`` which threads are inside a ``Work.wait()`` called from
+    Python: the ops it dispatches on that thread are the backend's own (gloo's reduce-scatter
+    copies this rank's chunk of its internal copy of the input into the output there), not
+    the program's."""
+    original = dist.Work.wait
+
+    @functools.wraps(original)
+    def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+        thread = threading.get_ident()
+        tracker.waiting[thread] = tracker.waiting.get(thread, 0) + 1
+        try:
+            return original(work, *args, **kwargs)
+        finally:
+            tracker.waiting[thread] -= 1
+
+    dist.Work.wait = wait  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        dist.Work.wait = original  # type: ignore[method-assign]
+
+
 # A gloo worker thread drops its reference to a finished Work within microseconds once it runs
 # and holds the GIL. After a wait the meter polls the Work's tensors until their reference
 # counts have fallen and then held still for SETTLED_S (or, if the Work holds none of them,
@@ -356,14 +390,22 @@ class _HeldByWork:
     @contextlib.contextmanager
     def released(self) -> Iterator[None]:
         """Run the block (the wait), then wait, with the GIL released, until the Work is gone:
-        a buffer only it held is then freed when this block ends, on this thread."""
+        a buffer only it held is then freed when this block ends, on this thread. (Nothing to
+        wait for when none of its tensors is left.)"""
         tensors = [t for ref in self.tensors if (t := ref()) is not None]
-        before = _holders(tensors)  # the Work alive: the caller or the registry holds it
+        before = _holders(tensors)  # the Work alive: the meter, the caller or the registry holds it
         self.work = None
         yield
-        if not _settle(tensors, before):
+        if tensors and not _settle(tensors, before):
             self.tracker.unsettled += 1
         del tensors  # the last references to buffers only the Work held: freed now, here
+
+
+def _held_elsewhere(work: torch.ScriptObject) -> bool:
+    """Whether Python code besides the meter holds a c10d ``Work`` (as ``dist.Work``, the
+    handle pybind hands back for the same Work while that handle lives)."""
+    handle = dist.Work.unbox(work)
+    return sys.getrefcount(handle) > 2  # (``handle`` and the call's argument)
 
 
 def _settle(tensors: list[torch.Tensor], before: list[tuple[int, int]]) -> bool:
@@ -402,15 +444,17 @@ class _LoggingMemTracker(MemTracker):
         self.events: list[tuple[Any, int]] = []  # (_WeakRefInfo, its bytes after the change)
         self.optimizer_state: set[Any] = set()  # _WeakRefInfo of tensors in optimizer.state
         self.propagating = 0  # depth inside DTensor's sharding propagation
+        self.waiting: dict[int, int] = {}  # thread id → its depth inside a Work.wait() called from Python
         self._patches = contextlib.ExitStack()
         self._collectives = set(_collective_specs())
         self._works: dict[int, _HeldByWork] = {}  # id(functional collective's output) → its Work's hold
-        self._c10d_works: list[_HeldByWork] = []  # c10d collectives issued since the last op
+        self._c10d_works: list[_HeldByWork] = []  # c10d collectives not settled yet, in issue order
         self.unsettled = 0  # Works still alive after SETTLE_TIMEOUT_S (their buffers freed late)
 
     def __enter__(self) -> _LoggingMemTracker:
         if self._depth == 0:
             self._patches.enter_context(_flag_sharding_propagation(self))
+            self._patches.enter_context(_flag_work_waits(self))
         super().__enter__()
         return self
 
@@ -426,7 +470,7 @@ class _LoggingMemTracker(MemTracker):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if self.propagating:  # DTensor deriving output metadata on global-shape fake tensors
+        if self.propagating or self.waiting.get(threading.get_ident()):  # DTensor's propagation; a backend's wait
             return func(*args, **(kwargs or {}))
         if any(t == DTensor for t in types):
             return NotImplemented  # DTensor desugars into local ops first
@@ -485,13 +529,25 @@ class _LoggingMemTracker(MemTracker):
         return out
 
     def settle_c10d(self) -> None:
-        """Wait until the c10d collectives issued since the last op have released their Works."""
-        while self._c10d_works:
-            with self._c10d_works.pop(0).released():
+        """Wait until the c10d collectives whose handle the caller has dropped (a blocking call
+        waits and drops it before it returns; one started beside the compute, once waited) have
+        released their Works. A Work the caller still holds stays pending: nothing it holds can
+        be freed meanwhile."""
+        if not self._c10d_works:
+            return
+        pending = []
+        for held in self._c10d_works:
+            if _held_elsewhere(held.work):
+                pending.append(held)
+                continue
+            with held.released():
                 pass
+        self._c10d_works = pending
 
     def forget_works(self) -> None:
+        """Settle what can be settled; forget the rest (Works the caller holds past the region)."""
         self.settle_c10d()
+        self._c10d_works.clear()
         self._works.clear()
 
     def _update_snap(self, u_type: _UpdateType, winfo: Any, *args: Any, **kwargs: Any) -> None:
