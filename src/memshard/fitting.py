@@ -16,7 +16,10 @@ next probe is where the line through the last two probes (one probe: through the
 which the knob does not change, for batch and sequence) meets the memory; once a value fits
 and one does not, false position between them, halving instead where a side repeats, down to
 adjacent values. A value whose plan-independent lower bound (``bounds.peak_lower_bound``)
-exceeds the memory is rejected without a search. Values are multiples of ``step``.
+exceeds the memory is rejected without a search. Values are multiples of ``step``. The
+baselines' searches run in step (``run_together``): the recipes that ask for the same value in
+a round are priced together, the problems they share built once; each asks for what it would
+alone.
 
 A baseline may not lay a job out at every value: a recipe's data-parallel degree grows with the
 devices and cannot exceed the batch, so Megatron-LM's TP 8 runs LLaMA-3 70B at batch 64 on 512
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 
 from memshard.baselines.names import parse_strategy
@@ -221,11 +224,17 @@ class KnobSearch:
         return a < b if self.rising else a > b
 
     def run(self, start: int) -> Answer:
+        """The answer, each value probed by ``probe`` as the search asks for it."""
+        return run_together([self], start)[0]
+
+    def steps(self, start: int) -> Generator[int, tuple[Probe, Plan | None], Answer]:
+        """The search from ``start`` as a generator: it yields each value it needs probed and
+        is sent that value's probe and plan; it returns the answer."""
         good = bad = None  # the best fitting and the nearest failing value so far
         value = min(_round(start, self.step), self.limit)
         demanding, easy = (self.limit, self.step) if self.rising else (self.step, self.limit)  # the two ends
         while True:
-            p = self.look(value)
+            p = yield from self.look(value)
             if not p.laid_out and good is None and (bad is None or self.easier(value, bad)):
                 if self.wall is None or self.easier(self.wall, value):
                     self.wall = value
@@ -250,9 +259,10 @@ class KnobSearch:
             a.next_probe = min(self.seen.values(), key=lambda p: (not math.isfinite(p.bound_bytes), p.bound_bytes))
         return a
 
-    def look(self, value: int) -> Probe:
+    def look(self, value: int) -> Generator[int, tuple[Probe, Plan | None], Probe]:
+        """The probe of ``value``: asked for (yielded) the first time only."""
         if value not in self.seen:
-            self.seen[value], self.plans[value] = self.probe(value)
+            self.seen[value], self.plans[value] = yield value
             self.answer.probes.append(self.seen[value])
             # A plan holds its whole problem: keep only the best fitting one, and the first
             # probe's while it alone places the next (its fixed bytes)
@@ -308,6 +318,39 @@ class KnobSearch:
 
 def _round(value: float, step: int) -> int:
     return int(min(max(step, value // step * step), MAX_COUNT))
+
+
+def run_together(searches: list[KnobSearch], start: int,
+                 prepare: Callable[[int, set[str]], None] | None = None) -> list[Answer]:
+    """The answer of each of ``searches`` from ``start``, the searches run in step: each
+    round, the values they ask for next go to ``prepare`` (value → the strategies asking for
+    it: the baselines' plans priced together, ``Prober.prepare``), then each search is sent
+    its probe. A search asks for the values it would alone: its answer is the same."""
+    steps = {k: search.steps(start) for k, search in enumerate(searches)}
+    asked, answers = {}, {}
+    for k, step in steps.items():
+        _advance(k, step, None, asked, answers)
+    while asked:
+        if prepare is not None:
+            wanted: dict[int, set[str]] = {}
+            for k, value in asked.items():
+                wanted.setdefault(value, set()).add(searches[k].answer.strategy)
+            for value, names in wanted.items():
+                prepare(value, names)
+        for k, value in list(asked.items()):
+            _advance(k, steps[k], searches[k].probe(value), asked, answers)
+    return [answers[k] for k in range(len(searches))]
+
+
+def _advance(k: int, step: Generator, sent: tuple[Probe, Plan | None] | None, asked: dict[int, int],
+             answers: dict[int, Answer]) -> None:
+    """Send search ``k`` its probe (None: start it): the next value it asks for goes to
+    ``asked``, its answer, once it has one, to ``answers``."""
+    try:
+        asked[k] = step.send(sent)
+    except StopIteration as done:
+        asked.pop(k, None)
+        answers[k] = done.value
 
 
 # -- probes ------------------------------------------------------------------------------------------
@@ -396,26 +439,44 @@ class Prober:
 
     def baseline_plans(self, value: int, names: set[str] | None = None) -> dict[str, Plan]:
         """The baselines' plans of the job at ``value`` (``names``: only these), priced on
-        the real mesh."""
-        job, problem = self.job_and_problem(value)
-        if names is None or any((value, n) not in self.baselines for n in names):
+        the real mesh; those not priced yet together (the problems they share built once)."""
+        missing = None if names is None else {n for n in names if (value, n) not in self.baselines}
+        if missing is None or missing:
+            job, problem = self.job_and_problem(value)
             # (a recipe with some layers recomputed fits less than with all: never the answer)
-            plans = baseline_plans(job, problem, None if names is None else names.__contains__, layer_splits=False)[0]
+            plans = baseline_plans(job, problem, None if missing is None else missing.__contains__,
+                                   layer_splits=False)[0]
             self.baselines.update(((value, p.strategy), p) for p in plans)
-            self.baselines.update(((value, n), self.baselines.get((value, n))) for n in names or ())
+            self.baselines.update(((value, n), self.baselines.get((value, n))) for n in missing or ())
         return {n: p for (v, n), p in self.baselines.items() if v == value and p is not None
                 and (names is None or n in names)}
 
+    def family_plans(self, value: int, names: set[str]) -> None:
+        """Price the baselines of the families ``names`` (see :func:`family`) at ``value``
+        not priced yet, together."""
+        missing = {name for name in names if not any(v == value and family(n) == name for v, n in self.baselines)}
+        if missing:
+            job, problem = self.job_and_problem(value)
+            plans = baseline_plans(job, problem, lambda n: family(n) in missing)[0]
+            self.baselines.update(((value, p.strategy), p) for p in plans)
+            for name in sorted(missing):
+                self.baselines.setdefault((value, name), None)
+
     def family_plan(self, name: str, value: int) -> Plan | None:
         """The plan of the baseline of family ``name`` (see :func:`family`) at ``value``."""
-        cached = [p for (v, n), p in self.baselines.items() if v == value and family(n) == name]
-        if not cached:
-            job, problem = self.job_and_problem(value)
-            plans = baseline_plans(job, problem, lambda n: family(n) == name)[0]
-            self.baselines.update(((value, p.strategy), p) for p in plans)
-            cached = plans or [None]
-            self.baselines.setdefault((value, name), None)
-        return next((p for p in cached if p is not None), None)
+        self.family_plans(value, {name})
+        return next((p for (v, n), p in self.baselines.items() if v == value and family(n) == name and p is not None),
+                    None)
+
+    def prepare(self, value: int, names: set[str]) -> None:
+        """Price the baselines ``names`` at ``value`` together, before their probes read them
+        (``run_together``)."""
+        if self.pipeline is not None:
+            return  # (``pipelined_plans`` prices every one at once)
+        if self.knob == DEVICES:
+            self.family_plans(value, names)
+        else:
+            self.baseline_plans(value, names)
 
     def baseline(self, name: str, value: int) -> tuple[Probe, Plan | PipelinedPlan | None]:
         if self.pipeline is not None:  # (its search keeps what it needs)
@@ -479,8 +540,8 @@ def fit_job(job: Job, knob: str = "batch", options: SearchOptions | None = None,
             names = dict.fromkeys(sorted(prober.pipelined_plans(first)))
         else:
             names = dict.fromkeys((family(n) if knob == DEVICES else n) for n in prober.baseline_plans(first))
-        found = [KnobSearch(name, lambda v, n=name: prober.baseline(n, v), memory, step, fixed, limit,
-                            rising).run(start) for name in names]
+        found = run_together([KnobSearch(name, lambda v, n=name: prober.baseline(n, v), memory, step, fixed, limit,
+                                         rising) for name in names], start, prober.prepare)
         answers += sorted(found, key=lambda a: (a.value is None, -(a.value or 0) if rising else a.value or 0,
                                                 a.strategy))
     return FitResult(knob, step, memory, options.max_step_time_s, tuple(answers), time.perf_counter() - started,

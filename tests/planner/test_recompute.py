@@ -32,16 +32,23 @@ from memshard.problem.recompute import (
 )
 from memshard.problem.records import CACHED
 from memshard.search.formulation import Formulation
-from memshard.search.solve import SearchRequest, Solver, solve
+from memshard.search.solve import SearchRequest, Solver, solve, solve_fixed
 from tests.unit.test_ilp_pricing import random_plan
+
+
+@functools.cache  # (a policy's problem on a mesh: read by two cases)
+def _three_layers(policy: str, mesh: str, s: int, b: int, h: int, a: int):
+    """GPT-3 1.3B's layers, three of them, at sequence ``s``, batch ``b``, hidden ``h``, ``a``
+    heads, under recomputation ``policy`` on ``mesh``."""
+    graph = build_graph("gpt3-1.3b", batch=b, seq=s, hidden=h, heads=a, ffn=4 * h, num_layers=3, precision="mixed")
+    return build_problem(graph, parse_mesh(mesh), recompute=policy)
 
 
 def _per_layer_activations(policy: str, mesh: str, strategy: str, s: int, b: int, h: int, a: int) -> float:
     """Activation bytes one layer adds to what the forward holds under a baseline, from its
-    evaluation: live activations before layer 2's first op minus before layer 1's."""
-    graph = build_graph("gpt3-1.3b", batch=b, seq=s, hidden=h, heads=a, ffn=4 * h, num_layers=3, precision="mixed")
-    problem = build_problem(graph, parse_mesh(mesh), recompute=policy)
-    fixed = {x.name: x for x in baselines(problem)[0]}[strategy]
+    evaluation: live activations before layer 2's first op minus before layer 1's. (That
+    baseline alone is built: the others' problems are not.)"""
+    (fixed,), _ = baselines(_three_layers(policy, mesh, s, b, h, a), lambda name: name == strategy)
     ev = evaluate(fixed.problem, fixed.selection)
     activations = ev.category_bytes[CATEGORIES.index("activations")]
     # (the baseline's own problem: its framework's graph may have ops of its own, Megatron-LM's gathers)
@@ -127,17 +134,19 @@ def test_ilp_prices_random_recomputing_plans_as_the_evaluator(model, mesh, unit)
     the ILP's peak is the evaluator's (plans the rules refuse are skipped)."""
     problem = _problem(model, mesh, "auto", unit)
     rng = random.Random(7)
-    checked = 0
-    while checked < 6:
+    plans, expected = [], []
+    while len(plans) < 6:
         plan = random_plan(problem, rng)
         try:
-            expected = evaluate(problem, plan).peak_bytes
+            expected.append(evaluate(problem, plan).peak_bytes)
         except InconsistentPlan:
             continue
-        forced = solve(SearchRequest(problem, "memory", fixed=plan, mip_gap=0.0))
+        plans.append(plan)
+    # (one formulation, pinned to each plan in turn)
+    for plan, peak, forced in zip(plans, expected, solve_fixed(SearchRequest(problem, "memory", mip_gap=0.0), plans),
+                                  strict=True):
         assert forced.selection == plan
-        assert forced.ilp_peak_bytes == pytest.approx(expected, rel=1e-6)
-        checked += 1
+        assert forced.ilp_peak_bytes == pytest.approx(peak, rel=1e-6)
 
 
 def test_none_prices_every_plan_as_before():
