@@ -32,6 +32,8 @@ TOGETHER = {  # test (file::function) → the unit it shares with the others tha
     "planner/test_time_search.py::test_the_fastest_plan_over_both_views_is_proved": "searched once",  # (the README's)
     "planner/test_fit.py::test_the_largest_batch_is_the_last_one_a_full_scan_fits": "largest batch in 4 MiB",
     "planner/test_fit.py::test_the_cli_writes_the_answers_and_the_plot": "largest batch in 4 MiB",
+    "planner/test_fit.py::test_a_step_time_budget_bounds_every_answer": "largest batch in 5 MiB",
+    "planner/test_fit.py::test_a_slowdown_bound_is_against_memshards_fastest_plan_at_each_value": "largest batch in 5 MiB",
 }
 # The costliest files, most first (from `pytest --durations=0`); the rest follow in collection order.
 HEAVIEST_FIRST = (
